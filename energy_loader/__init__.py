@@ -1,0 +1,52 @@
+"""energy_loader: a checkpointable data pipeline for PyTorch training.
+
+Compose savable wrappers over a source, run them in a :class:`SavableDataLoader`, and save the
+loader's exact position with every training checkpoint; a restored loader yields exactly what
+the interrupted one would have yielded next.
+"""
+
+from .dataset import RESTORE_KEY, BaseWrapperDataset, EpochCursor, SavableDataset, restore_key_of
+from .errors import EnergyLoaderError, StateFormatError, StateMismatchError, WorkerError
+from .loader import BasicDataLoader, SavableDataLoader
+from .sources import IndexedSource
+from .worker import WorkerConfig, WorkerContext, current_worker
+from .wrappers import (
+    BatchDataset,
+    FilterDataset,
+    GcDataset,
+    LimitDataset,
+    LogSampleDataset,
+    MapDataset,
+    RepeatDataset,
+    ShuffleBufferDataset,
+    default_collate,
+)
+
+__all__ = [
+    "RESTORE_KEY",
+    "BaseWrapperDataset",
+    "BasicDataLoader",
+    "BatchDataset",
+    "EnergyLoaderError",
+    "EpochCursor",
+    "FilterDataset",
+    "GcDataset",
+    "IndexedSource",
+    "LimitDataset",
+    "LogSampleDataset",
+    "MapDataset",
+    "RepeatDataset",
+    "SavableDataLoader",
+    "SavableDataset",
+    "ShuffleBufferDataset",
+    "StateFormatError",
+    "StateMismatchError",
+    "WorkerConfig",
+    "WorkerContext",
+    "WorkerError",
+    "current_worker",
+    "default_collate",
+    "restore_key_of",
+]
+
+__version__ = "0.1.0"

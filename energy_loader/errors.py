@@ -1,0 +1,59 @@
+"""The exception hierarchy.
+
+Every error the library raises on purpose derives from :class:`EnergyLoaderError`, so a
+training script can catch "anything energy_loader refused" in one clause. Argument errors at
+construction are plain ``ValueError``/``TypeError`` (the Python convention for bad arguments);
+errors about saved states and worker processes have their own classes because callers handle
+them differently: a mismatched state means "you restored into the wrong pipeline", a format
+error means "this is not a state (any more)", and a worker error means "the data pipeline
+crashed".
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EnergyLoaderError",
+    "StateFormatError",
+    "StateMismatchError",
+    "WorkerError",
+]
+
+
+class EnergyLoaderError(Exception):
+    """Base class of every error raised by energy_loader on purpose."""
+
+
+class StateFormatError(EnergyLoaderError, ValueError):
+    """The object given as a saved state is not one: wrong type, truncated, unknown version.
+
+    The message names the path inside the state (``workers[1].checkpoint.pos``) and what was
+    expected there.
+    """
+
+
+class StateMismatchError(EnergyLoaderError, ValueError):
+    """The saved state is well formed but belongs to a different pipeline or layout.
+
+    Raised when the pipeline configuration, world size, rank or number of workers differ
+    between the run that saved the state and the one restoring it. The message lists every
+    difference as ``path: saved X, now Y``.
+    """
+
+
+class WorkerError(EnergyLoaderError, RuntimeError):
+    """A worker process failed: it raised, was killed, or stopped answering.
+
+    ``worker_id`` names the worker (``None`` when torch did not say which one) and
+    ``original_traceback`` carries the worker's formatted traceback when there is one.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        worker_id: int | None = None,
+        original_traceback: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
+        self.original_traceback = original_traceback

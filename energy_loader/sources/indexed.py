@@ -1,0 +1,143 @@
+"""IndexedSource: any map-style dataset, or ``(length, fn)``, as a savable sharded source.
+
+Order. Epoch ``e`` visits the global order ``perm_e[0], perm_e[1], ...`` where ``perm_e`` is
+the identity, or with ``shuffle=True`` a Feistel permutation keyed by (seed, this source's
+ordinal, e): O(1) memory, so ``length`` may be 10**10. The job's copies of the pipeline
+(ranks x workers, see :class:`~energy_loader.WorkerContext`) take interleaved slices of that
+order: shard ``s`` of ``S`` reads global positions ``s, s + S, s + 2S, ...``. Shards differ by
+at most one sample per epoch.
+
+State: ``{"phase", "epoch", "position"}`` where ``position`` is the *global* position of the
+shard's next sample. It is a number in the global order, not a per-worker count, so a later
+release can re-slice it for a different number of workers.
+
+Restore key: ``(index,)``, the index into the data; ``restore_sample((i,))`` is ``data[i]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..dataset import EpochCursor, Key, SavableDataset, callable_name, require_callable, require_int
+from ..errors import StateFormatError
+from ..rng import stable_hash
+from ..state.plain import StateReader
+from .permutation import FeistelPermutation
+
+__all__ = ["IndexedSource"]
+
+
+class _IndexedCursor(EpochCursor):
+    dataset: IndexedSource
+
+    def __init__(self, dataset: IndexedSource) -> None:
+        super().__init__(dataset)
+        self.position = 0
+
+    def begin_epoch(self) -> None:
+        self.position = self.dataset.context.shard_index
+
+    def resume(self) -> Iterator[tuple[Key, Any]]:
+        source = self.dataset
+        length, stride = source.length, source.context.num_shards
+        order = source.order_for_epoch(self.epoch)
+        getitem = source._getitem
+        while self.position < length:
+            index = order[self.position] if order is not None else self.position
+            sample = getitem(index)
+            self.position += stride
+            yield (index,), sample
+
+    def fields(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_fields(self, reader: StateReader) -> None:
+        self.position = reader.int("position")
+        context = self.dataset.context
+        if (
+            self.phase == "running"
+            and self.position % context.num_shards != context.shard_index % context.num_shards
+        ):
+            raise StateFormatError(
+                f"{reader.path}.position {self.position} does not belong to shard "
+                f"{context.shard_index} of {context.num_shards}"
+            )
+
+
+class IndexedSource(SavableDataset):
+    """A savable, sharded, optionally shuffled source over indexable data.
+
+    ``data`` is anything with ``__len__`` and ``__getitem__(int)`` (a torch map-style
+    dataset, a list, a numpy array...). With ``shuffle=True`` every epoch has its own order,
+    fixed by ``seed``. Example::
+
+        source = IndexedSource(my_dataset, shuffle=True, seed=1234)
+        source = IndexedSource.from_fn(length=10**10, fn=make_sample, shuffle=True)
+    """
+
+    def __init__(self, data: Any, *, shuffle: bool = False, seed: int = 0) -> None:
+        super().__init__()
+        if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+            raise TypeError(
+                "IndexedSource needs map-style data with __len__ and __getitem__ (got "
+                f"{type(data).__name__}); for a function use IndexedSource.from_fn(length, fn)"
+            )
+        self._init(len(data), data.__getitem__, type(data).__name__, shuffle, seed)
+
+    @classmethod
+    def from_fn(
+        cls, length: int, fn: Callable[[int], Any], *, shuffle: bool = False, seed: int = 0
+    ) -> IndexedSource:
+        """A source of ``length`` samples where sample ``i`` is ``fn(i)``."""
+        require_callable(fn, "fn")
+        self = cls.__new__(cls)
+        SavableDataset.__init__(self)
+        self._init(length, fn, callable_name(fn), shuffle, seed)
+        return self
+
+    def _init(
+        self, length: Any, getitem: Callable[[int], Any], name: str, shuffle: Any, seed: Any
+    ) -> None:
+        self.length = require_int(length, "length", minimum=0)
+        if not isinstance(shuffle, bool):
+            raise TypeError(f"`shuffle` must be True or False (got {shuffle!r})")
+        self.seed = require_int(seed, "seed", minimum=0)
+        self.shuffle = shuffle
+        self._getitem = getitem
+        self._data_name = name
+
+    def order_for_epoch(self, epoch: int) -> FeistelPermutation | None:
+        """The epoch's global order (``None`` for the identity)."""
+        if not self.shuffle:
+            return None
+        return FeistelPermutation(self.length, stable_hash(self.seed, self.stream_salt(), epoch))
+
+    def _new_cursor(self) -> EpochCursor:
+        return _IndexedCursor(self)
+
+    def _config_fields(self) -> dict[str, Any]:
+        return {
+            "data": self._data_name,
+            "length": self.length,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+        }
+
+    def restore_sample(self, key: Key) -> Any:
+        if len(key) != 1 or isinstance(key[0], bool) or not isinstance(key[0], int):
+            raise ValueError(f"IndexedSource restore keys are (index,); got {key!r}")
+        if not 0 <= key[0] < self.length:
+            raise ValueError(f"restore key index {key[0]} is outside range({self.length})")
+        return self._getitem(key[0])
+
+    def can_restore_sample(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        """Samples per epoch of this copy's shard (the whole data for worker 0 of 1)."""
+        context = self.context
+        start = context.shard_index
+        if start >= self.length:
+            return 0
+        return (self.length - start + context.num_shards - 1) // context.num_shards

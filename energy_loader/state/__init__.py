@@ -1,0 +1,18 @@
+"""State classes, the plain-data codec, configuration fingerprints and checkpoint files."""
+
+from .fingerprint import ConfigDifference, config_differences, describe_differences
+from .plain import StateReader, check_plain, to_key
+from .rank_state import RANK_STATE_FORMAT, RANK_STATE_VERSION, RankState, WorkerState
+
+__all__ = [
+    "RANK_STATE_FORMAT",
+    "RANK_STATE_VERSION",
+    "ConfigDifference",
+    "RankState",
+    "StateReader",
+    "WorkerState",
+    "check_plain",
+    "config_differences",
+    "describe_differences",
+    "to_key",
+]

@@ -1,0 +1,77 @@
+"""Compare pipeline configurations and say exactly what differs.
+
+A saved state records the ``config()`` of the pipeline that produced it. Restoring compares it
+with the new pipeline's config; each difference is reported with a readable path made of the
+dataset types on the way down, e.g. ``BatchDataset.batch_size: saved 32, now 16`` or
+``BatchDataset > MapDataset.fn: saved tokenize, now detokenize``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+__all__ = ["ConfigDifference", "config_differences", "describe_differences"]
+
+
+@attrs.frozen
+class ConfigDifference:
+    """One field that differs between the saved and the current configuration."""
+
+    path: str
+    field: tuple[str | int, ...]
+    saved: Any
+    now: Any
+
+    def __str__(self) -> str:
+        return f"{self.path}: saved {_show(self.saved)}, now {_show(self.now)}"
+
+
+def _show(value: Any) -> str:
+    if value is _MISSING:
+        return "(absent)"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+_MISSING = object()
+
+
+def config_differences(
+    saved: Any, now: Any, *, path: str = "", field: tuple[str | int, ...] = ()
+) -> list[ConfigDifference]:
+    """Every leaf where ``saved`` and ``now`` differ (lists and tuples compare alike)."""
+    if isinstance(saved, Mapping) and isinstance(now, Mapping):
+        if saved.get("type") is not None and saved.get("type") == now.get("type"):
+            type_name = str(saved["type"])
+            path = f"{path} > {type_name}" if path else type_name
+        out: list[ConfigDifference] = []
+        for name in sorted(set(saved) | set(now), key=str):
+            if name == "type" and saved.get("type") == now.get("type"):
+                continue
+            child_path = path if name in ("inner", "inners") else f"{path}.{name}"
+            out.extend(
+                config_differences(
+                    saved.get(name, _MISSING),
+                    now.get(name, _MISSING),
+                    path=child_path,
+                    field=(*field, name),
+                )
+            )
+        return out
+    both_lists = isinstance(saved, (list, tuple)) and isinstance(now, (list, tuple))
+    if both_lists and len(saved) == len(now):
+        out = []
+        for index, (a, b) in enumerate(zip(saved, now)):
+            out.extend(config_differences(a, b, path=f"{path}[{index}]", field=(*field, index)))
+        return out
+    if saved == now and type(saved) is type(now):
+        return []
+    return [ConfigDifference(path or "config", field, saved, now)]
+
+
+def describe_differences(differences: list[ConfigDifference]) -> str:
+    """One line per difference, for an error message."""
+    return "; ".join(str(d) for d in differences)

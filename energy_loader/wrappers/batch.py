@@ -1,0 +1,105 @@
+"""BatchDataset: group consecutive samples into batches.
+
+State: ``{"phase", "epoch", "inner_done", "inner"}``. A batch is yielded only when it is
+complete, so between yields nothing is buffered and the inner state says where the next batch
+begins; ``inner_done`` marks the moment after the inner epoch ended but before the last partial
+batch was consumed. Because the state holds no batch-size-dependent position, a state saved
+with batch size 32 restores under batch size 16 (the loader scales its replay counts).
+
+Restore key: the tuple of the samples' keys; ``restore_sample`` rebuilds and re-collates them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from ..dataset import (
+    BaseWrapperDataset,
+    EpochCursor,
+    Key,
+    SavableDataset,
+    WrapperCursor,
+    callable_name,
+    require_callable,
+    require_int,
+)
+from ..state.plain import StateReader
+from .collate import default_collate
+
+__all__ = ["BatchDataset"]
+
+
+class _BatchCursor(WrapperCursor):
+    dataset: BatchDataset
+
+    def resume(self) -> Iterator[tuple[Key, Any]]:
+        size, collate = self.dataset.batch_size, self.dataset.collate
+        keys: list[Key] = []
+        samples: list[Any] = []
+        for key, sample in self.inner_samples():
+            keys.append(key)
+            samples.append(sample)
+            if len(samples) == size:
+                batch_key, batch = tuple(keys), collate(samples)
+                keys, samples = [], []
+                yield batch_key, batch
+        if samples and not self.dataset.drop_last:
+            yield tuple(keys), collate(samples)
+
+    def fields(self) -> dict[str, Any]:
+        return {}
+
+    def load_fields(self, reader: StateReader) -> None:
+        return None
+
+
+class BatchDataset(BaseWrapperDataset):
+    """Group ``batch_size`` consecutive samples into one batch.
+
+    ``collate_fn(list_of_samples)`` builds the batch; the default stacks tensors and numpy
+    arrays (per dict key) and keeps lists of everything else. The last batch of an epoch may
+    be smaller unless ``drop_last=True``. Example::
+
+        BatchDataset(ShuffleBufferDataset(source, size=1000), batch_size=32)
+    """
+
+    def __init__(
+        self,
+        dataset: SavableDataset,
+        batch_size: int,
+        *,
+        collate_fn: Callable[[Sequence[Any]], Any] | None = None,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__(dataset)
+        self.batch_size = require_int(batch_size, "batch_size", minimum=1)
+        if collate_fn is not None:
+            require_callable(collate_fn, "collate_fn")
+        if not isinstance(drop_last, bool):
+            raise TypeError(f"`drop_last` must be True or False (got {drop_last!r})")
+        self.collate_fn = collate_fn
+        self.drop_last = drop_last
+
+    def collate(self, samples: Sequence[Any]) -> Any:
+        """Collate with the user's function or :func:`default_collate`."""
+        return (self.collate_fn or default_collate)(samples)
+
+    def _new_cursor(self) -> EpochCursor:
+        return _BatchCursor(self)
+
+    def restore_sample(self, key: Key) -> Any:
+        return self.collate([self.dataset.restore_sample(k) for k in key])
+
+    def _config_fields(self) -> dict[str, Any]:
+        return {
+            "batch_size": self.batch_size,
+            "collate_fn": callable_name(self.collate_fn) if self.collate_fn else "default_collate",
+            "drop_last": self.drop_last,
+        }
+
+    def __len__(self) -> int:
+        inner = len(self.dataset)  # type: ignore[arg-type]
+        if self.drop_last:
+            return inner // self.batch_size
+        return -(-inner // self.batch_size)

@@ -1,0 +1,62 @@
+"""FilterDataset: keep the samples for which ``predicate(sample)`` is true.
+
+State: none of its own (the inner state passes through): after yielding a kept sample the
+inner dataset stands right after it, and dropped samples in between leave no trace to save.
+Restore key: the kept sample's inner key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..dataset import BaseWrapperDataset, Key, SavableDataset, callable_name, require_callable
+from ..rng import seed_globals_for_sample
+
+__all__ = ["FilterDataset"]
+
+
+class FilterDataset(BaseWrapperDataset):
+    """Drop the samples for which ``predicate`` returns false.
+
+    The predicate runs after the same per-sample seeding as :class:`MapDataset` (turn it off
+    with ``seed_per_sample=False``), so a random predicate ("keep 10%") is reproducible.
+    ``len()`` is unknown. Example::
+
+        FilterDataset(source, lambda s: len(s["text"]) > 0)
+    """
+
+    passes_state_through = True
+
+    def __init__(
+        self,
+        dataset: SavableDataset,
+        predicate: Callable[[Any], bool],
+        *,
+        seed_per_sample: bool = True,
+    ) -> None:
+        super().__init__(dataset)
+        require_callable(predicate, "predicate")
+        if not isinstance(seed_per_sample, bool):
+            raise TypeError(f"`seed_per_sample` must be True or False (got {seed_per_sample!r})")
+        self.predicate = predicate
+        self.seed_per_sample = seed_per_sample
+
+    def iter_keyed(self) -> Iterator[tuple[Key, Any]]:
+        predicate, seeded = self.predicate, self.seed_per_sample
+        seed, salt = self.context.seed, self.stream_salt()
+        for key, sample in self.dataset.iter_keyed():
+            if seeded:
+                seed_globals_for_sample(seed, salt, key)
+            try:
+                keep = predicate(sample)
+            except Exception as error:
+                error.add_note(
+                    f"raised by {callable_name(predicate)} in FilterDataset for restore key {key!r}"
+                )
+                raise
+            if keep:
+                yield key, sample
+
+    def _config_fields(self) -> dict[str, Any]:
+        return {"predicate": callable_name(self.predicate), "seed_per_sample": self.seed_per_sample}

@@ -1,0 +1,110 @@
+"""ShuffleBufferDataset: reservoir-style shuffling through a buffer of ``size`` samples.
+
+State: ``{"phase", "epoch", "inner_done", "inner", "counter", "indices" | "keys"}``: the
+counter of this buffer's random stream and the restore keys of the buffered samples, in buffer
+order (about 6 bytes per sample for an IndexedSource). Samples are never saved: after a restore
+they are rebuilt lazily with the inner ``restore_sample`` when the buffer picks them, so
+restoring a 1,000-sample buffer costs nothing until a sample is needed.
+
+Randomness: a :class:`~energy_loader.rng.CounterRng` seeded from the worker seed (pipeline
+seed, rank, worker) and this buffer's ordinal in the pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from ..dataset import (
+    BaseWrapperDataset,
+    EpochCursor,
+    Key,
+    SavableDataset,
+    WrapperCursor,
+    require_int,
+)
+from ..rng import CounterRng, stable_hash
+from ..state.plain import StateReader, pack_keys, unpack_keys
+
+__all__ = ["ShuffleBufferDataset"]
+
+_MISSING: Any = object()
+
+
+class _ShuffleBufferCursor(WrapperCursor):
+    dataset: ShuffleBufferDataset
+
+    def __init__(self, dataset: ShuffleBufferDataset) -> None:
+        super().__init__(dataset)
+        self.counter = 0
+        self.buffer: list[tuple[Key, Any]] = []
+
+    def begin_epoch(self) -> None:
+        super().begin_epoch()
+        self.buffer = []
+
+    def _take(self, rng: CounterRng, index: int) -> tuple[Key, Any]:
+        key, sample = self.buffer[index]
+        if sample is _MISSING:
+            sample = self.dataset.dataset.restore_sample(key)
+        self.counter = rng.counter
+        return key, sample
+
+    def resume(self) -> Iterator[tuple[Key, Any]]:
+        size, buffer = self.dataset.size, self.buffer
+        rng = CounterRng(self.dataset.stream_seed(), self.counter)
+        for pair in self.inner_samples():
+            if len(buffer) < size:
+                buffer.append(pair)
+                continue
+            index = rng.below(size)
+            out = self._take(rng, index)
+            buffer[index] = pair
+            yield out
+        while buffer:
+            index = rng.below(len(buffer))
+            out = self._take(rng, index)
+            buffer[index] = buffer[-1]
+            buffer.pop()
+            yield out
+
+    def fields(self) -> dict[str, Any]:
+        return {"counter": self.counter, **pack_keys([key for key, _ in self.buffer])}
+
+    def load_fields(self, reader: StateReader) -> None:
+        self.counter = reader.int("counter")
+        self.buffer = [(key, _MISSING) for key in unpack_keys(reader)]
+
+
+class ShuffleBufferDataset(BaseWrapperDataset):
+    """Shuffle within a sliding buffer of ``size`` samples.
+
+    The first ``size`` samples fill the buffer; then each new sample replaces a randomly
+    chosen buffered one, which is yielded. At the end of the inner epoch the buffer drains in
+    random order. Needs an inner pipeline that can ``restore_sample`` (every built-in one can).
+    Example::
+
+        ShuffleBufferDataset(MapDataset(source, tokenize), size=1000)
+    """
+
+    def __init__(self, dataset: SavableDataset, size: int) -> None:
+        super().__init__(dataset)
+        self.size = require_int(size, "size", minimum=1)
+        if not dataset.can_restore_sample():
+            raise ValueError(
+                "ShuffleBufferDataset saves its buffer as restore keys and needs an inner "
+                f"dataset that can restore samples; {type(dataset).__name__} cannot"
+            )
+
+    def stream_seed(self) -> int:
+        """The seed of this buffer's random stream in the current worker."""
+        return stable_hash(self.context.worker_seed, self.stream_salt())
+
+    def _new_cursor(self) -> EpochCursor:
+        return _ShuffleBufferCursor(self)
+
+    def _config_fields(self) -> dict[str, Any]:
+        return {"size": self.size}
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
