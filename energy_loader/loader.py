@@ -467,6 +467,34 @@ class SavableDataLoader(DataLoader):
         self._progress = _Progress(max(1, self.num_workers))
         self._generation += 1
 
+    # -- across ranks ------------------------------------------------------------------------
+
+    @property
+    def worker_config(self) -> WorkerConfig:
+        """The rank/worker layout this loader runs with."""
+        return self._worker_config
+
+    def save_state_global(self, dst_rank: int = 0) -> list[dict[str, Any]] | None:
+        """Gather every rank's state to ``dst_rank``: a list there, ``None`` elsewhere.
+
+        A collective: every rank of the data-parallel group must call it.
+        """
+        from .distributed import save_state_global
+
+        return save_state_global(self, dst_rank)
+
+    def restore_state_global(
+        self, states: list[dict[str, Any]] | None, *, src_rank: int | None = None
+    ) -> None:
+        """Restore every rank from the list of all ranks' states.
+
+        Either every rank passes the full list (``src_rank=None``), or only ``src_rank``
+        passes it and it is scattered. A collective when ``src_rank`` is given.
+        """
+        from .distributed import restore_state_global
+
+        restore_state_global(self, states, src_rank=src_rank)
+
     # -- torch.distributed.checkpoint Stateful protocol --------------------------------------
 
     def state_dict(self) -> dict[str, Any]:

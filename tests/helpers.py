@@ -1,0 +1,33 @@
+"""Small pipelines shared by the tests (module-level, so spawn can import them)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+import energy_loader as el
+from energy_loader.testing.strategies import AddNoise, MakeSample
+
+
+def make_sample(index: int) -> dict[str, Any]:
+    return {"index": index, "x": torch.tensor([index])}
+
+
+def noisy(sample: dict[str, Any]) -> dict[str, Any]:
+    return {**sample, "noise": random.random()}
+
+
+def reference_pipeline(length: int = 200, buffer: int = 16, batch: int = 4) -> el.SavableDataset:
+    """map -> shuffle buffer -> batch over a shuffled IndexedSource (the SPEC shape, small)."""
+    source = el.IndexedSource.from_fn(length, MakeSample(), shuffle=True, seed=7)
+    return el.BatchDataset(
+        el.ShuffleBufferDataset(el.MapDataset(source, AddNoise()), size=buffer), batch_size=batch
+    )
+
+
+def indices(batch_or_sample: Any) -> list[int]:
+    """The source indices in a sample or a batch."""
+    value = batch_or_sample["index"]
+    return list(value) if isinstance(value, list) else [int(value)]
