@@ -1,0 +1,115 @@
+"""The rank state: plain data, small, versioned, and strict about what it accepts."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+
+import pytest
+import torch
+
+import energy_loader as el
+from energy_loader.state import RANK_STATE_VERSION, check_plain
+from tests.helpers import indices, reference_pipeline
+
+
+def _mid_epoch_state(workers: int = 0, buffer: int = 1000, length: int = 5000) -> dict:
+    loader = el.SavableDataLoader(reference_pipeline(length, buffer, 32), num_workers=workers)
+    iterator = iter(loader)
+    for _ in range(40):
+        next(iterator)
+    return loader.save_state_rank()
+
+
+def test_state_of_a_1000_sample_shuffle_buffer_is_small_and_plain() -> None:
+    state = _mid_epoch_state(buffer=1000)
+    text = json.dumps(state)
+    assert len(text) <= 32 * 1024, len(text)
+    check_plain(state)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True) == state
+
+
+def test_state_size_does_not_grow_with_dataset_size() -> None:
+    small = len(json.dumps(_mid_epoch_state(buffer=100, length=2_000)))
+    large = len(json.dumps(_mid_epoch_state(buffer=100, length=2_000_000)))
+    # 1000x more data: only the 100 buffered keys gain 3 digits each (and a few positions).
+    assert large - small <= 100 * 3 + 20, (small, large)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda s: s.pop("format"), "no 'format' field"),
+        (lambda s: s.update(format="something else"), "state.format is 'something else'"),
+        (lambda s: s.update(version=RANK_STATE_VERSION + 1), "state.version is 2"),
+        (lambda s: s.update(workers="nope"), "state.workers must be a list"),
+        (lambda s: s.update(workers=[]), "state.workers has 0 entries"),
+        (lambda s: s["workers"][0].update(skip=-1), r"state.workers\[0\].skip must be >= 0"),
+        (lambda s: s["workers"][0].update(skip="3"), r"state.workers\[0\].skip must be an integer"),
+        (lambda s: s.update(next_worker=5), "next_worker 5 is not below"),
+        (
+            lambda s: s["workers"][0]["checkpoint"].update(phase="sideways"),
+            r"workers\[0\].checkpoint: .*phase must be one of",
+        ),
+        (
+            lambda s: s["workers"][0]["checkpoint"]["inner"].pop("counter"),
+            "has no field 'counter'",
+        ),
+        (
+            lambda s: s["workers"][0]["checkpoint"]["inner"].update(indices=[1, "x"]),
+            r"indices\[1\] must be an integer",
+        ),
+        (lambda s: s.update(config=float("nan")), "state.config must be a dict"),
+    ],
+)
+def test_garbage_raises_state_format_error_naming_the_field(mutate, message) -> None:
+    state = _mid_epoch_state(buffer=10, length=2000)
+    broken = copy.deepcopy(state)
+    mutate(broken)
+    loader = el.SavableDataLoader(reference_pipeline(2000, 10, 32))
+    with pytest.raises(el.StateFormatError, match=message):
+        loader.restore_state_rank(broken)
+    # The loader is unharmed: the good state still restores and the stream is exact.
+    loader.restore_state_rank(state)
+    twin = el.SavableDataLoader(reference_pipeline(2000, 10, 32))
+    twin.restore_state_rank(state)
+    assert [indices(b) for b in loader] == [indices(b) for b in twin]
+
+
+@pytest.mark.parametrize("garbage", [None, 42, "state", [], b"\x00", {"format": 1}])
+def test_not_a_state_at_all(garbage) -> None:
+    loader = el.SavableDataLoader(reference_pipeline(100, 4, 4))
+    with pytest.raises(el.StateFormatError):
+        loader.restore_state_rank(garbage)
+
+
+def test_other_pipeline_raises_mismatch_naming_the_difference() -> None:
+    state = _mid_epoch_state(buffer=10, length=2000)
+    other = el.SavableDataLoader(reference_pipeline(2000, 12, 32))
+    with pytest.raises(
+        el.StateMismatchError, match=r"BatchDataset > ShuffleBufferDataset.size: saved 10, now 12"
+    ):
+        other.restore_state_rank(state)
+
+
+def test_larger_or_non_dividing_batch_size_raises_mismatch() -> None:
+    state = _mid_epoch_state(buffer=10, length=2000)
+    for size in (64, 24):
+        loader = el.SavableDataLoader(reference_pipeline(2000, 10, size))
+        with pytest.raises(el.StateMismatchError, match=f"batch_size: saved 32, now {size}"):
+            loader.restore_state_rank(state)
+
+
+def test_layout_mismatch_names_world_size_and_workers() -> None:
+    state = _mid_epoch_state(buffer=10, length=2000)
+    loader = el.SavableDataLoader(
+        reference_pipeline(2000, 10, 32), worker_config=el.WorkerConfig(rank=1, world_size=2)
+    )
+    with pytest.raises(
+        el.StateMismatchError, match="rank: saved 0, now 1; world_size: saved 1, now 2"
+    ):
+        loader.restore_state_rank(state)
