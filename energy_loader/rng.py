@@ -15,6 +15,8 @@ rebuilds the sample from its key, and independent of how samples are spread over
 
 from __future__ import annotations
 
+import _random
+import functools
 import random
 import zlib
 from collections.abc import Hashable
@@ -22,7 +24,15 @@ from collections.abc import Hashable
 import numpy as np
 import torch
 
-__all__ = ["CounterRng", "mix64", "seed_globals_for_sample", "stable_hash"]
+__all__ = [
+    "CounterRng",
+    "fold_key",
+    "mix64",
+    "mix64_array",
+    "sample_seed_base",
+    "seed_globals_for_sample",
+    "stable_hash",
+]
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -36,6 +46,14 @@ def mix64(value: int) -> int:
     return z ^ (z >> 31)
 
 
+def mix64_array(values: np.ndarray) -> np.ndarray:
+    """:func:`mix64` of every element of a ``uint64`` array (wrapping arithmetic)."""
+    z = values + np.uint64(_GOLDEN)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
 def stable_hash(*parts: Hashable) -> int:
     """A 64-bit hash of plain values that is the same in every process and every run.
 
@@ -47,24 +65,47 @@ def stable_hash(*parts: Hashable) -> int:
     return mix64(zlib.crc32(text) | (len(text) << 32))
 
 
+def fold_key(base: int, key: Hashable) -> int:
+    """Mix a restore key into ``base``: integers directly (fast), anything else by repr."""
+    if type(key) is tuple:
+        value = mix64(base ^ len(key))
+        for part in key:
+            value = fold_key(value, part)
+        return value
+    if type(key) is int and 0 <= key <= _MASK64:
+        return mix64(base ^ key)
+    return mix64(base ^ stable_hash(key))
+
+
+_BLOCK = 256
+
+
 class CounterRng:
     """A random stream whose whole state is ``(seed, counter)``.
 
     Draw ``k`` is ``mix64(seed ^ mix64(k))``: no draw depends on an earlier one, so saving
-    the counter is enough to resume the stream exactly.
+    the counter is enough to resume the stream exactly. Draws are computed with numpy in
+    blocks of 256 (~0.2 us a draw instead of ~1 us); the values do not depend on the blocks.
     """
 
-    __slots__ = ("counter", "seed")
+    __slots__ = ("_block", "_block_start", "counter", "seed")
 
     def __init__(self, seed: int, counter: int = 0) -> None:
         self.seed = seed & _MASK64
         self.counter = counter
+        self._block: list[int] = []
+        self._block_start = 0
 
     def next_u64(self) -> int:
         """The next 64-bit draw."""
-        value = mix64(self.seed ^ mix64(self.counter))
+        offset = self.counter - self._block_start
+        if not 0 <= offset < len(self._block):
+            self._block_start, offset = self.counter, 0
+            counters = np.arange(self.counter, self.counter + _BLOCK, dtype=np.uint64)
+            draws = mix64_array(np.uint64(self.seed) ^ mix64_array(counters))
+            self._block = draws.tolist()
         self.counter += 1
-        return value
+        return self._block[offset]
 
     def below(self, bound: int) -> int:
         """A draw in ``range(bound)``; bias is below 2**-40 for bounds under 2**24."""
@@ -75,14 +116,28 @@ class CounterRng:
         return (self.next_u64() >> 11) * (1.0 / (1 << 53))
 
 
+_PY_RANDOM = random._inst  # type: ignore[attr-defined]
+_PY_SEED = _random.Random.seed
+_TORCH_GENERATOR = torch.default_generator
+
+
+@functools.lru_cache(maxsize=1024)
+def sample_seed_base(seed: int, position: int) -> int:
+    """The part of a per-sample seed that is fixed for one wrapper (cached)."""
+    return stable_hash("sample", seed, position)
+
+
 def seed_globals_for_sample(seed: int, position: int, key: Hashable) -> None:
     """Seed python ``random``, numpy's global RNG and torch's default CPU generator.
 
-    Costs ~15 us per call on the reference machine (``random.seed`` ~8 us, numpy ~4 us, the
-    torch generator ~2 us, the hash ~1.5 us). Uses ``torch.default_generator.manual_seed``
-    rather than ``torch.manual_seed``, which would also seed every CUDA device (~180 us).
+    The seed is a function of (pipeline ``seed``, the wrapper's ``position`` salt, the
+    sample's restore ``key``) only. Costs ~11 us per call on the reference machine, almost
+    all of it Mersenne-Twister initialisation (python ~7 us, numpy ~3 us); the torch generator
+    is seeded with ``torch.default_generator.manual_seed`` (~1.6 us) rather than
+    ``torch.manual_seed``, which would also seed every CUDA device (~180 us).
     """
-    value = stable_hash(seed, position, key)
-    random.seed(value)
+    value = fold_key(sample_seed_base(seed, position), key)
+    _PY_SEED(_PY_RANDOM, value)
+    _PY_RANDOM.gauss_next = None
     np.random.seed(value & 0xFFFFFFFF)
-    torch.default_generator.manual_seed(value)
+    _TORCH_GENERATOR.manual_seed(value)

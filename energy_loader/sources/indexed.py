@@ -16,8 +16,10 @@ Restore key: ``(index,)``, the index into the data; ``restore_sample((i,))`` is 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+import numpy as np
 
 from ..dataset import EpochCursor, Key, SavableDataset, callable_name, require_callable, require_int
 from ..errors import StateFormatError
@@ -26,6 +28,8 @@ from ..state.plain import StateReader
 from .permutation import FeistelPermutation
 
 __all__ = ["IndexedSource"]
+
+_ORDER_BLOCK = 256
 
 
 class _IndexedCursor(EpochCursor):
@@ -44,10 +48,17 @@ class _IndexedCursor(EpochCursor):
         order = source.order_for_epoch(self.epoch)
         getitem = source._getitem
         while self.position < length:
-            index = order[self.position] if order is not None else self.position
-            sample = getitem(index)
-            self.position += stride
-            yield (index,), sample
+            if order is None:
+                indices: Iterable[int] = range(self.position, length, stride)
+            else:
+                # The order of a block of this shard's positions, computed vectorised.
+                stop = min(length, self.position + stride * _ORDER_BLOCK)
+                positions = np.arange(self.position, stop, stride, dtype=np.uint64)
+                indices = order.take(positions).tolist()
+            for index in indices:
+                sample = getitem(index)
+                self.position += stride
+                yield (index,), sample
 
     def fields(self) -> dict[str, Any]:
         return {"position": self.position}

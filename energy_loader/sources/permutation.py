@@ -9,7 +9,9 @@ through again (cycle walking) until they fall inside, which keeps the map a bije
 
 from __future__ import annotations
 
-from ..rng import mix64
+import numpy as np
+
+from ..rng import mix64, mix64_array
 
 __all__ = ["FeistelPermutation"]
 
@@ -42,6 +44,21 @@ class FeistelPermutation:
             value = (left << half) | right
             if value < self.n:
                 return value
+
+    def take(self, positions: np.ndarray) -> np.ndarray:
+        """``perm[p]`` for every position in a ``uint64`` array, vectorised (~0.1 us each)."""
+        half, mask = np.uint64(self._half), np.uint64(self._mask)
+        values = positions.astype(np.uint64, copy=True)
+        pending = np.arange(len(values))
+        while len(pending):
+            current = values[pending]
+            left, right = current >> half, current & mask
+            for round_key in self._keys:
+                left, right = right, left ^ (mix64_array(np.uint64(round_key) ^ right) & mask)
+            current = (left << half) | right
+            values[pending] = current
+            pending = pending[current >= np.uint64(self.n)]
+        return values
 
     def __len__(self) -> int:
         return self.n
