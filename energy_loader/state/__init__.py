@@ -1,5 +1,6 @@
 """State classes, the plain-data codec, configuration fingerprints and checkpoint files."""
 
+from .checkpoint import CheckpointDirectory, load_checkpoint, save_checkpoint
 from .fingerprint import ConfigDifference, config_differences, describe_differences
 from .plain import StateReader, check_plain, to_key
 from .rank_state import RANK_STATE_FORMAT, RANK_STATE_VERSION, RankState, WorkerState
@@ -7,6 +8,7 @@ from .rank_state import RANK_STATE_FORMAT, RANK_STATE_VERSION, RankState, Worker
 __all__ = [
     "RANK_STATE_FORMAT",
     "RANK_STATE_VERSION",
+    "CheckpointDirectory",
     "ConfigDifference",
     "RankState",
     "StateReader",
@@ -14,5 +16,7 @@ __all__ = [
     "check_plain",
     "config_differences",
     "describe_differences",
+    "load_checkpoint",
+    "save_checkpoint",
     "to_key",
 ]

@@ -44,7 +44,6 @@ class GcDataset(BaseWrapperDataset):
 
     def iter_keyed(self) -> Iterator[tuple[Key, Any]]:
         if self.freeze and os.getpid() not in _FROZEN_PIDS:
-            gc.collect()
             gc.freeze()
             _FROZEN_PIDS.add(os.getpid())
         every, count = self.every_n_iter, 0
