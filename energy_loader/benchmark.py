@@ -1,0 +1,368 @@
+"""``python -m energy_loader bench``: the SPEC reference workload, side by side.
+
+Workload: ``samples`` samples of 64 int64 tokens -> map (a tokenizer-like transform) ->
+shuffle buffer of 1000 -> batch of 32, 2 workers, prefetch 2. Contenders, each run in a fresh
+subprocess (clean memory numbers, no state shared between runs) and interleaved over
+``repetitions`` rounds in rotating order, because this kind of machine is noisy (+-15%):
+
+- ``plain``: a torch ``DataLoader`` over a plain ``IterableDataset`` doing the same work with
+  no state at all: the reference every ratio is relative to;
+- ``energy_loader``: ``SavableDataLoader`` without saves, and ``energy_loader+save50`` with a
+  ``save_state_rank()`` every 50 batches;
+- peers from :mod:`energy_loader.bench_peers` when they are installed.
+
+Then restore-to-first-batch at 10/50/90% of the epoch (each restore in a fresh loader), the
+state size as JSON, and an exact-resume check. Results go to ``out/bench.json`` and, with
+matplotlib, ``out/bench.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+__all__ = ["main"]
+
+TOKENS = 64
+VOCAB = 50257
+BUFFER = 1000
+BATCH = 32
+WORKERS = 2
+PREFETCH = 2
+SAVE_EVERY = 50
+
+
+def make_sample(index: int) -> dict[str, Any]:
+    return {"index": index, "tokens": torch.arange(TOKENS, dtype=torch.int64) + index}
+
+
+def tokenize(sample: dict[str, Any]) -> dict[str, Any]:
+    return {"index": sample["index"], "tokens": (sample["tokens"] * 7) % VOCAB}
+
+
+class PlainPipeline(IterableDataset):
+    """The same work as the savable pipeline, written as a user would without any state."""
+
+    def __init__(self, samples: int, seed: int = 0) -> None:
+        self.samples, self.seed, self.epoch = samples, seed, 0
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        order = list(range(self.samples))
+        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        self.epoch += 1
+        rng, buffer, batch = random.Random(worker), [], []
+        for index in order[worker::workers]:
+            sample = tokenize(make_sample(index))
+            if len(buffer) < BUFFER:
+                buffer.append(sample)
+                continue
+            slot = rng.randrange(BUFFER)
+            buffer[slot], sample = sample, buffer[slot]
+            batch.append(sample)
+            if len(batch) == BATCH:
+                yield _collate(batch)
+                batch = []
+        rng.shuffle(buffer)
+        for sample in buffer:
+            batch.append(sample)
+            if len(batch) == BATCH:
+                yield _collate(batch)
+                batch = []
+        if batch:
+            yield _collate(batch)
+
+
+def _collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "index": [s["index"] for s in samples],
+        "tokens": torch.stack([s["tokens"] for s in samples]),
+    }
+
+
+def savable_pipeline(samples: int, seed: int = 0) -> Any:
+    from .sources import IndexedSource
+    from .wrappers import BatchDataset, MapDataset, ShuffleBufferDataset
+
+    source = IndexedSource.from_fn(samples, make_sample, shuffle=True, seed=seed)
+    return BatchDataset(ShuffleBufferDataset(MapDataset(source, tokenize), BUFFER), BATCH)
+
+
+def savable_loader(samples: int) -> Any:
+    from .loader import SavableDataLoader
+
+    return SavableDataLoader(
+        savable_pipeline(samples), num_workers=WORKERS, prefetch_factor=PREFETCH
+    )
+
+
+def _plain_loader(samples: int) -> DataLoader:
+    return DataLoader(
+        PlainPipeline(samples),
+        batch_size=None,
+        num_workers=WORKERS,
+        prefetch_factor=PREFETCH,
+        persistent_workers=True,
+    )
+
+
+def _peak_rss_kib(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                total += int(line.split()[1])
+    return total
+
+
+def _worker_pids(loader: Any) -> list[int]:
+    iterator = getattr(loader, "_iterator", None)
+    return [w.pid for w in getattr(iterator, "_workers", [])]
+
+
+def _throughput_run(loader: Any, save: Callable[[], Any] | None) -> dict[str, Any]:
+    iterator = iter(loader)
+    first = next(iterator)
+    count, saves = len(first["index"]), []
+    start = time.perf_counter()
+    for step, batch in enumerate(iterator, start=1):
+        count += len(batch["index"])
+        if save is not None and step % SAVE_EVERY == 0:
+            began = time.perf_counter()
+            save()
+            saves.append((time.perf_counter() - began) * 1000)
+    elapsed = time.perf_counter() - start
+    rss = _peak_rss_kib([os.getpid(), *_worker_pids(loader)])
+    return {
+        "samples_per_s": (count - len(first["index"])) / elapsed,
+        "save_ms": saves,
+        "rss_kib": rss,
+    }
+
+
+def _contenders() -> dict[str, Callable[[int], dict[str, Any]]]:
+    def plain(samples: int) -> dict[str, Any]:
+        return _throughput_run(_plain_loader(samples), None)
+
+    def energy(samples: int) -> dict[str, Any]:
+        return _throughput_run(savable_loader(samples), None)
+
+    def energy_save(samples: int) -> dict[str, Any]:
+        loader = savable_loader(samples)
+        return _throughput_run(loader, loader.save_state_rank)
+
+    out = {"plain": plain, "energy_loader": energy, "energy_loader+save50": energy_save}
+    from .bench_peers import available_peers
+
+    out.update(available_peers(SAVE_EVERY, WORKERS, PREFETCH))
+    return out
+
+
+def _restore_run(samples: int, repetitions: int) -> dict[str, Any]:
+    """States at 10/50/90%, restore timings, state size, and one exact-resume check."""
+    from .testing.compare import first_difference
+
+    loader = savable_loader(samples)
+    reference = [b["index"] for b in loader]
+    steps = len(reference)
+    marks = {fraction: int(steps * fraction) for fraction in (0.1, 0.5, 0.9)}
+    loader = savable_loader(samples)
+    iterator, states = iter(loader), {}
+    for step in range(1, steps + 1):
+        next(iterator)
+        for fraction, mark in marks.items():
+            if step == mark:
+                states[fraction] = loader.save_state_rank()
+    del iterator, loader
+    result: dict[str, Any] = {"state_bytes": len(json.dumps(states[0.5])), "restore_ms": {}}
+    for fraction, state in states.items():
+        timings = []
+        for _ in range(repetitions):
+            restored = savable_loader(samples)
+            began = time.perf_counter()
+            restored.restore_state_rank(state)
+            next(iter(restored))
+            timings.append((time.perf_counter() - began) * 1000)
+            del restored
+        result["restore_ms"][str(fraction)] = timings
+    restored = savable_loader(samples)
+    restored.restore_state_rank(states[0.5])
+    tail = [b["index"] for b in restored]
+    difference = first_difference(reference[marks[0.5] :], tail)
+    result["exact_resume"] = difference is None
+    result["exact_resume_detail"] = difference or "identical"
+    return result
+
+
+def _child(args: argparse.Namespace) -> int:
+    if args._run == "restore":
+        result = _restore_run(args.samples, args.repetitions)
+    else:
+        result = _contenders()[args._run](args.samples)
+    print(json.dumps(result))
+    return 0
+
+
+def _spawn(args: argparse.Namespace, run: str) -> dict[str, Any]:
+    command = [
+        sys.executable, "-m", "energy_loader", "bench", "--_run", run,
+        "--samples", str(args.samples), "--repetitions", str(args.repetitions),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"benchmark run {run!r} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _p95(values: list[float]) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]], restore: dict[str, Any]) -> dict[str, Any]:
+    """Medians and ratios to the plain DataLoader, per contender."""
+    reference = _median([r["samples_per_s"] for r in runs["plain"]])
+    reference_rss = _median([r["rss_kib"] for r in runs["plain"]])
+    table = {}
+    for name, results in runs.items():
+        rate = _median([r["samples_per_s"] for r in results])
+        saves = [s for r in results for s in r["save_ms"]]
+        rss = _median([r["rss_kib"] for r in results])
+        table[name] = {
+            "samples_per_s": rate,
+            "ratio": rate / reference,
+            "save_ms_median": _median(saves),
+            "save_ms_p95": _p95(saves),
+            "rss_mib": rss / 1024,
+            "rss_ratio": rss / reference_rss if reference_rss else float("nan"),
+            "repetitions": len(results),
+        }
+    return {
+        "table": table,
+        "restore_ms_median": {k: _median(v) for k, v in restore["restore_ms"].items()},
+        "state_bytes": restore["state_bytes"],
+        "exact_resume": restore["exact_resume"],
+        "exact_resume_detail": restore["exact_resume_detail"],
+    }
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    lines = [
+        f"{'contender':<26}{'samples/s':>11}{'x plain':>9}{'save med ms':>13}{'save p95 ms':>13}"
+        f"{'RSS MiB':>9}{'x plain':>9}"
+    ]
+    for name, row in summary["table"].items():
+        lines.append(
+            f"{name:<26}{row['samples_per_s']:>11.0f}{row['ratio']:>9.3f}"
+            f"{row['save_ms_median']:>13.3f}{row['save_ms_p95']:>13.3f}"
+            f"{row['rss_mib']:>9.0f}{row['rss_ratio']:>9.3f}"
+        )
+    restore = ", ".join(
+        f"{float(k):.0%}: {v:.0f} ms" for k, v in summary["restore_ms_median"].items()
+    )
+    lines.append(f"energy_loader restore to first batch (median): {restore}")
+    lines.append(f"energy_loader state: {summary['state_bytes']} bytes as JSON")
+    lines.append(f"exact resume: {summary['exact_resume']} ({summary['exact_resume_detail']})")
+    return "\n".join(lines)
+
+
+def _plot(summary: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = list(summary["table"])
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.barh(names, [summary["table"][n]["ratio"] for n in names], color="#4c72b0")
+    left.axvline(1.0, color="black", linewidth=0.8)
+    left.set_xlabel("throughput, x plain torch DataLoader (median)")
+    fractions = list(summary["restore_ms_median"])
+    right.bar(
+        [f"{float(f):.0%}" for f in fractions], [summary["restore_ms_median"][f] for f in fractions]
+    )
+    right.set_ylabel("restore to first batch, ms (median)")
+    right.set_xlabel("position in the epoch")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m energy_loader bench",
+        description="The SPEC reference workload against a plain torch DataLoader (and peers "
+        "when installed), interleaved repetitions, medians and ratios.",
+    )
+    parser.add_argument("--samples", type=int, default=60_000)
+    parser.add_argument("--repetitions", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=None, help="directory for bench.json/png")
+    parser.add_argument("--_run", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.samples < BATCH * WORKERS * 4 or args.repetitions < 1:
+        parser.error(f"need --samples >= {BATCH * WORKERS * 4} and --repetitions >= 1")
+    if args._run is not None:
+        return _child(args)
+    out = args.out or Path(tempfile.mkdtemp(prefix="energy_loader-bench-"))
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(_contenders())
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    total = args.repetitions * len(names) + 1
+    bar = _progress_bar(total)
+    for repetition in range(args.repetitions):
+        shift = repetition % len(names)
+        for name in names[shift:] + names[:shift]:
+            runs[name].append(_spawn(args, name))
+            bar.update(1) if bar else None
+    restore = _spawn(args, "restore")
+    bar.update(1) if bar else None
+    if bar:
+        bar.close()
+    summary = summarize(runs, restore)
+    summary["workload"] = {
+        "samples": args.samples, "tokens": TOKENS, "buffer": BUFFER, "batch": BATCH,
+        "workers": WORKERS, "prefetch": PREFETCH, "save_every": SAVE_EVERY,
+        "repetitions": args.repetitions, "torch": torch.__version__,
+    }  # fmt: skip
+    summary["runs"] = runs
+    summary["restore_runs"] = restore
+    (out / "bench.json").write_text(json.dumps(summary, indent=2))
+    plotted = _plot(summary, out / "bench.png")
+    print(format_table(summary))
+    print(f"wrote {out / 'bench.json'}" + (f" and {out / 'bench.png'}" if plotted else ""))
+    return 0 if summary["exact_resume"] else 1
+
+
+def _progress_bar(total: int) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="bench", unit="run")
