@@ -277,6 +277,17 @@ class SavableDataset(IterableDataset[Any], ABC):
         """Whether :meth:`restore_sample` works for this pipeline."""
         return all(child.can_restore_sample() for child in self.children())
 
+    def validate_key(self, key: Key) -> None:
+        """Raise ``ValueError`` if ``key`` cannot be a restore key of this pipeline.
+
+        Buffers call it on the keys of a state being restored, so a damaged key is reported
+        at restore time rather than when the sample is rebuilt in a worker. The default
+        checks with the only inner dataset; sources and wrappers that shape keys override it.
+        """
+        children = self.children()
+        if len(children) == 1:
+            children[0].validate_key(key)
+
     # -- where it runs ---------------------------------------------------------------------
 
     def bind(self, context: WorkerContext) -> None:

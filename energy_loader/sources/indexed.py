@@ -136,14 +136,17 @@ class IndexedSource(SavableDataset):
         }
 
     def restore_sample(self, key: Key) -> Any:
-        if len(key) != 1 or isinstance(key[0], bool) or not isinstance(key[0], int):
-            raise ValueError(f"IndexedSource restore keys are (index,); got {key!r}")
-        if not 0 <= key[0] < self.length:
-            raise ValueError(f"restore key index {key[0]} is outside range({self.length})")
+        self.validate_key(key)
         return self._getitem(key[0])
 
     def can_restore_sample(self) -> bool:
         return True
+
+    def validate_key(self, key: Key) -> None:
+        if len(key) != 1 or isinstance(key[0], bool) or not isinstance(key[0], int):
+            raise ValueError(f"IndexedSource restore keys are (index,); got {key!r}")
+        if not 0 <= key[0] < self.length:
+            raise ValueError(f"restore key index {key[0]} is outside range({self.length})")
 
     def __len__(self) -> int:
         """Samples per epoch of this copy's shard (the whole data for worker 0 of 1)."""

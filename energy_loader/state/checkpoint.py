@@ -178,6 +178,10 @@ class CheckpointDirectory:
         for old in self.steps()[: -self.keep]:
             with _suppress_missing():
                 self.path_for(old).unlink()
+        # Temporary files of writers that were killed mid-write (one writer per directory).
+        for stale in self.directory.glob(f".{self.prefix}-*.pt.*.tmp"):
+            with _suppress_missing():
+                stale.unlink()
         return path
 
     def load_latest(self) -> tuple[int, dict[str, Any]] | None:

@@ -91,6 +91,15 @@ class BatchDataset(BaseWrapperDataset):
     def restore_sample(self, key: Key) -> Any:
         return self.collate([self.dataset.restore_sample(k) for k in key])
 
+    def validate_key(self, key: Key) -> None:
+        if not key or len(key) > self.batch_size or not all(type(k) is tuple for k in key):
+            raise ValueError(
+                f"BatchDataset restore keys are tuples of 1..{self.batch_size} sample keys; "
+                f"got {key!r}"
+            )
+        for sample_key in key:
+            self.dataset.validate_key(sample_key)
+
     def _config_fields(self) -> dict[str, Any]:
         return {
             "batch_size": self.batch_size,

@@ -21,6 +21,7 @@ from ..dataset import (
     Key,
     SavableDataset,
     WrapperCursor,
+    bad_state,
     require_int,
 )
 from ..rng import CounterRng, stable_hash
@@ -73,7 +74,18 @@ class _ShuffleBufferCursor(WrapperCursor):
 
     def load_fields(self, reader: StateReader) -> None:
         self.counter = reader.int("counter")
-        self.buffer = [(key, _MISSING) for key in unpack_keys(reader)]
+        keys = unpack_keys(reader)
+        if len(keys) > self.dataset.size:
+            raise bad_state(
+                reader.path, f"holds {len(keys)} keys in a buffer of {self.dataset.size}"
+            )
+        inner = self.dataset.dataset
+        for key in keys:
+            try:
+                inner.validate_key(key)
+            except ValueError as error:
+                raise bad_state(reader.path, f"buffered key {key!r} is invalid: {error}") from None
+        self.buffer = [(key, _MISSING) for key in keys]
 
 
 class ShuffleBufferDataset(BaseWrapperDataset):
