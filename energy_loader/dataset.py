@@ -288,6 +288,64 @@ class SavableDataset(IterableDataset[Any], ABC):
         if len(children) == 1:
             children[0].validate_key(key)
 
+    # -- the fluent form: thin sugar over the wrapper classes ------------------------------
+
+    def map(self, fn: Callable[[Any], Any], *, seed_per_sample: bool = True) -> SavableDataset:
+        """``MapDataset(self, fn)``."""
+        from .wrappers.map import MapDataset
+
+        return MapDataset(self, fn, seed_per_sample=seed_per_sample)
+
+    def filter(
+        self, predicate: Callable[[Any], bool], *, seed_per_sample: bool = True
+    ) -> SavableDataset:
+        """``FilterDataset(self, predicate)``."""
+        from .wrappers.filter import FilterDataset
+
+        return FilterDataset(self, predicate, seed_per_sample=seed_per_sample)
+
+    def shuffle_buffer(self, size: int) -> SavableDataset:
+        """``ShuffleBufferDataset(self, size)``."""
+        from .wrappers.shuffle_buffer import ShuffleBufferDataset
+
+        return ShuffleBufferDataset(self, size)
+
+    def batch(
+        self,
+        batch_size: int,
+        *,
+        collate_fn: Callable[[Sequence[Any]], Any] | None = None,
+        drop_last: bool = False,
+    ) -> SavableDataset:
+        """``BatchDataset(self, batch_size, ...)``."""
+        from .wrappers.batch import BatchDataset
+
+        return BatchDataset(self, batch_size, collate_fn=collate_fn, drop_last=drop_last)
+
+    def repeat(self, repeats: int | None = None) -> SavableDataset:
+        """``RepeatDataset(self, repeats)``: endless by default."""
+        from .wrappers.repeat import RepeatDataset
+
+        return RepeatDataset(self, repeats)
+
+    def limit(self, length: int) -> SavableDataset:
+        """``LimitDataset(self, length)``."""
+        from .wrappers.limit import LimitDataset
+
+        return LimitDataset(self, length)
+
+    def gc(self, *, every_n_iter: int = 64, freeze: bool = True) -> SavableDataset:
+        """``GcDataset(self, ...)``."""
+        from .wrappers.gc import GcDataset
+
+        return GcDataset(self, every_n_iter=every_n_iter, freeze=freeze)
+
+    def log_samples(self, *, log_dir: str | None = None) -> SavableDataset:
+        """``LogSampleDataset(self, log_dir=...)``."""
+        from .wrappers.log_sample import LogSampleDataset
+
+        return LogSampleDataset(self, log_dir=log_dir)
+
     # -- where it runs ---------------------------------------------------------------------
 
     def bind(self, context: WorkerContext) -> None:
