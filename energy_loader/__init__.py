@@ -6,6 +6,15 @@ the interrupted one would have yielded next.
 """
 
 from .dataset import RESTORE_KEY, BaseWrapperDataset, EpochCursor, SavableDataset, restore_key_of
+from .distributed import (
+    data_parallel_ranks,
+    rank_state_key,
+    rank_state_path,
+    restore_state_global,
+    restore_state_rank_file,
+    save_state_global,
+    save_state_rank_file,
+)
 from .errors import EnergyLoaderError, StateFormatError, StateMismatchError, WorkerError
 from .loader import BasicDataLoader, SavableDataLoader
 from .sources import IndexedSource
@@ -45,8 +54,15 @@ __all__ = [
     "WorkerContext",
     "WorkerError",
     "current_worker",
+    "data_parallel_ranks",
     "default_collate",
+    "rank_state_key",
+    "rank_state_path",
     "restore_key_of",
+    "restore_state_global",
+    "restore_state_rank_file",
+    "save_state_global",
+    "save_state_rank_file",
 ]
 
 __version__ = "0.1.0"

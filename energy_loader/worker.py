@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -32,18 +32,75 @@ def _non_negative_int(name: str):
     return check
 
 
+def _env_int(environ: Mapping[str, str], name: str) -> int | None:
+    text = environ.get(name)
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(
+            f"the environment variable {name} must be an integer (got {name}={text!r}); "
+            "torchrun sets it, so check the launcher"
+        ) from None
+    if value < 0:
+        raise ValueError(f"the environment variable {name} must be >= 0 (got {name}={value})")
+    return value
+
+
+def _torchrun_layout(environ: Mapping[str, str]) -> tuple[int, int] | None:
+    """``(RANK, WORLD_SIZE)`` from torchrun's variables, ``None`` when they are absent."""
+    rank, world_size = _env_int(environ, "RANK"), _env_int(environ, "WORLD_SIZE")
+    if rank is None and world_size is None:
+        return None
+    if rank is None or world_size is None:
+        present, missing = ("RANK", "WORLD_SIZE") if world_size is None else ("WORLD_SIZE", "RANK")
+        raise ValueError(
+            f"{present} is set but {missing} is not; torchrun sets both (set both, or neither "
+            "for a single process)"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(
+            f"RANK must be in range(WORLD_SIZE) (got RANK={rank}, WORLD_SIZE={world_size})"
+        )
+    local_rank = _env_int(environ, "LOCAL_RANK")
+    local_size = _env_int(environ, "LOCAL_WORLD_SIZE")
+    if local_rank is not None and local_rank > rank:
+        raise ValueError(
+            f"LOCAL_RANK={local_rank} cannot exceed RANK={rank}: the local rank counts the "
+            "processes of this node only"
+        )
+    if local_size is not None and not 1 <= local_size <= world_size:
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE={local_size} must be in 1..WORLD_SIZE (WORLD_SIZE={world_size})"
+        )
+    if local_size is not None and local_rank is not None and local_rank >= local_size:
+        raise ValueError(f"LOCAL_RANK={local_rank} must be below LOCAL_WORLD_SIZE={local_size}")
+    return rank, world_size
+
+
 @attrs.frozen
 class WorkerConfig:
     """The data-parallel layout of one rank: rank, world size, workers, seed.
 
-    ``rank`` and ``world_size`` are the *data-parallel* rank and size: ranks that must see
-    identical samples (tensor- or pipeline-parallel peers) share a data-parallel rank.
-    ``data_parallel_group`` is the ``torch.distributed`` group over which states are gathered
-    and scattered; ``None`` means the default group.
+    ``rank`` and ``world_size`` are the *data-parallel* rank and size, and sources shard by
+    them: ranks that must see identical samples (the tensor- or pipeline-parallel peers of one
+    model replica) share a data-parallel rank, and different replicas read disjoint shards.
+    ``data_parallel_group`` is the ``torch.distributed`` process group over which
+    :func:`~energy_loader.distributed.save_state_global` gathers and
+    :func:`~energy_loader.distributed.restore_state_global` scatters states: the group of the
+    ranks that read *different* data (one rank per replica, Megatron's
+    ``get_data_parallel_group()``, ``mesh["dp"].get_group()`` of a DeviceMesh); ``None``
+    means the default group. When given, ``rank``/``world_size`` must be this process's rank
+    in it and its size. The group never travels to worker processes and takes no part in
+    equality.
 
-    Example::
+    Build it from the job rather than by hand::
 
-        WorkerConfig(rank=3, world_size=8, num_workers=2, seed=1234)
+        WorkerConfig.from_process_group(num_workers=2, seed=1234)      # every rank a replica
+        WorkerConfig.from_process_group(num_workers=2, data_parallel_group=mesh["dp"])
+        WorkerConfig.from_env(num_workers=2)   # process group, torchrun variables, or 0 of 1
+        WorkerConfig(rank=3, world_size=8, num_workers=2, seed=1234)   # explicit
     """
 
     rank: int = attrs.field(default=0, validator=_non_negative_int("rank"))
@@ -60,34 +117,65 @@ class WorkerConfig:
                 f"`rank` must be below `world_size` (got rank={self.rank}, "
                 f"world_size={self.world_size})"
             )
+        if self.data_parallel_group is not None:
+            from .distributed import check_group_layout
+
+            check_group_layout(self.data_parallel_group, self.rank, self.world_size)
+
+    @classmethod
+    def from_process_group(
+        cls, *, num_workers: int = 0, seed: int = 0, data_parallel_group: Any = None
+    ) -> WorkerConfig:
+        """The layout of this process in an initialised ``torch.distributed`` job.
+
+        With ``data_parallel_group=None`` every rank of the default group is its own
+        data-parallel replica: ``rank``/``world_size`` are the global ones. With model
+        parallelism pass the data-parallel group (a ``ProcessGroup`` or a one-dimensional
+        ``DeviceMesh`` such as ``mesh["dp"]``): ``rank``/``world_size`` become this process's
+        rank in that group and its size, so the tensor-parallel peers of a replica (which sit
+        in different data-parallel groups at the same position) read identical samples.
+
+        Raises ``ValueError`` when no process group is initialised or this process is not a
+        member of the group, ``TypeError`` for something that is not a group. Example::
+
+            dist.init_process_group("gloo")
+            mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+            config = WorkerConfig.from_process_group(
+                num_workers=2, seed=1234, data_parallel_group=mesh["dp"]
+            )
+        """
+        from .distributed import data_parallel_layout
+
+        group, rank, world_size = data_parallel_layout(data_parallel_group)
+        return cls(
+            rank=rank,
+            world_size=world_size,
+            num_workers=num_workers,
+            seed=seed,
+            data_parallel_group=group,
+        )
 
     @classmethod
     def from_env(cls, *, num_workers: int = 0, seed: int = 0) -> WorkerConfig:
         """The layout of this process: an initialised process group, torchrun's variables, or 1.
 
-        Order of precedence: an initialised default ``torch.distributed`` process group, then
-        the ``RANK``/``WORLD_SIZE`` environment variables torchrun sets, then rank 0 of 1.
+        Order of precedence: an initialised default ``torch.distributed`` process group
+        (:meth:`from_process_group` with the default group), then the ``RANK``/``WORLD_SIZE``
+        environment variables torchrun sets (checked for consistency with ``LOCAL_RANK`` and
+        ``LOCAL_WORLD_SIZE`` when those are set), then rank 0 of 1. Every rank is its own
+        data-parallel replica here; with model parallelism use :meth:`from_process_group`
+        with the data-parallel group. A half-set or malformed environment is a ``ValueError``
+        rather than a silent rank 0 of 1.
         """
-        import torch.distributed as dist
+        from .distributed import process_group_initialized
 
-        if dist.is_available() and dist.is_initialized():
-            return cls(
-                rank=dist.get_rank(),
-                world_size=dist.get_world_size(),
-                num_workers=num_workers,
-                seed=seed,
-            )
-        rank_text, world_text = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
-        if rank_text is not None and world_text is not None:
-            try:
-                rank, world_size = int(rank_text), int(world_text)
-            except ValueError:
-                raise ValueError(
-                    f"RANK and WORLD_SIZE must be integers (got RANK={rank_text!r}, "
-                    f"WORLD_SIZE={world_text!r})"
-                ) from None
-            return cls(rank=rank, world_size=world_size, num_workers=num_workers, seed=seed)
-        return cls(num_workers=num_workers, seed=seed)
+        if process_group_initialized():
+            return cls.from_process_group(num_workers=num_workers, seed=seed)
+        layout = _torchrun_layout(os.environ)
+        if layout is None:
+            return cls(num_workers=num_workers, seed=seed)
+        rank, world_size = layout
+        return cls(rank=rank, world_size=world_size, num_workers=num_workers, seed=seed)
 
     def context(self, worker_id: int) -> WorkerContext:
         """The context of one worker of this rank (worker 0 of 1 when ``num_workers == 0``)."""

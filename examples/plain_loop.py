@@ -42,7 +42,9 @@ def main() -> None:
     loader = el.SavableDataLoader(build_pipeline(), num_workers=2)
     loader.load_state_dict(torch.load(path, weights_only=True)["data"])
     resumed = [batch["index"] for batch in loader]
-    uninterrupted = [batch["index"] for batch in el.SavableDataLoader(build_pipeline(), num_workers=2)]
+    uninterrupted = [
+        batch["index"] for batch in el.SavableDataLoader(build_pipeline(), num_workers=2)
+    ]
     assert seen[:21] + resumed == uninterrupted
     print(f"resumed exactly: {len(seen[:21])} + {len(resumed)} batches == {len(uninterrupted)}")
 

@@ -1,0 +1,604 @@
+"""Loader states across the ranks of a ``torch.distributed`` job.
+
+The only module that talks to process groups. Two ways to checkpoint a job's data position:
+
+* **Each rank saves its own state** (the scalable path, and the one to use beyond a few
+  hundred ranks): ``loader.state_dict()`` under this rank's own key in a
+  ``torch.distributed.checkpoint`` save (:func:`rank_state_key`), or one file per rank next
+  to the model checkpoint (:func:`save_state_rank_file` / :func:`restore_state_rank_file`).
+  No collective, no single rank holding everyone's state.
+* **Gather and scatter** (small jobs, one file for the whole job):
+  :func:`save_state_global` gathers every data-parallel rank's state to one rank with
+  ``gather_object``; :func:`restore_state_global` hands each rank its own entry, from a list
+  every rank holds or scattered from one rank with ``scatter_object_list``.
+
+Collectives run over the loader's data-parallel group (``WorkerConfig.data_parallel_group``,
+``None`` for the default group), and ranks are named as in ``torch.distributed``: ``dst_rank``
+and ``src_rank`` are *global* ranks that must belong to that group; list positions are
+data-parallel ranks. States cross the wire as pickles (that is how object collectives work);
+they are plain data, and what this module writes to disk is loadable with
+``torch.load(weights_only=True)``.
+
+No rank is left hanging: arguments that every rank judges alike (``dst_rank``, ``src_rank``)
+are checked before any collective; everything a single rank can find wrong (its state, its
+layout, a dead worker) travels through the collective in place of a state, so that every rank
+of the group learns of it and raises.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from .errors import StateFormatError, StateMismatchError, WorkerError
+from .state.checkpoint import load_checkpoint, save_checkpoint
+from .state.plain import StateReader
+from .state.rank_state import RankState
+from .worker import WorkerConfig
+
+if TYPE_CHECKING:
+    from .loader import SavableDataLoader
+
+__all__ = [
+    "check_group_layout",
+    "data_parallel_layout",
+    "data_parallel_ranks",
+    "process_group_initialized",
+    "rank_state_key",
+    "rank_state_path",
+    "restore_state_global",
+    "restore_state_rank_file",
+    "save_state_global",
+    "save_state_rank_file",
+]
+
+# Error classes a refusal may be re-raised as on every rank; anything else becomes RuntimeError.
+_ERROR_CLASSES: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (StateMismatchError, StateFormatError, WorkerError, TypeError, ValueError)
+}
+# How many distinct problems an error message lists before it says "and N more".
+_MAX_LISTED = 4
+
+
+# -- process groups --------------------------------------------------------------------------
+
+
+def process_group_initialized() -> bool:
+    """Whether ``torch.distributed`` is available and its default process group initialised."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _require_initialized(what: str) -> None:
+    if not process_group_initialized():
+        raise ValueError(
+            f"{what} needs an initialised torch.distributed process group; call "
+            "torch.distributed.init_process_group(...) first (torchrun sets the variables it "
+            "reads)"
+        )
+
+
+def _is_non_member(group: Any) -> bool:
+    """Whether ``group`` is what ``new_group()`` returns on ranks outside the group."""
+    import torch.distributed as dist
+
+    return isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER
+
+
+def _type_check_group(group: Any) -> None:
+    """``TypeError`` unless ``group`` is a ProcessGroup, a DeviceMesh or the non-member marker."""
+    import torch.distributed as dist
+
+    is_mesh = callable(getattr(group, "get_group", None))
+    if not (isinstance(group, dist.ProcessGroup) or is_mesh or _is_non_member(group)):
+        raise TypeError(
+            "`data_parallel_group` must be a torch.distributed ProcessGroup, a one-dimensional "
+            f"DeviceMesh or None (got {type(group).__name__})"
+        )
+
+
+def _as_process_group(group: Any) -> Any:
+    """``group`` as a ProcessGroup: a one-dimensional DeviceMesh becomes its group."""
+    import torch.distributed as dist
+
+    _type_check_group(group)
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    if _is_non_member(group):
+        raise ValueError(
+            "`data_parallel_group` is torch.distributed's marker for 'not a member': "
+            "new_group() returns it on ranks outside the group; pass the data-parallel group "
+            "that contains this rank"
+        )
+    if group.ndim != 1:
+        raise ValueError(
+            f"`data_parallel_group` is a DeviceMesh with {group.ndim} dimensions; pass its "
+            'data-parallel dimension, e.g. mesh["dp"]'
+        )
+    return group.get_group()
+
+
+def data_parallel_layout(group: Any = None) -> tuple[Any, int, int]:
+    """``(process group, rank in it, its size)`` of this process; ``None`` = default group.
+
+    Accepts a ``ProcessGroup`` or a one-dimensional ``DeviceMesh``. Raises ``ValueError``
+    when no process group is initialised or this process is not a member of ``group``.
+    """
+    import torch.distributed as dist
+
+    _require_initialized("WorkerConfig.from_process_group")
+    if group is None:
+        return None, dist.get_rank(), dist.get_world_size()
+    group = _as_process_group(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of "
+            f"`data_parallel_group` (global ranks {dist.get_process_group_ranks(group)}); pass "
+            "the data-parallel group that contains this rank"
+        )
+    return group, rank, dist.get_world_size(group)
+
+
+def check_group_layout(group: Any, rank: int, world_size: int) -> None:
+    """Raise unless ``rank``/``world_size`` are this process's rank in ``group`` and its size.
+
+    Used by :class:`~energy_loader.WorkerConfig` when it is given a data-parallel group.
+    """
+    import torch.distributed as dist
+
+    _type_check_group(group)
+    _require_initialized("a WorkerConfig with a `data_parallel_group`")
+    group = _as_process_group(group)
+    group_rank, group_size = dist.get_rank(group), dist.get_world_size(group)
+    if (group_rank, group_size) != (rank, world_size):
+        raise ValueError(
+            f"WorkerConfig(rank={rank}, world_size={world_size}) disagrees with its "
+            f"`data_parallel_group`, in which this process is rank {group_rank} of "
+            f"{group_size}; build it with WorkerConfig.from_process_group(data_parallel_group="
+            "...) to take both from the group"
+        )
+
+
+@attrs.frozen
+class _Group:
+    """A loader's data-parallel group as this process sees it.
+
+    ``members`` are the global ranks in data-parallel-rank order and ``rank`` this process's
+    data-parallel rank. ``collective`` is False when torch.distributed is not initialised:
+    then nothing can be exchanged, and ``members`` is ``range(world_size)`` of the config.
+    """
+
+    handle: Any
+    members: tuple[int, ...]
+    rank: int
+    collective: bool
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def position_of(self, global_rank: int, name: str) -> int:
+        """The data-parallel rank of ``global_rank``; ``ValueError`` outside the group."""
+        if global_rank not in self.members:
+            raise ValueError(
+                f"`{name}`={global_rank} is not in this loader's data-parallel group, whose "
+                f"global ranks are {_describe_ranks(self.members)}; pass one of them (e.g. "
+                "data_parallel_ranks(loader)[0]); every data-parallel group names its own"
+            )
+        return self.members.index(global_rank)
+
+
+def _group_of(config: WorkerConfig) -> _Group:
+    import torch.distributed as dist
+
+    if not process_group_initialized():
+        return _Group(None, tuple(range(config.world_size)), config.rank, collective=False)
+    handle, rank, _ = data_parallel_layout(config.data_parallel_group)
+    return _Group(handle, tuple(dist.get_process_group_ranks(handle)), rank, collective=True)
+
+
+def _require_collective(group: _Group, what: str) -> None:
+    if not group.collective and group.size > 1:
+        raise ValueError(
+            f"{what} exchanges states over torch.distributed, but no process group is "
+            f"initialised while the loader's WorkerConfig has world_size={group.size}; call "
+            "torch.distributed.init_process_group(...) first, or save and restore each rank "
+            "with save_state_rank()/restore_state_rank()"
+        )
+
+
+def _check_layout(config: WorkerConfig, group: _Group) -> None:
+    """``ValueError`` unless the loader's rank/world size are its place in ``group``."""
+    if group.collective and (config.rank, config.world_size) != (group.rank, group.size):
+        raise ValueError(
+            f"the loader's WorkerConfig says data-parallel rank {config.rank} of "
+            f"{config.world_size}, but in its data-parallel group this process is rank "
+            f"{group.rank} of {group.size}; build it with WorkerConfig.from_process_group("
+            "num_workers=..., data_parallel_group=...)"
+        )
+
+
+def data_parallel_ranks(loader: SavableDataLoader | WorkerConfig) -> list[int]:
+    """The global ranks of the loader's data-parallel group, in data-parallel-rank order.
+
+    Use it to pick a ``dst_rank``/``src_rank`` that belongs to the group, e.g. with
+    tensor parallelism, where each data-parallel group gathers to its own first rank::
+
+        states = save_state_global(loader, data_parallel_ranks(loader)[0])
+
+    Without an initialised process group this is ``[0]`` for a loader of world size 1 and a
+    ``ValueError`` otherwise.
+    """
+    group = _group_of(_config_of(loader))
+    _require_collective(group, "data_parallel_ranks")
+    return list(group.members)
+
+
+# -- argument checks ---------------------------------------------------------------------------
+
+
+def _config_of(loader: Any) -> WorkerConfig:
+    from .loader import SavableDataLoader
+
+    if isinstance(loader, WorkerConfig):
+        return loader
+    if isinstance(loader, SavableDataLoader):
+        return loader.worker_config
+    raise TypeError(f"expected a SavableDataLoader or a WorkerConfig (got {type(loader).__name__})")
+
+
+def _require_loader(loader: Any) -> SavableDataLoader:
+    from .loader import BasicDataLoader, SavableDataLoader
+
+    if isinstance(loader, BasicDataLoader):
+        raise TypeError(
+            "`loader` is a BasicDataLoader, which saves no state; use SavableDataLoader"
+        )
+    if not isinstance(loader, SavableDataLoader):
+        raise TypeError(f"`loader` must be a SavableDataLoader (got {type(loader).__name__})")
+    return loader
+
+
+def _require_rank(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be a global rank, an int (got {value!r})")
+    if value < 0:
+        raise ValueError(f"`{name}` must be a global rank >= 0 (got {value})")
+    return value
+
+
+# -- refusals: a rank's problem, sent through a collective in place of a state -----------------
+
+
+@attrs.frozen
+class _Refusal:
+    """Why one rank cannot take part. Crosses the wire (pickled) only, never stored."""
+
+    kind: str
+    message: str
+
+    @classmethod
+    def of(cls, error: BaseException) -> _Refusal:
+        return cls(type(error).__name__, str(error))
+
+
+def _describe_ranks(ranks: Sequence[int]) -> str:
+    """``[0-3, 7]``: a compact, sorted list of ranks."""
+    spans: list[list[int]] = []
+    for rank in sorted(ranks):
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return "[" + ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) + "]"
+
+
+def _combined_error(action: str, refusals: dict[int, _Refusal], size: int) -> Exception:
+    """One error for every rank, listing which data-parallel ranks refused and why."""
+    by_problem: dict[_Refusal, list[int]] = {}
+    for rank, refusal in sorted(refusals.items()):
+        by_problem.setdefault(refusal, []).append(rank)
+    lines = [
+        f"data-parallel rank(s) {_describe_ranks(ranks)}: {refusal.kind}: {refusal.message}"
+        for refusal, ranks in list(by_problem.items())[:_MAX_LISTED]
+    ]
+    if len(by_problem) > _MAX_LISTED:
+        lines.append(f"... and {len(by_problem) - _MAX_LISTED} more distinct problems")
+    first = refusals[min(refusals)]
+    error_class = _ERROR_CLASSES.get(first.kind, RuntimeError)
+    return error_class(
+        f"{action} failed on {len(refusals)} of {size} data-parallel ranks (every rank "
+        "raises this):\n  " + "\n  ".join(lines)
+    )
+
+
+def _agree(group: _Group, action: str, problem: BaseException | None) -> None:
+    """Every rank raises if any rank of the group has a problem (one all_gather_object)."""
+    import torch.distributed as dist
+
+    if not (group.collective and group.size > 1):
+        if problem is not None:
+            raise problem
+        return
+    gathered: list[_Refusal | None] = [None] * group.size
+    mine = None if problem is None else _Refusal.of(problem)
+    dist.all_gather_object(gathered, mine, group=group.handle)
+    refusals = {rank: r for rank, r in enumerate(gathered) if r is not None}
+    if refusals:
+        raise _combined_error(action, refusals, group.size) from problem
+
+
+# -- gather ----------------------------------------------------------------------------------------
+
+
+def save_state_global(loader: SavableDataLoader, dst_rank: int) -> list[dict[str, Any]] | None:
+    """Gather every data-parallel rank's state to ``dst_rank``: a list there, ``None`` elsewhere.
+
+    A collective over the loader's data-parallel group: every rank of it calls this with the
+    same ``dst_rank``, a *global* rank that must belong to the group (``ValueError`` on every
+    rank otherwise, before anything is exchanged). Entry ``i`` of the list is the
+    ``save_state_rank()`` of data-parallel rank ``i``: plain data, ready for ``json.dump`` or
+    ``torch.save``, and what :func:`restore_state_global` takes. Each state travels to
+    ``dst_rank`` once, pickled by ``gather_object``; cost and memory on ``dst_rank`` grow with
+    the number of ranks (see docs/distributed.md; beyond a few hundred ranks prefer
+    :func:`save_state_rank_file` or DCP with :func:`rank_state_key`).
+
+    If a rank cannot save (a worker died, a layout that disagrees with the group), it still
+    takes part, sending its error instead of a state: that rank raises its error and
+    ``dst_rank`` raises an error naming every rank that failed; no rank hangs. Without an
+    initialised process group, a loader of world size 1 returns ``[state]`` for
+    ``dst_rank=0``. Example::
+
+        states = save_state_global(loader, dst_rank=0)
+        if states is not None:
+            with open(path, "w") as file:
+                json.dump(states, file)
+    """
+    import torch.distributed as dist
+
+    loader = _require_loader(loader)
+    dst_rank = _require_rank(dst_rank, "dst_rank")
+    group = _group_of(loader.worker_config)
+    _require_collective(group, "save_state_global")
+    dst_position = group.position_of(dst_rank, "dst_rank")
+    problem: BaseException | None = None
+    try:
+        _check_layout(loader.worker_config, group)
+        payload: dict[str, Any] | _Refusal = loader.save_state_rank()
+    except Exception as error:
+        problem, payload = error, _Refusal.of(error)
+    gathered: list[Any] | None = [None] * group.size if group.rank == dst_position else None
+    if group.collective:
+        dist.gather_object(payload, gathered, dst=dst_rank, group=group.handle)
+    elif gathered is not None:
+        gathered[0] = payload
+    if problem is not None:
+        raise problem
+    if gathered is None:
+        return None
+    refusals = {rank: p for rank, p in enumerate(gathered) if isinstance(p, _Refusal)}
+    if refusals:
+        raise _combined_error("save_state_global", refusals, group.size)
+    return gathered
+
+
+# -- scatter -------------------------------------------------------------------------------------
+
+
+def _check_states_list(states: Any, size: int) -> list[Any]:
+    """The list-level checks: a list of ``size`` states in rank order, of this world size."""
+    if not isinstance(states, (list, tuple)):
+        raise TypeError(
+            "`states` must be the list of every data-parallel rank's state that "
+            f"save_state_global returned (got {type(states).__name__})"
+        )
+    if len(states) != size:
+        saved = _saved_world_size(states)
+        raise StateMismatchError(
+            f"`states` holds {len(states)} rank states{saved} but the data-parallel group has "
+            f"{size} rank(s); restore with the data-parallel world size the states were saved "
+            "with"
+        )
+    for index, entry in enumerate(states):
+        reader = StateReader(entry, f"states[{index}]")
+        rank, world_size = reader.int("rank"), reader.int("world_size", minimum=1)
+        if world_size != size:
+            raise StateMismatchError(
+                f"states[{index}] was saved with world_size={world_size}; the data-parallel "
+                f"group now has {size} ranks"
+            )
+        if rank != index:
+            raise StateMismatchError(
+                f"states[{index}] is the state of rank {rank}; the list must be in "
+                "data-parallel rank order, as save_state_global returns it"
+            )
+    return list(states)
+
+
+def _saved_world_size(states: Sequence[Any]) -> str:
+    first = states[0] if states else None
+    if isinstance(first, dict) and isinstance(first.get("world_size"), int):
+        return f" (saved with world_size={first['world_size']})"
+    return ""
+
+
+def _check_state(loader: SavableDataLoader, state: Any) -> None:
+    """Everything ``restore_state_rank`` would refuse, without changing the loader."""
+    if isinstance(state, _Refusal):
+        raise _ERROR_CLASSES.get(state.kind, RuntimeError)(state.message)
+    decoded = RankState.from_plain(state)
+    # The loader's own checks, in the order restore_state_rank runs them.
+    loader._check_compatible(decoded)
+    loader._validate_checkpoints(decoded.workers)
+
+
+def _own_entry(states: Any, group: _Group) -> Any:
+    return _check_states_list(states, group.size)[group.rank]
+
+
+def _scattered_entry(states: Any, group: _Group, src_position: int, src_rank: int) -> Any:
+    """This rank's entry of ``states`` (held by ``src_rank`` only), or the src's refusal."""
+    import torch.distributed as dist
+
+    envelopes: list[Any] | None = None
+    if group.rank == src_position:
+        try:
+            envelopes = _check_states_list(states, group.size)
+        except Exception as error:
+            refusal = _Refusal(type(error).__name__, f"{error} (found by src_rank {src_rank})")
+            envelopes = [refusal] * group.size
+    if not group.collective:
+        return envelopes[0] if envelopes is not None else None
+    received: list[Any] = [None]
+    dist.scatter_object_list(received, envelopes, src=src_rank, group=group.handle)
+    return received[0]
+
+
+def restore_state_global(
+    loader: SavableDataLoader,
+    states: Sequence[dict[str, Any]] | None,
+    *,
+    src_rank: int | None = None,
+) -> None:
+    """Restore every data-parallel rank from the list of all ranks' states.
+
+    Two forms, both collectives over the loader's data-parallel group (every rank of it calls
+    this, with the same ``src_rank``):
+
+    * ``src_rank=None``: every rank passes the full list (e.g. each read the same file) and
+      restores its own entry;
+    * ``src_rank=r`` (a global rank in the group): only rank ``r`` needs the list; it is
+      checked there and each entry is sent to its rank with ``scatter_object_list``. Other
+      ranks' ``states`` are ignored (pass ``None``).
+
+    Every rank checks its entry as ``restore_state_rank`` would, then the group agrees: if any
+    rank's entry does not fit (a list of the wrong length, a state of another world size,
+    rank order, pipeline or worker count, a malformed state) every rank raises the same
+    ``StateMismatchError``/``StateFormatError``/``TypeError`` naming the failing ranks, and no
+    loader is changed. ``src_rank`` outside the group is a ``ValueError`` on every rank before
+    anything is exchanged. Without an initialised process group the full-list form restores
+    this loader's own entry and the scatter form needs world size 1. Example::
+
+        states = json.load(open(path)) if dist.get_rank() == 0 else None
+        restore_state_global(loader, states, src_rank=0)
+    """
+    loader = _require_loader(loader)
+    if src_rank is not None:
+        src_rank = _require_rank(src_rank, "src_rank")
+    group = _group_of(loader.worker_config)
+    problem: BaseException | None = None
+    entry: Any = None
+    if src_rank is None:
+        try:
+            entry = _own_entry(states, group)
+        except Exception as error:
+            problem = error
+    else:
+        _require_collective(group, "restore_state_global with a src_rank")
+        src_position = group.position_of(src_rank, "src_rank")
+        entry = _scattered_entry(states, group, src_position, src_rank)
+    if problem is None:
+        try:
+            _check_layout(loader.worker_config, group)
+            _check_state(loader, entry)
+        except Exception as error:
+            problem = error
+    _agree(group, "restore_state_global", problem)
+    loader.restore_state_rank(entry)
+
+
+# -- each rank its own state: DCP keys and per-rank files ------------------------------------------
+
+
+def _rank_stem(config: WorkerConfig, prefix: str) -> str:
+    if not isinstance(prefix, str) or not prefix or "/" in prefix or os.sep in prefix:
+        raise ValueError(
+            f"`prefix` must be a non-empty name without path separators (got {prefix!r})"
+        )
+    return f"{prefix}_rank_{config.rank:05d}_of_{config.world_size:05d}"
+
+
+def rank_state_key(loader: SavableDataLoader | WorkerConfig, prefix: str = "loader") -> str:
+    """This rank's key for its loader in a ``torch.distributed.checkpoint`` state dict.
+
+    ``torch.distributed.checkpoint`` keeps *one* copy of every key it sees on several ranks
+    (it deduplicates replicated values), so a loader saved under the same key on every rank
+    comes back as one rank's state, or a mixture of leaves from several, everywhere. Give each
+    data-parallel rank its own key; tensor-parallel peers share one (their states are
+    equivalent). The key names the data-parallel world size, so loading into a job of
+    another size fails with a missing key instead of restoring the wrong shard.
+
+    DCP flattens the nested state into one entry per leaf and loads into the *shape* of the
+    fresh loader's ``state_dict()``: a pipeline whose state changes shape while it runs (a
+    shuffle buffer over batches switches its keys from ``indices`` to ``keys``) fails to load
+    with ``Missing key in checkpoint state_dict``. Use :func:`save_state_rank_file` for such
+    pipelines (docs/distributed.md). Example::
+
+        state = {"model": model_state, rank_state_key(loader): loader}
+        dcp.save(state, checkpoint_id=path)   # ... later, same dict shape:
+        dcp.load(state, checkpoint_id=path)   # calls loader.load_state_dict
+    """
+    return _rank_stem(_config_of(loader), prefix)
+
+
+def rank_state_path(
+    directory: str | os.PathLike[str],
+    loader: SavableDataLoader | WorkerConfig,
+    prefix: str = "loader",
+) -> Path:
+    """This rank's state file in ``directory``: ``loader_rank_00003_of_00008.pt``."""
+    return Path(directory) / (_rank_stem(_config_of(loader), prefix) + ".pt")
+
+
+def save_state_rank_file(
+    loader: SavableDataLoader, directory: str | os.PathLike[str], prefix: str = "loader"
+) -> Path:
+    """Write this rank's state to its own checkpoint file in ``directory``; returns the path.
+
+    No collective: call it on every rank, next to where the model checkpoint goes. The file is
+    an energy_loader checkpoint file (:func:`~energy_loader.state.save_checkpoint`: plain data
+    with a checksum, written atomically: temporary file, fsync, rename, fsync of the
+    directory), so a crash leaves the previous file or the new one, never a torn one; the
+    directory is created if needed. Tensor-parallel peers share a data-parallel rank and so a
+    file name: each rename is atomic and their states are equivalent, or let one peer write.
+    """
+    loader = _require_loader(loader)
+    return save_checkpoint(rank_state_path(directory, loader, prefix), loader.save_state_rank())
+
+
+def restore_state_rank_file(
+    loader: SavableDataLoader, directory: str | os.PathLike[str], prefix: str = "loader"
+) -> None:
+    """Restore this rank from its file in ``directory``, written by :func:`save_state_rank_file`.
+
+    No collective; reads this rank's file only (``torch.load(weights_only=True)``, checksum
+    verified). When this rank's file is missing but the directory holds state files of another
+    data-parallel world size, that is a ``StateMismatchError`` naming them; with no state files
+    at all it is a ``FileNotFoundError``. A damaged file is a ``StateFormatError``, and a state
+    that does not fit raises what ``restore_state_rank`` raises.
+    """
+    loader = _require_loader(loader)
+    path = rank_state_path(directory, loader, prefix)
+    if not path.is_file():
+        _raise_missing(path, prefix)
+    loader.restore_state_rank(load_checkpoint(path))
+
+
+def _raise_missing(path: Path, prefix: str) -> None:
+    others = sorted(p.name for p in path.parent.glob(f"{prefix}_rank_*_of_*.pt"))
+    if others:
+        raise StateMismatchError(
+            f"{path.name} is not in {path.parent}, which holds {len(others)} state files of "
+            f"another layout ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}); "
+            "restore with the data-parallel world size they were saved with"
+        )
+    raise FileNotFoundError(
+        f"no loader state file {path.name} in {path.parent}; save_state_rank_file writes it"
+    )

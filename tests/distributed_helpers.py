@@ -1,0 +1,390 @@
+"""Multi-process harness for tests/test_distributed.py.
+
+:func:`launch` starts ``world_size`` real processes with the spawn start method, joins them
+into a gloo process group on 127.0.0.1 (a free port per launch) and runs one *rank program*
+(a module-level function of this module, so spawned processes can import it) on each. A rank
+program writes what it saw to files in the work directory; the test reads them. Every launch
+is bounded: processes still running at the deadline are killed and the test fails with what
+each rank reported.
+
+Rank processes start with the forkserver method by default: a clean server process (never the
+pytest process) that has imported torch once forks each rank, so a launch does not pay
+torch's import (2-3 s per process, ~10 s for four ranks on two cores). Set
+``ENERGY_LOADER_TEST_START_METHOD=spawn`` to spawn every rank from scratch instead. Loaders
+inside the ranks use the fork start method for their own workers, for the same reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import energy_loader as el
+from energy_loader import distributed as eld
+from energy_loader.testing.resume import END, compare_events, record_events
+from tests.helpers import indices, reference_pipeline
+
+# A collective that waits longer than this raises in the rank instead of hanging the test.
+PG_TIMEOUT = datetime.timedelta(seconds=45)
+_END_MARK = "<END>"
+START_METHOD = os.environ.get("ENERGY_LOADER_TEST_START_METHOD", "forkserver")
+
+
+# -- the launcher (runs in the test process) ---------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(
+    program: Callable[..., None], world_size: int, workdir: Path, *, timeout: float, **kwargs: Any
+) -> None:
+    """Run ``program(rank, world_size, workdir, **kwargs)`` on ``world_size`` gloo ranks.
+
+    Raises ``AssertionError`` with every failing rank's traceback if a rank fails, or if the
+    ranks are not done within ``timeout`` seconds (they are killed then).
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    context = multiprocessing.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        context.set_forkserver_preload(["torch", "torch.distributed"])
+    port = free_port()
+    processes = [
+        context.Process(
+            target=_rank_main,
+            args=(program.__name__, rank, world_size, port, str(workdir), kwargs),
+            name=f"rank-{rank}",
+        )
+        for rank in range(world_size)
+    ]
+    try:
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + timeout
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        hung = [p.name for p in processes if p.is_alive()]
+        failed = [p.name for p in processes if not p.is_alive() and p.exitcode != 0]
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+        for process in processes:
+            process.join(10)
+    if hung or failed:
+        reports = "\n".join(_error_report(workdir, rank) for rank in range(world_size))
+        raise AssertionError(f"ranks hung past {timeout} s: {hung}; failed: {failed}\n{reports}")
+
+
+def _error_report(workdir: Path, rank: int) -> str:
+    path = workdir / f"error_rank{rank}.txt"
+    return f"--- rank {rank} ---\n{path.read_text()}" if path.exists() else ""
+
+
+def _rank_main(
+    name: str, rank: int, world_size: int, port: int, workdir: str, kwargs: dict[str, Any]
+) -> None:
+    """Entry point of a spawned rank: join the group, run the program, report errors."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=PG_TIMEOUT,
+        )
+        globals()[name](rank, world_size, Path(workdir), **kwargs)
+        dist.destroy_process_group()
+    except BaseException:
+        (Path(workdir) / f"error_rank{rank}.txt").write_text(traceback.format_exc())
+        # Exit without waiting for peers or loader workers (they notice and stop).
+        os._exit(1)
+
+
+# -- helpers for rank programs -----------------------------------------------------------------
+
+
+def make_loader(
+    num_workers: int, *, length: int = 64, config: el.WorkerConfig | None = None
+) -> el.SavableDataLoader:
+    """A small reference pipeline (map -> shuffle buffer -> batch) on this rank."""
+    config = config or el.WorkerConfig.from_process_group(num_workers=num_workers, seed=3)
+    return el.SavableDataLoader(
+        reference_pipeline(length=length, buffer=8, batch=4),
+        worker_config=config,
+        multiprocessing_context="fork",
+        checkpoint_every_n_samples=2,
+    )
+
+
+def encode_events(events: list[Any]) -> list[Any]:
+    return [_END_MARK if event is END else event for event in events]
+
+
+def decode_events(events: list[Any]) -> list[Any]:
+    return [END if event == _END_MARK else event for event in events]
+
+
+def epoch_indices(events: list[Any]) -> list[list[int]]:
+    """The source indices of each epoch's samples, in order."""
+    epochs: list[list[int]] = [[]]
+    for event in events:
+        if event is END:
+            epochs.append([])
+        else:
+            epochs[-1].extend(indices(event))
+    return epochs[:-1] if not epochs[-1] else epochs
+
+
+def save_json(path: Path, value: Any) -> None:
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(value))
+    os.replace(temporary, path)
+
+
+def outcome(call: Callable[[], Any]) -> list[str]:
+    """``["ok", ""]`` or ``[exception class name, message]``."""
+    try:
+        call()
+    except Exception as error:
+        return [type(error).__name__, str(error)]
+    return ["ok", ""]
+
+
+# -- rank programs -----------------------------------------------------------------------------
+
+
+def record_and_save(
+    rank: int, world_size: int, workdir: Path, *, num_workers: int, stop: int, epochs: int
+) -> None:
+    """Uninterrupted run; then a run stopped after ``stop`` events whose states are saved.
+
+    Rank 0 writes the gathered list to ``states.json``; every rank also writes its own
+    per-rank file into ``rank_files/``.
+    """
+    loader = make_loader(num_workers)
+    full, _ = record_events(loader, epochs)
+    del loader
+    loader = make_loader(num_workers)
+    head, ended = record_events(loader, epochs, stop=stop)
+    states = loader.save_state_global(0)
+    if rank == 0:
+        if states is None or len(states) != world_size:
+            raise AssertionError(f"rank 0 gathered {states!r}")
+        save_json(workdir / "states.json", states)
+    elif states is not None:
+        raise AssertionError("a rank other than dst_rank received the gathered states")
+    (workdir / "rank_files").mkdir(exist_ok=True)
+    eld.save_state_rank_file(loader, workdir / "rank_files")
+    torch.save(
+        {"full": encode_events(full), "head": encode_events(head), "ended": ended},
+        workdir / f"run_rank{rank}.pt",
+    )
+
+
+def restore_and_continue(
+    rank: int, world_size: int, workdir: Path, *, num_workers: int, epochs: int
+) -> None:
+    """Fresh loaders restore in three ways; each continuation must equal the full run."""
+    run = torch.load(workdir / f"run_rank{rank}.pt", weights_only=False)
+    full, head = decode_events(run["full"]), decode_events(run["head"])
+    restores = {
+        "full_list": lambda loader: loader.restore_state_global(
+            json.loads((workdir / "states.json").read_text())
+        ),
+        "scatter": lambda loader: loader.restore_state_global(
+            json.loads((workdir / "states.json").read_text()) if rank == 0 else None, src_rank=0
+        ),
+        "rank_file": lambda loader: eld.restore_state_rank_file(loader, workdir / "rank_files"),
+    }
+    report = {}
+    for name, restore in restores.items():
+        loader = make_loader(num_workers)
+        restore(loader)
+        tail, _ = record_events(loader, epochs - run["ended"])
+        del loader
+        report[name] = compare_events(full, head + tail)
+    save_json(workdir / f"continuations_rank{rank}.json", report)
+    save_json(workdir / f"epochs_rank{rank}.json", epoch_indices(full))
+
+
+def data_parallel_replicas(rank: int, world_size: int, workdir: Path, *, stop: int) -> None:
+    """World 4 as a 2 x 2 (dp, tp) DeviceMesh: tp peers share samples, dp groups gather."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    config = el.WorkerConfig.from_process_group(
+        num_workers=1, seed=3, data_parallel_group=mesh["dp"]
+    )
+    checks = {
+        "config": [config.rank, config.world_size],
+        "ranks": eld.data_parallel_ranks(config),
+        "two_dim_mesh": outcome(
+            lambda: el.WorkerConfig.from_process_group(data_parallel_group=mesh)
+        ),
+    }
+    not_member = dist.new_group([0, 2])  # every rank must call new_group
+    checks["not_member"] = outcome(
+        lambda: el.WorkerConfig.from_process_group(data_parallel_group=not_member)
+    )
+    checks["wrong_rank"] = outcome(
+        lambda: el.WorkerConfig(
+            rank=1 - config.rank, world_size=2, data_parallel_group=mesh["dp"].get_group()
+        )
+    )
+    full, _ = record_events(make_loader(1, config=config), 1)
+    loader = make_loader(1, config=config)
+    head, _ = record_events(loader, 1, stop=stop)
+    dst = eld.data_parallel_ranks(config)[0]
+    checks["dst_outside_group"] = outcome(lambda: loader.save_state_global(1 - dst))
+    states = loader.save_state_global(dst)
+    checks["gathered"] = None if states is None else [s["rank"] for s in states]
+    fresh = make_loader(1, config=config)
+    fresh.restore_state_global(states, src_rank=dst)
+    tail, _ = record_events(fresh, 1)
+    checks["continuation"] = compare_events(full, head + tail)
+    save_json(workdir / f"replica_rank{rank}.json", checks)
+    torch.save(
+        [b["__restore_key__"] for b in full if b is not END], workdir / f"keys_rank{rank}.pt"
+    )
+
+
+def _other_layout_states() -> list[dict[str, Any]]:
+    """The states of the same job saved with 2 workers per rank instead of 1 (on every rank)."""
+    loader = make_loader(2)
+    iterator = iter(loader)
+    next(iterator)
+    gathered = loader.save_state_global(0)
+    box = [gathered]
+    dist.broadcast_object_list(box, src=0)
+    del iterator, loader
+    return box[0]
+
+
+def bad_inputs(rank: int, world_size: int, workdir: Path) -> None:
+    """Every bad input raises on every rank, leaves the loader usable, and nobody hangs."""
+    reference, _ = record_events(make_loader(1), 1)
+    loader = make_loader(1)
+    head, _ = record_events(loader, 1, stop=3)
+    box = [loader.save_state_global(0)]
+    dist.broadcast_object_list(box, src=0)
+    good: list[dict[str, Any]] = box[0]
+    other_layout = _other_layout_states()
+    one_bad = copy.deepcopy(good)
+    one_bad[1]["config"]["inner"]["size"] = 99
+    target = make_loader(1)
+
+    def scatter(states: Any, src: int = 0) -> None:
+        target.restore_state_global(states if rank == src else None, src_rank=src)
+
+    cases: dict[str, Callable[[], Any]] = {
+        "full_list_too_long": lambda: target.restore_state_global(good + good[:1]),
+        "scatter_too_short": lambda: scatter(good[:1]),
+        "full_list_other_layout": lambda: target.restore_state_global(other_layout),
+        "scatter_other_layout": lambda: scatter(other_layout),
+        "full_list_swapped": lambda: target.restore_state_global(good[::-1]),
+        "full_list_one_rank_bad": lambda: target.restore_state_global(one_bad),
+        "scatter_one_rank_bad": lambda: scatter(one_bad, src=1),
+        "scatter_not_a_list": lambda: scatter({"a": 1}),
+        "src_outside_group": lambda: scatter(good, src=world_size),
+        "dst_outside_group": lambda: loader.save_state_global(world_size + 3),
+        "dst_negative": lambda: loader.save_state_global(-1),
+        "dst_not_int": lambda: loader.save_state_global("0"),
+    }
+    report = {name: outcome(call) for name, call in cases.items()}
+    # After all that, a good restore of the untouched loader still continues exactly.
+    target.restore_state_global(good)
+    tail, _ = record_events(target, 1)
+    report["good_after_bad"] = [str(compare_events(reference, head + tail)), ""]
+    report["dead_worker"] = outcome(lambda: _save_with_dead_worker(rank))
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=20))
+    save_json(workdir / f"bad_rank{rank}.json", report)
+
+
+def _save_with_dead_worker(rank: int) -> Any:
+    """save_state_global while rank 1's worker is dead: no hang, both ranks learn of it."""
+    loader = make_loader(1)
+    iterator = iter(loader)
+    next(iterator)
+    if rank == 1:
+        worker = loader._live_workers()[0]
+        try:
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.join(10)
+        except RuntimeError:
+            pass  # torch's SIGCHLD handler reports the death here, asynchronously
+    return loader.save_state_global(0)
+
+
+def dcp_round_trip(rank: int, world_size: int, workdir: Path, *, steps: int, more: int) -> None:
+    """DCP save of a DDP model + optimizer + loader (per-rank key), load into fresh ones."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, el.SavableDataLoader]:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        return model, optimizer, make_loader(2)
+
+    def train(
+        model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]
+    ) -> None:
+        loss = model(batch["x"].float() / 64).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    torch.manual_seed(0)
+    model, optimizer, loader = build()
+    iterator = iter(loader)
+    for _ in range(steps):
+        train(model, optimizer, next(iterator))
+    model_state, optim_state = get_state_dict(model, optimizer)
+    key = eld.rank_state_key(loader)
+    dcp.save(
+        {"model": model_state, "optim": optim_state, key: loader}, checkpoint_id=workdir / "dcp"
+    )
+    expected = []
+    for _ in range(more):
+        batch = next(iterator)
+        expected.append(batch)
+        train(model, optimizer, batch)
+    del iterator, loader
+
+    torch.manual_seed(1 + rank)  # a different init: the checkpoint must overwrite it
+    model2, optimizer2, loader2 = build()
+    model_state, optim_state = get_state_dict(model2, optimizer2)
+    state = {"model": model_state, "optim": optim_state, key: loader2}
+    dcp.load(state, checkpoint_id=workdir / "dcp")
+    set_state_dict(
+        model2, optimizer2, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    iterator2 = iter(loader2)
+    got = []
+    for _ in range(more):
+        batch = next(iterator2)
+        got.append(batch)
+        train(model2, optimizer2, batch)
+    same_params = all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    save_json(
+        workdir / f"dcp_rank{rank}.json",
+        {"key": key, "continuation": compare_events(expected, got), "same_params": same_params},
+    )

@@ -1,0 +1,276 @@
+"""energy_loader.distributed and WorkerConfig's process-group constructors.
+
+The multi-process tests start real gloo groups on 127.0.0.1 (tests/distributed_helpers.py):
+every rank runs a SavableDataLoader with worker processes. The rest run in this process.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import energy_loader as el
+from energy_loader import distributed as eld
+from energy_loader.state.checkpoint import load_checkpoint
+from energy_loader.testing.resume import compare_events, record_events
+from tests import distributed_helpers as dh
+from tests.helpers import reference_pipeline
+
+LENGTH = 64  # samples in the pipelines of tests/distributed_helpers.make_loader
+
+
+def _read(path: Path) -> object:
+    return json.loads(path.read_text())
+
+
+# -- WorkerConfig from the environment ------------------------------------------------------------
+
+
+@pytest.fixture
+def torchrun_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_from_env_reads_torchrun_variables(torchrun_env: pytest.MonkeyPatch) -> None:
+    assert el.WorkerConfig.from_env(num_workers=2) == el.WorkerConfig(num_workers=2)
+    for name, value in {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}.items():
+        torchrun_env.setenv(name, value)
+    torchrun_env.setenv("LOCAL_WORLD_SIZE", "4")
+    config = el.WorkerConfig.from_env(num_workers=2, seed=9)
+    assert (config.rank, config.world_size, config.num_workers, config.seed) == (5, 8, 2, 9)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RANK": "1"}, "WORLD_SIZE is not"),
+        ({"WORLD_SIZE": "2"}, "RANK is not"),
+        ({"RANK": "one", "WORLD_SIZE": "2"}, "RANK must be an integer"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK must be in range"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, "LOCAL_RANK=1 cannot exceed"),
+        ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "3"}, "LOCAL_WORLD_SIZE=3"),
+        (
+            {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "1"},
+            "below LOCAL_WORLD_SIZE",
+        ),
+    ],
+)
+def test_from_env_rejects_a_broken_environment(
+    torchrun_env: pytest.MonkeyPatch, env: dict[str, str], message: str
+) -> None:
+    for name, value in env.items():
+        torchrun_env.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        el.WorkerConfig.from_env()
+
+
+def test_from_process_group_needs_an_initialised_group() -> None:
+    with pytest.raises(ValueError, match="init_process_group"):
+        el.WorkerConfig.from_process_group(num_workers=1)
+
+
+def test_data_parallel_group_must_be_a_group() -> None:
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        el.WorkerConfig(data_parallel_group="dp")
+
+
+# -- single process: the global API degenerates to one rank ---------------------------------------
+
+
+def _loader(**config: int) -> el.SavableDataLoader:
+    worker_config = el.WorkerConfig(num_workers=0, **config)
+    return el.SavableDataLoader(reference_pipeline(length=24), worker_config=worker_config)
+
+
+def test_single_process_gather_and_restore_round_trip() -> None:
+    full, _ = record_events(_loader(), 2)
+    loader = _loader()
+    head, ended = record_events(loader, 2, stop=4)
+    states = eld.save_state_global(loader, 0)
+    assert states is not None and len(states) == 1
+    for src_rank in (None, 0):
+        restored = _loader()
+        eld.restore_state_global(restored, json.loads(json.dumps(states)), src_rank=src_rank)
+        tail, _ = record_events(restored, 2 - ended)
+        assert compare_events(full, head + tail) is None
+
+
+def test_full_list_restores_own_entry_without_a_process_group() -> None:
+    states = [_loader(rank=rank, world_size=2).save_state_rank() for rank in range(2)]
+    target = _loader(rank=1, world_size=2)
+    eld.restore_state_global(target, states)
+    with pytest.raises(ValueError, match="no process group is initialised"):
+        eld.restore_state_global(target, states, src_rank=0)
+    with pytest.raises(ValueError, match="no process group is initialised"):
+        eld.save_state_global(target, 0)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda loader: eld.save_state_global(loader, 1), ValueError, "not in this loader's"),
+        (lambda loader: eld.save_state_global(loader, True), TypeError, "an int"),
+        (lambda loader: eld.save_state_global(loader, -2), ValueError, ">= 0"),
+        (lambda loader: eld.save_state_global("x", 0), TypeError, "SavableDataLoader"),
+        (lambda loader: eld.restore_state_global(loader, None), TypeError, "list of every"),
+        (lambda loader: eld.restore_state_global(loader, [{}]), el.StateFormatError, "rank"),
+        (lambda loader: eld.restore_state_global(loader, [], src_rank=3), ValueError, "not in"),
+    ],
+)
+def test_bad_arguments_name_the_fix(call, error, message) -> None:
+    with pytest.raises(error, match=message):
+        call(_loader())
+
+
+def test_wrong_length_is_a_state_mismatch() -> None:
+    loader = _loader()
+    state = loader.save_state_rank()
+    with pytest.raises(el.StateMismatchError, match="holds 2 rank states"):
+        eld.restore_state_global(loader, [state, state])
+
+
+# -- the per-rank paths: DCP keys and files ------------------------------------------------------
+
+
+def test_rank_keys_and_paths_name_rank_and_world_size(tmp_path: Path) -> None:
+    config = el.WorkerConfig(rank=3, world_size=16)
+    assert eld.rank_state_key(config) == "loader_rank_00003_of_00016"
+    assert eld.rank_state_path(tmp_path, config, "data").name == "data_rank_00003_of_00016.pt"
+    with pytest.raises(ValueError, match="prefix"):
+        eld.rank_state_key(config, "a/b")
+    with pytest.raises(TypeError, match="WorkerConfig"):
+        eld.rank_state_key(3)
+
+
+def test_rank_file_round_trip_and_errors(tmp_path: Path) -> None:
+    full, _ = record_events(_loader(), 1)
+    loader = _loader()
+    head, _ = record_events(loader, 1, stop=3)
+    path = eld.save_state_rank_file(loader, tmp_path / "step_3")
+    assert load_checkpoint(path)["format"] == "energy_loader.rank_state"
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
+    restored = _loader()
+    eld.restore_state_rank_file(restored, path.parent)
+    tail, _ = record_events(restored, 1)
+    assert compare_events(full, head + tail) is None
+
+    with pytest.raises(el.StateMismatchError, match="another layout"):
+        eld.restore_state_rank_file(_loader(rank=0, world_size=2), path.parent)
+    with pytest.raises(FileNotFoundError, match="save_state_rank_file"):
+        eld.restore_state_rank_file(_loader(), tmp_path)
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(el.StateFormatError, match="truncated"):
+        eld.restore_state_rank_file(_loader(), path.parent)
+
+
+# -- real multi-process groups ---------------------------------------------------------------------
+
+
+def _assert_disjoint_epochs(workdir: Path, world_size: int) -> None:
+    """Across ranks, every epoch visits every sample exactly once."""
+    per_rank = [_read(workdir / f"epochs_rank{rank}.json") for rank in range(world_size)]
+    for epoch in range(len(per_rank[0])):
+        seen = [index for epochs in per_rank for index in epochs[epoch]]
+        assert len(seen) == len(set(seen)), f"epoch {epoch}: a sample was seen twice"
+        assert sorted(seen) == list(range(LENGTH)), f"epoch {epoch}: samples missing"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("world_size", "num_workers", "stop"), [(2, 2, 5), (4, 1, 2)])
+def test_gather_then_fresh_processes_restore_exactly(
+    tmp_path: Path, world_size: int, num_workers: int, stop: int, no_leftover_processes: None
+) -> None:
+    dh.launch(
+        dh.record_and_save, world_size, tmp_path, timeout=60,
+        num_workers=num_workers, stop=stop, epochs=2,
+    )  # fmt: skip
+    states = _read(tmp_path / "states.json")
+    assert [s["rank"] for s in states] == list(range(world_size))
+    assert {s["world_size"] for s in states} == {world_size}
+
+    dh.launch(
+        dh.restore_and_continue, world_size, tmp_path, timeout=60,
+        num_workers=num_workers, epochs=2,
+    )  # fmt: skip
+    for rank in range(world_size):
+        report = _read(tmp_path / f"continuations_rank{rank}.json")
+        assert report == {"full_list": None, "scatter": None, "rank_file": None}, rank
+    _assert_disjoint_epochs(tmp_path, world_size)
+
+
+@pytest.mark.timeout(120)
+def test_data_parallel_groups_share_samples_within_a_replica(
+    tmp_path: Path, no_leftover_processes: None
+) -> None:
+    dh.launch(dh.data_parallel_replicas, 4, tmp_path, timeout=90, stop=2)
+    import torch
+
+    keys = [torch.load(tmp_path / f"keys_rank{rank}.pt") for rank in range(4)]
+    assert keys[0] == keys[1] and keys[2] == keys[3], "tensor-parallel peers differ"
+    replica_a = {k for batch in keys[0] for k in batch}
+    replica_b = {k for batch in keys[2] for k in batch}
+    assert not replica_a & replica_b
+    assert len(replica_a | replica_b) == LENGTH
+    for rank in range(4):
+        checks = _read(tmp_path / f"replica_rank{rank}.json")
+        dp_rank = rank // 2
+        assert checks["config"] == [dp_rank, 2]
+        assert checks["ranks"] == [rank % 2, rank % 2 + 2]
+        assert checks["two_dim_mesh"][0] == "ValueError"
+        assert checks["not_member"][0] == ("ok" if rank in (0, 2) else "ValueError")
+        assert checks["wrong_rank"][0] == "ValueError"
+        assert checks["dst_outside_group"][0] == "ValueError"
+        assert checks["gathered"] == ([0, 1] if dp_rank == 0 else None)
+        assert checks["continuation"] is None
+
+
+EXPECTED_BAD = {
+    "full_list_too_long": "StateMismatchError",
+    "scatter_too_short": "StateMismatchError",
+    "full_list_other_layout": "StateMismatchError",
+    "scatter_other_layout": "StateMismatchError",
+    "full_list_swapped": "StateMismatchError",
+    "full_list_one_rank_bad": "StateMismatchError",
+    "scatter_one_rank_bad": "StateMismatchError",
+    "scatter_not_a_list": "TypeError",
+    "src_outside_group": "ValueError",
+    "dst_outside_group": "ValueError",
+    "dst_negative": "ValueError",
+    "dst_not_int": "TypeError",
+    "dead_worker": "WorkerError",
+}
+
+
+@pytest.mark.timeout(120)
+def test_bad_input_raises_on_every_rank_and_nobody_hangs(
+    tmp_path: Path, no_leftover_processes: None
+) -> None:
+    dh.launch(dh.bad_inputs, 2, tmp_path, timeout=90)
+    reports = [_read(tmp_path / f"bad_rank{rank}.json") for rank in range(2)]
+    for rank, report in enumerate(reports):
+        got = {name: report[name][0] for name in EXPECTED_BAD}
+        assert got == EXPECTED_BAD, (rank, report)
+        assert report["good_after_bad"][0] == "None", report["good_after_bad"]
+    # Both ranks name the rank whose state did not fit, and say why.
+    for report in reports:
+        assert "data-parallel rank(s) [1]" in report["full_list_one_rank_bad"][1]
+        assert "ShuffleBufferDataset.size: saved 99, now 8" in report["full_list_one_rank_bad"][1]
+        assert "holds 1 rank states" in report["scatter_too_short"][1]
+        assert "num_workers" in report["scatter_other_layout"][1]
+    assert "data-parallel rank(s) [1]" in reports[0]["dead_worker"][1]
+
+
+@pytest.mark.timeout(120)
+def test_dcp_round_trip_with_per_rank_keys(tmp_path: Path, no_leftover_processes: None) -> None:
+    dh.launch(dh.dcp_round_trip, 2, tmp_path, timeout=90, steps=3, more=4)
+    for rank in range(2):
+        report = _read(tmp_path / f"dcp_rank{rank}.json")
+        assert report == {
+            "key": f"loader_rank_{rank:05d}_of_00002",
+            "continuation": None,
+            "same_params": True,
+        }
