@@ -32,7 +32,6 @@ from .wrappers import (
 )
 
 __all__ = [
-    "RESTORE_KEY",
     "BaseWrapperDataset",
     "BasicDataLoader",
     "BatchDataset",
@@ -44,6 +43,7 @@ __all__ = [
     "LimitDataset",
     "LogSampleDataset",
     "MapDataset",
+    "RESTORE_KEY",
     "RepeatDataset",
     "SavableDataLoader",
     "SavableDataset",
