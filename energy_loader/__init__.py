@@ -15,9 +15,24 @@ from .distributed import (
     save_state_global,
     save_state_rank_file,
 )
-from .errors import EnergyLoaderError, StateFormatError, StateMismatchError, WorkerError
+from .errors import (
+    DownloadError,
+    EnergyLoaderError,
+    SourceDataError,
+    StateFormatError,
+    StateMismatchError,
+    StreamError,
+    WorkerError,
+)
 from .loader import BasicDataLoader, SavableDataLoader
-from .sources import IndexedSource
+from .sources import (
+    ChunkedFolderSource,
+    IndexedSource,
+    ShardedSource,
+    ShardWriter,
+    StreamSource,
+    write_chunked_folder,
+)
 from .worker import WorkerConfig, WorkerContext, current_worker
 from .wrappers import (
     BatchDataset,
@@ -35,6 +50,8 @@ __all__ = [
     "BaseWrapperDataset",
     "BasicDataLoader",
     "BatchDataset",
+    "ChunkedFolderSource",
+    "DownloadError",
     "EnergyLoaderError",
     "EpochCursor",
     "FilterDataset",
@@ -47,9 +64,14 @@ __all__ = [
     "RepeatDataset",
     "SavableDataLoader",
     "SavableDataset",
+    "ShardWriter",
+    "ShardedSource",
     "ShuffleBufferDataset",
+    "SourceDataError",
     "StateFormatError",
     "StateMismatchError",
+    "StreamError",
+    "StreamSource",
     "WorkerConfig",
     "WorkerContext",
     "WorkerError",
@@ -63,6 +85,7 @@ __all__ = [
     "restore_state_rank_file",
     "save_state_global",
     "save_state_rank_file",
+    "write_chunked_folder",
 ]
 
 __version__ = "0.1.0"

@@ -12,7 +12,10 @@ crashed".
 from __future__ import annotations
 
 __all__ = [
+    "DownloadError",
     "EnergyLoaderError",
+    "SourceDataError",
+    "StreamError",
     "StateFormatError",
     "StateMismatchError",
     "WorkerError",
@@ -57,3 +60,24 @@ class WorkerError(EnergyLoaderError, RuntimeError):
         super().__init__(message)
         self.worker_id = worker_id
         self.original_traceback = original_traceback
+
+
+class SourceDataError(EnergyLoaderError, ValueError):
+    """The data a source reads is inconsistent: bad metadata or index, wrong sample counts,
+    a chunk or shard that does not decode, a shard whose hash stays wrong after re-downloads.
+
+    The message names the file or shard and what would fix it. A missing file is a plain
+    ``FileNotFoundError`` with the same kind of message.
+    """
+
+
+class DownloadError(EnergyLoaderError, OSError):
+    """A shard or index could not be fetched from the remote (after the configured retries
+    and within the configured timeout), or the node's download lock could not be taken.
+    """
+
+
+class StreamError(EnergyLoaderError, RuntimeError):
+    """A stream source's ``fetch_fn`` or ``is_exhausted`` raised or returned something
+    invalid, or no batch arrived within ``fetch_timeout``.
+    """

@@ -26,6 +26,12 @@ def first_difference(a: Any, b: Any, path: str = "sample") -> str | None:
         if a.dtype != b.dtype or a.shape != b.shape or not np.array_equal(a, b):
             return f"{path}: arrays differ"
         return None
+    if _is_tensordict(a) or _is_tensordict(b):
+        if not (_is_tensordict(a) and _is_tensordict(b)):
+            return f"{path}: {type(a).__name__} vs {type(b).__name__}"
+        if tuple(a.batch_size) != tuple(b.batch_size):
+            return f"{path}: batch_size {tuple(a.batch_size)} vs {tuple(b.batch_size)}"
+        return first_difference(a.to_dict(), b.to_dict(), path)
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         if set(a) != set(b):
             return f"{path}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
@@ -47,6 +53,11 @@ def first_difference(a: Any, b: Any, path: str = "sample") -> str | None:
     if type(a) is not type(b) or a != b:
         return f"{path}: {a!r} vs {b!r}"
     return None
+
+
+def _is_tensordict(value: Any) -> bool:
+    """TensorDict (optional dependency) without importing it: duck-typed by its API."""
+    return hasattr(value, "batch_size") and hasattr(value, "to_dict") and hasattr(value, "keys")
 
 
 def samples_equal(a: Any, b: Any) -> bool:

@@ -1,0 +1,420 @@
+"""The local shard cache of ShardedSource: node-wide locks, validated downloads, eviction, and
+the background thread that downloads ahead of the reader.
+
+Every process on a node that reads the same ``local`` directory shares its files. A shard is
+downloaded by whoever needs it first while holding ``local/.locks/<shard>.lock``
+(``fcntl.flock``); the others wait on that lock (with a timeout) and then find the file there.
+A download goes to a temporary file, is checked against the index's sha256, decompressed,
+checked against the uncompressed sha256, and renamed into place: a file under its final name is
+always complete. Corrupt downloads are retried; so are I/O errors and timeouts.
+
+Thread-safety: a :class:`ShardCache` is used by one reader thread and its prefetch thread;
+the eviction list is guarded by a lock, everything else by the file locks.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import fcntl
+import gzip
+import hashlib
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from ..errors import DownloadError, SourceDataError
+from .shard_writer import ShardInfo, zstd_module
+
+__all__ = ["Prefetcher", "Remote", "ShardCache", "node_lock"]
+
+LOGGER = logging.getLogger("energy_loader.sources.sharded")
+_READ_SIZE = 1 << 20
+LOCKS = ".locks"
+
+
+@contextlib.contextmanager
+def node_lock(path: Path, timeout: float, purpose: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (shared by all processes of the node).
+
+    Raises :class:`DownloadError` after ``timeout`` seconds of waiting. ``flock`` locks belong to
+    an open file, so two threads of one process exclude each other too.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout
+    with open(path, "a+b") as handle:
+        delay = 0.002
+        while True:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise DownloadError(
+                        f"waited {timeout:.1f} s for the lock {path} ({purpose}) held by another "
+                        "process of this node; is a download stuck, or is download_timeout too "
+                        "small for the shard size?"
+                    ) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+class Remote:
+    """A remote directory: any fsspec URL, or a local directory standing in for one.
+
+    The fsspec filesystem is opened lazily in each process (never pickled).
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url if "://" in url else str(Path(url).resolve())
+        self._fs: Any = None
+        self._root = ""
+        self._pid = -1
+
+    def _filesystem(self) -> tuple[Any, str]:
+        if self._fs is None or self._pid != os.getpid():
+            import fsspec
+
+            self._fs, self._root = fsspec.core.url_to_fs(self.url)
+            self._pid = os.getpid()
+        return self._fs, self._root
+
+    def where(self, name: str) -> str:
+        """The full URL of ``name`` (for messages)."""
+        return f"{self.url.rstrip('/')}/{name}"
+
+    def open(self, name: str) -> Any:
+        """Open ``name`` for binary reading (``FileNotFoundError`` if it is not there)."""
+        fs, root = self._filesystem()
+        return fs.open(f"{root.rstrip('/')}/{name}", "rb")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self.url, "_fs": None, "_root": "", "_pid": -1}
+
+
+class _Corrupt(Exception):
+    """A downloaded file failed validation."""
+
+
+class _Stopped(Exception):
+    """The download was abandoned because its thread was asked to stop."""
+
+
+def fetch_bytes(remote: Remote, name: str, *, retries: int, timeout: float) -> bytes:
+    """A small remote file (the index) in memory, with retries and a per-attempt timeout."""
+    last: BaseException | None = None
+    for attempt in range(retries + 1):
+        try:
+            deadline = time.monotonic() + timeout
+            out = bytearray()
+            with remote.open(name) as source:
+                while chunk := source.read(_READ_SIZE):
+                    out += chunk
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"reading took more than {timeout} s")
+            return bytes(out)
+        except FileNotFoundError:
+            raise
+        except (OSError, TimeoutError) as error:
+            last = error
+            if attempt < retries:
+                time.sleep(min(0.05 * 2**attempt, 1.0))
+    raise DownloadError(
+        f"cannot read {remote.where(name)} after {retries + 1} attempts: "
+        f"{type(last).__name__}: {last}"
+    ) from last
+
+
+class ShardCache:
+    """The shards of one index in a local directory: ensure present, release, evict.
+
+    ``cache_limit`` (bytes of uncompressed shards, or ``None``) bounds the directory: before a
+    download, shards this process has finished reading are deleted, oldest first, until the new
+    one fits. Downloads for the reader happen even when nothing can be evicted (the bound is
+    then exceeded by the shards being read); downloads ahead of the reader wait for room.
+    """
+
+    def __init__(
+        self,
+        remote: Remote,
+        local: Path,
+        shards: tuple[ShardInfo, ...],
+        *,
+        compression: str | None,
+        retries: int,
+        timeout: float,
+        cache_limit: int | None,
+    ) -> None:
+        self.remote = remote
+        self.local = local
+        self.shards = shards
+        self.compression = compression
+        self.retries = retries
+        self.timeout = timeout
+        self.cache_limit = cache_limit
+        # Another process may download a shard for up to every attempt's timeout; wait longer.
+        self.lock_timeout = 2.0 * (retries + 1) * timeout + 1.0
+        self._done: collections.deque[int] = collections.deque()
+        self._done_lock = threading.Lock()
+        # Shards whose download ahead of the reader failed: the reader raises that error
+        # when it gets there, instead of downloading (and failing) all over again.
+        self._failed: dict[int, BaseException] = {}
+
+    def path(self, shard: int) -> Path:
+        """Where shard ``shard`` lives (uncompressed) once downloaded."""
+        return self.local / self.shards[shard].raw_name
+
+    def present(self, shard: int) -> bool:
+        """Whether the shard's complete file is in the cache."""
+        try:
+            return self.path(shard).stat().st_size == self.shards[shard].raw_bytes
+        except FileNotFoundError:
+            return False
+
+    def ensure(
+        self, shard: int, *, ahead: bool = False, stop: threading.Event | None = None
+    ) -> Path | None:
+        """Make shard ``shard`` present and return its path.
+
+        ``ahead=True`` (the prefetch thread): returns ``None`` instead of downloading when the
+        cache has no room, and when ``stop`` is set; a failure is kept for the reader, whose
+        next ``ensure`` of that shard raises it (once). Raises :class:`DownloadError`,
+        ``FileNotFoundError`` (missing on the remote) or :class:`SourceDataError` (still corrupt
+        after every retry).
+        """
+        if self.present(shard):
+            return self.path(shard)
+        info = self.shards[shard]
+        lock = self.local / LOCKS / f"{info.raw_name}.lock"
+        with node_lock(lock, self.lock_timeout, f"download of shard {info.name}"):
+            if ahead and shard in self._failed:
+                return self.path(shard)  # already failed; the reader will raise it
+            failure = self._failed.pop(shard, None)
+            if failure is not None:
+                raise failure
+            if self.present(shard):
+                return self.path(shard)
+            if not self.make_room(info.raw_bytes) and ahead:
+                return None
+            try:
+                return self._download(shard, stop)
+            except Exception as error:
+                if ahead:
+                    self._failed[shard] = error
+                    return self.path(shard)
+                raise
+
+    def release(self, shard: int) -> None:
+        """The reader is done with ``shard`` for now: it may be evicted (if over the limit)."""
+        if self.cache_limit is None:
+            return
+        with self._done_lock:
+            if shard in self._done:
+                self._done.remove(shard)
+            self._done.append(shard)
+        self.make_room(0)
+
+    def usage(self) -> int:
+        """Bytes of complete shard files in the cache directory."""
+        total = 0
+        for info in self.shards:
+            with contextlib.suppress(FileNotFoundError):
+                total += (self.local / info.raw_name).stat().st_size
+        return total
+
+    def make_room(self, needed: int) -> bool:
+        """Evict released shards until ``needed`` more bytes fit; returns whether they fit."""
+        if self.cache_limit is None:
+            return True
+        with node_lock(self.local / LOCKS / "cache.lock", self.lock_timeout, "cache eviction"):
+            used = self.usage()
+            while used + needed > self.cache_limit:
+                with self._done_lock:
+                    if not self._done:
+                        break
+                    victim = self._done.popleft()
+                path = self.path(victim)
+                with contextlib.suppress(FileNotFoundError):
+                    size = path.stat().st_size
+                    path.unlink()
+                    used -= size
+                    LOGGER.debug("evicted shard %s (%d bytes)", self.shards[victim].raw_name, size)
+            return used + needed <= self.cache_limit
+
+    # -- downloading -------------------------------------------------------------------------
+
+    def _download(self, shard: int, stop: threading.Event | None) -> Path | None:
+        info = self.shards[shard]
+        attempts = self.retries + 1
+        last: BaseException | None = None
+        corrupt = False
+        for attempt in range(1, attempts + 1):
+            stored = self.local / f".{info.raw_name}.{os.getpid()}.{threading.get_ident()}.part"
+            raw = stored.with_suffix(".raw")
+            try:
+                self._fetch(info, stored, stop)
+                self._unpack(info, stored, raw)
+                os.replace(raw, self.path(shard))
+                LOGGER.debug(
+                    "downloaded shard %s (%d bytes) from %s by pid %d",
+                    info.name,
+                    info.bytes,
+                    self.remote.url,
+                    os.getpid(),
+                )
+                return self.path(shard)
+            except _Stopped:
+                return None
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    f"shard {info.name} listed in {self.remote.where('index.json')} is missing "
+                    f"from the remote ({self.remote.where(info.name)})"
+                ) from None
+            except _Corrupt as error:
+                last, corrupt = error, True
+            except (OSError, TimeoutError, EOFError) as error:
+                last, corrupt = error, False
+            finally:
+                for path in (stored, raw):
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+            if attempt < attempts:
+                LOGGER.warning(
+                    "shard %s from %s: %s; downloading again (attempt %d of %d)",
+                    info.name,
+                    self.remote.url,
+                    last,
+                    attempt + 1,
+                    attempts,
+                )
+                if stop is not None and stop.wait(min(0.05 * 2**attempt, 1.0)):
+                    return None
+                if stop is None:
+                    time.sleep(min(0.05 * 2**attempt, 1.0))
+        where = self.remote.where(info.name)
+        if corrupt:
+            raise SourceDataError(
+                f"shard {where} is corrupt: {last} (downloaded {attempts} times); the remote "
+                "copy does not match its index.json: rewrite the dataset with ShardWriter"
+            ) from last
+        raise DownloadError(
+            f"cannot download shard {where} after {attempts} attempts: "
+            f"{type(last).__name__}: {last} (download_retries={self.retries}, "
+            f"download_timeout={self.timeout} s)"
+        ) from last
+
+    def _fetch(self, info: ShardInfo, target: Path, stop: threading.Event | None) -> None:
+        deadline = time.monotonic() + self.timeout
+        digest = hashlib.sha256()
+        size = 0
+        with self.remote.open(info.name) as source, open(target, "wb") as out:
+            while chunk := source.read(_READ_SIZE):
+                if stop is not None and stop.is_set():
+                    raise _Stopped
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the download took more than {self.timeout} s")
+                digest.update(chunk)
+                out.write(chunk)
+                size += len(chunk)
+        if size != info.bytes or digest.hexdigest() != info.sha256:
+            raise _Corrupt(
+                f"got {size} bytes with sha256 {digest.hexdigest()[:16]}..., index.json says "
+                f"{info.bytes} bytes with sha256 {info.sha256[:16]}..."
+            )
+
+    def _unpack(self, info: ShardInfo, stored: Path, raw: Path) -> None:
+        if self.compression is None:
+            os.replace(stored, raw)
+        else:
+            try:
+                with open(stored, "rb") as source, open(raw, "wb") as out:
+                    if self.compression == "gzip":
+                        with gzip.GzipFile(fileobj=source) as reader:
+                            shutil.copyfileobj(reader, out, _READ_SIZE)
+                    else:
+                        with zstd_module().ZstdDecompressor().stream_reader(source) as reader:
+                            shutil.copyfileobj(reader, out, _READ_SIZE)
+            except ImportError:
+                raise
+            except Exception as error:
+                raise _Corrupt(f"cannot decompress ({self.compression}): {error}") from error
+        digest = hashlib.sha256()
+        with open(raw, "rb") as file:
+            while chunk := file.read(_READ_SIZE):
+                digest.update(chunk)
+        if digest.hexdigest() != info.raw_sha256:
+            raise _Corrupt(
+                f"the uncompressed file has sha256 {digest.hexdigest()[:16]}..., index.json says "
+                f"{info.raw_sha256[:16]}..."
+            )
+
+
+class ReaderProgress:
+    """How far the reader is: its next step in this epoch (written by the reader thread)."""
+
+    __slots__ = ("step",)
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+
+class Prefetcher(threading.Thread):
+    """Downloads the shards of the reader's next ``window`` samples, in the order it needs them.
+
+    ``shard_at(step)`` names the shard of the reader's sample ``step``; ``steps`` is the
+    number of steps in the epoch. The thread holds no reference to the dataset or its cursor,
+    stops when ``stop`` is set (checked between 1 MiB reads) and exits when it has covered the
+    epoch. A failed download is kept by the cache for the reader to raise when it gets there.
+    """
+
+    def __init__(
+        self,
+        cache: ShardCache,
+        shard_at: Callable[[int], int],
+        steps: int,
+        window: int,
+        progress: ReaderProgress,
+    ) -> None:
+        super().__init__(name=f"energy_loader-shard-prefetch-{os.getpid()}", daemon=True)
+        self.cache = cache
+        self.shard_at = shard_at
+        self.steps = steps
+        self.window = window
+        self.progress = progress
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        ensured: set[int] = set()
+        step = self.progress.step
+        stop = self.stop_event
+        while not stop.is_set() and step < self.steps:
+            step = max(step, self.progress.step)
+            if step >= min(self.steps, self.progress.step + self.window):
+                stop.wait(0.01)
+                continue
+            shard = self.shard_at(step)
+            if shard not in ensured:
+                try:
+                    path = self.cache.ensure(shard, ahead=True, stop=stop)
+                except Exception:  # a lock timeout: the reader will meet it too
+                    path = self.cache.path(shard)
+                if path is None:
+                    stop.wait(0.02)  # no room yet: the reader has to finish a shard first
+                    continue
+                ensured.add(shard)
+            step += 1
+
+    def stop(self) -> None:
+        """Ask the thread to stop and wait briefly for it."""
+        self.stop_event.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=2.0)

@@ -1,0 +1,620 @@
+"""ChunkedFolderSource: a folder of pre-processed chunk files plus ``metadata.json``.
+
+The folder::
+
+    metadata.json      {"format": "energy_loader.chunked", "version": 1, "total_samples": 250,
+                        "files": [{"path": "chunk-00000.pt", "samples": 100}, ...]}
+    chunk-00000.pt     a dict of tensors with one row per sample (columns), or a list of samples
+    chunk-00001.npz    numpy arrays with one row per sample (loaded with allow_pickle=False)
+    chunk-00002.npy    one numpy array, one row per sample
+
+``.pt`` files are read with ``torch.load(weights_only=True)``: nothing in a chunk is executed.
+A column file's sample ``i`` is ``{name: column[i]}``, copied out of the chunk (so a sample kept
+by a shuffle buffer does not pin its whole chunk in memory). :func:`write_chunked_folder` makes
+such a folder from any iterable of samples.
+
+Ranks and workers. Files are dealt to ranks round-robin in metadata order (file ``i`` belongs to
+rank ``i % world_size``, in every epoch), so a rank only ever reads whole files of its own. A
+rank's epoch is the concatenation of its files (in a per-epoch order when shuffling, each in a
+per-epoch row order); its workers split that stream into contiguous ranges, so batches are
+carved across file boundaries and every worker loads one file at a time, frees it, and loads the
+next. Every rank yields the same number of samples, its *quota*, set by ``balance``:
+
+- ``"exact"``: every rank must hold the same number of samples, else a ``SourceDataError``
+  names the ranks, their counts and their files;
+- ``"oversample"``: the quota is the largest rank's count; smaller ranks wrap around to the
+  start of their own epoch order;
+- ``"undersample"``: the quota is the smallest rank's count; larger ranks stop early.
+
+Each worker of a rank gets ``quota // num_workers`` or one more; worker ``w`` has the same count
+on every rank, so every rank yields the same number of batches.
+
+Order. With ``shuffle=True`` a rank's file order and every file's row order are Feistel
+permutations keyed by (``seed``, this source's position in the pipeline, epoch, rank or file):
+deterministic, different every epoch, O(1) memory per file.
+
+State: ``{"phase", "epoch", "position"}``; ``position`` is the worker's next position in its
+rank's epoch stream. Restore key: ``(file_index, row)`` in metadata order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import weakref
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from ..dataset import EpochCursor, Key, SavableDataset, require_int
+from ..errors import SourceDataError, StateFormatError
+from ..rng import stable_hash
+from ..state.plain import StateReader
+from ..worker import WorkerContext
+from .permutation import FeistelPermutation
+
+__all__ = ["ChunkedFolderSource", "loaded_chunk_count", "write_chunked_folder"]
+
+METADATA = "metadata.json"
+FORMAT = "energy_loader.chunked"
+VERSION = 1
+BALANCE_POLICIES = ("exact", "oversample", "undersample")
+FILE_FORMATS = (".pt", ".npz", ".npy")
+
+# Every chunk in memory in this process (a diagnostic: see loaded_chunk_count()).
+_LIVE_CHUNKS: weakref.WeakSet[_Chunk] = weakref.WeakSet()
+
+
+def loaded_chunk_count() -> int:
+    """How many chunk files are held in memory by this process's sources right now.
+
+    A streaming :class:`ChunkedFolderSource` holds at most one per cursor, plus one that
+    ``restore_sample`` keeps for repeated look-ups into the same file.
+    """
+    return len(_LIVE_CHUNKS)
+
+
+class _Chunk:
+    """One chunk file in memory: columns (dict of tensors/arrays), rows (a list) or an array."""
+
+    __slots__ = ("__weakref__", "array", "columns", "index", "rows")
+
+    def __init__(self, path: Path, index: int, expected: int) -> None:
+        self.index = index
+        self.columns: dict[str, Any] | None = None
+        self.rows: list[Any] | None = None
+        self.array: np.ndarray | None = None
+        suffix = path.suffix
+        try:
+            if suffix == ".pt":
+                loaded = torch.load(path, weights_only=True, map_location="cpu")
+            else:
+                loaded = np.load(path, allow_pickle=False)
+                if suffix == ".npz":
+                    with loaded:
+                        loaded = {name: loaded[name] for name in loaded.files}
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"chunk file {path} listed in {path.parent / METADATA} is missing"
+            ) from None
+        except Exception as error:
+            raise SourceDataError(
+                f"chunk file {path} cannot be loaded safely ({type(error).__name__}: {error}); "
+                ".pt chunks must load with torch.load(weights_only=True), .npz/.npy with "
+                "numpy.load(allow_pickle=False)"
+            ) from error
+        if isinstance(loaded, dict):
+            for name, column in loaded.items():
+                if not isinstance(column, (torch.Tensor, np.ndarray)) or column.ndim == 0:
+                    raise SourceDataError(
+                        f"chunk file {path}: column {name!r} is a "
+                        f"{type(column).__name__}{_shape(column)}; columns must be tensors or "
+                        "arrays with one row per sample"
+                    )
+                _check_rows(path, f"column {name!r}", column.shape[0], expected)
+            self.columns = loaded
+        elif isinstance(loaded, list):
+            _check_rows(path, "the sample list", len(loaded), expected)
+            self.rows = loaded
+        elif isinstance(loaded, np.ndarray) and loaded.ndim >= 1:
+            _check_rows(path, "the array", loaded.shape[0], expected)
+            self.array = loaded
+        else:
+            raise SourceDataError(
+                f"chunk file {path} holds a {type(loaded).__name__}; expected a dict of "
+                "tensors/arrays with one row per sample, a list of samples, or an array"
+            )
+        _LIVE_CHUNKS.add(self)
+
+    def sample(self, row: int, seq_len: int | None) -> Any:
+        """Sample ``row``, copied out of the chunk, sequences cut to the last ``seq_len``."""
+        if self.columns is not None:
+            return {
+                name: _cut(column[row], seq_len, copy=True) for name, column in self.columns.items()
+            }
+        if self.array is not None:
+            return _cut(self.array[row], seq_len, copy=True)
+        sample = self.rows[row]  # type: ignore[index]
+        if isinstance(sample, dict):
+            return {name: _cut(value, seq_len, copy=False) for name, value in sample.items()}
+        return _cut(sample, seq_len, copy=False)
+
+
+def _shape(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    return f" of shape {tuple(shape)}" if shape is not None else ""
+
+
+def _check_rows(path: Path, what: str, found: int, expected: int) -> None:
+    if found != expected:
+        raise SourceDataError(
+            f"chunk file {path}: {what} has {found} rows but {path.parent / METADATA} says the "
+            f"file holds {expected} samples; rewrite the metadata or the chunk"
+        )
+
+
+def _cut(value: Any, seq_len: int | None, *, copy: bool) -> Any:
+    """``value[-seq_len:]`` for tensors and arrays with a sequence dimension; copied if asked."""
+    if isinstance(value, torch.Tensor):
+        if seq_len is not None and value.ndim >= 1:
+            value = value[-seq_len:]
+        return value.clone() if copy else value
+    if isinstance(value, np.ndarray):
+        if seq_len is not None and value.ndim >= 1:
+            value = value[-seq_len:]
+        return value.copy() if copy else value
+    return value
+
+
+def read_metadata(folder: Path) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The files and sample counts listed in ``folder/metadata.json`` (validated)."""
+    path = folder / METADATA
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if not folder.is_dir():
+            raise FileNotFoundError(f"chunked folder {folder} does not exist") from None
+        raise FileNotFoundError(
+            f"{path} is missing: a chunked folder needs a metadata.json listing its files and "
+            "their sample counts (write_chunked_folder() makes one)"
+        ) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise SourceDataError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("files"), list):
+        raise SourceDataError(f"{path} must be a JSON object with a 'files' list")
+    version = data.get("version", VERSION)
+    if version != VERSION:
+        raise SourceDataError(f"{path} has version {version!r}; this release reads {VERSION}")
+    files: list[str] = []
+    counts: list[int] = []
+    for number, entry in enumerate(data["files"]):
+        name = entry.get("path") if isinstance(entry, dict) else None
+        count = entry.get("samples") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not name:
+            raise SourceDataError(f"{path}: files[{number}] needs a 'path' string (got {entry!r})")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise SourceDataError(
+                f"{path}: files[{number}] ({name}) needs 'samples', a non-negative integer "
+                f"(got {count!r})"
+            )
+        if Path(name).suffix not in FILE_FORMATS:
+            raise SourceDataError(
+                f"{path}: files[{number}] ({name}) must end in one of {FILE_FORMATS}"
+            )
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise SourceDataError(
+                f"{path}: files[{number}] ({name}) must be a path inside the folder"
+            )
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"chunk file {folder / name} listed in {path} is missing")
+        files.append(name)
+        counts.append(count)
+    total = data.get("total_samples")
+    if total != sum(counts):
+        raise SourceDataError(
+            f"{path}: total_samples is {total!r} but the files' sample counts add up to "
+            f"{sum(counts)}; rewrite the metadata"
+        )
+    return tuple(files), tuple(counts)
+
+
+@attrs.frozen
+class _Layout:
+    """Which part of the data one worker reads in every epoch."""
+
+    rank_files: tuple[int, ...]  # this rank's files, metadata order
+    rank_total: int  # samples in those files
+    start: int  # this worker's range of the rank's stream: [start, stop)
+    stop: int
+
+
+@attrs.frozen
+class _EpochPlan:
+    """A rank's stream in one epoch: its files in order and where each starts."""
+
+    files: tuple[int, ...]
+    starts: tuple[int, ...]
+
+
+class _ChunkedCursor(EpochCursor):
+    dataset: ChunkedFolderSource
+
+    def __init__(self, dataset: ChunkedFolderSource) -> None:
+        super().__init__(dataset)
+        self.position = 0
+        self._chunk: _Chunk | None = None
+        self._rows: FeistelPermutation | None = None
+        self._plan: tuple[int, _EpochPlan] | None = None
+
+    def begin_epoch(self) -> None:
+        self.position = self.dataset.layout().start
+
+    def plan(self, layout: _Layout) -> _EpochPlan:
+        if self._plan is None or self._plan[0] != self.epoch:
+            self._plan = (self.epoch, self.dataset.epoch_plan(layout, self.epoch))
+        return self._plan[1]
+
+    def resume(self) -> Iterator[tuple[Key, Any]]:
+        source = self.dataset
+        layout = source.layout()
+        plan = self.plan(layout)
+        seq_len = source.seq_len
+        while self.position < layout.stop:
+            local = self.position % layout.rank_total
+            slot = bisect.bisect_right(plan.starts, local) - 1
+            file_index = plan.files[slot]
+            chunk = self._chunk
+            if chunk is None or chunk.index != file_index:
+                self._chunk = chunk = None  # free the old chunk before loading the next
+                chunk = source.load_chunk(file_index)
+                self._chunk = chunk
+                self._rows = source.row_order(file_index, self.epoch)
+            offset = local - plan.starts[slot]
+            row = self._rows[offset] if self._rows is not None else offset
+            sample = chunk.sample(row, seq_len)
+            self.position += 1
+            yield (file_index, row), sample
+        self._chunk = None
+
+    def fields(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_fields(self, reader: StateReader) -> None:
+        self.position = reader.int("position")
+        if self.phase == "running":
+            layout = self.dataset.layout()
+            if not layout.start <= self.position <= layout.stop:
+                context = self.dataset.context
+                raise StateFormatError(
+                    f"{reader.path}.position {self.position} is outside the range "
+                    f"[{layout.start}, {layout.stop}] of rank {context.rank} worker "
+                    f"{context.worker_id} of this folder"
+                )
+
+
+class ChunkedFolderSource(SavableDataset):
+    """Stream a folder of chunk files, one file in memory at a time, sharded over ranks.
+
+    See the module documentation for the folder layout, how files and samples are spread over
+    ranks and workers (``balance``), and the shuffle. ``seq_len`` cuts every tensor or array of
+    a sample that has at least one dimension to its last ``seq_len`` positions (along its first
+    dimension). Raises ``FileNotFoundError`` for a missing folder, metadata or chunk file and
+    ``SourceDataError`` for inconsistent metadata, both naming the file. Example::
+
+        write_chunked_folder("data/", samples, samples_per_file=1000)
+        source = ChunkedFolderSource("data/", shuffle=True, seed=1234, balance="oversample")
+        pipeline = BatchDataset(source, batch_size=32)
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        balance: str = "exact",
+        seq_len: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"`path` must be a folder path (got {type(path).__name__})")
+        if not isinstance(shuffle, bool):
+            raise TypeError(f"`shuffle` must be True or False (got {shuffle!r})")
+        if balance not in BALANCE_POLICIES:
+            raise ValueError(f"`balance` must be one of {BALANCE_POLICIES} (got {balance!r})")
+        self.seed = require_int(seed, "seed", minimum=0)
+        self.seq_len = None if seq_len is None else require_int(seq_len, "seq_len", minimum=1)
+        self.shuffle = shuffle
+        self.balance = balance
+        self.path = Path(path).resolve()
+        self.files, self.counts = read_metadata(self.path)
+        self.total = sum(self.counts)
+        listing = json.dumps([list(self.files), list(self.counts)]).encode()
+        self._fingerprint = hashlib.sha256(listing).hexdigest()[:16]
+        self._restore_chunk: _Chunk | None = None
+
+    # -- layout and order --------------------------------------------------------------------
+
+    def layout(self, context: WorkerContext | None = None) -> _Layout:
+        """The files of this copy's rank and its worker's range (raises for ``exact``)."""
+        context = context if context is not None else self.context
+        ranks = context.world_size
+        totals = [sum(self.counts[rank::ranks]) for rank in range(ranks)]
+        if self.balance == "exact":
+            if len(set(totals)) > 1:
+                raise SourceDataError(self._imbalance_message(totals))
+            quota = totals[0]
+        elif self.balance == "oversample":
+            quota = max(totals)
+            empty = [rank for rank, total in enumerate(totals) if total == 0]
+            if empty and quota:
+                raise SourceDataError(
+                    f"balance='oversample' cannot wrap ranks {empty} of {ranks} around: they "
+                    f"get no files of {self.path} ({len(self.files)} files); use fewer ranks "
+                    "or more files"
+                )
+        else:
+            quota = min(totals)
+        workers, worker = context.num_workers, context.worker_id
+        return _Layout(
+            rank_files=tuple(range(context.rank, len(self.files), ranks)),
+            rank_total=totals[context.rank],
+            start=worker * quota // workers,
+            stop=(worker + 1) * quota // workers,
+        )
+
+    def _imbalance_message(self, totals: list[int]) -> str:
+        ranks = len(totals)
+        lines = []
+        for rank, total in enumerate(totals):
+            names = self.files[rank::ranks]
+            shown = ", ".join(names[:4]) + (f", ... ({len(names)} files)" if len(names) > 4 else "")
+            lines.append(f"rank {rank}: {total} samples in [{shown}]")
+        common = max(set(totals), key=totals.count)
+        odd = [rank for rank, total in enumerate(totals) if total != common]
+        return (
+            f"balance='exact' needs every rank to get the same number of samples from "
+            f"{self.path}, but with files dealt round-robin to {ranks} ranks, ranks {odd} differ "
+            f"from the others ({common} samples): " + "; ".join(lines) + ". Use "
+            "balance='oversample' (smaller ranks wrap around) or balance='undersample' (all "
+            "ranks stop at the smallest), or re-chunk the data"
+        )
+
+    def epoch_plan(self, layout: _Layout, epoch: int) -> _EpochPlan:
+        """The order of this rank's files in ``epoch`` and where each starts in its stream."""
+        files = layout.rank_files
+        if self.shuffle and len(files) > 1:
+            order = FeistelPermutation(
+                len(files), stable_hash(self.seed, self.stream_salt(), epoch, "files", files[0])
+            )
+            files = tuple(files[order[i]] for i in range(len(files)))
+        starts, running = [], 0
+        for file_index in files:
+            starts.append(running)
+            running += self.counts[file_index]
+        return _EpochPlan(files=files, starts=tuple(starts))
+
+    def row_order(self, file_index: int, epoch: int) -> FeistelPermutation | None:
+        """The row order of one file in ``epoch`` (``None``: file order)."""
+        if not self.shuffle:
+            return None
+        key = stable_hash(self.seed, self.stream_salt(), epoch, "rows", file_index)
+        return FeistelPermutation(self.counts[file_index], key)
+
+    def load_chunk(self, file_index: int) -> _Chunk:
+        """Load one chunk file (validated against the metadata)."""
+        return _Chunk(self.path / self.files[file_index], file_index, self.counts[file_index])
+
+    # -- protocol --------------------------------------------------------------------------
+
+    def _new_cursor(self) -> EpochCursor:
+        return _ChunkedCursor(self)
+
+    def restore_sample(self, key: Key) -> Any:
+        if (
+            len(key) != 2
+            or any(isinstance(part, bool) or not isinstance(part, int) for part in key)
+            or not 0 <= key[0] < len(self.files)
+            or not 0 <= key[1] < self.counts[key[0]]
+        ):
+            raise ValueError(
+                f"ChunkedFolderSource restore keys are (file_index, row) within the "
+                f"{len(self.files)} files of {self.path}; got {key!r}"
+            )
+        chunk = self._restore_chunk
+        if chunk is None or chunk.index != key[0]:
+            self._restore_chunk = None
+            chunk = self._restore_chunk = self.load_chunk(key[0])
+        return chunk.sample(key[1], self.seq_len)
+
+    def can_restore_sample(self) -> bool:
+        return True
+
+    def _config_fields(self) -> dict[str, Any]:
+        return {
+            "files": len(self.files),
+            "total_samples": self.total,
+            "listing": self._fingerprint,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "balance": self.balance,
+            "seq_len": self.seq_len,
+        }
+
+    def __len__(self) -> int:
+        """Samples per epoch of this copy's worker (its share of the rank's quota)."""
+        layout = self.layout()
+        return layout.stop - layout.start
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_restore_chunk"] = None
+        return state
+
+
+# -- writing ------------------------------------------------------------------------------------
+
+
+def write_chunked_folder(
+    path: str | os.PathLike[str],
+    samples: Iterable[Any],
+    *,
+    samples_per_file: int,
+    file_format: str = "pt",
+) -> dict[str, Any]:
+    """Write ``samples`` as a chunked folder readable by :class:`ChunkedFolderSource`.
+
+    Every ``samples_per_file`` samples become one file; ``metadata.json`` is written last, so a
+    folder with metadata is complete. Formats:
+
+    - ``"pt"``: dict samples whose values are tensors of one shape per key are stored as
+      columns (stacked tensors); any other samples as a list (tensors, numbers, strings and
+      containers of them: what ``torch.load(weights_only=True)`` reads back);
+    - ``"npz"``: dict samples of arrays (or tensors, numbers), one shape per key, as columns;
+    - ``"npy"``: samples that are arrays (or tensors) of one shape, as one array.
+
+    Files are written atomically (temporary file, then rename). Raises ``FileExistsError`` if
+    the folder already holds a ``metadata.json``. Returns the metadata written.
+    """
+    require_int(samples_per_file, "samples_per_file", minimum=1)
+    if file_format not in ("pt", "npz", "npy"):
+        raise ValueError(f"`file_format` must be 'pt', 'npz' or 'npy' (got {file_format!r})")
+    if isinstance(samples, (str, bytes, dict)) or not isinstance(samples, Iterable):
+        raise TypeError(f"`samples` must be an iterable of samples (got {type(samples).__name__})")
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    if (folder / METADATA).exists():
+        raise FileExistsError(
+            f"{folder / METADATA} exists: {folder} already holds a chunked folder; write to an "
+            "empty folder"
+        )
+    entries: list[dict[str, Any]] = []
+    group: list[Any] = []
+
+    def flush() -> None:
+        name = f"chunk-{len(entries):05d}.{file_format}"
+        _write_atomic(folder / name, lambda f: _write_chunk(f, group, file_format, name))
+        entries.append({"path": name, "samples": len(group)})
+        group.clear()
+
+    for sample in samples:
+        group.append(sample)
+        if len(group) == samples_per_file:
+            flush()
+    if group:
+        flush()
+    metadata = {
+        "format": FORMAT,
+        "version": VERSION,
+        "total_samples": sum(e["samples"] for e in entries),
+        "files": entries,
+    }
+    text = json.dumps(metadata, indent=1).encode()
+    _write_atomic(folder / METADATA, lambda f: f.write(text))
+    return metadata
+
+
+def _write_atomic(path: Path, write: Any) -> None:
+    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(temporary, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        if temporary.exists():
+            temporary.unlink()
+
+
+def _write_chunk(file: Any, group: list[Any], file_format: str, name: str) -> None:
+    if file_format == "npy":
+        np.save(
+            file,
+            _stack_numpy([_as_numpy(s, f"{name}: sample {i}") for i, s in enumerate(group)], name),
+            allow_pickle=False,
+        )
+        return
+    columns = _columns(group, name, tensors=file_format == "pt")
+    if file_format == "npz":
+        if columns is None:
+            raise TypeError(
+                f"{name}: file_format='npz' needs dict samples with the same keys, whose values "
+                "are arrays, tensors or numbers of one shape per key; use file_format='pt'"
+            )
+        np.savez(file, **columns)
+        return
+    if columns is not None:
+        torch.save(columns, file)
+        return
+    for index, sample in enumerate(group):
+        _check_weights_only(sample, f"{name}: sample {index}")
+    torch.save(list(group), file)
+
+
+def _columns(group: list[Any], name: str, *, tensors: bool) -> dict[str, Any] | None:
+    """Stack dict samples into columns, or ``None`` when they do not form columns."""
+    if not all(isinstance(s, dict) for s in group):
+        return None
+    keys = list(group[0])
+    if any(list(s) != keys for s in group) or not all(isinstance(k, str) for k in keys):
+        return None
+    out: dict[str, Any] = {}
+    for key in keys:
+        values = [s[key] for s in group]
+        if tensors:
+            if not all(isinstance(v, torch.Tensor) for v in values):
+                return None
+            if any(v.shape != values[0].shape or v.dtype != values[0].dtype for v in values):
+                return None
+            out[key] = torch.stack(values)
+        else:
+            arrays = [_as_numpy(v, f"{name}: [{key!r}]") for v in values]
+            if any(a.shape != arrays[0].shape or a.dtype != arrays[0].dtype for a in arrays):
+                return None
+            out[key] = np.stack(arrays)
+    return out
+
+
+def _as_numpy(value: Any, what: str) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    if isinstance(value, (np.ndarray, np.generic, int, float, bool)):
+        array = np.asarray(value)
+        if array.dtype.hasobject:
+            raise TypeError(f"{what} has an object dtype, which numpy files cannot hold safely")
+        return array
+    raise TypeError(f"{what} is a {type(value).__name__}; numpy chunk files hold arrays only")
+
+
+def _stack_numpy(arrays: list[np.ndarray], name: str) -> np.ndarray:
+    if any(a.shape != arrays[0].shape or a.dtype != arrays[0].dtype for a in arrays):
+        raise TypeError(f"{name}: file_format='npy' needs arrays of one shape and dtype")
+    return np.stack(arrays)
+
+
+def _check_weights_only(value: Any, what: str) -> None:
+    """Refuse what ``torch.load(weights_only=True)`` would not read back."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_weights_only(item, f"{what}[{index}]")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_weights_only(item, f"{what}[{key!r}]")
+        return
+    raise TypeError(
+        f"{what} is a {type(value).__name__}; .pt chunks are read with "
+        "torch.load(weights_only=True), which takes tensors, numbers, strings and containers "
+        "of them (use file_format='npz' for numpy arrays)"
+    )

@@ -1,0 +1,496 @@
+"""ShardedSource: shards on a remote (any fsspec URL or a local directory), read through a
+local cache that a background thread fills ahead of the reader.
+
+Order. Epoch ``e`` has one *global order* of all N samples, the same whatever the number of
+ranks and workers reading it; it depends only on (``seed``, ``e``, ``num_canonical_partitions``
+P, and this source's position in the pipeline):
+
+1. the shards are laid out in a per-epoch order (a Feistel permutation of the shards when
+   shuffling), each with its samples in a per-epoch order (a permutation per shard): a
+   sequence Q of N samples;
+2. Q is cut into P contiguous spans ("canonical partitions") of N // P or N // P + 1 samples;
+3. global position ``g`` is sample ``g // P`` of span ``g % P``.
+
+Reader ``s`` of ``S`` (ranks x workers, rank-major) reads global positions ``s, s + S, ...``,
+like :class:`IndexedSource`. So at every step the job as a whole consumes global positions
+``[k * S, (k + 1) * S)``: a run on a different number of nodes, with the same P, sees the same
+sequence of samples. With ``S == P`` (the default when P is ``None``) reader ``s`` reads span
+``s`` front to back, one shard after another; in general a reader touches
+``P / gcd(P, S)`` spans, so choose P as a multiple of the reader count you expect.
+
+Downloads. Shards live on the remote as listed in ``index.json`` (written by
+:class:`ShardWriter`); ``local`` is a cache directory shared by all processes of a node. A
+background thread started lazily inside each reader (a loader worker, never the constructor)
+downloads the shards of the reader's next ``predownload`` samples; the reader itself downloads
+a shard it needs that is not there yet. See :mod:`energy_loader.sources._download` for the
+node-wide lock, validation, retries and the ``cache_limit`` eviction.
+
+State: ``{"phase", "epoch", "position"}``: the reader's next global position. Restore key:
+``(shard, row)``; ``restore_sample`` downloads the shard again if it was evicted.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import math
+import os
+import struct
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..dataset import EpochCursor, Key, SavableDataset, require_int
+from ..errors import DownloadError, SourceDataError, StateFormatError
+from ..rng import stable_hash
+from ..state.plain import StateReader
+from ._codec import decode_sample
+from ._download import LOCKS, Prefetcher, ReaderProgress, Remote, ShardCache, fetch_bytes, node_lock
+from .permutation import FeistelPermutation
+from .shard_writer import COMPRESSIONS, FORMAT, INDEX, MAGIC, VERSION, ShardInfo, zstd_module
+
+__all__ = ["ShardedSource"]
+
+DEFAULT_PREDOWNLOAD = 1024
+
+
+class _ShardFile:
+    """One local shard file opened for random access: the offsets table and the file."""
+
+    def __init__(self, path: Path, info: ShardInfo) -> None:
+        self.path = path
+        self.file = open(path, "rb")  # noqa: SIM115 (closed by close())
+        try:
+            head = self.file.read(len(MAGIC) + 8)
+            if len(head) != len(MAGIC) + 8 or head[: len(MAGIC)] != MAGIC:
+                raise SourceDataError(f"shard file {path} does not start with {MAGIC!r}")
+            (count,) = struct.unpack("<Q", head[len(MAGIC) :])
+            if count != info.samples:
+                raise SourceDataError(
+                    f"shard file {path} holds {count} samples, index.json says {info.samples}"
+                )
+            table = self.file.read(8 * (count + 1))
+            if len(table) != 8 * (count + 1):
+                raise SourceDataError(f"shard file {path} is truncated (offset table)")
+            self.offsets = np.frombuffer(table, dtype="<u8")
+        except BaseException:
+            self.file.close()
+            raise
+
+    def read(self, row: int) -> Any:
+        start, stop = int(self.offsets[row]), int(self.offsets[row + 1])
+        record = bytearray(stop - start)
+        self.file.seek(start)
+        if self.file.readinto(record) != len(record):
+            raise SourceDataError(f"shard file {self.path} is truncated (sample {row})")
+        try:
+            return decode_sample(record)
+        except ValueError as error:
+            raise SourceDataError(f"shard file {self.path}, sample {row}: {error}") from None
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def parse_index(data: bytes, where: str) -> tuple[str | None, tuple[ShardInfo, ...]]:
+    """The compression and shards of an ``index.json`` (validated; errors name ``where``)."""
+    try:
+        index = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise SourceDataError(f"{where} is not valid JSON: {error}") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise SourceDataError(f"{where} is not a ShardWriter index (no format {FORMAT!r})")
+    if index.get("version") != VERSION:
+        raise SourceDataError(
+            f"{where} has version {index.get('version')!r}; this release reads {VERSION}"
+        )
+    compression = index.get("compression")
+    if compression not in COMPRESSIONS:
+        raise SourceDataError(f"{where}: unknown compression {compression!r}")
+    if compression == "zstd":
+        zstd_module()
+    entries = index.get("shards")
+    if not isinstance(entries, list):
+        raise SourceDataError(f"{where} has no 'shards' list")
+    shards = []
+    for number, entry in enumerate(entries):
+        try:
+            info = ShardInfo(**entry)
+        except TypeError:
+            raise SourceDataError(
+                f"{where}: shards[{number}] must have the fields name, samples, bytes, sha256, "
+                f"raw_name, raw_bytes, raw_sha256 (got {entry!r})"
+            ) from None
+        for field in ("samples", "bytes", "raw_bytes"):
+            value = getattr(info, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise SourceDataError(f"{where}: shards[{number}].{field} is {value!r}")
+        for field in ("name", "raw_name"):
+            name = getattr(info, field)
+            if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+                raise SourceDataError(f"{where}: shards[{number}].{field} is {name!r}")
+        shards.append(info)
+    total = index.get("total_samples")
+    if total != sum(info.samples for info in shards):
+        raise SourceDataError(
+            f"{where}: total_samples is {total!r} but the shards hold "
+            f"{sum(info.samples for info in shards)} samples"
+        )
+    return compression, tuple(shards)
+
+
+class _EpochOrder:
+    """The global order of one epoch: global position -> (shard, row). O(shards) memory."""
+
+    def __init__(self, source: ShardedSource, epoch: int, partitions: int) -> None:
+        shards = source.shards
+        self.total = source.total
+        self.partitions = partitions
+        self.seed = stable_hash(source.seed, source.stream_salt(), epoch)
+        self.shuffle = source.shuffle
+        order = range(len(shards))
+        if source.shuffle and len(shards) > 1:
+            permutation = FeistelPermutation(len(shards), stable_hash(self.seed, "shards"))
+            order = [permutation[i] for i in range(len(shards))]
+        self.order = list(order)
+        self.starts: list[int] = []
+        running = 0
+        for shard in self.order:
+            self.starts.append(running)
+            running += shards[shard].samples
+        self.samples = [info.samples for info in shards]
+        self._rows: dict[int, FeistelPermutation] = {}
+
+    def locate(self, position: int) -> tuple[int, int]:
+        """``(shard, offset in the shard's per-epoch order)`` of global ``position``."""
+        partitions, total = self.partitions, self.total
+        span, step = position % partitions, position // partitions
+        q = span * (total // partitions) + min(span, total % partitions) + step
+        slot = bisect.bisect_right(self.starts, q) - 1
+        return self.order[slot], q - self.starts[slot]
+
+    def row(self, shard: int, offset: int) -> int:
+        if not self.shuffle:
+            return offset
+        permutation = self._rows.get(shard)
+        if permutation is None:
+            if len(self._rows) > 256:
+                self._rows.clear()
+            permutation = FeistelPermutation(self.samples[shard], stable_hash(self.seed, shard))
+            self._rows[shard] = permutation
+        return permutation[offset]
+
+
+class _ShardedCursor(EpochCursor):
+    dataset: ShardedSource
+
+    def __init__(self, dataset: ShardedSource) -> None:
+        super().__init__(dataset)
+        self.position = 0
+        self._prefetcher: Prefetcher | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._order: tuple[int, _EpochOrder] | None = None
+
+    def begin_epoch(self) -> None:
+        self.position = self.dataset.context.shard_index
+
+    def order(self) -> _EpochOrder:
+        if self._order is None or self._order[0] != self.epoch:
+            self._order = (
+                self.epoch,
+                _EpochOrder(self.dataset, self.epoch, self.dataset.partitions()),
+            )
+        return self._order[1]
+
+    def _start_prefetch(self, order: _EpochOrder, cache: ShardCache) -> ReaderProgress:
+        self.stop_prefetch()
+        context = self.dataset.context
+        start, stride = context.shard_index, context.num_shards
+        steps = len(range(start, order.total, stride))
+        progress = ReaderProgress((self.position - start) // stride)
+        if self.dataset.predownload > 0 and progress.step < steps:
+
+            def shard_at(step: int) -> int:
+                return order.locate(start + step * stride)[0]
+
+            prefetcher = Prefetcher(cache, shard_at, steps, self.dataset.predownload, progress)
+            prefetcher.start()
+            self._prefetcher = prefetcher
+            # Stop the thread if this cursor is dropped without finishing its epoch.
+            self._finalizer = weakref.finalize(self, prefetcher.stop_event.set)
+        return progress
+
+    def stop_prefetch(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.stop()
+            self._prefetcher = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+
+    def resume(self) -> Iterator[tuple[Key, Any]]:
+        source = self.dataset
+        stride = source.context.num_shards
+        start = source.context.shard_index
+        order = self.order()
+        cache = source.cache()
+        progress = self._start_prefetch(order, cache)
+        prefetcher = self._prefetcher
+        files: dict[int, _ShardFile] = {}
+        users: dict[int, int] = {}  # open shard -> number of spans now reading it
+        current: dict[int, int] = {}  # span -> the shard it is reading
+        partitions = order.partitions
+        try:
+            while self.position < order.total:
+                shard, offset = order.locate(self.position)
+                span = self.position % partitions
+                if current.get(span) != shard:
+                    previous = current.get(span)
+                    current[span] = shard
+                    users[shard] = users.get(shard, 0) + 1
+                    if shard not in files:
+                        files[shard] = source.open_shard(shard)
+                    if previous is not None:
+                        users[previous] -= 1
+                        if not users[previous]:
+                            del users[previous]
+                            files.pop(previous).close()
+                            cache.release(previous)
+                row = order.row(shard, offset)
+                sample = files[shard].read(row)
+                self.position += stride
+                progress.step = (self.position - start) // stride
+                yield (shard, row), sample
+        finally:
+            if self._prefetcher is prefetcher:
+                self.stop_prefetch()
+            for shard, file in files.items():
+                file.close()
+                cache.release(shard)
+
+    def fields(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_fields(self, reader: StateReader) -> None:
+        self.position = reader.int("position")
+        context = self.dataset.context
+        if self.phase == "running" and self.position % context.num_shards != (
+            context.shard_index % context.num_shards
+        ):
+            raise StateFormatError(
+                f"{reader.path}.position {self.position} does not belong to reader "
+                f"{context.shard_index} of {context.num_shards}"
+            )
+
+
+class ShardedSource(SavableDataset):
+    """Read ShardWriter shards from a remote through a local cache, downloading ahead.
+
+    ``remote`` is an fsspec URL (``s3://bucket/data``, ``memory://data``) or a local directory
+    standing in for one; ``local`` is this node's cache directory (created if missing; it must
+    not hold the cache of a different index). ``index.json`` is read when the source is built.
+    See the module documentation for the global order, ``num_canonical_partitions`` and how
+    downloads are shared between the processes of a node.
+
+    - ``predownload``: how many of the reader's next samples the background thread keeps
+      downloaded (0: no thread; the reader downloads each shard when it reaches it);
+    - ``cache_limit``: bytes of uncompressed shards to keep in ``local`` (``None``: no bound);
+      shards the reader has finished are evicted first;
+    - ``download_retries`` / ``download_timeout``: extra attempts per shard after a failure or a
+      hash mismatch, and seconds per attempt.
+
+    Errors: ``FileNotFoundError`` (index or shard missing on the remote), ``SourceDataError``
+    (bad index, a shard still corrupt after every retry, a cache holding another index),
+    ``DownloadError`` (I/O failures or timeouts after every retry). Example::
+
+        with ShardWriter("s3://bucket/data", compression="zstd") as writer:
+            for sample in samples:
+                writer.write(sample)
+        source = ShardedSource("s3://bucket/data", "/local/cache", shuffle=True, seed=1234)
+    """
+
+    def __init__(
+        self,
+        remote: str | os.PathLike[str],
+        local: str | os.PathLike[str],
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        num_canonical_partitions: int | None = None,
+        predownload: int = DEFAULT_PREDOWNLOAD,
+        cache_limit: int | None = None,
+        download_retries: int = 2,
+        download_timeout: float = 60.0,
+    ) -> None:
+        super().__init__()
+        if not isinstance(remote, (str, os.PathLike)):
+            raise TypeError(f"`remote` must be an fsspec URL or a directory (got {remote!r})")
+        if not isinstance(local, (str, os.PathLike)) or "://" in os.fspath(local):
+            raise TypeError(f"`local` must be a local directory path (got {local!r})")
+        if not isinstance(shuffle, bool):
+            raise TypeError(f"`shuffle` must be True or False (got {shuffle!r})")
+        self.shuffle = shuffle
+        self.seed = require_int(seed, "seed", minimum=0)
+        self.num_canonical_partitions = (
+            None
+            if num_canonical_partitions is None
+            else require_int(num_canonical_partitions, "num_canonical_partitions", minimum=1)
+        )
+        self.predownload = require_int(predownload, "predownload", minimum=0)
+        self.cache_limit = (
+            None if cache_limit is None else require_int(cache_limit, "cache_limit", minimum=1)
+        )
+        self.download_retries = require_int(download_retries, "download_retries", minimum=0)
+        if (
+            isinstance(download_timeout, bool)
+            or not isinstance(download_timeout, (int, float))
+            or not download_timeout > 0
+            or math.isinf(download_timeout)
+        ):
+            raise ValueError(
+                "`download_timeout` must be a positive number of seconds "
+                f"(got {download_timeout!r})"
+            )
+        self.download_timeout = float(download_timeout)
+        self.remote = Remote(os.fspath(remote))
+        self.local = Path(local).resolve()
+        if "://" not in self.remote.url and Path(self.remote.url).resolve() == self.local:
+            raise ValueError(
+                f"`local` ({self.local}) must be a cache directory apart from the remote"
+            )
+        self.compression, self.shards = self._load_index()
+        self.total = sum(info.samples for info in self.shards)
+        if self.cache_limit is not None and self.shards:
+            largest = max(info.raw_bytes for info in self.shards)
+            if self.cache_limit < largest:
+                raise ValueError(
+                    f"`cache_limit` ({self.cache_limit} bytes) must hold at least the largest "
+                    f"shard ({largest} bytes uncompressed)"
+                )
+        self._cache: ShardCache | None = None
+        self._cache_pid = -1
+        self._restore_file: _ShardFile | None = None
+        self._restore_shard = -1
+
+    def _load_index(self) -> tuple[str | None, tuple[ShardInfo, ...]]:
+        where = self.remote.where(INDEX)
+        try:
+            data = fetch_bytes(
+                self.remote,
+                INDEX,
+                retries=self.download_retries,
+                timeout=self.download_timeout,
+            )
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{where} is missing: the remote must hold a ShardWriter dataset "
+                "(index.json plus shards)"
+            ) from None
+        parsed = parse_index(data, where)
+        self.local.mkdir(parents=True, exist_ok=True)
+        local_index = self.local / INDEX
+        with node_lock(self.local / LOCKS / "index.lock", 60.0, "index"):
+            if local_index.exists():
+                if local_index.read_bytes() != data:
+                    raise SourceDataError(
+                        f"the cache directory {self.local} holds the shards of a different "
+                        f"index.json than {where}; use another `local` directory or empty it"
+                    )
+            else:
+                temporary = self.local / f".{INDEX}.{os.getpid()}.tmp"
+                temporary.write_bytes(data)
+                os.replace(temporary, local_index)
+        self._index_sha = hashlib.sha256(data).hexdigest()[:16]
+        return parsed
+
+    def partitions(self) -> int:
+        """P: ``num_canonical_partitions``, or this run's number of readers."""
+        return self.num_canonical_partitions or self.context.num_shards
+
+    def cache(self) -> ShardCache:
+        """This process's view of the local cache (made lazily in each process)."""
+        if self._cache is None or self._cache_pid != os.getpid():
+            self._cache = ShardCache(
+                self.remote,
+                self.local,
+                self.shards,
+                compression=self.compression,
+                retries=self.download_retries,
+                timeout=self.download_timeout,
+                cache_limit=self.cache_limit,
+            )
+            self._cache_pid = os.getpid()
+        return self._cache
+
+    def open_shard(self, shard: int) -> _ShardFile:
+        """Open one shard for reading, downloading it first if needed."""
+        path = self.cache().ensure(shard)
+        if path is None:  # only downloads ahead of the reader (ahead=True) give up
+            raise DownloadError(f"shard {self.shards[shard].name} could not be downloaded")
+        return _ShardFile(path, self.shards[shard])
+
+    def global_order(self, epoch: int, partitions: int | None = None) -> list[tuple[int, int]]:
+        """The epoch's global order as ``(shard, row)`` keys (for tests and audits: O(N))."""
+        order = _EpochOrder(self, epoch, partitions or self.partitions())
+        out = []
+        for position in range(self.total):
+            shard, offset = order.locate(position)
+            out.append((shard, order.row(shard, offset)))
+        return out
+
+    # -- protocol --------------------------------------------------------------------------
+
+    def _new_cursor(self) -> EpochCursor:
+        return _ShardedCursor(self)
+
+    def restore_sample(self, key: Key) -> Any:
+        if (
+            len(key) != 2
+            or any(isinstance(part, bool) or not isinstance(part, int) for part in key)
+            or not 0 <= key[0] < len(self.shards)
+            or not 0 <= key[1] < self.shards[key[0]].samples
+        ):
+            raise ValueError(
+                f"ShardedSource restore keys are (shard, row) within the {len(self.shards)} "
+                f"shards of {self.remote.url}; got {key!r}"
+            )
+        shard, row = key
+        if self._restore_shard != shard or self._restore_file is None:
+            if self._restore_file is not None:
+                self._restore_file.close()
+                self._restore_file = None
+            self._restore_file = self.open_shard(shard)
+            self._restore_shard = shard
+        try:
+            return self._restore_file.read(row)
+        except (OSError, ValueError):
+            self._restore_file.close()
+            self._restore_file = None
+            raise
+
+    def can_restore_sample(self) -> bool:
+        return True
+
+    def _config_fields(self) -> dict[str, Any]:
+        return {
+            "index": self._index_sha,
+            "shards": len(self.shards),
+            "total_samples": self.total,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "num_canonical_partitions": self.num_canonical_partitions,
+        }
+
+    def __len__(self) -> int:
+        """Samples per epoch of this copy's reader."""
+        context = self.context
+        return len(range(context.shard_index, self.total, context.num_shards))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update(_cache=None, _cache_pid=-1, _restore_file=None, _restore_shard=-1)
+        return state

@@ -1,0 +1,194 @@
+"""StreamSource: batches pulled from a producer the library does not own, by consumer cursor.
+
+The producer (a message log, a service, a queue behind a small server) is reached through a
+user ``fetch_fn(cursor) -> batch | None``. ``cursor`` is an integer: the number of the batch
+in the producer's stream (0, 1, 2, ...). ``fetch_fn`` returns that batch, or ``None`` if it has
+not been produced yet. Then the source asks ``is_exhausted(cursor)`` (if given): ``True`` ends
+the epoch (everything fetched has been delivered: batches are yielded as they are fetched),
+otherwise it sleeps ``poll_interval`` seconds and asks ``fetch_fn`` again. Without
+``is_exhausted`` the stream is endless.
+
+The contract with the producer: **the same cursor always gives the same batch**, for as long
+as a checkpoint may point at it (a log with retention, like a Kafka topic, not a queue whose
+reads are destructive). That is what makes the saved state small, just the cursor, and a
+restore exact: the restored source fetches from the saved cursor again.
+
+Sharding. The job's readers (ranks x workers, see :class:`~energy_loader.WorkerContext`)
+take interleaved cursors: reader ``s`` of ``S`` fetches ``s, s + S, s + 2S, ...``, so the
+readers together consume the stream in order and no batch is read twice. Ranks that share a
+data-parallel rank (tensor- or pipeline-parallel peers; see :class:`~energy_loader.WorkerConfig`)
+are the same reader and receive identical data. ``fetch_fn`` may call
+:func:`~energy_loader.current_worker` to learn which reader is asking.
+
+Epochs. A stream does not restart: the next epoch continues from the cursor where the last
+one ended (new batches may have arrived since). There is no shuffle: the order is the
+producer's.
+
+Batches. The source yields each fetched batch as one item; wrap it in
+:class:`~energy_loader.wrappers.UnbatchDataset` to split batches into samples or
+micro-batches (that wrapper then saves the position inside the current batch).
+
+State: ``{"phase", "epoch", "cursor"}``, the reader's next cursor (-1 before its first
+fetch). Restore key: ``(cursor,)``; ``restore_sample`` fetches that cursor again.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..dataset import EpochCursor, Key, SavableDataset, callable_name, require_callable
+from ..errors import StateFormatError, StreamError
+from ..state.plain import StateReader
+
+__all__ = ["StreamSource"]
+
+
+class _StreamCursor(EpochCursor):
+    dataset: StreamSource
+
+    def __init__(self, dataset: StreamSource) -> None:
+        super().__init__(dataset)
+        self.cursor = -1
+
+    def begin_epoch(self) -> None:
+        if self.cursor < 0:
+            self.cursor = self.dataset.context.shard_index
+
+    def resume(self) -> Iterator[tuple[Key, Any]]:
+        source = self.dataset
+        stride = source.context.num_shards
+        while True:
+            batch = source.fetch_batch(self.cursor)
+            if batch is not None:
+                key = (self.cursor,)
+                self.cursor += stride
+                yield key, batch
+                continue
+            started = time.monotonic()
+            while batch is None:
+                if source.exhausted(self.cursor):
+                    return
+                waited = time.monotonic() - started
+                if source.fetch_timeout is not None and waited >= source.fetch_timeout:
+                    raise StreamError(
+                        f"no batch for cursor {self.cursor} from {source.fetch_name} within "
+                        f"fetch_timeout={source.fetch_timeout} s (polled every "
+                        f"{source.poll_interval} s); is the producer running?"
+                    )
+                time.sleep(source.poll_interval)
+                batch = source.fetch_batch(self.cursor)
+            key = (self.cursor,)
+            self.cursor += stride
+            yield key, batch
+
+    def fields(self) -> dict[str, Any]:
+        return {"cursor": self.cursor}
+
+    def load_fields(self, reader: StateReader) -> None:
+        self.cursor = reader.int("cursor", minimum=-1)
+        context = self.dataset.context
+        if self.cursor >= 0 and self.cursor % context.num_shards != context.shard_index:
+            raise StateFormatError(
+                f"{reader.path}.cursor {self.cursor} does not belong to reader "
+                f"{context.shard_index} of {context.num_shards} (cursors {context.shard_index}, "
+                f"{context.shard_index} + {context.num_shards}, ...)"
+            )
+
+
+class StreamSource(SavableDataset):
+    """Pull batches from an outside producer with ``fetch_fn(cursor)``; save the cursor.
+
+    See the module documentation for the producer contract (same cursor, same batch), the
+    sharding of cursors over readers, epochs and exhaustion. ``fetch_timeout`` (seconds, or
+    ``None`` to wait forever as a stream consumer usually does) bounds the wait for one batch.
+    Errors raised by ``fetch_fn`` or ``is_exhausted`` come out as :class:`StreamError` naming
+    the function and the cursor, with the original exception as ``__cause__``. Example::
+
+        client = MyLogClient("broker:9092", topic="rollouts")
+        source = StreamSource(client.fetch, is_exhausted=client.is_closed, poll_interval=0.5)
+        pipeline = UnbatchDataset(source, micro_batch_size=8)
+    """
+
+    def __init__(
+        self,
+        fetch_fn: Callable[[int], Any],
+        *,
+        is_exhausted: Callable[[int], bool] | None = None,
+        poll_interval: float = 1.0,
+        fetch_timeout: float | None = None,
+    ) -> None:
+        super().__init__()
+        require_callable(fetch_fn, "fetch_fn")
+        if is_exhausted is not None:
+            require_callable(is_exhausted, "is_exhausted")
+        self.poll_interval = _seconds(poll_interval, "poll_interval")
+        self.fetch_timeout = (
+            None if fetch_timeout is None else _seconds(fetch_timeout, "fetch_timeout")
+        )
+        self.fetch_fn = fetch_fn
+        self.is_exhausted = is_exhausted
+        self.fetch_name = callable_name(fetch_fn)
+
+    def fetch_batch(self, cursor: int) -> Any:
+        """``fetch_fn(cursor)``, with its failures turned into :class:`StreamError`."""
+        try:
+            return self.fetch_fn(cursor)
+        except Exception as error:
+            raise StreamError(
+                f"fetch_fn {self.fetch_name} raised at cursor {cursor}: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+
+    def exhausted(self, cursor: int) -> bool:
+        """``is_exhausted(cursor)`` (``False`` without one), checked to be a bool."""
+        if self.is_exhausted is None:
+            return False
+        try:
+            answer = self.is_exhausted(cursor)
+        except Exception as error:
+            raise StreamError(
+                f"is_exhausted {callable_name(self.is_exhausted)} raised at cursor {cursor}: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        if not isinstance(answer, bool):
+            raise StreamError(
+                f"is_exhausted {callable_name(self.is_exhausted)} must return True or False "
+                f"(got {answer!r} at cursor {cursor})"
+            )
+        return answer
+
+    def _new_cursor(self) -> EpochCursor:
+        return _StreamCursor(self)
+
+    def restore_sample(self, key: Key) -> Any:
+        if len(key) != 1 or isinstance(key[0], bool) or not isinstance(key[0], int) or key[0] < 0:
+            raise ValueError(f"StreamSource restore keys are (cursor,); got {key!r}")
+        batch = self.fetch_batch(key[0])
+        if batch is None:
+            raise StreamError(
+                f"fetch_fn {self.fetch_name} returned None for cursor {key[0]}, which it served "
+                "before: restoring needs a producer that serves a cursor again (a log, not a "
+                "destructive queue)"
+            )
+        return batch
+
+    def can_restore_sample(self) -> bool:
+        return True
+
+    def _config_fields(self) -> dict[str, Any]:
+        exhausted = callable_name(self.is_exhausted) if self.is_exhausted is not None else None
+        return {"fetch_fn": self.fetch_name, "is_exhausted": exhausted}
+
+
+def _seconds(value: Any, name: str) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not value > 0
+        or math.isinf(value)
+    ):
+        raise ValueError(f"`{name}` must be a positive number of seconds (got {value!r})")
+    return float(value)

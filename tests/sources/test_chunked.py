@@ -1,0 +1,384 @@
+"""ChunkedFolderSource and write_chunked_folder: layout, order, balance, resume, memory, errors."""
+
+from __future__ import annotations
+
+import gc
+import json
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import energy_loader as el
+from energy_loader.errors import SourceDataError, StateFormatError
+from energy_loader.sources import ChunkedFolderSource, loaded_chunk_count, write_chunked_folder
+from energy_loader.testing import check_resume
+from energy_loader.testing.compare import first_difference
+from energy_loader.worker import WorkerContext
+
+
+def sample(i: int) -> dict[str, Any]:
+    return {"i": torch.tensor(i), "x": torch.arange(6) + 10 * i}
+
+
+def write_files(folder: Path, sizes: list[int]) -> Path:
+    """A chunked folder made the way a user's own pre-processing would: torch.save + JSON."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files, start = [], 0
+    for number, size in enumerate(sizes):
+        name = f"part{number}.pt"
+        torch.save(
+            {"i": torch.arange(start, start + size), "x": torch.ones(size, 3)}, folder / name
+        )
+        files.append({"path": name, "samples": size})
+        start += size
+    metadata = {"version": 1, "total_samples": start, "files": files}
+    (folder / "metadata.json").write_text(json.dumps(metadata))
+    return folder
+
+
+def epoch_of(
+    source: ChunkedFolderSource, context: WorkerContext | None = None, *, fresh: bool = True
+) -> list[Any]:
+    """The keys of one epoch of ``source`` as the given reader (epoch 0 when ``fresh``)."""
+    source.bind(context or WorkerContext())
+    if fresh:
+        source.reset_state()
+    return [key for key, _ in source.iter_keyed()]
+
+
+def ids(samples: list[Any]) -> list[int]:
+    return [int(s["i"]) for s in samples]
+
+
+# -- writing and reading ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("file_format", "make"),
+    [
+        ("pt", sample),  # columns of stacked tensors
+        ("pt", lambda i: {"i": i, "name": f"s{i}", "x": torch.arange(i % 3 + 1)}),  # a list
+        ("npz", lambda i: {"i": np.int64(i), "x": np.arange(4, dtype=np.float32) * i}),
+        ("npy", lambda i: np.arange(3) + i),
+    ],
+)
+def test_written_samples_read_back_in_order(tmp_path, file_format, make):
+    originals = [make(i) for i in range(13)]
+    metadata = write_chunked_folder(
+        tmp_path, originals, samples_per_file=4, file_format=file_format
+    )
+    assert [f["samples"] for f in metadata["files"]] == [4, 4, 4, 1]
+    assert metadata["total_samples"] == 13
+    source = ChunkedFolderSource(tmp_path)
+    got = list(source)
+    assert len(got) == len(source) == 13
+    for original, item in zip(originals, got):
+        if isinstance(item, dict):
+            item = {k: v for k, v in item.items() if k != el.RESTORE_KEY}
+        if file_format == "npz":  # numbers come back as numpy scalars
+            original = {k: np.asarray(v)[()] for k, v in original.items()}
+        assert first_difference(original, item) is None
+
+
+def test_restore_sample_rebuilds_every_sample(tmp_path):
+    write_chunked_folder(tmp_path, map(sample, range(11)), samples_per_file=3)
+    source = ChunkedFolderSource(tmp_path, shuffle=True, seed=5, seq_len=4)
+    for item in source:
+        key = el.restore_key_of(item)
+        rebuilt = source.restore_sample(key)
+        assert (
+            first_difference({k: v for k, v in item.items() if k != el.RESTORE_KEY}, rebuilt)
+            is None
+        )
+
+
+def test_seq_len_keeps_the_last_positions(tmp_path):
+    write_chunked_folder(tmp_path, map(sample, range(5)), samples_per_file=2)
+    got = list(ChunkedFolderSource(tmp_path, seq_len=2))
+    assert torch.equal(got[3]["x"], torch.tensor([34, 35]))
+    assert got[3]["i"].shape == ()  # 0-d values have no sequence dimension
+
+
+# -- order ----------------------------------------------------------------------------------------
+
+
+def test_epoch_order_is_deterministic_and_changes_per_epoch(tmp_path):
+    write_chunked_folder(tmp_path, map(sample, range(40)), samples_per_file=7)
+
+    def two_epochs(seed: int) -> list[list[Any]]:
+        source = ChunkedFolderSource(tmp_path, shuffle=True, seed=seed)
+        return [epoch_of(source), epoch_of(source, fresh=False)]
+
+    first, again = two_epochs(3), two_epochs(3)
+    assert first == again
+    assert first[0] != first[1]
+    assert sorted(first[0]) == sorted(first[1])
+    assert len(set(first[0])) == 40
+    assert two_epochs(4)[0] != first[0]
+    # Files are read whole: each file's rows are contiguous in the epoch.
+    files_in_order = [file for file, _ in first[0]]
+    assert files_in_order == sorted(files_in_order, key=files_in_order.index)
+    plain = ChunkedFolderSource(tmp_path)
+    assert epoch_of(plain) == [(f, r) for f, n in enumerate([7] * 5 + [5]) for r in range(n)]
+
+
+def test_batches_are_carved_across_file_boundaries(tmp_path):
+    write_chunked_folder(tmp_path, map(sample, range(23)), samples_per_file=5)
+    batches = list(el.BatchDataset(ChunkedFolderSource(tmp_path), batch_size=4))
+    assert [len(b["i"]) for b in batches] == [4, 4, 4, 4, 4, 3]
+    assert batches[1]["i"].tolist() == [4, 5, 6, 7]  # files 0 and 1 in one batch
+
+
+# -- ranks, workers and balance --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("balance", ["oversample", "undersample"])
+def test_every_reader_gets_its_quota(tmp_path, balance):
+    write_files(tmp_path, [5, 3, 4, 6, 2, 5, 1])  # ranks of 3 hold 5+6+1, 3+2 and 4+5 samples
+    source = ChunkedFolderSource(tmp_path, shuffle=True, seed=1, balance=balance)
+    quota = 12 if balance == "oversample" else 5
+    per_rank = {}
+    for rank in range(3):
+        keys = []
+        for worker in range(2):
+            context = WorkerContext(rank=rank, world_size=3, worker_id=worker, num_workers=2)
+            part = epoch_of(source, context)
+            assert len(part) == len(source) == (quota // 2 if worker == 0 else quota - quota // 2)
+            keys += part
+        assert len(keys) == quota
+        assert {file for file, _ in keys} <= set(range(rank, 7, 3))  # whole files, round-robin
+        per_rank[rank] = keys
+    if balance == "oversample":
+        # Ranks with fewer samples wrap around; together the ranks still see every sample.
+        assert set().union(*map(set, per_rank.values())) == {
+            (f, r) for f, n in enumerate([5, 3, 4, 6, 2, 5, 1]) for r in range(n)
+        }
+        assert sorted(Counter(per_rank[1]).values()) == [2, 2, 2, 3, 3]  # 5 samples wrap to 12
+    else:
+        assert all(len(set(keys)) == 5 for keys in per_rank.values())
+
+
+def test_exact_balance_names_the_ranks_and_files(tmp_path):
+    write_files(tmp_path, [4, 4, 4, 3])
+    source = ChunkedFolderSource(tmp_path)
+    source.bind(WorkerContext(rank=0, world_size=2))
+    with pytest.raises(SourceDataError) as raised:
+        list(source.iter_keyed())
+    message = str(raised.value)
+    assert "ranks [1] differ" in message
+    assert "rank 0: 8 samples in [part0.pt, part2.pt]" in message
+    assert "rank 1: 7 samples in [part1.pt, part3.pt]" in message
+    assert "balance='oversample'" in message
+    source.bind(WorkerContext(rank=0, world_size=4))
+    with pytest.raises(SourceDataError, match="ranks \\[3\\] differ"):
+        len(source)
+
+
+def test_every_rank_yields_the_same_number_of_batches(tmp_path):
+    write_files(tmp_path, [9, 2, 7, 7, 3])
+    counts = []
+    for rank in range(2):
+        config = el.WorkerConfig(rank=rank, world_size=2, num_workers=2)
+        source = ChunkedFolderSource(tmp_path, shuffle=True, seed=2, balance="undersample")
+        loader = el.SavableDataLoader(el.BatchDataset(source, 3), worker_config=config)
+        batches = list(loader)
+        assert len(batches) == len(loader)
+        counts.append(len(batches))
+    assert counts[0] == counts[1] == 4  # quota 11: workers of 5 and 6 samples, 2 + 2 batches
+
+
+# -- resume -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 2])
+@pytest.mark.timeout(120)
+def test_resume_is_exact_with_workers(tmp_path, num_workers, no_leftover_processes):
+    write_files(tmp_path, [5, 4, 6, 1, 5])  # 21 samples: 7 batches of 3 per epoch
+    report = check_resume(
+        lambda: el.BatchDataset(ChunkedFolderSource(tmp_path, shuffle=True, seed=9), 3),
+        num_workers=num_workers,
+        epochs=2,
+        # A loader with workers takes ~0.5 s to start: fewer stop points, together covering
+        # mid-epoch, both sides of the epoch end and the second epoch.
+        stop_points={0: None, 1: [7, 12], 2: [3, 8]}[num_workers],
+    )
+    assert report.state_bytes < 1500
+
+
+@pytest.mark.timeout(120)
+def test_resume_is_exact_on_a_rank_that_wraps_around(tmp_path):
+    write_files(tmp_path, [5, 4, 6, 1, 5])  # 3 ranks: 6, 9 and 6 samples
+    config = el.WorkerConfig(rank=2, world_size=3, num_workers=2)
+    check_resume(
+        lambda: el.SavableDataLoader(
+            ChunkedFolderSource(tmp_path, shuffle=True, seed=9, balance="oversample", seq_len=2),
+            worker_config=config,
+        ),
+        epochs=2,
+        stop_points=[4, 9, 10],  # the rank's quota is 9: mid-epoch, both sides of its end
+    )
+
+
+@settings(max_examples=8)
+@given(
+    sizes=st.lists(st.integers(0, 6), min_size=1, max_size=6),
+    seed=st.integers(0, 2**31),
+    shuffle=st.booleans(),
+    balance=st.sampled_from(["oversample", "undersample"]),
+    ranks=st.integers(1, 2),
+    workers=st.integers(0, 2),
+    data=st.data(),
+)
+@pytest.mark.timeout(300)
+def test_resume_property(tmp_path_factory, sizes, seed, shuffle, balance, ranks, workers, data):
+    folder = write_files(Path(tempfile.mkdtemp(dir=tmp_path_factory.getbasetemp())), sizes)
+    rank = data.draw(st.integers(0, ranks - 1), label="rank")
+    config = el.WorkerConfig(rank=rank, world_size=ranks, num_workers=workers)
+
+    def build() -> el.SavableDataLoader:
+        source = ChunkedFolderSource(folder, shuffle=shuffle, seed=seed, balance=balance)
+        return el.SavableDataLoader(el.BatchDataset(source, 2), worker_config=config)
+
+    loader = build()
+    total = 2 * len(loader) + 2  # events of two epochs: items plus two ends
+    stop = data.draw(st.integers(0, total), label="stop")
+    check_resume(build, epochs=2, stop_points=[stop])
+
+
+def test_state_of_another_worker_is_refused(tmp_path):
+    write_files(tmp_path, [4, 4, 4, 4])
+    source = ChunkedFolderSource(tmp_path)
+    source.bind(WorkerContext(worker_id=0, num_workers=2))  # range [0, 8)
+    source.restore_state({"phase": "running", "epoch": 0, "position": 3})
+    source.bind(WorkerContext(worker_id=1, num_workers=2))
+    with pytest.raises(StateFormatError, match=r"position 3 is outside the range \[8, 16\]"):
+        source.restore_state({"phase": "running", "epoch": 0, "position": 3})
+    source.restore_state({"phase": "running", "epoch": 0, "position": 15})
+    assert [key for key, _ in source.iter_keyed()] == [(3, 3)]
+
+
+# -- memory ---------------------------------------------------------------------------------------
+
+
+def test_streaming_fifty_chunks_holds_one_at_a_time(tmp_path):
+    write_chunked_folder(
+        tmp_path,
+        ({"i": torch.tensor(i), "x": torch.full((256,), float(i))} for i in range(50 * 8)),
+        samples_per_file=8,
+    )
+    source = ChunkedFolderSource(tmp_path, shuffle=True, seed=1)
+    assert len(source.files) == 50
+    gc.collect()  # chunks of earlier tests' sources that are only waiting for the collector
+    baseline = loaded_chunk_count()
+    kept, most = [], 0
+    for item in source:
+        most = max(most, loaded_chunk_count() - baseline)
+        kept.append(item)  # a consumer that keeps samples must not pin their chunks
+        # Each sample owns its memory: a copy of its row, not a view into the chunk.
+        assert item["x"].untyped_storage().nbytes() == 256 * 4
+    assert most == 1
+    assert loaded_chunk_count() == baseline  # the last chunk is freed at the end of the epoch
+    assert len({int(s["i"]) for s in kept}) == 400
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def test_missing_folder_and_metadata_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"chunked folder .*nowhere does not exist"):
+        ChunkedFolderSource(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match=r"metadata\.json is missing"):
+        ChunkedFolderSource(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        ("{not json", "is not valid JSON"),
+        ({"files": "x"}, "with a 'files' list"),
+        ({"version": 7, "files": []}, "version 7"),
+        ({"files": [{"path": "part0.pt"}], "total_samples": 4}, r"files\[0\] \(part0.pt\) needs"),
+        ({"files": [{"path": "a.txt", "samples": 1}], "total_samples": 1}, "must end in one of"),
+        ({"files": [{"path": "../x.pt", "samples": 1}], "total_samples": 1}, "inside the folder"),
+        ({"files": [{"path": "part0.pt", "samples": 4}], "total_samples": 5}, "add up to 4"),
+    ],
+)
+def test_inconsistent_metadata_names_the_file(tmp_path, metadata, message):
+    write_files(tmp_path, [4])
+    text = metadata if isinstance(metadata, str) else json.dumps(metadata)
+    (tmp_path / "metadata.json").write_text(text)
+    with pytest.raises(SourceDataError, match=message) as raised:
+        ChunkedFolderSource(tmp_path)
+    assert "metadata.json" in str(raised.value)
+
+
+def test_missing_chunk_file_is_named(tmp_path):
+    write_files(tmp_path, [4, 4])
+    (tmp_path / "part1.pt").unlink()
+    with pytest.raises(FileNotFoundError, match=r"part1\.pt listed in .*metadata\.json is missing"):
+        ChunkedFolderSource(tmp_path)
+
+
+def test_wrong_row_count_is_named_when_the_chunk_loads(tmp_path):
+    write_files(tmp_path, [4, 4])
+    torch.save({"i": torch.arange(3), "x": torch.ones(3, 3)}, tmp_path / "part1.pt")
+    source = ChunkedFolderSource(tmp_path)
+    with pytest.raises(SourceDataError, match=r"part1.pt: column 'i' has 3 rows but .* 4 samples"):
+        list(source)
+
+
+class NotATensor:
+    pass
+
+
+def test_chunks_are_never_unpickled(tmp_path):
+    write_files(tmp_path, [2])
+    torch.save([NotATensor(), NotATensor()], tmp_path / "part0.pt")
+    with pytest.raises(SourceDataError, match="cannot be loaded safely"):
+        list(ChunkedFolderSource(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"balance": "even"}, ValueError, "`balance` must be one of"),
+        ({"seq_len": 0}, ValueError, "`seq_len` must be positive"),
+        ({"shuffle": "yes"}, TypeError, "`shuffle` must be True or False"),
+        ({"seed": -1}, ValueError, "`seed` must be >= 0"),
+    ],
+)
+def test_bad_arguments(tmp_path, kwargs, error, message):
+    write_files(tmp_path, [2])
+    with pytest.raises(error, match=message):
+        ChunkedFolderSource(tmp_path, **kwargs)
+    with pytest.raises(TypeError, match="`path` must be a folder path"):
+        ChunkedFolderSource(3)  # type: ignore[arg-type]
+
+
+def test_writer_refuses_bad_input(tmp_path):
+    write_chunked_folder(tmp_path / "a", [sample(0)], samples_per_file=1)
+    with pytest.raises(FileExistsError, match="already holds a chunked folder"):
+        write_chunked_folder(tmp_path / "a", [sample(0)], samples_per_file=1)
+    with pytest.raises(ValueError, match="`samples_per_file` must be positive"):
+        write_chunked_folder(tmp_path / "b", [], samples_per_file=0)
+    with pytest.raises(ValueError, match="`file_format` must be"):
+        write_chunked_folder(tmp_path / "b", [], samples_per_file=1, file_format="csv")
+    with pytest.raises(TypeError, match="use file_format='npz' for numpy arrays"):
+        write_chunked_folder(tmp_path / "c", [{"a": np.zeros(2)}], samples_per_file=1)
+    with pytest.raises(TypeError, match="numpy chunk files hold arrays only"):
+        write_chunked_folder(tmp_path / "d", [{"a": "text"}], samples_per_file=1, file_format="npz")
+
+
+def test_restore_sample_refuses_bad_keys(tmp_path):
+    write_files(tmp_path, [3])
+    source = ChunkedFolderSource(tmp_path)
+    for key in [(0,), (1, 0), (0, 3), ("0", 1), (True, 0)]:
+        with pytest.raises(ValueError, match="restore keys are \\(file_index, row\\)"):
+            source.restore_sample(key)
