@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 import energy_loader as el
 from energy_loader import distributed as eld
+from energy_loader.state import write_atomically
 
 STEP_NAME = re.compile(r"^step_(\d{6})(\.pt)?$")
 
@@ -76,6 +77,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
 
 
 def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
@@ -83,15 +85,9 @@ def fsync_dir(path: Path) -> None:
         os.close(descriptor)
 
 
-def torch_save_atomically(value: Any, path: Path) -> None:
+def _save_atomically(value: Any, path: Path) -> None:
     """Temporary file in the same directory, fsync, rename, fsync the directory."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "wb") as file:
-        torch.save(value, file)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
-    fsync_dir(path.parent)
+    write_atomically(path, lambda stream: torch.save(value, stream))
 
 
 def newest_checkpoint(ckpt_dir: Path) -> Path | None:
@@ -126,7 +122,7 @@ def save_gathered(ckpt_dir: Path, step: int, model: Any, optimizer: Any, loader:
             "optimizer": optimizer.state_dict(),
             "loader_states": states,
         }
-        torch_save_atomically(checkpoint, ckpt_dir / f"step_{step:06d}.pt")
+        _save_atomically(checkpoint, ckpt_dir / f"step_{step:06d}.pt")
 
 
 def save_per_rank(ckpt_dir: Path, step: int, model: Any, optimizer: Any, loader: Any) -> None:
@@ -139,9 +135,7 @@ def save_per_rank(ckpt_dir: Path, step: int, model: Any, optimizer: Any, loader:
     eld.save_state_rank_file(loader, staging)
     if dist.get_rank() == 0:
         model_state = {"step": step, "model": model.module.state_dict()}
-        torch_save_atomically(
-            {**model_state, "optimizer": optimizer.state_dict()}, staging / "model.pt"
-        )
+        _save_atomically({**model_state, "optimizer": optimizer.state_dict()}, staging / "model.pt")
     dist.barrier()  # every rank's file is in
     if dist.get_rank() == 0:
         os.replace(staging, ckpt_dir / f"step_{step:06d}")

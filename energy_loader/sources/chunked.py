@@ -55,6 +55,7 @@ import torch
 from ..dataset import EpochCursor, Key, SavableDataset, require_int
 from ..errors import SourceDataError, StateFormatError
 from ..rng import stable_hash
+from ..state.atomic import write_atomically
 from ..state.plain import StateReader
 from ..worker import WorkerContext
 from .permutation import FeistelPermutation
@@ -501,7 +502,7 @@ def write_chunked_folder(
 
     def flush() -> None:
         name = f"chunk-{len(entries):05d}.{file_format}"
-        _write_atomic(folder / name, lambda f: _write_chunk(f, group, file_format, name))
+        write_atomically(folder / name, lambda f: _write_chunk(f, group, file_format, name))
         entries.append({"path": name, "samples": len(group)})
         group.clear()
 
@@ -518,21 +519,8 @@ def write_chunked_folder(
         "files": entries,
     }
     text = json.dumps(metadata, indent=1).encode()
-    _write_atomic(folder / METADATA, lambda f: f.write(text))
+    write_atomically(folder / METADATA, text)
     return metadata
-
-
-def _write_atomic(path: Path, write: Any) -> None:
-    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(temporary, "wb") as file:
-            write(file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    finally:
-        if temporary.exists():
-            temporary.unlink()
 
 
 def _write_chunk(file: Any, group: list[Any], file_format: str, name: str) -> None:

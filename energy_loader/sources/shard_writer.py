@@ -20,13 +20,13 @@ import hashlib
 import json
 import os
 import struct
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import attrs
 
 from ..dataset import require_int
+from ..state.atomic import write_atomically
 from ._codec import encode_sample
 
 __all__ = ["INDEX", "ShardInfo", "ShardWriter"]
@@ -181,16 +181,7 @@ class ShardWriter:
         if not _is_local(self._fs):
             self._fs.pipe_file(target, data)
             return
-        temporary = Path(f"{target}.tmp{os.getpid()}")
-        try:
-            with open(temporary, "wb") as file:
-                file.write(data)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temporary, target)
-        finally:
-            if temporary.exists():
-                temporary.unlink()
+        write_atomically(target, data)
 
     def close(self) -> None:
         """Write the last shard and ``index.json``. Idempotent."""

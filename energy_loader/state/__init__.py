@@ -1,5 +1,6 @@
 """State classes, the plain-data codec, configuration fingerprints and checkpoint files."""
 
+from .atomic import write_atomically
 from .checkpoint import CheckpointDirectory, load_checkpoint, save_checkpoint
 from .fingerprint import ConfigDifference, config_differences, describe_differences
 from .plain import StateReader, check_plain, to_key
@@ -19,4 +20,5 @@ __all__ = [
     "load_checkpoint",
     "save_checkpoint",
     "to_key",
+    "write_atomically",
 ]

@@ -17,19 +17,20 @@ The checksum catches files damaged after the fact (a truncated copy, a flipped b
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import logging
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import StateFormatError
+from .atomic import write_atomically
 from .plain import StateReader, check_plain
 
 __all__ = ["CHECKPOINT_FORMAT", "CheckpointDirectory", "load_checkpoint", "save_checkpoint"]
@@ -43,14 +44,6 @@ _LOGGER = logging.getLogger("energy_loader.checkpoint")
 def _digest(payload: Any) -> str:
     canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(path: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
@@ -74,28 +67,7 @@ def save_checkpoint(path: str | os.PathLike[str], payload: dict[str, Any]) -> Pa
     # OSError it is (ENOSPC, EFBIG, EIO) rather than as an error inside torch's zip writer.
     buffer = io.BytesIO()
     torch.save(record, buffer)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as stream:
-            stream.write(buffer.getbuffer())
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        with _suppress_missing():
-            os.unlink(temporary)
-        raise
-    _fsync_directory(target.parent)
-    return target
-
-
-class _suppress_missing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, value: Any, traceback: Any) -> bool:
-        return kind is not None and issubclass(kind, FileNotFoundError)
+    return write_atomically(target, buffer.getbuffer())
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -176,11 +148,11 @@ class CheckpointDirectory:
             raise ValueError(f"`step` must be a non-negative integer (got {step!r})")
         path = save_checkpoint(self.path_for(step), payload)
         for old in self.steps()[: -self.keep]:
-            with _suppress_missing():
+            with contextlib.suppress(FileNotFoundError):
                 self.path_for(old).unlink()
         # Temporary files of writers that were killed mid-write (one writer per directory).
         for stale in self.directory.glob(f".{self.prefix}-*.pt.*.tmp"):
-            with _suppress_missing():
+            with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
         return path
 
