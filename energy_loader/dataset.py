@@ -346,6 +346,49 @@ class SavableDataset(IterableDataset[Any], ABC):
 
         return LogSampleDataset(self, log_dir=log_dir)
 
+    def blend(
+        self,
+        *others: tuple[SavableDataset, float],
+        weight: float = 1.0,
+        on_exhausted: str = "end",
+    ) -> SavableDataset:
+        """``BlendDataset((self, weight), *others, on_exhausted=...)``."""
+        from .wrappers.blend import BlendDataset
+
+        return BlendDataset((self, weight), *others, on_exhausted=on_exhausted)
+
+    def concat(self, *others: SavableDataset) -> SavableDataset:
+        """``ConcatDataset(self, *others)``."""
+        from .wrappers.concat import ConcatDataset
+
+        return ConcatDataset(self, *others)
+
+    def epochize(self, length: int) -> SavableDataset:
+        """``EpochizeDataset(self, length)``."""
+        from .wrappers.epochize import EpochizeDataset
+
+        return EpochizeDataset(self, length)
+
+    def pack(self, max_len: int, **options: Any) -> SavableDataset:
+        """``PackingDataset(self, max_len, **options)`` (buffer_size, too_long, ...)."""
+        from .wrappers.packing import PackingDataset
+
+        return PackingDataset(self, max_len, **options)
+
+    def group_batch(
+        self, key_fn: Callable[[Any], Any], batch_size: int, **options: Any
+    ) -> SavableDataset:
+        """``GroupBatchDataset(self, key_fn, batch_size, **options)``."""
+        from .wrappers.group_batch import GroupBatchDataset
+
+        return GroupBatchDataset(self, key_fn, batch_size, **options)
+
+    def unbatch(self, micro_batch_size: int | None = None) -> SavableDataset:
+        """``UnbatchDataset(self, micro_batch_size)``: samples, or micro-batches of that size."""
+        from .wrappers.unbatch import UnbatchDataset
+
+        return UnbatchDataset(self, micro_batch_size)
+
     # -- where it runs ---------------------------------------------------------------------
 
     def bind(self, context: WorkerContext) -> None:

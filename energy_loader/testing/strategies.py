@@ -1,10 +1,13 @@
 """Hypothesis strategies for random pipelines and stop points.
 
 :func:`pipelines` draws a :class:`PipelineSpec`: plain data describing an IndexedSource and a
-stack of wrappers. ``spec.build()`` makes a fresh pipeline from it, so a property test can
-build the same pipeline as often as it needs (uninterrupted, interrupted, restored). The user
-functions in it are module-level callables (picklable under every start method) and the map
-draws from python's, numpy's and torch's global RNGs, so per-sample seeding is exercised.
+stack of wrappers, any of the library's wrappers in any order that makes sense for the samples
+flowing through (items, token packs, batches of either). ``spec.build()`` makes a fresh
+pipeline from it, so a property test can build the same pipeline as often as it needs
+(uninterrupted, interrupted, restored). Blends and concats read from further, smaller
+``PipelineSpec`` s of their own. The user functions in it are module-level callables
+(picklable under every start method); the map and the packing encoder draw from python's,
+numpy's and torch's global RNGs, so per-sample seeding is exercised.
 """
 
 from __future__ import annotations
@@ -22,16 +25,31 @@ from ..dataset import SavableDataset
 from ..sources import IndexedSource
 from ..wrappers import (
     BatchDataset,
+    BlendDataset,
+    ConcatDataset,
+    EpochizeDataset,
     FilterDataset,
     GcDataset,
+    GroupBatchDataset,
     LimitDataset,
     LogSampleDataset,
     MapDataset,
+    PackingDataset,
     RepeatDataset,
     ShuffleBufferDataset,
+    UnbatchDataset,
 )
 
-__all__ = ["AddNoise", "DropMultiples", "MakeSample", "PipelineSpec", "pipelines", "stop_points"]
+__all__ = [
+    "AddNoise",
+    "DropMultiples",
+    "GroupOf",
+    "MakeSample",
+    "PipelineSpec",
+    "RandomTokens",
+    "pipelines",
+    "stop_points",
+]
 
 
 @attrs.frozen
@@ -61,7 +79,56 @@ class DropMultiples:
         return sample["index"] % self.k != 0
 
 
-_SAMPLE_STAGES: dict[str, Callable[[SavableDataset, Any], SavableDataset]] = {
+@attrs.frozen
+class GroupOf:
+    """Group key ``index % k`` (for GroupBatchDataset)."""
+
+    k: int
+
+    def __call__(self, sample: dict[str, Any]) -> int:
+        return sample["index"] % self.k
+
+
+@attrs.frozen
+class RandomTokens:
+    """Token sequence of a random length in ``1..max_tokens`` (python's global RNG)."""
+
+    max_tokens: int = 12
+
+    def __call__(self, sample: dict[str, Any]) -> torch.Tensor:
+        length = random.randint(1, self.max_tokens)
+        return torch.arange(length, dtype=torch.long) + 1000 * sample["index"]
+
+
+def _blend(ds: SavableDataset, parameter: Any) -> SavableDataset:
+    weights, specs, on_exhausted = parameter
+    inners = [(spec.build(), weight) for spec, weight in zip(specs, weights[1:])]
+    return BlendDataset((ds, weights[0]), *inners, on_exhausted=on_exhausted)
+
+
+def _pack(ds: SavableDataset, parameter: Any) -> SavableDataset:
+    max_len, buffer_size, too_long, pad = parameter
+    return PackingDataset(
+        ds,
+        max_len,
+        buffer_size=buffer_size,
+        too_long=too_long,
+        encode_fn=RandomTokens(),
+        pad_id=0 if pad else None,
+    )
+
+
+def _group_batch(ds: SavableDataset, parameter: Any) -> SavableDataset:
+    k, size, per_key, leftovers = parameter
+    return GroupBatchDataset(ds, GroupOf(k), size, batch_sizes=dict(per_key), leftovers=leftovers)
+
+
+def _epochize(ds: SavableDataset, parameter: Any) -> SavableDataset:
+    length, endless = parameter
+    return EpochizeDataset(RepeatDataset(ds) if endless else ds, length)
+
+
+_STAGES: dict[str, Callable[[SavableDataset, Any], SavableDataset]] = {
     "map": lambda ds, _: MapDataset(ds, AddNoise()),
     "filter": lambda ds, k: FilterDataset(ds, DropMultiples(k)),
     "shuffle_buffer": lambda ds, size: ShuffleBufferDataset(ds, size),
@@ -69,6 +136,13 @@ _SAMPLE_STAGES: dict[str, Callable[[SavableDataset, Any], SavableDataset]] = {
     "log": lambda ds, _: LogSampleDataset(ds),
     "limit": lambda ds, n: LimitDataset(ds, n),
     "repeat": lambda ds, n: RepeatDataset(ds, n),
+    "batch": lambda ds, p: BatchDataset(ds, p[0], drop_last=p[1]),
+    "epochize": _epochize,
+    "concat": lambda ds, specs: ConcatDataset(ds, *(spec.build() for spec in specs)),
+    "blend": _blend,
+    "pack": _pack,
+    "group_batch": _group_batch,
+    "unbatch": lambda ds, m: UnbatchDataset(ds, m),
 }
 
 
@@ -87,53 +161,152 @@ class PipelineSpec:
             self.length, MakeSample(), shuffle=self.shuffle, seed=self.seed
         )
         for name, parameter in self.stages:
-            if name == "batch":
-                size, drop_last = parameter
-                dataset = BatchDataset(dataset, size, drop_last=drop_last)
-            else:
-                dataset = _SAMPLE_STAGES[name](dataset, parameter)
+            dataset = _STAGES[name](dataset, parameter)
         return dataset
 
 
-def _sample_stage() -> st.SearchStrategy[tuple[str, Any]]:
-    return st.one_of(
-        st.tuples(st.just("map"), st.none()),
-        st.tuples(st.just("filter"), st.integers(2, 5)),
-        st.tuples(st.just("shuffle_buffer"), st.integers(1, 12)),
-        st.tuples(st.just("gc"), st.integers(1, 7)),
-        st.tuples(st.just("log"), st.none()),
-        st.tuples(st.just("limit"), st.integers(1, 40)),
-        st.tuples(st.just("repeat"), st.integers(1, 2)),
-    )
+# What flows between stages: "item" (a source sample), "pack" (a token pack), or "batch:"
+# followed by either. Stages that could leave a shard with no sample at all mark the flow
+# "may be empty"; an EpochizeDataset over such a flow would (rightly) raise, so it is not drawn.
+
+_ANY_KIND = ("shuffle_buffer", "gc", "log", "limit", "repeat", "epochize")
 
 
-def _batch_stage() -> st.SearchStrategy[tuple[str, Any]]:
-    return st.tuples(st.just("batch"), st.tuples(st.integers(1, 5), st.booleans()))
+def _stage(name: str, parameter: st.SearchStrategy[Any]) -> st.SearchStrategy[tuple[str, Any]]:
+    return st.tuples(st.just(name), parameter)
+
+
+def _simple_stages(kind: str, may_be_empty: bool) -> list[st.SearchStrategy[tuple[str, Any]]]:
+    options = {
+        "shuffle_buffer": st.integers(1, 12),
+        "gc": st.integers(128, 512),  # gc.collect() costs 10-30 ms with torch loaded
+        "log": st.none(),
+        "limit": st.integers(1, 40),
+        "repeat": st.integers(1, 2),
+        "epochize": st.tuples(st.integers(1, 30), st.booleans()),
+    }
+    out = [_stage(name, options[name]) for name in _ANY_KIND]
+    if may_be_empty:
+        out.pop()  # no epochize
+    if not kind.startswith("batch"):
+        out.append(_stage("map", st.none()))
+        out.append(_stage("batch", st.tuples(st.integers(1, 5), st.booleans())))
+    else:  # unbatching is the way back to samples: drawn as often as all the rest together
+        out.extend([_stage("unbatch", st.one_of(st.none(), st.integers(1, 3)))] * len(out))
+    if kind == "item":
+        out.append(_stage("filter", st.integers(2, 5)))
+        pack = st.tuples(
+            st.integers(4, 10), st.integers(1, 4), st.sampled_from(("split", "drop")), st.booleans()
+        )
+        out.append(_stage("pack", pack))
+        groups = st.tuples(
+            st.integers(1, 3),
+            st.integers(1, 4),
+            st.lists(
+                st.tuples(st.integers(0, 2), st.integers(1, 4)),
+                max_size=2,
+                unique_by=lambda p: p[0],
+            ).map(tuple),
+            st.sampled_from(("emit", "drop")),
+        )
+        out.append(_stage("group_batch", groups))
+    return out
 
 
 @st.composite
-def pipelines(draw: st.DrawFn, *, max_length: int = 60, max_depth: int = 5) -> PipelineSpec:
-    """A random pipeline: source, up to ``max_depth`` stages, at most one batch stage.
+def _inner_specs(
+    draw: st.DrawFn, count: int, noisy: bool, max_shards: int
+) -> tuple[tuple[PipelineSpec, bool], ...]:
+    """Small item pipelines for blends and concats, each with whether it may be empty.
 
-    Stages after the batch stage see batches (shuffle buffers, limits, repeats, maps and
-    logs of batches); filters only run on samples.
+    Their samples must have the same fields as the main flow's (a batch after the blend
+    collates them together), so they end with a map exactly when the main flow had one.
     """
-    before = draw(st.lists(_sample_stage(), max_size=max_depth))
-    stages = list(before)
-    if draw(st.booleans()):
-        stages.append(draw(_batch_stage()))
-        after = draw(
+    out = []
+    for _ in range(count):
+        length = draw(st.integers(1, 20))
+        stages = draw(
             st.lists(
-                _sample_stage().filter(lambda stage: stage[0] not in ("filter", "map")),
-                max_size=max(0, max_depth - len(before)),
+                st.one_of(
+                    _stage("filter", st.integers(2, 5)),
+                    _stage("shuffle_buffer", st.integers(1, 6)),
+                    _stage("limit", st.integers(1, 15)),
+                ),
+                max_size=2,
             )
         )
-        stages.extend(after)
+        if noisy:
+            stages.append(("map", None))
+        spec = PipelineSpec(length, draw(st.booleans()), draw(st.integers(0, 2**31)), tuple(stages))
+        empty = length < max_shards or any(name == "filter" for name, _ in stages)
+        out.append((spec, empty))
+    return tuple(out)
+
+
+def _can_empty(name: str, parameter: Any) -> bool:
+    """Whether a stage can turn a non-empty shard into an empty one."""
+    return (
+        name == "filter"
+        or (name == "pack" and parameter[2] == "drop")
+        or (name == "batch" and parameter[1])
+        or (name == "group_batch" and parameter[3] == "drop")
+    )
+
+
+@st.composite
+def pipelines(
+    draw: st.DrawFn, *, max_length: int = 60, max_depth: int = 6, max_shards: int = 4
+) -> PipelineSpec:
+    """A random pipeline: a source and up to ``max_depth`` stages of any wrapper.
+
+    Stages are drawn to fit what flows through them: filters, packing, grouping, blends and
+    concats see source items; packs and items can be batched (``batch`` or ``group_batch``);
+    batches can be unbatched, shuffled, limited, repeated, epochized... ``max_shards`` (ranks
+    x workers the pipeline will run on) keeps ``EpochizeDataset`` away from shards that might
+    be empty, where it raises by design.
+    """
+    length = draw(st.integers(1, max_length))
+    kind, may_be_empty, noisy = "item", length < max_shards, False
+    stages: list[tuple[str, Any]] = []
+    for _ in range(draw(st.sampled_from(range(max_depth + 1)))):  # uniform, not small-biased
+        options = _simple_stages(kind, may_be_empty)
+        if kind == "item":
+            options.append(_stage("concat", st.none()))
+            options.append(_stage("blend", st.none()))
+        name, parameter = draw(st.one_of(options))
+        if name in ("concat", "blend"):
+            inners = draw(_inner_specs(draw(st.integers(1, 2)), noisy, max_shards))
+            specs = tuple(spec for spec, _ in inners)
+            if name == "concat":
+                parameter = specs
+                may_be_empty = may_be_empty and all(empty for _, empty in inners)
+            else:
+                weights = draw(
+                    st.lists(st.integers(0, 3), min_size=len(specs) + 1, max_size=len(specs) + 1)
+                    .filter(any)
+                    .map(tuple)
+                )
+                on_exhausted = draw(st.sampled_from(("end", "drop")))
+                parameter = (weights, specs, on_exhausted)
+                empties = [may_be_empty] + [empty for _, empty in inners]
+                used = [empty for empty, weight in zip(empties, weights) if weight > 0]
+                may_be_empty = any(used) if on_exhausted == "end" else all(used)
+        elif _can_empty(name, parameter):
+            may_be_empty = True
+        if name == "map":
+            noisy = True
+        if name == "pack":
+            kind, noisy = "pack", False
+        elif name in ("batch", "group_batch"):
+            kind = f"batch:{kind}"
+        elif name == "unbatch" and parameter is None:
+            kind = kind.removeprefix("batch:")
+        stages.append((name, parameter))
     return PipelineSpec(
-        length=draw(st.integers(1, max_length)),
+        length=length,
         shuffle=draw(st.booleans()),
         seed=draw(st.integers(0, 2**31)),
-        stages=tuple(stages[: max_depth + 1]),
+        stages=tuple(stages),
     )
 
 
