@@ -30,6 +30,13 @@ from .dataset import SavableDataset, require_int
 from .errors import StateFormatError, StateMismatchError, WorkerError
 from .state.fingerprint import ConfigDifference, config_differences, describe_differences
 from .state.rank_state import RankState, WorkerState
+from .transport import (
+    DEFAULT_ARENA_BYTES,
+    DEFAULT_INLINE_BYTES,
+    Transport,
+    decode,
+    validate_transport_settings,
+)
 from .worker import WorkerConfig, active_worker
 from .worker_process import CheckpointSettings, WorkerSideDataset
 
@@ -121,10 +128,13 @@ class _LoaderIterator:
                 "call iter(loader) again"
             )
         progress, workers = loader._progress, len(loader._progress.done)
+        decoding = loader._transport is not None
         while True:
             try:
                 with loader._main_process_context():
                     worker, index, is_end, sample = next(self._inner)
+                if decoding and not is_end:
+                    sample = decode(sample)
             except StopIteration:
                 progress.in_epoch = False
                 progress.epoch_ended = True
@@ -170,6 +180,14 @@ class SavableDataLoader(DataLoader):
 
     Epochs. ``iter(loader)`` continues the current epoch if it has not ended (also after a
     ``break``: nothing in flight is lost), otherwise starts the next. Workers are persistent.
+
+    Transport. With workers and ``transport_codec=True`` (the default) each item crosses to
+    the main process through :mod:`energy_loader.transport` instead of torch's per-tensor
+    shared memory: pickled in one payload with its tensors and arrays out of band, inline
+    below ``transport_inline_bytes`` and through a per-worker shared-memory arena of
+    ``transport_arena_bytes`` (address space, touched only as needed) above. Decoded items
+    equal the originals; tensors come back contiguous. ``transport_codec=False`` uses torch's
+    transport.
     """
 
     _savable = True
@@ -189,6 +207,9 @@ class SavableDataLoader(DataLoader):
         gc_freeze_at_start: bool = True,
         multiprocessing_context: str | Any = None,
         worker_reply_timeout: float = 60.0,
+        transport_codec: bool = True,
+        transport_inline_bytes: int = DEFAULT_INLINE_BYTES,
+        transport_arena_bytes: int = DEFAULT_ARENA_BYTES,
     ) -> None:
         config = _resolve_config(dataset, worker_config, num_workers)
         workers = config.num_workers
@@ -210,6 +231,12 @@ class SavableDataLoader(DataLoader):
                 "`worker_reply_timeout` must be a positive number of seconds "
                 f"(got {worker_reply_timeout!r})"
             )
+        validate_transport_settings(transport_codec, transport_inline_bytes, transport_arena_bytes)
+        self._transport = (
+            Transport(transport_inline_bytes, transport_arena_bytes)
+            if transport_codec and workers
+            else None
+        )
         self._mp_context = _resolve_mp_context(multiprocessing_context) if workers else None
         if self._mp_context is not None and self._mp_context.get_start_method() != "fork":
             _check_serializable(dataset)
@@ -273,6 +300,11 @@ class SavableDataLoader(DataLoader):
         pairs = [context.Pipe(duplex=True) for _ in range(self.num_workers)]
         self._parent_channels = [parent for parent, _ in pairs]
         self._worker_side.channels = [child for _, child in pairs]
+        self._open_transport()
+
+    def _open_transport(self) -> None:
+        if self._transport is not None:
+            self._worker_side.transport = self._transport.open(self.num_workers)
 
     def _shutdown_workers(self) -> None:
         if self._iterator is not None:
@@ -282,6 +314,9 @@ class SavableDataLoader(DataLoader):
             channel.close()
         self._parent_channels = []
         self._worker_side.channels = None
+        if self._transport is not None:
+            self._transport.close()
+        self._worker_side.transport = None
 
     def _live_workers(self) -> list[Any]:
         iterator = self._iterator
@@ -544,7 +579,10 @@ class BasicDataLoader(SavableDataLoader):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         if self.num_workers == 0:
             return _basic_main_process(self)
-        return DataLoader.__iter__(self)
+        if self._iterator is None:
+            self._open_transport()
+        inner = DataLoader.__iter__(self)
+        return inner if self._transport is None else map(decode, inner)
 
     def save_state_rank(self) -> dict[str, Any]:
         raise TypeError("BasicDataLoader does not save state; use SavableDataLoader")

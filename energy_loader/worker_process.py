@@ -11,7 +11,9 @@ Torch's DataLoader workers iterate a :class:`WorkerSideDataset`. In each worker 
 4. runs a :class:`CommandServer` thread that answers ``get_checkpoint(last_index)`` with the
    newest checkpoint not after ``last_index`` and the number of items to replay from it. The
    thread only reads the ring under a short lock, so it answers while the iterating thread is
-   busy making a sample.
+   busy making a sample;
+5. encodes every sample with the batch codec (:mod:`energy_loader.transport`) when the loader
+   uses it, so that what torch's result queue carries is a small packet, not tensors.
 
 Physical worker ``p`` runs *logical* worker ``(p + offset) % num_workers``. Torch always
 starts its round-robin at physical worker 0, so a restored loader sets ``offset`` to the
@@ -38,6 +40,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .dataset import SavableDataset, attach_restore_key
 from .errors import StateMismatchError
 from .state.rank_state import WorkerState
+from .transport import WorkerTransport
 from .worker import WorkerConfig, WorkerContext, active_worker, set_process_worker
 
 __all__ = ["CheckpointRing", "CheckpointSettings", "WorkerItem", "WorkerSideDataset"]
@@ -172,6 +175,8 @@ class _Runner:
             self.ring.add(-1, self.pipeline.save_state())
         else:
             self.ring.add(-1 - self.restore.skip, self.restore.checkpoint)
+        # Items leave the worker encoded by the batch codec, when the loader uses it.
+        self.encode = None if owner.transport is None else owner.transport.encoder(physical_id)
         if owner.channels is not None:
             sys.setswitchinterval(_WORKER_SWITCH_INTERVAL)
             CommandServer(owner.channels[physical_id], self.ring, self.logical_id).start()
@@ -210,7 +215,7 @@ class _Runner:
         if self.skip_epoch:
             self.skip_epoch = False
             return
-        settings, logical = self.settings, self.logical_id
+        settings, logical, encode = self.settings, self.logical_id, self.encode
         every_n, every_sec, gc_every = settings.every_n, settings.every_sec, settings.gc_every_n
         with active_worker(self.context):
             for key, sample in iterator:
@@ -225,6 +230,8 @@ class _Runner:
                 if gc_every is not None and self.index % gc_every == 0:
                     gc.collect()
                 sample = attach_restore_key(sample, key)
+                if encode is not None:
+                    sample = encode(sample)
                 yield (logical, self.index, False, sample) if savable else sample
         if savable:
             self.index += 1
@@ -253,6 +260,7 @@ class WorkerSideDataset(IterableDataset[Any]):
         self.settings = settings
         self.savable = savable
         self.channels: list[Connection] | None = None
+        self.transport: WorkerTransport | None = None
         self.offset = 0
         self.restores: tuple[WorkerState, ...] | None = None
         self._runner: _Runner | None = None

@@ -1,0 +1,161 @@
+"""The two ends of the codec: :class:`Encoder` in the worker, :func:`decode` in the main process.
+
+An encoded item is a :class:`Packet`: the payload itself (inline, a writable ``bytearray``)
+or where it waits in the worker's arena. Torch's result queue carries packets like any other
+item; torch's pin-memory thread calls their :meth:`Packet.pin_memory`.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._arena import Arena, find_arena
+from ._payload import Pickler, fill, offsets, unpack
+
+__all__ = ["Encoder", "Packet", "decode"]
+
+
+class Packet:
+    """An encoded item on its way to the main process; :func:`decode` turns it back.
+
+    Torch's pin-memory thread calls :meth:`pin_memory` on it (as on anything with that
+    method): the item is then decoded there, straight into pinned memory.
+    """
+
+    __slots__ = ()
+
+    def decode(self) -> Any:
+        """The item, rebuilt in this process."""
+        return self._decode(pin=False)
+
+    def pin_memory(self, device: Any = None) -> Packet:
+        """The item decoded into pinned memory (plain memory when no accelerator exists)."""
+        return _Decoded(self._decode(pin=True))
+
+    def _decode(self, *, pin: bool) -> Any:
+        raise NotImplementedError
+
+
+class _Inline(Packet):
+    """A payload carried in the packet itself."""
+
+    __slots__ = ("data", "sizes")
+
+    def __init__(self, data: bytearray, sizes: tuple[int, ...]) -> None:
+        self.data = data
+        self.sizes = sizes
+
+    def __reduce__(self) -> Any:
+        return _Inline, (self.data, self.sizes)
+
+    def _decode(self, *, pin: bool) -> Any:
+        data: Any = self.data
+        if pin:
+            pinned = _pinned_buffer(len(data))
+            if pinned is not None:
+                with memoryview(pinned) as target:
+                    target[:] = data
+                data = pinned
+        return unpack(data, self.sizes)
+
+
+class _InArena(Packet):
+    """A payload waiting in a worker's arena at ``[offset, offset + total)``."""
+
+    __slots__ = ("arena", "offset", "sequence", "sizes")
+
+    def __init__(self, arena: int, offset: int, sequence: int, sizes: tuple[int, ...]) -> None:
+        self.arena = arena
+        self.offset = offset
+        self.sequence = sequence
+        self.sizes = sizes
+
+    def __reduce__(self) -> Any:
+        return _InArena, (self.arena, self.offset, self.sequence, self.sizes)
+
+    def _decode(self, *, pin: bool) -> Any:
+        arena = find_arena(self.arena)
+        if arena is None:
+            raise RuntimeError(
+                f"a batch arrived for shared-memory arena {self.arena}, which is closed: its "
+                "worker was stopped before the batch was read"
+            )
+        _, total = offsets(self.sizes)
+        payload = _pinned_buffer(total) if pin else None
+        if payload is None:
+            payload = np.empty(total, dtype=np.uint8)
+        arena.take(self.offset, self.sequence, payload)
+        return unpack(payload, self.sizes)
+
+
+class _Decoded(Packet):
+    """An item already decoded (by the pin-memory thread)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def _decode(self, *, pin: bool) -> Any:
+        return self.value
+
+    def pin_memory(self, device: Any = None) -> Packet:
+        return self
+
+
+def _pinned_buffer(size: int) -> np.ndarray | None:
+    """``size`` bytes of pinned memory as a numpy array, or None without an accelerator."""
+    if not torch.accelerator.is_available():
+        return None
+    return torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
+
+
+def decode(item: Any) -> Any:
+    """The item a worker encoded; anything that is not a :class:`Packet` is returned as is."""
+    return item.decode() if isinstance(item, Packet) else item
+
+
+class Encoder:
+    """The worker end: turns each item into a :class:`Packet`.
+
+    One pickler and one stream are reused for every item (the memo is cleared in between);
+    nothing of an item is kept once its packet is made. Not thread-safe: one encoder per
+    worker, used by its iterating thread.
+    """
+
+    def __init__(self, inline_bytes: int, arena: Arena | None) -> None:
+        self._inline_bytes = inline_bytes
+        self._arena = arena
+        self._stream = io.BytesIO()
+        self._buffers: list[pickle.PickleBuffer] = []
+        self._pickler = Pickler(self._stream, self._buffers)
+
+    def encode(self, item: Any) -> Packet:
+        """Pickle ``item``; inline below the threshold, else into the arena if it has room."""
+        stream, buffers, pickler = self._stream, self._buffers, self._pickler
+        try:
+            pickler.dump(item)
+            with stream.getbuffer() as pickled:
+                parts = [pickled, *(buffer.raw() for buffer in buffers)]
+                sizes = tuple(part.nbytes for part in parts)
+                starts, total = offsets(sizes)
+                arena = self._arena
+                if arena is not None and total >= self._inline_bytes:
+                    slot = arena.reserve(total)
+                    if slot is not None:
+                        arena.write(slot[0], parts, starts)
+                        return _InArena(arena.ident, slot[0], slot[1], sizes)
+                data = bytearray(total)
+                with memoryview(data) as target:
+                    fill(target, parts, starts)
+                return _Inline(data, sizes)
+        finally:
+            buffers.clear()
+            pickler.clear_memo()
+            stream.seek(0)
+            stream.truncate()

@@ -1,0 +1,142 @@
+"""The payload format: one pickle protocol-5 stream plus its out-of-band buffers.
+
+A payload is the pickle stream followed by the bytes of every out-of-band buffer, each buffer
+starting at a multiple of 64 bytes; ``sizes`` (the stream's length, then each buffer's)
+describes it. :class:`Pickler` makes the stream: plain dense CPU tensors and numpy arrays go
+out of band, everything else is ordinary pickle with the reductions of torch's result queue
+(``multiprocessing``'s ``ForkingPickler`` dispatch table, where torch registers its own), so
+whatever the codec does not handle itself (sparse, quantized, grad-requiring tensors, tensor
+subclasses) keeps torch's path inside the stream. :func:`unpack` rebuilds the item with its
+tensors and arrays as views of the payload's memory.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Sequence
+from multiprocessing import reduction
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["ALIGN", "Pickler", "fill", "offsets", "unpack"]
+
+ALIGN = 64
+
+
+def offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Where each part of a payload starts (stream first, buffers aligned) and the total."""
+    starts: list[int] = []
+    end = 0
+    for size in sizes:
+        start = -(-end // ALIGN) * ALIGN if starts else 0
+        starts.append(start)
+        end = start + size
+    return starts, end
+
+
+def fill(target: memoryview, parts: Sequence[memoryview], starts: Sequence[int]) -> None:
+    """Copy each part into ``target`` at its start."""
+    for part, start in zip(parts, starts):
+        target[start : start + part.nbytes] = part
+
+
+def unpack(payload: Any, sizes: Sequence[int]) -> Any:
+    """Rebuild the item from a payload: views of ``payload``, no copies of buffers."""
+    starts, _ = offsets(sizes)
+    with memoryview(payload) as view:
+        buffers = [view[start : start + size] for start, size in zip(starts[1:], sizes[1:])]
+        return pickle.loads(view[: sizes[0]], buffers=buffers)
+
+
+# Dtypes travel by name (a memoized string, cheaper to pickle than a torch.dtype).
+_DTYPE_NAMES = {
+    value: name
+    for name, value in vars(torch).items()
+    if isinstance(value, torch.dtype) and not name.startswith("_")
+}
+
+# Dtypes whose tensors ``Tensor.numpy()`` accepts; the others travel as raw bytes.
+_NUMPY_DTYPES = frozenset([
+    torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16,
+    torch.uint32, torch.uint64, torch.float16, torch.float32, torch.float64, torch.complex64,
+    torch.complex128,
+])  # fmt: skip
+
+
+_NO_BYTES = np.empty(0, dtype=np.uint8)
+
+
+def _rebuild_tensor(buffer: memoryview, dtype: str, shape: tuple[int, ...]) -> Any:
+    if buffer.nbytes == 0:
+        return torch.empty(shape, dtype=getattr(torch, dtype))
+    flat = torch.frombuffer(buffer, dtype=getattr(torch, dtype))
+    return flat.view(*shape) if shape else flat.view(())  # view(*ints): the fast argument path
+
+
+def _rebuild_tensor_with_attributes(
+    buffer: memoryview, dtype: str, shape: tuple[int, ...], attributes: dict[str, Any]
+) -> Any:
+    tensor = _rebuild_tensor(buffer, dtype, shape)
+    tensor.__dict__.update(attributes)
+    return tensor
+
+
+def _reduce_tensor(tensor: torch.Tensor) -> Any:
+    """Plain dense CPU tensors as an out-of-band buffer; others keep torch's reduction."""
+    if (
+        tensor.device.type != "cpu"
+        or tensor.layout is not torch.strided
+        or tensor.requires_grad
+        or tensor.is_quantized
+        or tensor.is_nested
+    ):
+        return NotImplemented
+    data = tensor.resolve_conj().resolve_neg().contiguous()
+    dtype = tensor.dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        return NotImplemented
+    if data.numel() == 0:
+        array = _NO_BYTES
+    elif dtype in _NUMPY_DTYPES:
+        array = data.numpy()
+    else:  # dtypes numpy lacks (bfloat16, float8, ...): their raw bytes
+        array = data.reshape(-1).view(torch.uint8).numpy()
+    arguments = (pickle.PickleBuffer(array), name, tuple(data.shape))
+    attributes = tensor.__dict__
+    if attributes:
+        return _rebuild_tensor_with_attributes, (*arguments, dict(attributes))
+    return _rebuild_tensor, arguments
+
+
+def _reduce_array(array: np.ndarray) -> Any:
+    """Non-contiguous arrays as contiguous copies, so that they too go out of band."""
+    flags = array.flags
+    if flags.c_contiguous or flags.f_contiguous or array.dtype.hasobject:
+        return NotImplemented  # numpy's own protocol-5 reduction (out of band when contiguous)
+    return np.ascontiguousarray(array).__reduce_ex__(5)
+
+
+class Pickler(pickle.Pickler):
+    """Protocol 5 with out-of-band tensors/arrays and torch's queue reductions for the rest."""
+
+    def __init__(self, file: io.BytesIO, buffers: list[pickle.PickleBuffer]) -> None:
+        super().__init__(file, protocol=5, buffer_callback=buffers.append)
+        self._file = file
+
+    def dump(self, obj: Any) -> None:
+        # The queue's reductions as of now: a library that user code imports late (and that
+        # registers its own, as tensordict does) is honoured, as on torch's queue.
+        self.dispatch_table = reduction.ForkingPickler(self._file).dispatch_table
+        super().dump(obj)
+
+    def reducer_override(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind is torch.Tensor:
+            return _reduce_tensor(obj)
+        if kind is np.ndarray:
+            return _reduce_array(obj)
+        return NotImplemented

@@ -1,0 +1,492 @@
+"""The batch codec and the shared-memory arenas (energy_loader/transport/)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import re
+import signal
+import time
+import warnings
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import energy_loader as el
+from energy_loader.testing import check_resume, record_events
+from energy_loader.testing.compare import first_difference
+from energy_loader.testing.strategies import PipelineSpec, pipelines
+from energy_loader.transport import (
+    DEFAULT_INLINE_BYTES,
+    Arena,
+    Encoder,
+    Packet,
+    decode,
+    validate_transport_settings,
+)
+from tests.helpers import indices, reference_pipeline
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+ARENA_ONLY = {"transport_inline_bytes": 0}
+
+
+def _through_queue(packet: Packet) -> Any:
+    """What torch's result queue does to an item: ForkingPickler out, pickle back in."""
+    return pickle.loads(ForkingPickler.dumps(packet))
+
+
+def _round_trip(item: Any, encoder: Encoder) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. frombuffer's "buffer is not writable"
+        return decode(_through_queue(encoder.encode(item)))
+
+
+@pytest.fixture(scope="module")
+def arena() -> Any:
+    ring = Arena(1 << 22)
+    yield ring
+    ring.close()
+
+
+# -- random structures -------------------------------------------------------------------
+
+TENSOR_DTYPES = [
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+    torch.complex128, torch.uint16, torch.float8_e4m3fn,
+]  # fmt: skip
+ARRAY_DTYPES = [
+    np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64, np.uint64,
+    np.float16, np.float32, np.float64, np.complex64, np.complex128,
+]  # fmt: skip
+LAYOUTS = ["contiguous", "transposed", "strided", "expanded", "offset", "conj"]
+
+
+def _values(shape: tuple[int, ...], seed: int) -> np.ndarray:
+    generator = np.random.default_rng(seed)
+    return np.asarray(generator.integers(-100, 100, size=shape) / 4, dtype=np.float64)
+
+
+def _relayout(value: Any, layout: str) -> Any:
+    """The same kind of object, laid out in memory the way ``layout`` says."""
+    if value.ndim == 0:
+        return value
+    if layout == "transposed" and value.ndim >= 2:
+        return value.swapaxes(0, 1) if isinstance(value, np.ndarray) else value.transpose(0, 1)
+    if layout == "strided":
+        return value[::2]
+    if layout == "offset":
+        return value[1:]
+    if layout == "expanded" and isinstance(value, torch.Tensor) and value.shape[0] == 1:
+        return value.expand(3, *value.shape[1:])
+    if layout == "conj" and isinstance(value, torch.Tensor) and value.is_complex():
+        return value.conj()
+    return value
+
+
+@st.composite
+def leaves(draw: st.DrawFn) -> Any:
+    kind = draw(st.sampled_from(["tensor", "array", "plain"]))
+    if kind == "plain":
+        return draw(
+            st.one_of(
+                st.none(),
+                st.booleans(),
+                st.integers(),
+                st.floats(allow_nan=False),
+                st.text(max_size=5),
+                st.binary(max_size=5),
+            )
+        )
+    shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
+    values = _values(shape, draw(st.integers(0, 2**16)))
+    layout = draw(st.sampled_from(LAYOUTS))
+    if kind == "array":
+        return _relayout(values.astype(draw(st.sampled_from(ARRAY_DTYPES))), layout)
+    dtype = draw(st.sampled_from(TENSOR_DTYPES))
+    return _relayout(torch.from_numpy(values).to(dtype), layout)
+
+
+structures = st.recursive(
+    leaves(),
+    lambda children: st.one_of(
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+        st.dictionaries(st.text(max_size=4), children, max_size=3),
+    ),
+    max_leaves=8,
+)
+
+
+def _check_same_kinds(original: Any, decoded: Any) -> None:
+    """Types, dtypes and shapes kept; tensors and arrays contiguous and writable."""
+    assert type(decoded) is type(original)
+    if isinstance(original, torch.Tensor):
+        assert decoded.dtype == original.dtype and decoded.shape == original.shape
+        assert decoded.is_contiguous()
+    elif isinstance(original, np.ndarray):
+        assert decoded.dtype == original.dtype and decoded.shape == original.shape
+        assert decoded.flags.writeable
+    elif isinstance(original, dict):
+        for key in original:
+            _check_same_kinds(original[key], decoded[key])
+    elif isinstance(original, (list, tuple)):
+        for a, b in zip(original, decoded):
+            _check_same_kinds(a, b)
+
+
+@settings(max_examples=60)
+@given(item=structures, through_arena=st.booleans())
+def test_decoded_items_equal_the_originals(item: Any, through_arena: bool, arena: Arena) -> None:
+    encoder = Encoder(0 if through_arena else 1 << 40, arena)
+    decoded = _round_trip(item, encoder)
+    assert first_difference(item, decoded) is None, first_difference(item, decoded)
+    _check_same_kinds(item, decoded)
+
+
+def test_every_dtype_layout_and_empty_shape_round_trips(arena: Arena) -> None:
+    for dtype in TENSOR_DTYPES:
+        for shape in [(), (0,), (3, 0), (2, 3)]:
+            for layout in LAYOUTS:
+                tensor = _relayout(torch.from_numpy(_values(shape, 1)).to(dtype), layout)
+                for threshold in (0, 1 << 40):
+                    decoded = _round_trip({"t": tensor}, Encoder(threshold, arena))["t"]
+                    assert first_difference(tensor, decoded) is None, (dtype, shape, layout)
+                    _check_same_kinds(tensor, decoded)
+
+
+def test_decoded_memory_is_writable_and_shared_between_views(arena: Arena) -> None:
+    item = {"tokens": torch.arange(12).reshape(3, 4), "array": np.arange(4.0)}
+    for threshold in (0, 1 << 40):
+        decoded = _round_trip(item, Encoder(threshold, arena))
+        decoded["tokens"] += 1
+        decoded["array"][0] = 7
+        assert int(decoded["tokens"][0, 0]) == 1 and decoded["array"][0] == 7
+        assert int(item["tokens"][0, 0]) == 0 and item["array"][0] == 0
+
+
+def test_tensor_attributes_such_as_restore_keys_survive(arena: Arena) -> None:
+    tensor = torch.arange(3)
+    tensor.__restore_key__ = ("source", 5)
+    decoded = _round_trip([tensor], Encoder(0, arena))[0]
+    assert decoded.__restore_key__ == ("source", 5)
+
+
+def test_tensors_the_codec_does_not_handle_keep_torchs_reduction(arena: Arena) -> None:
+    leaf = torch.ones(3, requires_grad=True)
+    parameter = torch.nn.Parameter(torch.zeros(2))
+    sparse = torch.eye(3).to_sparse()
+    item = {"leaf": leaf, "parameter": parameter, "sparse": sparse}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own sparse-rebuild warning
+        decoded = decode(_through_queue(Encoder(0, arena).encode(item)))
+    assert decoded["leaf"].requires_grad and torch.equal(decoded["leaf"], leaf)
+    assert type(decoded["parameter"]) is torch.nn.Parameter
+    assert torch.equal(decoded["sparse"].to_dense(), torch.eye(3))
+
+
+def test_tensordict_round_trips_when_installed(arena: Arena) -> None:
+    tensordict = pytest.importorskip("tensordict")
+    data = tensordict.TensorDict(
+        {"a": torch.arange(6).reshape(3, 2), "nested": {"b": torch.ones(3, dtype=torch.bfloat16)}},
+        batch_size=[3],
+    )
+    for threshold in (0, 1 << 40):
+        decoded = _round_trip(data, Encoder(threshold, arena))
+        assert isinstance(decoded, tensordict.TensorDict)
+        assert decoded.batch_size == data.batch_size
+        assert torch.equal(decoded["a"], data["a"])
+        assert torch.equal(decoded["nested", "b"], data["nested", "b"])
+
+
+def test_pin_memory_hook_decodes_and_degrades_gracefully_without_an_accelerator(
+    arena: Arena,
+) -> None:
+    item = {"x": torch.arange(5)}
+    for threshold in (0, 1 << 40):
+        pinned = _through_queue(Encoder(threshold, arena).encode(item)).pin_memory()
+        assert pinned.pin_memory() is pinned
+        decoded = decode(pinned)
+        assert torch.equal(decoded["x"], item["x"])
+        assert decoded["x"].is_pinned() == torch.accelerator.is_available()
+
+
+# -- the arena ---------------------------------------------------------------------------
+
+
+def _take(ring: Arena, slot: tuple[int, int], size: int) -> None:
+    ring.take(slot[0], slot[1], np.empty(size, dtype=np.uint8))
+
+
+def test_arena_is_a_fifo_that_keeps_to_its_front() -> None:
+    ring = Arena(1 << 20)
+    try:
+        size, in_flight, offsets = 10_000, 3, set()
+        slots = [ring.reserve(size) for _ in range(in_flight)]
+        for _ in range(200):
+            _take(ring, slots.pop(0), size)
+            slots.append(ring.reserve(size))
+            offsets.add(slots[-1][0])
+        # A sliding window of 3 payloads stays within a few payloads of the front.
+        assert max(offsets) < 2 * (in_flight + 1) * size, sorted(offsets)
+    finally:
+        ring.close()
+
+
+def test_a_full_arena_refuses_and_the_encoder_falls_back_to_inline() -> None:
+    ring = Arena(4096)
+    try:
+        assert ring.reserve(4097) is None
+        first = ring.reserve(3000)
+        assert ring.reserve(3000) is None  # 3000 + 3000 > 4096 while the first is in flight
+        _take(ring, first, 3000)
+        assert ring.reserve(3000) is not None
+        encoder = Encoder(0, ring)
+        packet = encoder.encode(np.zeros(3000, dtype=np.uint8))  # ring still holds one
+        assert type(packet).__name__ == "_Inline"
+        assert decode(_through_queue(packet)).shape == (3000,)
+    finally:
+        ring.close()
+
+
+def test_closed_arena_is_a_clear_error_not_a_crash() -> None:
+    ring = Arena(1 << 16)
+    packet = _through_queue(Encoder(0, ring).encode(torch.ones(100)))
+    ring.close()
+    ring.close()  # idempotent
+    with pytest.raises(RuntimeError, match=r"arena \d+, which is closed"):
+        decode(packet)
+
+
+def test_transport_arguments_are_validated() -> None:
+    validate_transport_settings(True, DEFAULT_INLINE_BYTES, 0)
+    with pytest.raises(TypeError, match="`transport_codec` must be True or False"):
+        el.SavableDataLoader(reference_pipeline(8), num_workers=1, transport_codec="yes")
+    with pytest.raises(ValueError, match="`transport_inline_bytes` must be >= 0"):
+        el.SavableDataLoader(reference_pipeline(8), num_workers=1, transport_inline_bytes=-1)
+    with pytest.raises(TypeError, match="`transport_arena_bytes` must be an integer"):
+        el.SavableDataLoader(reference_pipeline(8), num_workers=1, transport_arena_bytes=1.5)
+    with pytest.raises(ValueError, match=r"`transport_arena_bytes` must be 0 \(no shared memory"):
+        el.SavableDataLoader(reference_pipeline(8), num_workers=1, transport_arena_bytes=10)
+
+
+# -- through the loader ------------------------------------------------------------------
+
+
+@attrs.frozen
+class Images:
+    """Sample ``i``: an image-like uint8 tensor, a bfloat16 view and a non-contiguous array."""
+
+    def __call__(self, index: int) -> dict[str, Any]:
+        image = (torch.arange(3 * 32 * 32) + index).to(torch.uint8).reshape(3, 32, 32)
+        return {
+            "index": index,
+            "image": image,
+            "half": image[0].to(torch.bfloat16).t(),
+            "array": np.arange(40, dtype=np.float32).reshape(5, 8)[:, ::2] + index,
+        }
+
+
+@attrs.frozen
+class SlowImages:
+    """:class:`Images`, 20 ms each, so that a worker is busy when it is killed."""
+
+    def __call__(self, index: int) -> dict[str, Any]:
+        time.sleep(0.02)
+        return Images()(index)
+
+
+def tensor_sample(index: int) -> torch.Tensor:
+    return torch.tensor([index, -index])
+
+
+def image_pipeline(length: int = 48) -> el.SavableDataset:
+    source = el.IndexedSource.from_fn(length, Images(), shuffle=True, seed=3)
+    return el.BatchDataset(el.ShuffleBufferDataset(source, size=8), batch_size=4)
+
+
+def _arenas(process: int | str = "self") -> set[str]:
+    """Names of the arenas a process holds open, as file descriptors or mappings."""
+    found = set()
+    for link in Path(f"/proc/{process}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            found.update(_ARENA_NAME.findall(os.readlink(link)))
+    return found | set(_ARENA_NAME.findall(Path(f"/proc/{process}/maps").read_text()))
+
+
+_ARENA_NAME = re.compile(r"energy_loader-arena-\d+-\d+")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("codec", [True, False], ids=["codec", "torch"])
+def test_resume_is_exact_with_the_codec_on_and_off(workers: int, codec: bool) -> None:
+    spec = PipelineSpec(
+        length=40,
+        shuffle=True,
+        seed=5,
+        stages=(("map", None), ("shuffle_buffer", 5), ("batch", (3, False))),
+    )
+    check_resume(
+        spec.build, num_workers=workers, epochs=2, loader_kwargs={"transport_codec": codec}
+    )
+
+
+TRANSPORTS = {
+    "torch": {"transport_codec": False},
+    "codec-inline": {"transport_inline_bytes": 1 << 40},
+    "codec-arena": ARENA_ONLY,
+}
+
+
+@pytest.mark.timeout(240)
+@settings(max_examples=8)
+@given(
+    spec=pipelines(max_length=30),
+    workers=st.integers(1, 3),
+    transport=st.sampled_from(sorted(TRANSPORTS)),
+    data=st.data(),
+)
+def test_resume_properties_hold_with_every_transport(
+    spec: PipelineSpec, workers: int, transport: str, data: st.DataObject
+) -> None:
+    # tests/test_resume_properties.py runs the whole property suite with the default codec
+    # settings; this runs its core property with torch's transport and with each codec path.
+    kwargs = TRANSPORTS[transport]
+    loader = el.SavableDataLoader(spec.build(), num_workers=workers, **kwargs)
+    total = len(record_events(loader, 2)[0])
+    del loader
+    stop = data.draw(st.integers(0, total), label="stop")
+    check_resume(
+        spec.build, num_workers=workers, epochs=2, stop_points=[stop], loader_kwargs=kwargs
+    )
+
+
+def torch_transport_reference(workers: int = 2) -> list[Any]:
+    """The batches of :func:`image_pipeline` through torch's own transport."""
+    return list(el.SavableDataLoader(image_pipeline(), num_workers=workers, transport_codec=False))
+
+
+@pytest.mark.timeout(60)
+def test_large_batches_arrive_equal_through_the_arena() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no read-only buffer warnings
+        got = list(el.SavableDataLoader(image_pipeline(), num_workers=2, **ARENA_ONLY))
+    difference = first_difference(torch_transport_reference(), got)
+    assert difference is None, difference
+    assert all(b["image"].is_contiguous() and b["half"].dtype == torch.bfloat16 for b in got)
+
+
+@pytest.mark.timeout(120)
+def test_shared_memory_path_resumes_exactly_under_fork() -> None:
+    check_resume(image_pipeline, num_workers=2, stop_points=[0, 5, 12], loader_kwargs=ARENA_ONLY)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_arenas_reach_spawned_workers_and_are_recreated_on_restore(method: str) -> None:
+    # The arenas' file descriptors travel to the workers with the dataset: at the first
+    # start, and again after the restore restarts them.
+    loader = el.SavableDataLoader(
+        image_pipeline(), num_workers=2, multiprocessing_context=method, **ARENA_ONLY
+    )
+    iterator = iter(loader)
+    head = [next(iterator) for _ in range(3)]
+    loader.restore_state_rank(loader.save_state_rank())
+    got = head + list(loader)
+    difference = first_difference(torch_transport_reference(), got)
+    assert difference is None, difference
+    loader.reset_state()
+
+
+@pytest.mark.timeout(60)
+def test_break_and_restore_recreate_the_arenas_and_release_the_old_ones() -> None:
+    before = _arenas()
+    reference = [indices(b) for b in torch_transport_reference()]
+    loader = el.SavableDataLoader(image_pipeline(), num_workers=2, **ARENA_ONLY)
+    got = []
+    for batch in loader:
+        got.append(indices(batch))
+        if len(got) == 3:
+            break
+    first = _arenas() - before
+    assert len(first) == 2  # one per worker
+    state = loader.save_state_rank()
+    got += [indices(b) for b in loader]  # the workers restart at the break, with new arenas
+    assert got == reference
+    second = _arenas() - before
+    assert len(second) == 2 and not first & second
+    loader.restore_state_rank(state)  # stops the workers: their arenas are released
+    assert _arenas() - before == set()
+    assert [indices(b) for b in loader] == reference[3:]
+    loader.reset_state()
+    assert _arenas() - before == set()
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_worker_maps_only_its_own_arena() -> None:
+    first = el.SavableDataLoader(image_pipeline(), num_workers=2, **ARENA_ONLY)
+    next(iter(first))
+    second = el.SavableDataLoader(image_pipeline(), num_workers=2, **ARENA_ONLY)
+    next(iter(second))  # its workers were forked while the first loader's arenas were open
+    for worker in second._iterator._workers:
+        assert len(_arenas(worker.pid)) == 1, _arenas(worker.pid)
+    first.reset_state()
+    second.reset_state()
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_worker_leaves_no_shared_memory_behind() -> None:
+    shm_before, arenas_before = set(os.listdir("/dev/shm")), _arenas()
+    source = el.IndexedSource.from_fn(10_000, SlowImages())
+    loader = el.SavableDataLoader(el.BatchDataset(source, 2), num_workers=2, **ARENA_ONLY)
+    iterator = iter(loader)
+    next(iterator)
+    assert len(_arenas() - arenas_before) == 2
+    os.kill(loader._iterator._workers[1].pid, signal.SIGKILL)
+    with pytest.raises(el.WorkerError):
+        for _ in range(10_000):
+            next(iterator)
+    loader.reset_state()
+    assert _arenas() - arenas_before == set()
+    assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_basic_loader_uses_the_same_transport(workers: int) -> None:
+    def two_epochs(loader: Any) -> list[Any]:
+        return [batch for _ in range(2) for batch in loader]  # persistent workers and arenas
+
+    reference = two_epochs(
+        el.SavableDataLoader(image_pipeline(), num_workers=workers, transport_codec=False)
+    )
+    got = two_epochs(el.BasicDataLoader(image_pipeline(), num_workers=workers, **ARENA_ONLY))
+    assert first_difference(reference, got) is None
+
+
+@pytest.mark.timeout(60)
+def test_pin_memory_with_the_codec_warns_without_an_accelerator_and_delivers() -> None:
+    reference = [indices(b) for b in torch_transport_reference()]
+    with pytest.warns(UserWarning, match="pin_memory"):
+        loader = el.SavableDataLoader(
+            image_pipeline(), num_workers=2, pin_memory=True, **ARENA_ONLY
+        )
+        assert [indices(b) for b in loader] == reference
+
+
+@pytest.mark.timeout(60)
+def test_tensor_samples_keep_their_restore_key_attribute_through_the_codec() -> None:
+    in_process = list(el.SavableDataLoader(el.IndexedSource.from_fn(6, tensor_sample)))
+    got = list(el.SavableDataLoader(el.IndexedSource.from_fn(6, tensor_sample), num_workers=2))
+    assert [el.restore_key_of(t) for t in got] == [el.restore_key_of(t) for t in in_process]
+    assert all(el.restore_key_of(t) is not None for t in got)
