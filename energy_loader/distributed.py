@@ -535,11 +535,8 @@ def rank_state_key(loader: SavableDataLoader | WorkerConfig, prefix: str = "load
     equivalent). The key names the data-parallel world size, so loading into a job of
     another size fails with a missing key instead of restoring the wrong shard.
 
-    DCP flattens the nested state into one entry per leaf and loads into the *shape* of the
-    fresh loader's ``state_dict()``: a pipeline whose state changes shape while it runs (a
-    shuffle buffer over batches switches its keys from ``indices`` to ``keys``) fails to load
-    with ``Missing key in checkpoint state_dict``. Use :func:`save_state_rank_file` for such
-    pipelines (docs/distributed.md). Example::
+    ``loader.state_dict()`` is one JSON string leaf, so DCP stores it compactly and loads it
+    whatever shape the state had when it was saved. Example::
 
         state = {"model": model_state, rank_state_key(loader): loader}
         dcp.save(state, checkpoint_id=path)   # ... later, same dict shape:

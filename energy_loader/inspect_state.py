@@ -42,6 +42,8 @@ def _read(path: Path) -> Any:
 
 
 def _find_states(value: Any, where: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(value, dict) and isinstance(value.get("rank_state_json"), str):
+        value = json.loads(value["rank_state_json"])  # what loader.state_dict() returns
     if isinstance(value, dict):
         if value.get("format") == RANK_STATE_FORMAT:
             yield where or "(top level)", value

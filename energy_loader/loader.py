@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import math
 import multiprocessing
 import re
@@ -42,7 +43,9 @@ from .worker_process import CheckpointSettings, WorkerSideDataset
 
 __all__ = ["BasicDataLoader", "SavableDataLoader"]
 
+_STATE_DICT_KEY = "rank_state_json"
 _WORKER_IN_MESSAGE = re.compile(r"worker process (\d+)")
+_PIDS_IN_MESSAGE = re.compile(r"\b(\d{2,})\b")
 
 
 def _identity(item: Any) -> Any:
@@ -145,7 +148,9 @@ class _LoaderIterator:
             except Exception as error:
                 if loader.num_workers == 0:
                     raise
-                raise loader._worker_error(error) from error
+                failure = loader._worker_error(error)
+                loader._fail(failure)
+                raise failure from error
             progress.last_index[worker] = index
             progress.next_worker = (worker + 1) % workers
             if is_end:
@@ -246,6 +251,7 @@ class SavableDataLoader(DataLoader):
         self._reply_timeout = float(worker_reply_timeout)
         self._progress = _Progress(max(1, workers))
         self._generation = 0
+        self._failure: WorkerError | None = None
         self._request_ids = itertools.count()
         self._parent_channels: list[Connection] = []
         dataset.bind(config.context(0))
@@ -324,10 +330,17 @@ class SavableDataLoader(DataLoader):
 
     def _worker_error(self, error: BaseException) -> WorkerError:
         text = str(error)
+        physical = None
         match = _WORKER_IN_MESSAGE.search(text)
-        logical = None
         if match is not None:
-            logical = (int(match.group(1)) + self._worker_side.offset) % self.num_workers
+            physical = int(match.group(1))
+        else:  # "DataLoader worker (pid(s) 4771) exited unexpectedly": find it by pid
+            pids = {int(p) for p in _PIDS_IN_MESSAGE.findall(text)}
+            workers = self._live_workers()
+            physical = next((i for i, w in enumerate(workers) if w.pid in pids), None)
+        logical = None
+        if physical is not None:
+            logical = (physical + self._worker_side.offset) % self.num_workers
         who = f"worker {logical}" if logical is not None else "a worker"
         return WorkerError(
             f"{who} of the data loader failed: {type(error).__name__}: {text}",
@@ -337,8 +350,30 @@ class SavableDataLoader(DataLoader):
 
     # -- saving ----------------------------------------------------------------------------
 
+    def _fail(self, failure: WorkerError) -> None:
+        """Stop the workers now and refuse to save until a restore or reset.
+
+        Stopping here, not when the loader is garbage collected, matters: the traceback keeps
+        the loader alive in a reference cycle, and torch's shutdown from the cycle collector
+        waits 5 s for each worker. Refusing to save matters more: the workers' positions died
+        with them, and a fresh-looking state would silently restart the epoch.
+        """
+        self._failure = failure
+        self._shutdown_workers()
+
     def save_state_rank(self) -> dict[str, Any]:
-        """This rank's exact position as plain data (json-able, weights_only-loadable)."""
+        """This rank's exact position as plain data (json-able, weights_only-loadable).
+
+        Raises ``WorkerError`` after a worker failed, until ``restore_state_rank`` (from the
+        last state saved before the failure) or ``reset_state``.
+        """
+        if self._failure is not None:
+            raise WorkerError(
+                f"cannot save: {self._failure} -- the position of this loader was lost with "
+                "its workers; restore it from the last saved state (or reset_state())",
+                worker_id=self._failure.worker_id,
+                original_traceback=self._failure.original_traceback,
+            )
         progress = self._progress
         workers = self._current_worker_states()
         state = RankState(
@@ -448,6 +483,7 @@ class SavableDataLoader(DataLoader):
         progress.next_worker = decoded.next_worker
         progress.epoch_ended = decoded.epoch_ended
         progress.in_epoch = not decoded.epoch_ended
+        self._failure = None
         self._generation += 1
 
     def _check_compatible(self, state: RankState) -> int:
@@ -500,6 +536,7 @@ class SavableDataLoader(DataLoader):
         self._worker_side.offset = 0
         self._worker_side.drop_runner()
         self._progress = _Progress(max(1, self.num_workers))
+        self._failure = None
         self._generation += 1
 
     # -- across ranks ------------------------------------------------------------------------
@@ -524,7 +561,9 @@ class SavableDataLoader(DataLoader):
         """Restore every rank from the list of all ranks' states.
 
         Either every rank passes the full list (``src_rank=None``), or only ``src_rank``
-        passes it and it is scattered. A collective when ``src_rank`` is given.
+        passes it and it is scattered. A collective over the data-parallel group in both forms
+        when torch.distributed is initialised: a state that does not fit on any rank raises on
+        every rank.
         """
         from .distributed import restore_state_global
 
@@ -533,11 +572,30 @@ class SavableDataLoader(DataLoader):
     # -- torch.distributed.checkpoint Stateful protocol --------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state (``torch.distributed.checkpoint`` Stateful protocol)."""
-        return self.save_state_rank()
+        """This rank's state as ``{"rank_state_json": "<the state as JSON>"}``.
+
+        ``torch.distributed.checkpoint`` stores a state dict leaf by leaf, deduplicates leaves
+        that several ranks save under one key, and loads into the *shape* of a fresh loader's
+        state, which a shuffle buffer's state does not keep. One string leaf avoids all three
+        (and is ~5x smaller on disk). ``torch.save`` and ``json`` take it as is.
+        """
+        return {_STATE_DICT_KEY: json.dumps(self.save_state_rank(), separators=(",", ":"))}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore this rank's state (``torch.distributed.checkpoint`` Stateful protocol)."""
+        """Restore from :meth:`state_dict`'s output (or a plain ``save_state_rank()`` state)."""
+        if isinstance(state_dict, dict) and set(state_dict) == {_STATE_DICT_KEY}:
+            text = state_dict[_STATE_DICT_KEY]
+            if not isinstance(text, str):
+                raise StateFormatError(
+                    f"state_dict[{_STATE_DICT_KEY!r}] must be a JSON string, got "
+                    f"{type(text).__name__}"
+                )
+            try:
+                state_dict = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise StateFormatError(
+                    f"state_dict[{_STATE_DICT_KEY!r}] is not valid JSON (truncated?): {error}"
+                ) from None
         self.restore_state_rank(state_dict)
 
     # -- the rest --------------------------------------------------------------------------

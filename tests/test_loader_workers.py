@@ -75,6 +75,43 @@ def test_user_error_in_a_worker_carries_the_traceback_and_the_loader_restores_af
     loader.reset_state()
 
 
+@pytest.mark.timeout(60)
+def test_after_a_worker_error_workers_stop_at_once_and_saving_refuses() -> None:
+    loader = el.SavableDataLoader(
+        el.MapDataset(el.IndexedSource.from_fn(20, MakeSample()), fail_at_seven), num_workers=2
+    )
+    iterator = iter(loader)
+    with pytest.raises(el.WorkerError):
+        list(iterator)
+    assert loader._iterator is None, "the workers must be stopped when the error is raised"
+    with pytest.raises(el.WorkerError, match="restore it from the last saved state"):
+        loader.save_state_rank()
+    start = time.monotonic()
+    del iterator, loader
+    assert time.monotonic() - start < 2
+
+
+def test_state_dict_is_one_json_leaf_and_load_state_dict_takes_both_forms() -> None:
+    loader = el.SavableDataLoader(reference_pipeline(60, 8, 4))
+    iterator = iter(loader)
+    next(iterator), next(iterator)
+    wrapped = loader.state_dict()
+    assert list(wrapped) == ["rank_state_json"] and isinstance(wrapped["rank_state_json"], str)
+    rest = [indices(b) for b in iterator]
+    for form in (wrapped, json_state(wrapped)):
+        restored = el.SavableDataLoader(reference_pipeline(60, 8, 4))
+        restored.load_state_dict(form)
+        assert [indices(b) for b in restored] == rest
+    with pytest.raises(el.StateFormatError, match="not valid JSON"):
+        loader.load_state_dict({"rank_state_json": wrapped["rank_state_json"][:-5]})
+
+
+def json_state(wrapped: dict) -> dict:
+    import json
+
+    return json.loads(wrapped["rank_state_json"])
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fraction", [0.1, 0.5, 0.9])
 def test_restore_replays_at_most_one_checkpoint_interval_plus_in_flight(fraction: float) -> None:
