@@ -41,7 +41,7 @@ from .dataset import SavableDataset, attach_restore_key
 from .errors import StateMismatchError
 from .state.rank_state import WorkerState
 from .transport import WorkerTransport
-from .worker import WorkerConfig, WorkerContext, active_worker, set_process_worker
+from .worker import WorkerConfig, WorkerContext, set_process_worker
 
 __all__ = ["CheckpointRing", "CheckpointSettings", "WorkerItem", "WorkerSideDataset"]
 
@@ -217,22 +217,23 @@ class _Runner:
             return
         settings, logical, encode = self.settings, self.logical_id, self.encode
         every_n, every_sec, gc_every = settings.every_n, settings.every_sec, settings.gc_every_n
-        with active_worker(self.context):
-            for key, sample in iterator:
-                self.index += 1
-                if self.index - self.last_checkpoint_index >= every_n:
-                    self._checkpoint()
-                elif (
-                    every_sec is not None
-                    and time.monotonic() - self.last_checkpoint_time >= every_sec
-                ):
-                    self._checkpoint(optional=True)
-                if gc_every is not None and self.index % gc_every == 0:
-                    gc.collect()
-                sample = attach_restore_key(sample, key)
-                if encode is not None:
-                    sample = encode(sample)
-                yield (logical, self.index, False, sample) if savable else sample
+        # No ContextVar is set here: a token held across yields would be reset whenever an
+        # abandoned generator is collected, inside some other loader's context. Workers have
+        # the process-wide context; the main process sets it around each next().
+        for key, sample in iterator:
+            self.index += 1
+            if self.index - self.last_checkpoint_index >= every_n:
+                self._checkpoint()
+            elif (
+                every_sec is not None and time.monotonic() - self.last_checkpoint_time >= every_sec
+            ):
+                self._checkpoint(optional=True)
+            if gc_every is not None and self.index % gc_every == 0:
+                gc.collect()
+            sample = attach_restore_key(sample, key)
+            if encode is not None:
+                sample = encode(sample)
+            yield (logical, self.index, False, sample) if savable else sample
         if savable:
             self.index += 1
             self._checkpoint()
