@@ -63,7 +63,7 @@ def test_log_without_a_directory_uses_the_logger(caplog) -> None:
 def test_resume_exactly(workers: int, tmp_path) -> None:
     check_resume(
         lambda: el.GcDataset(
-            el.LogSampleDataset(_source(), log_dir=tmp_path), every_n_iter=3, freeze=False
+            el.LogSampleDataset(_source(), log_dir=tmp_path), every_n_iter=16, freeze=False
         ),
         num_workers=workers,
     )
