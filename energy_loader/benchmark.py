@@ -22,7 +22,6 @@ machine is noisy (+-15%):
   and ``energy_loader+save50/no-seeding`` the latter with ``seed_per_sample=False`` on the
   map, whose function draws nothing (the plain pipeline seeds nothing either): the default
   re-seeds the global RNGs before every sample, which is most of the per-sample difference;
-- peers from :mod:`energy_loader.bench_peers` when they are installed.
 
 Then restore-to-first-batch at 10/50/90% of the epoch (each restore in a fresh loader), the
 state size as JSON, and an exact-resume check. Results go to ``out/bench.json`` and, with
@@ -241,10 +240,6 @@ def _contenders(workload: str) -> dict[str, Callable[[int], dict[str, Any]]]:
         ),
         "energy_loader+save50/no-seeding": functools.partial(energy_save, seed_per_sample=False),
     }
-    if workload == "reference":
-        from .bench_peers import available_peers
-
-        out.update(available_peers(SAVE_EVERY, WORKERS, PREFETCH))
     return out
 
 

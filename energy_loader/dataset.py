@@ -238,7 +238,7 @@ class SavableDataset(IterableDataset[Any], ABC):
         return self._cursor
 
     def _new_cursor(self) -> EpochCursor:
-        raise NotImplementedError(
+        raise TypeError(
             f"{type(self).__name__} must implement _new_cursor() or override iter_keyed(), "
             "save_state() and restore_state()"
         )

@@ -7,6 +7,7 @@ item; torch's pin-memory thread calls their :meth:`Packet.pin_memory`.
 
 from __future__ import annotations
 
+import abc
 import io
 import pickle
 from typing import Any
@@ -20,7 +21,7 @@ from ._payload import Pickler, fill, offsets, unpack
 __all__ = ["Encoder", "Packet", "decode"]
 
 
-class Packet:
+class Packet(abc.ABC):
     """An encoded item on its way to the main process; :func:`decode` turns it back.
 
     Torch's pin-memory thread calls :meth:`pin_memory` on it (as on anything with that
@@ -37,8 +38,9 @@ class Packet:
         """The item decoded into pinned memory (plain memory when no accelerator exists)."""
         return _Decoded(self._decode(pin=True))
 
+    @abc.abstractmethod
     def _decode(self, *, pin: bool) -> Any:
-        raise NotImplementedError
+        """Rebuild the item (into pinned memory when ``pin``)."""
 
 
 class _Inline(Packet):
