@@ -393,8 +393,8 @@ def _plot(summary: dict[str, Any], path: Path) -> bool:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m energy_loader bench",
-        description="The SPEC reference workload against a plain torch DataLoader (and peers "
-        "when installed), interleaved repetitions, medians and ratios.",
+        description="The SPEC reference workload against a plain torch DataLoader running the "
+        "same pipeline, interleaved repetitions, medians and ratios.",
     )
     parser.add_argument(
         "--workload",

@@ -61,3 +61,27 @@ def test_usage() -> None:
     assert _run("frobnicate").returncode == 2
     help_text = _run("demo", "--help").stdout
     assert "--kill-step" in help_text and "--workers" in help_text
+
+
+@pytest.mark.timeout(300)
+def test_bench_at_tiny_sizes_writes_every_field(tmp_path) -> None:
+    import json
+
+    result = _run(
+        "bench", "--samples", "2048", "--repetitions", "1", "--out", str(tmp_path), timeout=280
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((tmp_path / "bench.json").read_text())
+    assert {"plain", "energy_loader", "energy_loader+save50"} <= set(summary["table"])
+    for row in summary["table"].values():
+        assert set(row) >= {
+            "samples_per_s", "ratio", "paired_ratio", "save_ms_median", "save_ms_p95",
+            "rss_mib", "rss_ratio", "repetitions",
+        }  # fmt: skip
+        assert row["samples_per_s"] > 0 and row["rss_mib"] > 0
+    assert summary["table"]["plain"]["ratio"] == 1.0
+    assert summary["table"]["energy_loader+save50"]["save_ms_median"] > 0
+    assert set(summary["restore_ms_median"]) == {"0.1", "0.5", "0.9"}
+    assert summary["state_bytes"] > 0 and summary["exact_resume"] is True
+    assert summary["workload"]["samples"] == 2048
+    assert "exact resume: True" in result.stdout
