@@ -437,11 +437,20 @@ def test_a_forked_worker_maps_only_its_own_arena() -> None:
     first = el.SavableDataLoader(image_pipeline(), num_workers=2, **ARENA_ONLY)
     next(iter(first))
     second = el.SavableDataLoader(image_pipeline(), num_workers=2, **ARENA_ONLY)
-    next(iter(second))  # its workers were forked while the first loader's arenas were open
-    for worker in second._iterator._workers:
-        assert len(_arenas(worker.pid)) == 1, _arenas(worker.pid)
-    first.reset_state()
-    second.reset_state()
+    iterator = iter(second)  # its workers were forked while the first loader's arenas were open
+    (
+        next(iterator),
+        next(iterator),
+    )  # one item from each worker: both have dropped what they inherited
+    try:
+        for worker in second._iterator._workers:
+            deadline = time.monotonic() + 10
+            while len(_arenas(worker.pid)) != 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(_arenas(worker.pid)) == 1, _arenas(worker.pid)
+    finally:
+        first.reset_state()
+        second.reset_state()
 
 
 @pytest.mark.timeout(60)
