@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 from torch.utils.data import IterableDataset
 
 from .errors import StateFormatError
-from .rng import stable_hash
+from .rng import seed_globals_for_sample, stable_hash
 from .state.plain import StateReader
 from .worker import WorkerContext, current_worker
 
@@ -103,6 +103,26 @@ def callable_name(fn: Callable[..., Any]) -> str:
     target = fn if hasattr(fn, "__qualname__") else type(fn)
     module = getattr(target, "__module__", None) or "?"
     return f"{module}.{getattr(target, '__qualname__', repr(target))}"
+
+
+def apply_user_fn(
+    fn: Callable[[Any], Any], sample: Any, key: Key, *, owner: SavableDataset, seeded: bool
+) -> Any:
+    """Run a user function on one sample, the way every wrapper that runs user code does.
+
+    With ``seeded`` the global RNGs are first seeded from (pipeline seed, the owner's stream
+    salt, ``key``) (see :func:`~energy_loader.rng.seed_globals_for_sample`); an exception gets
+    a note naming the function, the wrapper and the restore key.
+    """
+    if seeded:
+        seed_globals_for_sample(owner.context.seed, owner.stream_salt(), key)
+    try:
+        return fn(sample)
+    except Exception as error:
+        error.add_note(
+            f"raised by {callable_name(fn)} in {type(owner).__name__} for restore key {key!r}"
+        )
+        raise
 
 
 def require_callable(value: Any, name: str) -> None:
@@ -412,8 +432,12 @@ class SavableDataset(IterableDataset[Any], ABC):
         return self._context if self._context is not None else current_worker()
 
     def stream_salt(self) -> int:
-        """A per-component salt: class name and ordinal, stable across runs."""
-        return stable_hash(type(self).__name__, self._ordinal)
+        """A per-component salt: class name and ordinal, stable across runs (cached)."""
+        salt = self.__dict__.get("_salt")
+        if salt is None or salt[0] != self._ordinal:
+            salt = (self._ordinal, stable_hash(type(self).__name__, self._ordinal))
+            self._salt = salt
+        return salt[1]
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -10,8 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..dataset import BaseWrapperDataset, Key, SavableDataset, callable_name, require_callable
-from ..rng import seed_globals_for_sample
+from ..dataset import (
+    BaseWrapperDataset,
+    Key,
+    SavableDataset,
+    apply_user_fn,
+    callable_name,
+    require_callable,
+)
 
 __all__ = ["FilterDataset"]
 
@@ -44,18 +50,8 @@ class FilterDataset(BaseWrapperDataset):
 
     def iter_keyed(self) -> Iterator[tuple[Key, Any]]:
         predicate, seeded = self.predicate, self.seed_per_sample
-        seed, salt = self.context.seed, self.stream_salt()
         for key, sample in self.dataset.iter_keyed():
-            if seeded:
-                seed_globals_for_sample(seed, salt, key)
-            try:
-                keep = predicate(sample)
-            except Exception as error:
-                error.add_note(
-                    f"raised by {callable_name(predicate)} in FilterDataset for restore key {key!r}"
-                )
-                raise
-            if keep:
+            if apply_user_fn(predicate, sample, key, owner=self, seeded=seeded):
                 yield key, sample
 
     def _config_fields(self) -> dict[str, Any]:

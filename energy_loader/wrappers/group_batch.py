@@ -30,13 +30,13 @@ from ..dataset import (
     Key,
     SavableDataset,
     WrapperCursor,
+    apply_user_fn,
     bad_state,
     callable_name,
     require_callable,
     require_int,
 )
 from ..errors import StateFormatError
-from ..rng import seed_globals_for_sample
 from ..state.plain import StateReader, to_key
 from .collate import default_collate
 
@@ -185,16 +185,7 @@ class GroupBatchDataset(BaseWrapperDataset):
 
     def group_of(self, key: Key, sample: Any) -> Hashable:
         """The group key of one sample (seeded ``key_fn``), checked to be plain."""
-        if self.seed_per_sample:
-            seed_globals_for_sample(self.context.seed, self.stream_salt(), key)
-        try:
-            group = self.key_fn(sample)
-        except Exception as error:
-            error.add_note(
-                f"raised by {callable_name(self.key_fn)} in GroupBatchDataset for restore key "
-                f"{key!r}"
-            )
-            raise
+        group = apply_user_fn(self.key_fn, sample, key, owner=self, seeded=self.seed_per_sample)
         if not _is_plain(group):
             raise TypeError(
                 f"GroupBatchDataset: {callable_name(self.key_fn)} returned {group!r} "

@@ -10,8 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..dataset import BaseWrapperDataset, Key, SavableDataset, callable_name, require_callable
-from ..rng import seed_globals_for_sample
+from ..dataset import (
+    BaseWrapperDataset,
+    Key,
+    SavableDataset,
+    apply_user_fn,
+    callable_name,
+    require_callable,
+)
 
 __all__ = ["MapDataset"]
 
@@ -46,23 +52,13 @@ class MapDataset(BaseWrapperDataset):
         self.seed_per_sample = seed_per_sample
 
     def iter_keyed(self) -> Iterator[tuple[Key, Any]]:
-        fn = self.fn
-        seed, salt = self.context.seed, self.stream_salt()
+        fn, seeded = self.fn, self.seed_per_sample
         for key, sample in self.dataset.iter_keyed():
-            yield key, self._apply(fn, sample, key, seed, salt)
-
-    def _apply(self, fn: Callable[[Any], Any], sample: Any, key: Key, seed: int, salt: int) -> Any:
-        if self.seed_per_sample:
-            seed_globals_for_sample(seed, salt, key)
-        try:
-            return fn(sample)
-        except Exception as error:
-            error.add_note(f"raised by {callable_name(fn)} in MapDataset for restore key {key!r}")
-            raise
+            yield key, apply_user_fn(fn, sample, key, owner=self, seeded=seeded)
 
     def restore_sample(self, key: Key) -> Any:
         sample = self.dataset.restore_sample(key)
-        return self._apply(self.fn, sample, key, self.context.seed, self.stream_salt())
+        return apply_user_fn(self.fn, sample, key, owner=self, seeded=self.seed_per_sample)
 
     def _config_fields(self) -> dict[str, Any]:
         return {"fn": callable_name(self.fn), "seed_per_sample": self.seed_per_sample}

@@ -38,12 +38,12 @@ from ..dataset import (
     Key,
     SavableDataset,
     WrapperCursor,
+    apply_user_fn,
     bad_state,
     callable_name,
     require_callable,
     require_int,
 )
-from ..rng import seed_globals_for_sample
 from ..state.plain import StateReader, to_key
 
 __all__ = ["PackingDataset"]
@@ -213,16 +213,7 @@ class PackingDataset(BaseWrapperDataset):
         """The token sequence of one inner sample (seeded ``encode_fn``, or the sample)."""
         if self.encode_fn is None:
             return _as_tokens(sample, key)
-        if self.seed_per_sample:
-            seed_globals_for_sample(self.context.seed, self.stream_salt(), key)
-        try:
-            value = self.encode_fn(sample)
-        except Exception as error:
-            error.add_note(
-                f"raised by {callable_name(self.encode_fn)} in PackingDataset for restore key "
-                f"{key!r}"
-            )
-            raise
+        value = apply_user_fn(self.encode_fn, sample, key, owner=self, seeded=self.seed_per_sample)
         return _as_tokens(value, key)
 
     def make_pack(self, pieces: list[_Piece]) -> tuple[Key, dict[str, torch.Tensor]]:
