@@ -131,6 +131,13 @@ def require_callable(value: Any, name: str) -> None:
         raise TypeError(f"`{name}` must be callable (got {type(value).__name__}: {value!r})")
 
 
+def require_bool(value: Any, name: str) -> bool:
+    """Raise ``TypeError`` unless ``value`` is ``True`` or ``False``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be True or False (got {value!r})")
+    return value
+
+
 def require_int(value: Any, name: str, *, minimum: int) -> int:
     """Raise ``ValueError``/``TypeError`` unless ``value`` is an int >= ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int):

@@ -27,7 +27,7 @@ from typing import Any
 import dill
 from torch.utils.data import DataLoader
 
-from .dataset import SavableDataset, require_int
+from .dataset import SavableDataset, require_bool, require_int
 from .errors import StateFormatError, StateMismatchError, WorkerError
 from .state.fingerprint import ConfigDifference, config_differences, describe_differences
 from .state.rank_state import RankState, WorkerState
@@ -712,8 +712,7 @@ def _checkpoint_settings(
         )
     if gc_every_n is not None:
         require_int(gc_every_n, "gc_collect_every_n_steps", minimum=1)
-    if not isinstance(gc_freeze, bool):
-        raise TypeError(f"`gc_freeze_at_start` must be True or False (got {gc_freeze!r})")
+    require_bool(gc_freeze, "gc_freeze_at_start")
     # Items a worker may have made that the user has not received: torch keeps up to
     # prefetch_factor * num_workers tasks outstanding, all on one worker once the others have
     # ended their epoch; plus one for the pin-memory thread.

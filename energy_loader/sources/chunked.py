@@ -52,7 +52,7 @@ import attrs
 import numpy as np
 import torch
 
-from ..dataset import EpochCursor, Key, SavableDataset, require_int
+from ..dataset import EpochCursor, Key, SavableDataset, require_bool, require_int
 from ..errors import SourceDataError, StateFormatError
 from ..rng import stable_hash
 from ..state.atomic import write_atomically
@@ -327,8 +327,7 @@ class ChunkedFolderSource(SavableDataset):
         super().__init__()
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"`path` must be a folder path (got {type(path).__name__})")
-        if not isinstance(shuffle, bool):
-            raise TypeError(f"`shuffle` must be True or False (got {shuffle!r})")
+        require_bool(shuffle, "shuffle")
         if balance not in BALANCE_POLICIES:
             raise ValueError(f"`balance` must be one of {BALANCE_POLICIES} (got {balance!r})")
         self.seed = require_int(seed, "seed", minimum=0)

@@ -21,7 +21,15 @@ from typing import Any
 
 import numpy as np
 
-from ..dataset import EpochCursor, Key, SavableDataset, callable_name, require_callable, require_int
+from ..dataset import (
+    EpochCursor,
+    Key,
+    SavableDataset,
+    callable_name,
+    require_bool,
+    require_callable,
+    require_int,
+)
 from ..errors import StateFormatError
 from ..rng import stable_hash
 from ..state.plain import StateReader
@@ -111,8 +119,7 @@ class IndexedSource(SavableDataset):
         self, length: Any, getitem: Callable[[int], Any], name: str, shuffle: Any, seed: Any
     ) -> None:
         self.length = require_int(length, "length", minimum=0)
-        if not isinstance(shuffle, bool):
-            raise TypeError(f"`shuffle` must be True or False (got {shuffle!r})")
+        require_bool(shuffle, "shuffle")
         self.seed = require_int(seed, "seed", minimum=0)
         self.shuffle = shuffle
         self._getitem = getitem

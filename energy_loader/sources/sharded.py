@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from ..dataset import EpochCursor, Key, SavableDataset, require_int
+from ..dataset import EpochCursor, Key, SavableDataset, require_bool, require_int
 from ..errors import DownloadError, SourceDataError, StateFormatError
 from ..rng import stable_hash
 from ..state.plain import StateReader
@@ -331,8 +331,7 @@ class ShardedSource(SavableDataset):
             raise TypeError(f"`remote` must be an fsspec URL or a directory (got {remote!r})")
         if not isinstance(local, (str, os.PathLike)) or "://" in os.fspath(local):
             raise TypeError(f"`local` must be a local directory path (got {local!r})")
-        if not isinstance(shuffle, bool):
-            raise TypeError(f"`shuffle` must be True or False (got {shuffle!r})")
+        require_bool(shuffle, "shuffle")
         self.shuffle = shuffle
         self.seed = require_int(seed, "seed", minimum=0)
         self.num_canonical_partitions = (

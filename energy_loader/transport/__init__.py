@@ -46,6 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..dataset import require_bool
 from ._arena import HAVE_MEMFD, MIN_ARENA_BYTES, Arena, close_all_but
 from ._codec import Encoder, Packet, decode
 
@@ -73,8 +74,7 @@ DEFAULT_ARENA_BYTES = 256 * 1024 * 1024
 
 def validate_transport_settings(codec: Any, inline_bytes: Any, arena_bytes: Any) -> None:
     """Raise ``TypeError``/``ValueError`` for loader transport arguments that cannot work."""
-    if not isinstance(codec, bool):
-        raise TypeError(f"`transport_codec` must be True or False (got {codec!r})")
+    require_bool(codec, "transport_codec")
     for name, value, minimum in (
         ("transport_inline_bytes", inline_bytes, 0),
         ("transport_arena_bytes", arena_bytes, 0),

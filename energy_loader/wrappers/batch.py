@@ -21,6 +21,7 @@ from ..dataset import (
     SavableDataset,
     WrapperCursor,
     callable_name,
+    require_bool,
     require_callable,
     require_int,
 )
@@ -76,8 +77,7 @@ class BatchDataset(BaseWrapperDataset):
         self.batch_size = require_int(batch_size, "batch_size", minimum=1)
         if collate_fn is not None:
             require_callable(collate_fn, "collate_fn")
-        if not isinstance(drop_last, bool):
-            raise TypeError(f"`drop_last` must be True or False (got {drop_last!r})")
+        require_bool(drop_last, "drop_last")
         self.collate_fn = collate_fn
         self.drop_last = drop_last
 

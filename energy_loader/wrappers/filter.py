@@ -16,6 +16,7 @@ from ..dataset import (
     SavableDataset,
     apply_user_fn,
     callable_name,
+    require_bool,
     require_callable,
 )
 
@@ -43,8 +44,7 @@ class FilterDataset(BaseWrapperDataset):
     ) -> None:
         super().__init__(dataset)
         require_callable(predicate, "predicate")
-        if not isinstance(seed_per_sample, bool):
-            raise TypeError(f"`seed_per_sample` must be True or False (got {seed_per_sample!r})")
+        require_bool(seed_per_sample, "seed_per_sample")
         self.predicate = predicate
         self.seed_per_sample = seed_per_sample
 

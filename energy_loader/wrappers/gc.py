@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from ..dataset import BaseWrapperDataset, Key, SavableDataset, require_int
+from ..dataset import BaseWrapperDataset, Key, SavableDataset, require_bool, require_int
 
 __all__ = ["GcDataset"]
 
@@ -38,8 +38,7 @@ class GcDataset(BaseWrapperDataset):
     ) -> None:
         super().__init__(dataset)
         self.every_n_iter = require_int(every_n_iter, "every_n_iter", minimum=1)
-        if not isinstance(freeze, bool):
-            raise TypeError(f"`freeze` must be True or False (got {freeze!r})")
+        require_bool(freeze, "freeze")
         self.freeze = freeze
 
     def iter_keyed(self) -> Iterator[tuple[Key, Any]]:

@@ -33,6 +33,7 @@ from ..dataset import (
     apply_user_fn,
     bad_state,
     callable_name,
+    require_bool,
     require_callable,
     require_int,
 )
@@ -170,8 +171,7 @@ class GroupBatchDataset(BaseWrapperDataset):
             )
         if collate_fn is not None:
             require_callable(collate_fn, "collate_fn")
-        if not isinstance(seed_per_sample, bool):
-            raise TypeError(f"`seed_per_sample` must be True or False (got {seed_per_sample!r})")
+        require_bool(seed_per_sample, "seed_per_sample")
         if not dataset.can_restore_sample():
             raise ValueError(
                 "GroupBatchDataset saves its buckets as restore keys and needs an inner "

@@ -41,6 +41,7 @@ from ..dataset import (
     apply_user_fn,
     bad_state,
     callable_name,
+    require_bool,
     require_callable,
     require_int,
 )
@@ -197,8 +198,7 @@ class PackingDataset(BaseWrapperDataset):
             require_callable(encode_fn, "encode_fn")
         if pad_id is not None:
             require_int(pad_id, "pad_id", minimum=0)
-        if not isinstance(seed_per_sample, bool):
-            raise TypeError(f"`seed_per_sample` must be True or False (got {seed_per_sample!r})")
+        require_bool(seed_per_sample, "seed_per_sample")
         if not dataset.can_restore_sample():
             raise ValueError(
                 "PackingDataset saves its buffer as restore keys and needs an inner dataset "
