@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     elif command == "inspect":
         from .inspect_state import main as run
     elif command == "bench":
-        from .benchmark import main as run
+        from .bench import main as run
     else:
         print(f"unknown command {command!r}\n\n{_USAGE}", file=sys.stderr)
         return 2

@@ -1,0 +1,128 @@
+"""How the bench drives one loader library over a workload, and the two built-in contenders.
+
+A :class:`Contender` is five plain functions over a library's own loader: build one for a
+workload, save its state, build one restored from a state, measure a state's size the way the
+library stores it, and close it (stop its workers). The runner does the rest the same way for
+every contender: throughput with and without a save every :data:`SAVE_EVERY` batches, save
+latency, restore-to-first-batch at 10/50/90% of the epoch, state size, peak RSS of main and
+workers, and an exact-resume check (the batches after a restore equal the uninterrupted run's).
+
+Peers (torchdata's ``StatefulDataLoader``, megatron-energon's ``SavableDataLoader``) live in
+their own modules and are used only when installed (``pip install -e '.[bench]'``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+from torch.utils.data import DataLoader
+
+from .workloads import BATCH, PREFETCH, WORKERS, WORKLOADS, PlainPipeline, savable_pipeline
+
+__all__ = [
+    "Contender",
+    "energy_loader_contender",
+    "plain_contender",
+    "shutdown_workers",
+    "worker_pids",
+]
+
+
+def _no_state(*_: Any) -> Any:
+    raise TypeError("this contender keeps no state")
+
+
+def _always_available() -> str | None:
+    return None
+
+
+def shutdown_workers(loader: Any) -> None:
+    """Stop the workers of a torch-style loader's live iterator, if it has one."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+
+
+def worker_pids(loader: Any, iterator: Any) -> list[int]:
+    """The pids of the worker processes behind a live iterator (for peak RSS)."""
+    for holder in (iterator, getattr(loader, "_iterator", None)):
+        workers = getattr(holder, "_workers", None)
+        if workers:
+            return [w.pid for w in workers]
+    return []
+
+
+@attrs.frozen
+class Contender:
+    """One loader library, driven through its own API.
+
+    - ``build(samples, workload, **options)``: a fresh loader over the workload (a name in
+      :data:`WORKLOADS`); iterating it yields one epoch of batches, dicts with an ``"index"``
+      list (or tensor) of source indices; ``options`` are contender-specific variants;
+    - ``save(loader)``: the loader's state right after the batch last taken from its iterator;
+    - ``restore(samples, workload, state)``: a fresh loader whose first batch is the one after
+      the saved one (building it, loading the state, everything up to ``iter()``);
+    - ``state_bytes(state)``: the state's size as the library stores it;
+    - ``close(loader)``: stop its workers (called once a run is done with it);
+    - ``missing()``: ``None`` when usable, else why not (for example a package not installed);
+    - ``stateful``: whether save/restore exist (the plain DataLoader has neither).
+    """
+
+    name: str
+    build: Callable[..., Any]
+    save: Callable[[Any], Any] = _no_state
+    restore: Callable[[int, str, Any], Any] = _no_state
+    state_bytes: Callable[[Any], int] = _no_state
+    close: Callable[[Any], None] = lambda loader: None
+    missing: Callable[[], str | None] = _always_available
+    stateful: bool = True
+
+
+def _plain_loader(samples: int, workload: str) -> DataLoader:
+    batches_itself = WORKLOADS[workload].plain_batches_itself
+    return DataLoader(
+        PlainPipeline(samples, workload=workload),
+        batch_size=None if batches_itself else BATCH,
+        num_workers=WORKERS,
+        prefetch_factor=PREFETCH,
+        persistent_workers=True,
+    )
+
+
+def plain_contender() -> Contender:
+    """A torch ``DataLoader`` over :class:`PlainPipeline`: the reference, with no state."""
+    return Contender("plain", build=_plain_loader, close=shutdown_workers, stateful=False)
+
+
+def _savable_loader(
+    samples: int, workload: str, *, seed_per_sample: bool = True, **options: Any
+) -> Any:
+    from ..loader import SavableDataLoader
+
+    return SavableDataLoader(
+        savable_pipeline(samples, workload=workload, seed_per_sample=seed_per_sample),
+        num_workers=WORKERS,
+        prefetch_factor=PREFETCH,
+        **options,
+    )
+
+
+def _savable_restore(samples: int, workload: str, state: Any) -> Any:
+    loader = _savable_loader(samples, workload)
+    loader.restore_state_rank(state)
+    return loader
+
+
+def energy_loader_contender() -> Contender:
+    """``SavableDataLoader`` with its defaults; the state is measured as JSON."""
+    return Contender(
+        "energy_loader",
+        build=_savable_loader,
+        save=lambda loader: loader.save_state_rank(),
+        restore=_savable_restore,
+        state_bytes=lambda state: len(json.dumps(state)),
+        close=lambda loader: loader.reset_state(),
+    )

@@ -1,0 +1,224 @@
+"""The bench's workloads on megatron-energon's own ``SavableDataLoader`` (7.4.1), at its defaults.
+
+"The same pipeline" in energon's classes: a small source (:func:`_source_class`, an energon
+``SavableDataset``) that gives logical worker ``w`` of :data:`WORKERS` (rank 0 of 1) the shard
+``epoch_order(samples, 0, 0)[w::WORKERS]``, exactly as :class:`PlainPipeline` shards, and yields
+``WORKLOADS[workload].make(index)``; energon's ``MapDataset`` with the workload's transform;
+energon's ``ShuffleBufferDataset`` of the workload's buffer size; energon's ``BatchDataset`` of
+:data:`BATCH` with :func:`collate`; all in ``SavableDataLoader(dataset, prefetch_factor=PREFETCH)``
+with ``WorkerConfig(rank=0, world_size=1, num_workers=WORKERS)``. One epoch: the source stops
+after one pass (no repeat), so ``list(loader)`` is one epoch. The shuffle draws from energon's
+own per-worker generator, so the batch order is energon's, not the plain pipeline's; exact resume
+compares energon against its own uninterrupted run.
+
+What energon needs that the plain pipeline does not:
+
+- **Restore keys.** A shuffle buffer saves the restore keys of its samples, not the samples, and
+  rebuilds them on restore through ``restore_sample`` down the chain. A sample carries its key as
+  a ``"__restore_key__"`` entry; every wrapper prepends its own part. The source sets
+  ``("WorkloadSource", index)`` and rebuilds a sample from it; the transform's output keeps the
+  input's key (the workload transforms return a fresh dict, as energon's own generic webdataset
+  loader copies ``__restore_key__`` across); ``MapDataset`` is told ``stateless_map_fn=True``
+  (the transforms are deterministic), without which it refuses ``restore_sample``. The batcher
+  drops the keys before :func:`collate` (which stacks every non-index field), so a batch is
+  exactly the workload's batch and ``SavableDataLoader.restore_sample`` (a debugging aid) is not
+  available for batches.
+- **Logical worker ids.** After a restore energon rotates worker ids
+  (``WorkerConfig.worker_id_offset``) so that the worker due next starts first; the source asks
+  ``worker_config.rank_worker_id()`` for its shard, never torch's ``get_worker_info()``.
+- **Position.** The source's only state is ``_position`` in its shard, declared in
+  ``_savable_fields``: energon saves such fields by ``deepcopy`` per worker.
+
+How energon's save and restore work (and what the bench measures at defaults): each worker keeps
+a few rolling snapshots of its whole pipeline's state (``checkpoint_every_sec=60``, at least
+``2 * WORKERS`` batches apart, ``PREFETCH * WORKERS + 1`` kept, plus ones at batches 0 and 1);
+``save_state_rank()`` sends a command to every worker (served by a thread in the worker once it
+has yielded) and gets the newest snapshot at or before the last batch the main process took,
+plus how many batches to skip from it. Restoring rebuilds every worker from its snapshot (the
+shuffle buffer through ``restore_sample``) and re-runs the pipeline over the skipped batches.
+In a run shorter than a minute the only snapshots are the first ones, so a restore replays the
+epoch up to the saved point: exact, but the time grows with the position. States are dataclasses
+with torch RNG bytes and the buffer's keys, so they are measured as a pickle.
+
+One trap in 7.4.1: ``iter(loader)`` marks the workers as running before torch starts them (on
+the first ``next``), so ``save_state_rank()`` between ``iter()`` and the first batch waits
+forever for workers that do not exist yet. The bench always takes a batch before it saves.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+
+from .contender import Contender
+from .workloads import BATCH, PREFETCH, WORKERS, WORKLOADS, collate, epoch_order
+
+__all__ = ["energon_contender"]
+
+RESTORE_KEY = "__restore_key__"
+SEED = 0
+EPOCH = 0
+
+
+@attrs.frozen
+class _KeepRestoreKey:
+    """A workload transform whose output keeps its input's energon restore key."""
+
+    transform: Callable[[dict[str, Any]], dict[str, Any]]
+
+    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        out = self.transform(sample)
+        out[RESTORE_KEY] = sample[RESTORE_KEY]
+        return out
+
+
+def _collate_without_keys(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The workload's :func:`collate`, over the samples without their restore keys."""
+    return collate([{k: v for k, v in s.items() if k != RESTORE_KEY} for s in samples])
+
+
+@functools.cache
+def _source_class() -> type:
+    """The source, defined on first use so that this module imports without energon."""
+    from megatron.energon import SavableDataset
+
+    class WorkloadSource(SavableDataset):
+        """One epoch of a workload's samples, sharded over the workers like PlainPipeline."""
+
+        _savable_fields = ("_position",)
+
+        def __init__(self, samples: int, workload: str, *, worker_config: Any) -> None:
+            super().__init__(worker_config=worker_config)
+            self.samples = samples
+            self.workload = WORKLOADS[workload]
+            self._shard_cache: tuple[int, list[int]] | None = None
+            self.reset_state_own()
+
+        def reset_state_own(self) -> None:
+            self._position = 0
+
+        def _workers(self) -> int:
+            return max(self.worker_config.num_workers, 1)
+
+        def _shard(self) -> list[int]:
+            worker = self.worker_config.rank_worker_id()
+            if self._shard_cache is None or self._shard_cache[0] != worker:
+                order = epoch_order(self.samples, SEED, EPOCH)
+                self._shard_cache = (worker, order[worker :: self._workers()])
+            return self._shard_cache[1]
+
+        def len_worker(self, worker_idx: int | None = None) -> int:
+            if worker_idx is None:
+                worker_idx = self.worker_config.rank_worker_id()
+            return len(range(worker_idx, self.samples, self._workers()))
+
+        def worker_has_samples(self) -> bool:
+            return self.len_worker() > 0
+
+        def __iter__(self) -> Iterator[dict[str, Any]]:
+            shard = self._shard()
+            while self._position < len(shard):
+                index = shard[self._position]
+                self._position += 1
+                sample = self.workload.make(index)
+                sample[RESTORE_KEY] = (type(self).__name__, index)
+                yield sample
+
+        def can_restore_sample(self) -> bool:
+            return True
+
+        def restore_sample(self, restore_key: tuple[Any, ...]) -> dict[str, Any]:
+            name, index = restore_key
+            if name != type(self).__name__:
+                raise ValueError(f"not a {type(self).__name__} restore key: {restore_key!r}")
+            sample = self.workload.make(index)
+            sample[RESTORE_KEY] = (name, index)
+            return sample
+
+        def config(self) -> dict[str, Any]:
+            return {
+                "type": type(self).__qualname__,
+                "samples": self.samples,
+                "workload": self.workload.name,
+                "seed": SEED,
+                "epoch": EPOCH,
+            }
+
+    return WorkloadSource
+
+
+def _energon_loader(samples: int, workload: str, **options: Any) -> Any:
+    if options:
+        raise TypeError(f"the energon contender takes no options (got {sorted(options)})")
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r} (choose from {sorted(WORKLOADS)})")
+    from megatron.energon import (
+        BatchDataset,
+        MapDataset,
+        SavableDataLoader,
+        ShuffleBufferDataset,
+        WorkerConfig,
+    )
+
+    spec = WORKLOADS[workload]
+    config = WorkerConfig(rank=0, world_size=1, num_workers=WORKERS)
+    source = _source_class()(samples, workload, worker_config=config)
+    mapped = MapDataset(
+        source, _KeepRestoreKey(spec.transform), stateless_map_fn=True, worker_config=config
+    )
+    shuffled = ShuffleBufferDataset(mapped, spec.buffer, worker_config=config)
+    batched = BatchDataset(shuffled, BATCH, _collate_without_keys, worker_config=config)
+    return SavableDataLoader(batched, prefetch_factor=PREFETCH)
+
+
+def _energon_restore(samples: int, workload: str, state: Any) -> Any:
+    loader = _energon_loader(samples, workload)
+    loader.restore_state_rank(state)
+    return loader
+
+
+def _energon_close(loader: Any) -> None:
+    """Stop the loader's workers now and release its command queues.
+
+    Energon keeps one persistent torch iterator for as long as the loader lives; closing its
+    epoch generator does not stop the workers, so this shuts the torch iterator down (which
+    joins the workers, terminating any that do not exit in time) and closes the queues the
+    main process used to send ``get_checkpoint`` commands.
+    """
+    epoch_iterator = getattr(loader, "_epoch_iterator", None)
+    if epoch_iterator is not None:
+        epoch_iterator.close()
+        loader._epoch_iterator = None
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        iterator._shutdown_workers()
+        loader._iterator = None
+    loader._has_workers = False
+    for queue in (*loader.cmd_queues, *loader.result_queues):
+        queue.cancel_join_thread()
+        queue.close()
+
+
+def _energon_missing() -> str | None:
+    try:
+        import megatron.energon  # noqa: F401
+    except ImportError:
+        return "megatron-energon is not installed (pip install -e '.[bench]')"
+    return None
+
+
+def energon_contender() -> Contender:
+    """megatron-energon's ``SavableDataLoader`` at its defaults; the state is measured pickled."""
+    return Contender(
+        "energon",
+        build=_energon_loader,
+        save=lambda loader: loader.save_state_rank(),
+        restore=_energon_restore,
+        state_bytes=lambda state: len(pickle.dumps(state)),
+        close=_energon_close,
+        missing=_energon_missing,
+    )

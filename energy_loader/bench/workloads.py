@@ -1,0 +1,155 @@
+"""The benchmark workloads, and the plain (stateless) pipeline every ratio is relative to.
+
+A workload is source -> map -> shuffle buffer of ``buffer`` -> batch of :data:`BATCH`, run by
+:data:`WORKERS` workers with a prefetch of :data:`PREFETCH`. Every contender of the bench builds
+this same pipeline in its own library's terms; a batch is always a dict whose ``"index"`` is the
+list (or tensor) of the source indices it holds, which is what throughput counts and the
+exact-resume checks compare.
+
+- ``reference`` (SPEC section 9): 64 int64 tokens per sample -> a tokenizer-like map -> shuffle
+  buffer of 1000 -> batch of 32;
+- ``large``: a 3 x 224 x 224 uint8 image per sample -> a horizontal flip -> shuffle buffer of
+  64 -> batch of 32 (4.8 MB per batch).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+__all__ = [
+    "BATCH",
+    "PREFETCH",
+    "SAVE_EVERY",
+    "WORKERS",
+    "WORKLOADS",
+    "PlainPipeline",
+    "Workload",
+    "collate",
+    "epoch_order",
+    "savable_pipeline",
+]
+
+TOKENS = 64
+VOCAB = 50257
+BATCH = 32
+WORKERS = 2
+PREFETCH = 2
+SAVE_EVERY = 50
+IMAGE_SHAPE = (3, 224, 224)
+
+
+def make_sample(index: int) -> dict[str, Any]:
+    return {"index": index, "tokens": torch.arange(TOKENS, dtype=torch.int64) + index}
+
+
+def tokenize(sample: dict[str, Any]) -> dict[str, Any]:
+    return {"index": sample["index"], "tokens": (sample["tokens"] * 7) % VOCAB}
+
+
+def make_image(index: int) -> dict[str, Any]:
+    row = torch.arange(IMAGE_SHAPE[-1], dtype=torch.int32).add_(index).to(torch.uint8)
+    return {"index": index, "image": row.expand(IMAGE_SHAPE).contiguous()}
+
+
+def flip(sample: dict[str, Any]) -> dict[str, Any]:
+    return {"index": sample["index"], "image": sample["image"].flip(-1)}
+
+
+@attrs.frozen
+class Workload:
+    """One benchmark pipeline: how a sample is made and transformed, and the buffer size."""
+
+    name: str
+    samples: int
+    make: Callable[[int], dict[str, Any]]
+    transform: Callable[[dict[str, Any]], dict[str, Any]]
+    buffer: int
+    # Whether the plain pipeline batches itself (indices stay a list: one tensor crosses per
+    # batch) or leaves it to the DataLoader (whose collate writes into shared memory).
+    plain_batches_itself: bool
+
+    def sample(self, index: int) -> dict[str, Any]:
+        """Sample ``index``, made and transformed: what a shuffle buffer holds."""
+        return self.transform(self.make(index))
+
+
+WORKLOADS = {
+    "reference": Workload("reference", 60_000, make_sample, tokenize, 1000, True),
+    "large": Workload("large", 6_400, make_image, flip, 64, False),
+}
+
+
+def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """A batch: the indices as a list, every other field stacked into one tensor."""
+    batch: dict[str, Any] = {"index": [s["index"] for s in samples]}
+    for field in samples[0]:
+        if field != "index":
+            batch[field] = torch.stack([s[field] for s in samples])
+    return batch
+
+
+def epoch_order(samples: int, seed: int, epoch: int) -> list[int]:
+    """The source order of one epoch, shuffled by (seed, epoch), before sharding."""
+    order = list(range(samples))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
+class PlainPipeline(IterableDataset):
+    """The same work as the savable pipeline, written as a user would without any state."""
+
+    def __init__(self, samples: int, seed: int = 0, workload: str = "reference") -> None:
+        self.samples, self.seed, self.epoch = samples, seed, 0
+        self.workload = WORKLOADS[workload]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        order = epoch_order(self.samples, self.seed, self.epoch)
+        self.epoch += 1
+        samples = self._shuffled(order[worker::workers], random.Random(worker))
+        if not self.workload.plain_batches_itself:
+            yield from samples
+            return
+        batch = []
+        for sample in samples:
+            batch.append(sample)
+            if len(batch) == BATCH:
+                yield collate(batch)
+                batch = []
+        if batch:
+            yield collate(batch)
+
+    def _shuffled(self, indices: list[int], rng: random.Random) -> Iterator[dict[str, Any]]:
+        """Made, transformed and passed through a shuffle buffer."""
+        size = self.workload.buffer
+        buffer: list[dict[str, Any]] = []
+        for index in indices:
+            sample = self.workload.sample(index)
+            if len(buffer) < size:
+                buffer.append(sample)
+                continue
+            slot = rng.randrange(size)
+            buffer[slot], sample = sample, buffer[slot]
+            yield sample
+        rng.shuffle(buffer)
+        yield from buffer
+
+
+def savable_pipeline(
+    samples: int, seed: int = 0, workload: str = "reference", *, seed_per_sample: bool = True
+) -> Any:
+    """The workload as an energy_loader pipeline."""
+    from ..sources import IndexedSource
+    from ..wrappers import BatchDataset, MapDataset, ShuffleBufferDataset
+
+    spec = WORKLOADS[workload]
+    source = IndexedSource.from_fn(samples, spec.make, shuffle=True, seed=seed)
+    mapped = MapDataset(source, spec.transform, seed_per_sample=seed_per_sample)
+    return BatchDataset(ShuffleBufferDataset(mapped, spec.buffer), BATCH)

@@ -1,0 +1,37 @@
+"""The torchdata peer of the bench resumes its pipeline exactly (else its numbers mean little)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torchdata.stateful_dataloader")
+
+from energy_loader.bench.peer_torchdata import torchdata_contender
+from energy_loader.bench.workloads import BATCH, WORKLOADS
+
+
+def _indices(loader) -> list[list[int]]:
+    return [[int(i) for i in batch["index"]] for batch in loader]
+
+
+@pytest.mark.parametrize(("workload", "samples"), [("reference", 2048), ("large", 256)])
+def test_torchdata_peer_resumes_exactly_mid_epoch(workload: str, samples: int) -> None:
+    contender = torchdata_contender()
+    assert contender.missing() is None
+    loader = contender.build(samples, workload)
+    reference = _indices(loader)
+    contender.close(loader)
+    assert sorted(i for batch in reference for i in batch) == list(range(samples))
+    # Stop inside the stream phase and inside the drain phase of the shuffle buffer.
+    drain_start = (samples - 2 * WORKLOADS[workload].buffer) // BATCH
+    for stop in sorted({len(reference) // 3, max(1, drain_start + 1), len(reference) - 2}):
+        loader = contender.build(samples, workload)
+        iterator = iter(loader)
+        for _ in range(stop):
+            next(iterator)
+        state = contender.save(loader)
+        contender.close(loader)
+        restored = contender.restore(samples, workload, state)
+        assert _indices(restored) == reference[stop:], f"stop after batch {stop}"
+        contender.close(restored)
+        assert contender.state_bytes(state) > 0
