@@ -165,6 +165,9 @@ class ShardCache:
         self.lock_timeout = 2.0 * (retries + 1) * timeout + 1.0
         self._done: collections.deque[int] = collections.deque()
         self._done_lock = threading.Lock()
+        # Bytes promised to downloads in progress in this process (the reader's and the
+        # prefetch thread's): counted as used, so two downloads cannot both take the same room.
+        self._reserved: dict[int, int] = {}
         # Shards whose download ahead of the reader failed: the reader raises that error
         # when it gets there, instead of downloading (and failing) all over again.
         self._failed: dict[int, BaseException] = {}
@@ -203,7 +206,8 @@ class ShardCache:
                 raise failure
             if self.present(shard):
                 return self.path(shard)
-            if not self.make_room(info.raw_bytes) and ahead:
+            fits = self.make_room(info.raw_bytes, reserve_for=shard, even_if_full=not ahead)
+            if not fits and ahead:
                 return None
             try:
                 return self._download(shard, stop)
@@ -212,6 +216,9 @@ class ShardCache:
                     self._failed[shard] = error
                     return self.path(shard)
                 raise
+            finally:
+                with self._done_lock:
+                    self._reserved.pop(shard, None)
 
     def release(self, shard: int) -> None:
         """The reader is done with ``shard`` for now: it may be evicted (if over the limit)."""
@@ -231,12 +238,20 @@ class ShardCache:
                 total += (self.local / info.raw_name).stat().st_size
         return total
 
-    def make_room(self, needed: int) -> bool:
-        """Evict released shards until ``needed`` more bytes fit; returns whether they fit."""
+    def make_room(
+        self, needed: int, *, reserve_for: int | None = None, even_if_full: bool = False
+    ) -> bool:
+        """Evict released shards until ``needed`` more bytes fit; returns whether they fit.
+
+        With ``reserve_for`` (a shard about to be downloaded), the bytes are reserved for it,
+        when they fit or ``even_if_full`` (the reader downloads regardless), until its
+        download ends: downloads in progress count as used.
+        """
         if self.cache_limit is None:
             return True
         with node_lock(self.local / LOCKS / "cache.lock", self.lock_timeout, "cache eviction"):
-            used = self.usage()
+            with self._done_lock:
+                used = self.usage() + sum(self._reserved.values())
             while used + needed > self.cache_limit:
                 with self._done_lock:
                     if not self._done:
@@ -248,7 +263,11 @@ class ShardCache:
                     path.unlink()
                     used -= size
                     LOGGER.debug("evicted shard %s (%d bytes)", self.shards[victim].raw_name, size)
-            return used + needed <= self.cache_limit
+            fits = used + needed <= self.cache_limit
+            if reserve_for is not None and (fits or even_if_full):
+                with self._done_lock:
+                    self._reserved[reserve_for] = needed
+            return fits
 
     # -- downloading -------------------------------------------------------------------------
 
