@@ -39,7 +39,7 @@ def test_energon_peer_resumes_exactly_mid_epoch(no_leftover_processes: None) -> 
     contender.close(loader)
     assert taken == reference[:stop]
 
-    restored = contender.restore(SAMPLES, "reference", state)
+    restored = contender.restored(SAMPLES, "reference", state)
     assert _indices(restored) == reference[stop:], f"stop after batch {stop}"
     contender.close(restored)
     assert contender.state_bytes(state) > 0

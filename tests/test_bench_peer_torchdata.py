@@ -31,7 +31,7 @@ def test_torchdata_peer_resumes_exactly_mid_epoch(workload: str, samples: int) -
             next(iterator)
         state = contender.save(loader)
         contender.close(loader)
-        restored = contender.restore(samples, workload, state)
+        restored = contender.restored(samples, workload, state)
         assert _indices(restored) == reference[stop:], f"stop after batch {stop}"
         contender.close(restored)
         assert contender.state_bytes(state) > 0

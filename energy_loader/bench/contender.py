@@ -1,7 +1,7 @@
 """How the bench drives one loader library over a workload, and the two built-in contenders.
 
 A :class:`Contender` is five plain functions over a library's own loader: build one for a
-workload, save its state, build one restored from a state, measure a state's size the way the
+workload, save its state, load a state into a fresh one, measure a state's size the way the
 library stores it, and close it (stop its workers). The runner does the rest the same way for
 every contender: throughput with and without a save every :data:`SAVE_EVERY` batches, save
 latency, restore-to-first-batch at 10/50/90% of the epoch, state size, peak RSS of main and
@@ -14,6 +14,7 @@ their own modules and are used only when installed (``pip install -e '.[bench]'`
 from __future__ import annotations
 
 import json
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,10 @@ __all__ = [
 
 def _no_state(*_: Any) -> Any:
     raise TypeError("this contender keeps no state")
+
+
+def _pickled_size(state: Any) -> int:
+    return len(pickle.dumps(state))
 
 
 def _always_available() -> str | None:
@@ -63,22 +68,29 @@ class Contender:
       :data:`WORKLOADS`); iterating it yields one epoch of batches, dicts with an ``"index"``
       list (or tensor) of source indices; ``options`` are contender-specific variants;
     - ``save(loader)``: the loader's state right after the batch last taken from its iterator;
-    - ``restore(samples, workload, state)``: a fresh loader whose first batch is the one after
-      the saved one (building it, loading the state, everything up to ``iter()``);
-    - ``state_bytes(state)``: the state's size as the library stores it;
+    - ``load(loader, state)``: make a fresh loader (from ``build``) continue right after the
+      saved batch: its first batch is the one after it;
+    - ``state_bytes(state)``: the state's size as the library stores it (by default pickled,
+      as torchdata and energon states are);
     - ``close(loader)``: stop its workers (called once a run is done with it);
     - ``missing()``: ``None`` when usable, else why not (for example a package not installed);
-    - ``stateful``: whether save/restore exist (the plain DataLoader has neither).
+    - ``stateful``: whether save/load exist (the plain DataLoader has neither).
     """
 
     name: str
     build: Callable[..., Any]
     save: Callable[[Any], Any] = _no_state
-    restore: Callable[[int, str, Any], Any] = _no_state
-    state_bytes: Callable[[Any], int] = _no_state
+    load: Callable[[Any, Any], None] = _no_state
+    state_bytes: Callable[[Any], int] = _pickled_size
     close: Callable[[Any], None] = lambda loader: None
     missing: Callable[[], str | None] = _always_available
     stateful: bool = True
+
+    def restored(self, samples: int, workload: str, state: Any) -> Any:
+        """A fresh loader with ``state`` loaded: its first batch follows the saved one."""
+        loader = self.build(samples, workload)
+        self.load(loader, state)
+        return loader
 
 
 def _plain_loader(samples: int, workload: str) -> DataLoader:
@@ -110,19 +122,13 @@ def _savable_loader(
     )
 
 
-def _savable_restore(samples: int, workload: str, state: Any) -> Any:
-    loader = _savable_loader(samples, workload)
-    loader.restore_state_rank(state)
-    return loader
-
-
 def energy_loader_contender() -> Contender:
     """``SavableDataLoader`` with its defaults; the state is measured as JSON."""
     return Contender(
         "energy_loader",
         build=_savable_loader,
         save=lambda loader: loader.save_state_rank(),
-        restore=_savable_restore,
+        load=lambda loader, state: loader.restore_state_rank(state),
         state_bytes=lambda state: len(json.dumps(state)),
         close=lambda loader: loader.reset_state(),
     )

@@ -48,7 +48,6 @@ forever for workers that do not exist yet. The bench always takes a batch before
 from __future__ import annotations
 
 import functools
-import pickle
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -175,12 +174,6 @@ def _energon_loader(samples: int, workload: str, **options: Any) -> Any:
     return SavableDataLoader(batched, prefetch_factor=PREFETCH)
 
 
-def _energon_restore(samples: int, workload: str, state: Any) -> Any:
-    loader = _energon_loader(samples, workload)
-    loader.restore_state_rank(state)
-    return loader
-
-
 def _energon_close(loader: Any) -> None:
     """Stop the loader's workers now and release its command queues.
 
@@ -217,8 +210,7 @@ def energon_contender() -> Contender:
         "energon",
         build=_energon_loader,
         save=lambda loader: loader.save_state_rank(),
-        restore=_energon_restore,
-        state_bytes=lambda state: len(pickle.dumps(state)),
+        load=lambda loader, state: loader.restore_state_rank(state),
         close=_energon_close,
         missing=_energon_missing,
     )

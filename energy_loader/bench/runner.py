@@ -154,12 +154,12 @@ def _restore_run(
         timings = []
         for _ in range(repetitions):
             began = time.perf_counter()
-            restored = contender.restore(samples, workload, state)
+            restored = contender.restored(samples, workload, state)
             next(iter(restored))
             timings.append((time.perf_counter() - began) * 1000)
             contender.close(restored)
         result["restore_ms"][str(fraction)] = timings
-    restored = contender.restore(samples, workload, states[0.5])
+    restored = contender.restored(samples, workload, states[0.5])
     tail = [_indices(b) for b in restored]
     contender.close(restored)
     difference = first_difference(reference[marks[0.5] :], tail)

@@ -29,10 +29,12 @@ __all__ = [
     "WORKERS",
     "WORKLOADS",
     "PlainPipeline",
+    "ShuffleProgress",
     "Workload",
     "collate",
     "epoch_order",
     "savable_pipeline",
+    "shuffle_stream",
 ]
 
 TOKENS = 64
@@ -101,6 +103,44 @@ def epoch_order(samples: int, seed: int, epoch: int) -> list[int]:
     return order
 
 
+@attrs.define
+class ShuffleProgress:
+    """Where one worker's pass over its shard stands (what a stateful version would save)."""
+
+    epoch: int
+    consumed: int
+    buffer: list[dict[str, Any]]
+    rng: random.Random
+    # None while the shard streams through the buffer; then how many of the shuffled
+    # remainder were yielded.
+    drained: int | None = None
+
+
+def shuffle_stream(
+    workload: Workload, progress: ShuffleProgress, indices: list[int]
+) -> Iterator[dict[str, Any]]:
+    """Samples made, transformed and passed through a shuffle buffer, from ``progress`` on.
+
+    ``progress`` is kept current at every yield, so it can be read between samples.
+    """
+    size, buffer, rng = workload.buffer, progress.buffer, progress.rng
+    if progress.drained is None:
+        while progress.consumed < len(indices):
+            sample = workload.sample(indices[progress.consumed])
+            progress.consumed += 1
+            if len(buffer) < size:
+                buffer.append(sample)
+                continue
+            slot = rng.randrange(size)
+            buffer[slot], sample = sample, buffer[slot]
+            yield sample
+        rng.shuffle(buffer)
+        progress.drained = 0
+    while progress.drained < len(buffer):
+        progress.drained += 1
+        yield buffer[progress.drained - 1]
+
+
 class PlainPipeline(IterableDataset):
     """The same work as the savable pipeline, written as a user would without any state."""
 
@@ -111,35 +151,25 @@ class PlainPipeline(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        order = epoch_order(self.samples, self.seed, self.epoch)
-        self.epoch += 1
-        samples = self._shuffled(order[worker::workers], random.Random(worker))
+        progress = self._start(worker)
+        self.epoch = progress.epoch + 1
+        indices = epoch_order(self.samples, self.seed, progress.epoch)[worker::workers]
+        samples = shuffle_stream(self.workload, progress, indices)
         if not self.workload.plain_batches_itself:
             yield from samples
             return
-        batch = []
+        batch: list[dict[str, Any]] = []
         for sample in samples:
             batch.append(sample)
             if len(batch) == BATCH:
-                yield collate(batch)
-                batch = []
+                ready, batch = collate(batch), []
+                yield ready
         if batch:
             yield collate(batch)
 
-    def _shuffled(self, indices: list[int], rng: random.Random) -> Iterator[dict[str, Any]]:
-        """Made, transformed and passed through a shuffle buffer."""
-        size = self.workload.buffer
-        buffer: list[dict[str, Any]] = []
-        for index in indices:
-            sample = self.workload.sample(index)
-            if len(buffer) < size:
-                buffer.append(sample)
-                continue
-            slot = rng.randrange(size)
-            buffer[slot], sample = sample, buffer[slot]
-            yield sample
-        rng.shuffle(buffer)
-        yield from buffer
+    def _start(self, worker: int) -> ShuffleProgress:
+        """A fresh pass over this epoch (the plain pipeline never resumes)."""
+        return ShuffleProgress(self.epoch, 0, [], random.Random(worker))
 
 
 def savable_pipeline(
