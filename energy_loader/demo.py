@@ -95,7 +95,7 @@ def train(args: argparse.Namespace) -> None:
         if found is None:
             raise SystemExit("no intact checkpoint to resume from")
         _, payload = found
-        start = time.perf_counter()
+        start: float | None = time.perf_counter()
         loader.load_state_dict(payload["loader"])
         step, epoch = payload["step"] + 1, payload["epoch"]
         log.write(json.dumps({"resumed_from": payload["step"]}) + "\n")

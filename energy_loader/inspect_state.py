@@ -71,7 +71,8 @@ def _position(checkpoint: dict[str, Any]) -> str:
 
 
 def _config_chain(config: dict[str, Any]) -> list[str]:
-    lines, node = [], config
+    lines: list[str] = []
+    node: object = config
     while isinstance(node, dict):
         fields = ", ".join(
             f"{k}={v}" for k, v in node.items() if k not in ("type", "inner", "inners")

@@ -138,6 +138,7 @@ def seed_globals_for_sample(seed: int, position: int, key: Hashable) -> None:
     """
     value = fold_key(sample_seed_base(seed, position), key)
     _PY_SEED(_PY_RANDOM, value)
-    _PY_RANDOM.gauss_next = None
+    # Random.seed also resets gauss_next; typeshed does not declare it
+    _PY_RANDOM.gauss_next = None  # type: ignore[attr-defined]
     np.random.seed(value & 0xFFFFFFFF)
     _TORCH_GENERATOR.manual_seed(value)

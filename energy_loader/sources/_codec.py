@@ -57,7 +57,8 @@ class _Encoder:
         if isinstance(value, np.ndarray):
             dtype = _numpy_dtype(value.dtype, path)
             array = np.ascontiguousarray(value)
-            raw = memoryview(array.reshape(-1).view(np.uint8))
+            # numpy's stubs declare the buffer protocol only on Python 3.12+
+            raw = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
             return self.add("n", dtype, list(array.shape), raw)
         if isinstance(value, np.generic):
             dtype = _numpy_dtype(value.dtype, path)
@@ -89,7 +90,8 @@ class _Encoder:
         tensor = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
         dtype = str(tensor.dtype).removeprefix("torch.")
         raw = tensor.reshape(-1).view(torch.uint8).numpy()
-        return self.add("t", dtype, list(tensor.shape), memoryview(raw))
+        # numpy's stubs declare the buffer protocol only on Python 3.12+
+        return self.add("t", dtype, list(tensor.shape), memoryview(raw))  # type: ignore[arg-type]
 
 
 def _numpy_dtype(dtype: np.dtype, path: str) -> str:

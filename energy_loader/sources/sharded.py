@@ -38,7 +38,7 @@ import math
 import os
 import struct
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -152,7 +152,7 @@ class _EpochOrder:
         self.partitions = partitions
         self.seed = stable_hash(source.seed, source.stream_salt(), epoch)
         self.shuffle = source.shuffle
-        order = range(len(shards))
+        order: Sequence[int] = range(len(shards))
         if source.shuffle and len(shards) > 1:
             permutation = FeistelPermutation(len(shards), stable_hash(self.seed, "shards"))
             order = [permutation[i] for i in range(len(shards))]

@@ -27,9 +27,10 @@ def _fsync_directory(directory: Path) -> None:
 
 
 def write_atomically(
-    path: str | os.PathLike[str], write: bytes | Callable[[BinaryIO], object]
+    path: str | os.PathLike[str],
+    write: bytes | bytearray | memoryview | Callable[[BinaryIO], object],
 ) -> Path:
-    """Write ``write`` (bytes, or a function that writes to a binary file) to ``path``.
+    """Write ``write`` (bytes-like, or a function that writes to a binary file) to ``path``.
 
     Temporary files are named ``.{name}.*.tmp`` next to the target. Example::
 

@@ -9,6 +9,7 @@ a worker.
 
 from __future__ import annotations
 
+import builtins
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -102,22 +103,22 @@ class StateReader:
             raise StateFormatError(f"{self.path}.{name} must be one of {choices}, got {value!r}")
         return value
 
-    def list(self, name: str) -> list[Any]:
+    def list(self, name: builtins.str) -> builtins.list[Any]:
         """A list field (a tuple is accepted: torch.load keeps tuples)."""
         value = self._get(name)
         if not isinstance(value, (list, tuple)):
             raise StateFormatError(f"{self.path}.{name} must be a list, got {type(value).__name__}")
         return list(value)
 
-    def keys(self, name: str) -> list[tuple[Any, ...]]:
+    def keys(self, name: builtins.str) -> builtins.list[tuple[Any, ...]]:
         """A list of restore keys."""
         return [to_key(k, f"{self.path}.{name}[{i}]") for i, k in enumerate(self.list(name))]
 
-    def sub(self, name: str) -> StateReader:
+    def sub(self, name: builtins.str) -> StateReader:
         """A nested dict field."""
         return StateReader(self._get(name), f"{self.path}.{name}")
 
-    def raw(self, name: str) -> Any:
+    def raw(self, name: builtins.str) -> Any:
         """A field as it is, unchecked."""
         return self._get(name)
 

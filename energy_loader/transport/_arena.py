@@ -127,7 +127,8 @@ class Arena:
     def take(self, offset: int, sequence: int, out: np.ndarray) -> None:
         """Copy the payload at ``offset`` into ``out`` and hand its space back to the worker."""
         start = _HEADER_BYTES + offset
-        with memoryview(self._map) as whole, memoryview(out) as target:
+        # numpy's stubs declare the buffer protocol only on Python 3.12+
+        with memoryview(self._map) as whole, memoryview(out) as target:  # type: ignore[arg-type]
             target[:] = whole[start : start + out.nbytes]
         taken = self._taken()
         if sequence > taken[0]:

@@ -60,7 +60,8 @@ class _Inline(Packet):
         if pin:
             pinned = _pinned_buffer(len(data))
             if pinned is not None:
-                with memoryview(pinned) as target:
+                # numpy's stubs declare the buffer protocol only on Python 3.12+
+                with memoryview(pinned) as target:  # type: ignore[arg-type]
                     target[:] = data
                 data = pinned
         return unpack(data, self.sizes)

@@ -105,7 +105,8 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
         array = data.numpy()
     else:  # dtypes numpy lacks (bfloat16, float8, ...): their raw bytes
         array = data.reshape(-1).view(torch.uint8).numpy()
-    arguments = (pickle.PickleBuffer(array), name, tuple(data.shape))
+    # numpy's stubs declare the buffer protocol only on Python 3.12+
+    arguments = (pickle.PickleBuffer(array), name, tuple(data.shape))  # type: ignore[arg-type]
     attributes = tensor.__dict__
     if attributes:
         return _rebuild_tensor_with_attributes, (*arguments, dict(attributes))

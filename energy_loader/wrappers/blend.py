@@ -161,8 +161,9 @@ class BlendDataset(MultiWrapperDataset):
                 "BlendDataset(on_exhausted='end') has no len(): where its epoch ends depends on "
                 "the random draws (on_exhausted='drop' has one)"
             )
-        return sum(
+        lengths = (
             len(dataset)  # type: ignore[arg-type]
             for dataset, weight in zip(self.datasets, self.weights)
             if weight > 0
         )
+        return sum(lengths)

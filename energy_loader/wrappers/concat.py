@@ -80,4 +80,5 @@ class ConcatDataset(MultiWrapperDataset):
         return _ConcatCursor(self)
 
     def __len__(self) -> int:
-        return sum(len(dataset) for dataset in self.datasets)  # type: ignore[arg-type]
+        lengths = (len(dataset) for dataset in self.datasets)  # type: ignore[arg-type]
+        return sum(lengths)

@@ -151,6 +151,7 @@ class _UnbatchCursor(WrapperCursor):
     def _split(self, key: Key, batch: Any) -> Iterator[tuple[Key, Any]]:
         size, step = batch_length(batch), self.dataset.micro_batch_size
         start = self.offset
+        out_key: Key
         while start < size:
             stop = start + 1 if step is None else min(start + step, size)
             if step is None:
