@@ -250,8 +250,9 @@ class ShardCache:
         if self.cache_limit is None:
             return True
         with node_lock(self.local / LOCKS / "cache.lock", self.lock_timeout, "cache eviction"):
+            used = self.usage()
             with self._done_lock:
-                used = self.usage() + sum(self._reserved.values())
+                used += sum(self._reserved.values())
             while used + needed > self.cache_limit:
                 with self._done_lock:
                     if not self._done:
