@@ -34,13 +34,13 @@ from torchrun_train import (
     agree_on_newest,
     build_loader,
     build_model,
-    fsync_dir,
     parse_args,
     prune,
     train_step,
 )
 
 from energy_loader import distributed as eld
+from energy_loader.state import fsync_directory
 
 
 class TrainingState:
@@ -77,7 +77,7 @@ def save(ckpt_dir: Path, training: TrainingState, loader: Any) -> None:
     dist.barrier()  # every rank's part is written
     if dist.get_rank() == 0:
         os.replace(staging, ckpt_dir / f"step_{training.step:06d}")
-        fsync_dir(ckpt_dir)
+        fsync_directory(ckpt_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

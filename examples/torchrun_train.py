@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 import energy_loader as el
 from energy_loader import distributed as eld
-from energy_loader.state import write_atomically
+from energy_loader.state import fsync_directory, write_atomically
 
 STEP_NAME = re.compile(r"^step_(\d{6})(\.pt)?$")
 
@@ -74,15 +74,6 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
 
 
 # -- checkpoint files --------------------------------------------------------------------------
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside ``path`` durable."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def _save_atomically(value: Any, path: Path) -> None:
@@ -139,7 +130,7 @@ def save_per_rank(ckpt_dir: Path, step: int, model: Any, optimizer: Any, loader:
     dist.barrier()  # every rank's file is in
     if dist.get_rank() == 0:
         os.replace(staging, ckpt_dir / f"step_{step:06d}")
-        fsync_dir(ckpt_dir)
+        fsync_directory(ckpt_dir)
 
 
 def restore(path: Path, model: Any, optimizer: Any, loader: Any) -> int:

@@ -1,6 +1,6 @@
 """State classes, the plain-data codec, configuration fingerprints and checkpoint files."""
 
-from .atomic import write_atomically
+from .atomic import fsync_directory, write_atomically
 from .checkpoint import CheckpointDirectory, load_checkpoint, save_checkpoint
 from .fingerprint import ConfigDifference, config_differences, describe_differences
 from .plain import StateReader, check_plain, to_key
@@ -17,6 +17,7 @@ __all__ = [
     "check_plain",
     "config_differences",
     "describe_differences",
+    "fsync_directory",
     "load_checkpoint",
     "save_checkpoint",
     "to_key",

@@ -15,10 +15,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["write_atomically"]
+__all__ = ["fsync_directory", "write_atomically"]
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: str | os.PathLike[str]) -> None:
+    """Make the renames and new entries in ``directory`` durable (POSIX: fsync the directory).
+
+    For publishing a whole directory atomically: write it under a temporary name, rename it
+    into place, then fsync its parent.
+    """
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -52,5 +57,5 @@ def write_atomically(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
         raise
-    _fsync_directory(target.parent)
+    fsync_directory(target.parent)
     return target
