@@ -28,6 +28,7 @@ of the group learns of it and raises.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from .errors import StateFormatError, StateMismatchError, WorkerError
+from .partitions import PartitionLayout
 from .state.checkpoint import load_checkpoint, save_checkpoint
 from .state.plain import StateReader
 from .state.rank_state import RankState
@@ -392,27 +394,28 @@ def save_state_global(loader: SavableDataLoader, dst_rank: int) -> list[dict[str
 # -- scatter -------------------------------------------------------------------------------------
 
 
-def _check_states_list(states: Any, size: int) -> list[Any]:
-    """The list-level checks: a list of ``size`` states in rank order, of this world size."""
+def _check_states_list(states: Any) -> list[Any]:
+    """The list-level checks: every rank's state of one save, in rank order."""
     if not isinstance(states, (list, tuple)):
         raise TypeError(
             "`states` must be the list of every data-parallel rank's state that "
             f"save_state_global returned (got {type(states).__name__})"
         )
-    if len(states) != size:
-        saved = _saved_world_size(states)
+    if not states:
+        raise StateMismatchError("`states` is empty; pass every rank's state of one save")
+    saved_size = StateReader(states[0], "states[0]").int("world_size", minimum=1)
+    if len(states) != saved_size:
         raise StateMismatchError(
-            f"`states` holds {len(states)} rank states{saved} but the data-parallel group has "
-            f"{size} rank(s); restore with the data-parallel world size the states were saved "
-            "with"
+            f"`states` holds {len(states)} rank states but they were saved with "
+            f"world_size={saved_size}; pass every rank's state of one save, in rank order"
         )
     for index, entry in enumerate(states):
         reader = StateReader(entry, f"states[{index}]")
         rank, world_size = reader.int("rank"), reader.int("world_size", minimum=1)
-        if world_size != size:
+        if world_size != saved_size:
             raise StateMismatchError(
-                f"states[{index}] was saved with world_size={world_size}; the data-parallel "
-                f"group now has {size} ranks"
+                f"states[{index}] was saved with world_size={world_size}, states[0] with "
+                f"{saved_size}: the states of different saves are mixed"
             )
         if rank != index:
             raise StateMismatchError(
@@ -422,35 +425,32 @@ def _check_states_list(states: Any, size: int) -> list[Any]:
     return list(states)
 
 
-def _saved_world_size(states: Sequence[Any]) -> str:
-    first = states[0] if states else None
-    if isinstance(first, dict) and isinstance(first.get("world_size"), int):
-        return f" (saved with world_size={first['world_size']})"
-    return ""
+def _decode_all(states: Any) -> list[RankState]:
+    out = []
+    for index, entry in enumerate(states):
+        try:
+            out.append(RankState.from_plain(entry))
+        except StateFormatError as error:
+            raise StateFormatError(f"states[{index}]: {error}") from None
+    return out
 
 
-def _check_state(loader: SavableDataLoader, state: Any) -> None:
-    """Everything ``restore_state_rank`` would refuse, without changing the loader."""
-    if isinstance(state, _Refusal):
-        raise _ERROR_CLASSES.get(state.kind, RuntimeError)(state.message)
-    decoded = RankState.from_plain(state)
-    # The loader's own checks, in the order restore_state_rank runs them.
-    loader._check_compatible(decoded)
-    loader._validate_checkpoints(decoded.workers)
+def _wanted(states: list[Any], size: int, position: int) -> list[Any]:
+    """The states rank ``position`` of a group of ``size`` needs: its own, or all of them."""
+    if len(states) == size:
+        return [states[position]]
+    return states
 
 
-def _own_entry(states: Any, group: _Group) -> Any:
-    return _check_states_list(states, group.size)[group.rank]
-
-
-def _scattered_entry(states: Any, group: _Group, src_position: int, src_rank: int) -> Any:
-    """This rank's entry of ``states`` (held by ``src_rank`` only), or the src's refusal."""
+def _scattered_entries(states: Any, group: _Group, src_position: int, src_rank: int) -> Any:
+    """The states this rank needs (sent by ``src_rank``), or the src's refusal."""
     import torch.distributed as dist
 
     envelopes: list[Any] | None = None
     if group.rank == src_position:
         try:
-            envelopes = _check_states_list(states, group.size)
+            checked = _check_states_list(states)
+            envelopes = [_wanted(checked, group.size, r) for r in range(group.size)]
         except Exception as error:
             refusal = _Refusal(type(error).__name__, f"{error} (found by src_rank {src_rank})")
             envelopes = [refusal] * group.size
@@ -494,24 +494,28 @@ def restore_state_global(
         src_rank = _require_rank(src_rank, "src_rank")
     group = _group_of(loader.worker_config)
     problem: BaseException | None = None
-    entry: Any = None
+    entries: Any = None
     if src_rank is None:
         try:
-            entry = _own_entry(states, group)
+            entries = _wanted(_check_states_list(states), group.size, group.rank)
         except Exception as error:
             problem = error
     else:
         _require_collective(group, "restore_state_global with a src_rank")
         src_position = group.position_of(src_rank, "src_rank")
-        entry = _scattered_entry(states, group, src_position, src_rank)
+        entries = _scattered_entries(states, group, src_position, src_rank)
+    decoded: list[RankState] = []
     if problem is None:
         try:
+            if isinstance(entries, _Refusal):
+                raise _ERROR_CLASSES.get(entries.kind, RuntimeError)(entries.message)
             _check_layout(loader.worker_config, group)
-            _check_state(loader, entry)
+            decoded = _decode_all(entries)
+            loader.plan_restore(decoded)
         except Exception as error:
             problem = error
     _agree(group, "restore_state_global", problem)
-    loader.restore_state_rank(entry)
+    loader.restore_from_states(decoded)
 
 
 # -- each rank its own state: DCP keys and per-rank files ------------------------------------------
@@ -573,19 +577,66 @@ def save_state_rank_file(
 def restore_state_rank_file(
     loader: SavableDataLoader, directory: str | os.PathLike[str], prefix: str = "loader"
 ) -> None:
-    """Restore this rank from its file in ``directory``, written by :func:`save_state_rank_file`.
+    """Restore this rank from the files in ``directory`` written by :func:`save_state_rank_file`.
 
-    No collective; reads this rank's file only (``torch.load(weights_only=True)``, checksum
-    verified). When this rank's file is missing but the directory holds state files of another
-    data-parallel world size, that is a ``StateMismatchError`` naming them; with no state files
-    at all it is a ``FileNotFoundError``. A damaged file is a ``StateFormatError``, and a state
-    that does not fit raises what ``restore_state_rank`` raises.
+    No collective. On the layout that saved them a rank reads its own file only. On another
+    layout (another world size or ``num_workers``, the same ``num_partitions``) it reads the
+    lowest rank's file to learn the job's position, then the files of the ranks that ran the
+    partitions it now runs. Every file is read with ``torch.load(weights_only=True)`` and its
+    checksum verified. No state files at all is a ``FileNotFoundError``; a damaged file a
+    ``StateFormatError``; files of two different saves, or a state that does not fit, a
+    ``StateMismatchError`` saying what differs.
     """
     loader = _require_loader(loader)
     path = rank_state_path(directory, loader, prefix)
-    if not path.is_file():
+    if path.is_file():  # the same world size: this rank's own partitions, whatever the workers
+        loader.restore_from_states([RankState.from_plain(load_checkpoint(path))])
+        return
+    files = _rank_files(Path(directory), prefix)
+    if not files:
         _raise_missing(path, prefix)
-    loader.restore_state_rank(load_checkpoint(path))
+    first = RankState.from_plain(load_checkpoint(files[0]))
+    states = {first.rank: first}
+    config = loader.worker_config
+    # The partitions this rank runs from the job's position, or from 0 if the epoch had ended.
+    lockstep = first.start + first.world_size * first.delivered
+    for position in (lockstep, 0):
+        layout = PartitionLayout(
+            loader.num_partitions,
+            config.world_size,
+            loader.num_workers,
+            position % loader.num_partitions,
+        )
+        for partition in layout.rank_partitions(config.rank):
+            old_rank = (partition - first.start) % first.world_size
+            if old_rank not in states:
+                states[old_rank] = RankState.from_plain(load_checkpoint(files[old_rank]))
+    loader.restore_from_states([states[r] for r in sorted(states)])
+
+
+def _rank_files(directory: Path, prefix: str) -> list[Path]:
+    """The state files of one save in ``directory``, in rank order (checked complete)."""
+    pattern = re.compile(re.escape(prefix) + r"_rank_(\d{5})_of_(\d{5})\.pt")
+    found: dict[int, dict[int, Path]] = {}
+    for candidate in directory.glob(f"{prefix}_rank_*_of_*.pt"):
+        match = pattern.fullmatch(candidate.name)
+        if match:
+            found.setdefault(int(match.group(2)), {})[int(match.group(1))] = candidate
+    if not found:
+        return []
+    if len(found) > 1:
+        raise StateMismatchError(
+            f"{directory} holds state files of several world sizes {sorted(found)}; keep the "
+            "files of one save in a directory"
+        )
+    ((size, files),) = found.items()
+    missing = [r for r in range(size) if r not in files]
+    if missing:
+        raise StateMismatchError(
+            f"{directory} holds state files of world size {size} but not those of ranks "
+            f"{missing}: an incomplete save"
+        )
+    return [files[r] for r in range(size)]
 
 
 def _raise_missing(path: Path, prefix: str) -> None:

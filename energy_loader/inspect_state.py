@@ -2,9 +2,10 @@
 
 Reads a checkpoint file written by :func:`energy_loader.state.save_checkpoint` (or a
 :class:`~energy_loader.state.CheckpointDirectory`), a ``torch.save`` file, or a JSON file, and
-prints every loader state found inside (a rank state, or the list ``save_state_global``
-returns): format version, rank layout, epoch, per-worker position, and the pipeline config.
-Anything unreadable is a one-line error and exit code 2.
+prints every loader state found inside (a rank state, the list ``save_state_global`` returns,
+or the partition leaves of ``loader.state_dict()``): format version, layout and partitions,
+epoch and position, each partition's position, and the pipeline config. Anything unreadable
+is a one-line error and exit code 2.
 """
 
 from __future__ import annotations
@@ -19,9 +20,23 @@ import torch
 
 from .errors import StateFormatError
 from .state.checkpoint import CHECKPOINT_FORMAT, load_checkpoint
-from .state.rank_state import RANK_STATE_FORMAT, RankState
+from .state.rank_state import (
+    PARTITION_KEY_PREFIX,
+    RANK_STATE_FORMAT,
+    RankState,
+    states_from_entries,
+)
 
 __all__ = ["describe_rank_state", "main"]
+
+_HELP = """usage: python -m energy_loader inspect PATH
+
+Print every loader state saved in PATH: a checkpoint file (energy_loader's own, or any
+torch.save file) or a JSON file holding a rank state, the list of all ranks' states, or
+the partition entries of loader.state_dict(). For each rank it shows the layout (ranks,
+workers, logical partitions), the epoch and position, where each partition stands and
+the pipeline. Nothing in the file is executed. Exit code 2 if the file holds no
+readable loader state."""
 
 
 def _read(path: Path) -> Any:
@@ -42,8 +57,14 @@ def _read(path: Path) -> Any:
 
 
 def _find_states(value: Any, where: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(value, dict) and isinstance(value.get("rank_state_json"), str):
-        value = json.loads(value["rank_state_json"])  # what loader.state_dict() returns
+    if (
+        isinstance(value, dict)
+        and value
+        and all(isinstance(k, str) and k.startswith(PARTITION_KEY_PREFIX) for k in value)
+    ):  # what loader.state_dict() returns: partition leaves
+        for state in states_from_entries(value):
+            yield f"{where or '(top level)'} rank {state.rank}", state.to_plain()
+        return
     if isinstance(value, dict):
         if value.get("format") == RANK_STATE_FORMAT:
             yield where or "(top level)", value
@@ -88,17 +109,38 @@ def _config_chain(config: dict[str, Any]) -> list[str]:
 def describe_rank_state(state: Any) -> str:
     """A multi-line description of one rank state (validated first)."""
     decoded = RankState.from_plain(state)
+    per_worker = decoded.num_partitions // (decoded.world_size * max(1, decoded.num_workers))
+    if decoded.epoch_ended:
+        where = f"epoch {decoded.epoch} ended; the next iteration starts epoch {decoded.epoch + 1}"
+    elif not decoded.in_epoch:
+        where = f"epoch {decoded.epoch} not started"
+    else:
+        where = (
+            f"epoch {decoded.epoch}, {decoded.delivered:,} items handed out by rank "
+            f"{decoded.rank} in this epoch; global position "
+            f"{decoded.start + decoded.world_size * decoded.delivered:,} (if the ranks ran in "
+            "lockstep)"
+        )
     lines = [
         f"format {RANK_STATE_FORMAT} version {state['version']}",
-        f"rank {decoded.rank} of {decoded.world_size}, {decoded.num_workers} workers",
-        f"epoch ended: {decoded.epoch_ended}; next worker: {decoded.next_worker}",
+        f"rank {decoded.rank} of {decoded.world_size}, {decoded.num_workers} workers, "
+        f"{decoded.num_partitions} logical partitions ({per_worker} per worker)",
+        where,
+        f"next worker: {decoded.next_worker}",
         "workers:",
     ]
+    entries = decoded.partition_states()
     for index, worker in enumerate(decoded.workers):
         status = ", done with this epoch" if worker.done else ""
-        lines.append(
-            f"  [{index}] {_position(worker.checkpoint)}; replay {worker.skip} items{status}"
-        )
+        turn = f", next {worker.partitions[worker.next]}" if len(worker.partitions) > 1 else ""
+        lines.append(f"  [{index}] partitions {list(worker.partitions)}{turn}{status}")
+        for partition in worker.partitions:
+            entry = entries[partition]
+            ended = ", ended its epoch" if entry.done else ""
+            lines.append(
+                f"      partition {partition}: {_position(entry.checkpoint)}; replay "
+                f"{entry.skip} items{ended}"
+            )
     lines.append("pipeline (outermost first):")
     lines += [f"  {line}" for line in _config_chain(decoded.config)]
     return "\n".join(lines)
@@ -106,7 +148,7 @@ def describe_rank_state(state: Any) -> str:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
-        print("usage: python -m energy_loader inspect PATH\n\n" + (__doc__ or "").strip())
+        print(_HELP)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     path = Path(argv[0])
     try:

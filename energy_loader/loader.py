@@ -13,9 +13,9 @@ read directly (nothing to replay).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
-import json
 import math
 import multiprocessing
 import re
@@ -24,13 +24,22 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
+import attrs
 import dill
 from torch.utils.data import DataLoader
 
 from .dataset import SavableDataset, require_bool, require_int
 from .errors import StateFormatError, StateMismatchError, WorkerError
+from .partitions import PartitionLayout, RestorePlan, plan_restore, resolve_num_partitions
 from .state.fingerprint import ConfigDifference, config_differences, describe_differences
-from .state.rank_state import RankState, WorkerState
+from .state.rank_state import (
+    PARTITION_KEY_PREFIX,
+    PartitionState,
+    RankState,
+    WorkerSlots,
+    partition_entries,
+    states_from_entries,
+)
 from .transport import (
     DEFAULT_ARENA_BYTES,
     DEFAULT_INLINE_BYTES,
@@ -39,11 +48,10 @@ from .transport import (
     validate_transport_settings,
 )
 from .worker import WorkerConfig, active_worker
-from .worker_process import CheckpointSettings, WorkerSideDataset
+from .worker_process import CheckpointSettings, Position, RunPlan, WorkerSideDataset
 
 __all__ = ["BasicDataLoader", "SavableDataLoader"]
 
-_STATE_DICT_KEY = "rank_state_json"
 _WORKER_IN_MESSAGE = re.compile(r"worker process (\d+)")
 _PIDS_IN_MESSAGE = re.compile(r"\b(\d{2,})\b")
 
@@ -96,52 +104,111 @@ def _check_serializable(pipeline: SavableDataset) -> None:
     raise TypeError(f"the pipeline cannot be serialized with dill: {whole}") from whole
 
 
+# How many delivered items a save may hold back (``save_state_rank(held_back=n)``): the rolling
+# checkpoints keep that many more items per worker.
+MAX_HELD_BACK = 2
+
+
+@attrs.frozen
+class _Mark:
+    """Where the rank stood right after handing out one item (for held-back saves)."""
+
+    last_index: tuple[int, ...]
+    done: tuple[bool, ...]
+    next_worker: int
+    delivered: int
+
+
 class _Progress:
-    """What the main process knows about each logical worker's stream."""
+    """What the main process knows about each logical worker's stream and the epoch."""
 
     def __init__(self, workers: int) -> None:
         self.last_index = [-1] * workers
         self.done = [False] * workers
         self.next_worker = 0
-        self.epoch_ended = False
+        self.epoch = 0
         self.in_epoch = False
+        self.epoch_ended = False
+        self.delivered = 0
+        self.start = 0
+        # The position after each of the last items handed out, and before the first one.
+        self.marks: collections.deque[_Mark] = collections.deque(maxlen=MAX_HELD_BACK + 1)
+        self.marks.append(self.mark())
 
-    def start_epoch(self) -> None:
+    def start_epoch(self, start: int) -> None:
+        """The next epoch begins, its partition assignment starting at ``start``."""
+        self.epoch += 1
         self.done = [False] * len(self.done)
         self.epoch_ended = False
         self.next_worker = 0
+        self.delivered = 0
+        self.start = start
+        self.marks.clear()
+        self.marks.append(self.mark())
+
+    def mark(self) -> _Mark:
+        return _Mark(tuple(self.last_index), tuple(self.done), self.next_worker, self.delivered)
+
+    def held_back(self, count: int) -> _Mark:
+        """Where the rank stood ``count`` items before the last one it handed out."""
+        if count == 0:
+            return self.mark()
+        if count > MAX_HELD_BACK:
+            raise ValueError(f"`held_back` must be at most {MAX_HELD_BACK} (got {count})")
+        if count >= len(self.marks):
+            raise ValueError(
+                f"held_back={count}: only {len(self.marks) - 1} item(s) were handed out since "
+                "this epoch began or the loader was restored, so there is no position that "
+                "many items back"
+            )
+        return self.marks[-1 - count]
 
 
 class _LoaderIterator:
-    """Wraps torch's iterator: strips numbering and end markers, records progress."""
+    """Pulls from the loader's epoch stream: strips numbering and end markers.
 
-    def __init__(self, loader: SavableDataLoader, inner: Iterator[Any], generation: int) -> None:
+    An iterator made by ``iter(loader)`` while an epoch is in progress *continues* it. If a
+    continuation finds nothing left (every item of the epoch had been handed out, the end
+    just not reported yet), the epoch is over and the iterator rolls straight into the next.
+    """
+
+    def __init__(self, loader: SavableDataLoader, continuation: bool) -> None:
         self._loader = loader
-        self._inner = inner
-        self._generation = generation
+        self._generation = loader._generation
+        self._continuation = continuation
+        self._finished = False
 
     def __iter__(self) -> _LoaderIterator:
         return self
 
     def __next__(self) -> Any:
         loader = self._loader
+        if self._finished:
+            raise StopIteration
         if self._generation != loader._generation:
             raise RuntimeError(
                 "this iterator belongs to a loader state that was since restored or reset; "
                 "call iter(loader) again"
             )
-        progress, workers = loader._progress, len(loader._progress.done)
+        progress = loader._progress
+        workers = len(progress.done)
         decoding = loader._transport is not None
         while True:
             try:
                 with loader._main_process_context():
-                    worker, index, is_end, sample = next(self._inner)
+                    worker, index, is_end, sample = loader._pull()
                 if decoding and not is_end:
                     sample = decode(sample)
             except StopIteration:
-                progress.in_epoch = False
-                progress.epoch_ended = True
-                progress.next_worker = 0
+                loader._end_epoch()
+                if self._continuation:
+                    # Everything of the epoch had been handed out: roll into the next one.
+                    self._continuation = False
+                    loader._begin_epoch()
+                    self._generation = loader._generation
+                    progress = loader._progress
+                    continue
+                self._finished = True
                 raise
             except WorkerError:
                 raise
@@ -156,6 +223,9 @@ class _LoaderIterator:
             if is_end:
                 progress.done[worker] = True
                 continue
+            progress.delivered += 1
+            progress.marks.append(progress.mark())
+            self._continuation = False
             return sample
 
     def __len__(self) -> int:
@@ -215,9 +285,11 @@ class SavableDataLoader(DataLoader):
         transport_codec: bool = True,
         transport_inline_bytes: int = DEFAULT_INLINE_BYTES,
         transport_arena_bytes: int = DEFAULT_ARENA_BYTES,
+        num_partitions: int | None = None,
     ) -> None:
         config = _resolve_config(dataset, worker_config, num_workers)
         workers = config.num_workers
+        partitions = resolve_num_partitions(num_partitions, config.world_size, workers)
         settings = _checkpoint_settings(
             workers,
             prefetch_factor,
@@ -247,9 +319,13 @@ class SavableDataLoader(DataLoader):
             _check_serializable(dataset)
         self._pipeline = dataset
         self._worker_config = config
-        self._worker_side = WorkerSideDataset(dataset, config, settings, savable=self._savable)
+        self._num_partitions = partitions
+        self._worker_side = WorkerSideDataset(
+            dataset, config, settings, self._canonical_plan(0), savable=self._savable
+        )
         self._reply_timeout = float(worker_reply_timeout)
         self._progress = _Progress(max(1, workers))
+        self._inner: Iterator[Any] | None = None
         self._generation = 0
         self._failure: WorkerError | None = None
         self._request_ids = itertools.count()
@@ -271,26 +347,73 @@ class SavableDataLoader(DataLoader):
     # -- iteration -------------------------------------------------------------------------
 
     def __iter__(self) -> _LoaderIterator:  # type: ignore[override]
+        """Continue the current epoch if it has items left, otherwise start the next one."""
         progress = self._progress
-        # A break mid-epoch (torch would drop what is in flight) or a new epoch after a
-        # restore that rotated the workers: restart the workers exactly where we stand.
-        rotated = progress.epoch_ended and self._worker_side.offset != 0
-        if self.num_workers > 0 and self._iterator is not None and (progress.in_epoch or rotated):
-            self.restore_state_rank(self.save_state_rank())
+        continuation = progress.in_epoch and not progress.epoch_ended
+        if not continuation:
+            self._begin_epoch()
+        return _LoaderIterator(self, continuation)
+
+    def _begin_epoch(self) -> None:
+        """Start the next epoch (or the first), from the canonical partition assignment."""
+        progress = self._progress
         if progress.epoch_ended:
-            progress.start_epoch()
-        if self.num_workers > 0 and self._iterator is None:
-            self._open_channels()
+            if not self._is_canonical():
+                # A restore rotated the workers or partitions: put every partition back where
+                # a new epoch expects it (only this rank's own partitions move).
+                self.restore_state_rank(self.save_state_rank())
+                progress = self._progress
+            progress.start_epoch(progress.start % self._worker_config.world_size)
+            self._inner = None
         progress.in_epoch = True
-        return _LoaderIterator(self, super().__iter__(), self._generation)
+
+    def _end_epoch(self) -> None:
+        progress = self._progress
+        progress.in_epoch = False
+        progress.epoch_ended = True
+        progress.next_worker = 0
+        self._inner = None
+
+    def _pull(self) -> Any:
+        """The next raw item of the current epoch: (worker, index, is_end, payload)."""
+        inner = self._inner
+        if inner is None:
+            if self.num_workers > 0 and self._iterator is None:
+                self._open_channels()
+            inner = self._inner = DataLoader.__iter__(self)
+        return next(inner)
+
+    def _canonical_plan(self, start: int) -> RunPlan:
+        config = self._worker_config
+        layout = PartitionLayout(self._num_partitions, config.world_size, config.num_workers, start)
+        workers = tuple(
+            WorkerSlots(layout.worker_partitions(config.rank, w))
+            for w in range(max(1, config.num_workers))
+        )
+        return RunPlan(self._num_partitions, workers)
+
+    def _is_canonical(self) -> bool:
+        """Workers unrotated and running the partitions a new epoch gives them."""
+        side = self._worker_side
+        start = self._progress.start % self._worker_config.world_size
+        canonical = self._canonical_plan(start).workers
+        return side.offset == 0 and all(
+            a.partitions == b.partitions for a, b in zip(side.plan.workers, canonical)
+        )
+
+    @property
+    def num_partitions(self) -> int:
+        """P: the logical partitions of the whole job (see :mod:`energy_loader.partitions`)."""
+        return self._num_partitions
 
     def __len__(self) -> int:
         """Items per epoch for this rank, when every stage's length is known."""
         pipeline, config = self._pipeline, self._worker_config
+        layout = PartitionLayout(self._num_partitions, config.world_size, config.num_workers)
         total = 0
         try:
-            for worker in range(max(1, config.num_workers)):
-                pipeline.bind(config.context(worker))
+            for partition in layout.rank_partitions(config.rank):
+                pipeline.bind(config.partition_context(partition, self._num_partitions))
                 total += len(pipeline)  # type: ignore[arg-type]
         finally:
             pipeline.bind(config.context(0))
@@ -313,6 +436,7 @@ class SavableDataLoader(DataLoader):
             self._worker_side.transport = self._transport.open(self.num_workers)
 
     def _shutdown_workers(self) -> None:
+        self._inner = None
         if self._iterator is not None:
             self._iterator._shutdown_workers()  # type: ignore[attr-defined]
             self._iterator = None
@@ -361,11 +485,14 @@ class SavableDataLoader(DataLoader):
         self._failure = failure
         self._shutdown_workers()
 
-    def save_state_rank(self) -> dict[str, Any]:
+    def save_state_rank(self, *, held_back: int = 0) -> dict[str, Any]:
         """This rank's exact position as plain data (json-able, weights_only-loadable).
 
-        Raises ``WorkerError`` after a worker failed, until ``restore_state_rank`` (from the
-        last state saved before the failure) or ``reset_state``.
+        ``held_back=n`` saves the position as of ``n`` items before the last one handed out
+        (at most 2): for a consumer that fetches ahead of what it has trained on, such as
+        Lightning with a loader of unknown length. Raises ``WorkerError`` after a worker
+        failed, until ``restore_state_rank`` (from the last state saved before the failure)
+        or ``reset_state``.
         """
         if self._failure is not None:
             raise WorkerError(
@@ -374,52 +501,77 @@ class SavableDataLoader(DataLoader):
                 worker_id=self._failure.worker_id,
                 original_traceback=self._failure.original_traceback,
             )
+        require_int(held_back, "held_back", minimum=0)
         progress = self._progress
-        workers = self._current_worker_states()
+        mark = progress.held_back(held_back)
+        plan = self._worker_side.plan
+        workers, partitions = [], []
+        for logical, (entries, following) in enumerate(self._positions(mark)):
+            slots = plan.workers[logical]
+            workers.append(WorkerSlots(slots.partitions, following, mark.done[logical]))
+            for partition, (checkpoint, skip, done) in zip(slots.partitions, entries):
+                partitions.append(PartitionState(partition, checkpoint, skip, done))
+        config = self._worker_config
         state = RankState(
-            rank=self._worker_config.rank,
-            world_size=self._worker_config.world_size,
+            rank=config.rank,
+            world_size=config.world_size,
             num_workers=self.num_workers,
+            num_partitions=self._num_partitions,
             config=self._config_cache,
-            epoch_ended=progress.epoch_ended,
-            next_worker=progress.next_worker,
+            epoch=progress.epoch,
+            in_epoch=progress.in_epoch or held_back > 0,
+            epoch_ended=progress.epoch_ended and held_back == 0,
+            delivered=mark.delivered,
+            start=progress.start,
+            next_worker=mark.next_worker,
             workers=tuple(workers),
+            partitions=tuple(partitions),
         )
         return state.to_plain()
 
-    def _current_worker_states(self) -> list[WorkerState]:
-        progress, side = self._progress, self._worker_side
+    def _positions(self, mark: _Mark) -> list[Position]:
+        """Each logical worker's partitions' (checkpoint, skip, done) and its next slot."""
+        side = self._worker_side
         count = max(1, self.num_workers)
         if self.num_workers == 0:
-            runner = side._runner
+            runner = side.local_runner
             if runner is None or not runner.started:
-                return [self._pending_state(0)]
-            return [WorkerState(self._pipeline.save_state(), 0, progress.done[0])]
+                return [self._pending_position(0)]
+            return [runner.position_at(mark.last_index[0])]
         if self._iterator is None:
-            return [self._pending_state(w) for w in range(count)]
+            return [self._pending_position(w) for w in range(count)]
         request = next(self._request_ids)
         for logical in range(count):
             physical = (logical - side.offset) % count
             self._parent_channels[physical].send(
-                ("get_checkpoint", request, progress.last_index[logical])
+                ("get_checkpoint", request, mark.last_index[logical])
             )
-        states = []
-        for logical in range(count):
-            physical = (logical - side.offset) % count
-            checkpoint, skip = self._await_reply(physical, logical, request)
-            states.append(WorkerState(checkpoint, skip, progress.done[logical]))
-        return states
+        return [
+            self._await_reply((logical - side.offset) % count, logical, request)
+            for logical in range(count)
+        ]
 
-    def _pending_state(self, logical: int) -> WorkerState:
-        """The state of a worker that has not started: its restore state, or fresh."""
-        restore = self._worker_side.restore_for(logical)
-        if restore is not None:
-            return restore
-        return WorkerState(self._fresh_checkpoint(), 0, False)
+    def _pending_position(self, logical: int) -> Position:
+        """The position of a worker that has not started: its restore states, or fresh."""
+        plan = self._worker_side.plan
+        slots = plan.workers[logical]
+        entries = []
+        for partition in slots.partitions:
+            restore = None if plan.restores is None else plan.restores[partition]
+            if restore is not None:
+                entries.append((restore.checkpoint, restore.skip, restore.done))
+            else:
+                entries.append((self._fresh_checkpoint(partition), 0, False))
+        return entries, slots.next
 
-    def _fresh_checkpoint(self) -> dict[str, Any]:
-        self._pipeline.reset_state()
-        return self._pipeline.save_state()
+    def _fresh_checkpoint(self, partition: int) -> dict[str, Any]:
+        pipeline, config = self._pipeline, self._worker_config
+        try:
+            pipeline.bind(config.partition_context(partition, self._num_partitions))
+            pipeline.reset_state()
+            return pipeline.save_state()
+        finally:
+            pipeline.bind(config.context(0))
 
     def _await_reply(self, physical: int, logical: int, request: int) -> Any:
         channel = self._parent_channels[physical]
@@ -461,46 +613,62 @@ class SavableDataLoader(DataLoader):
     def restore_state_rank(self, state: dict[str, Any]) -> None:
         """Continue exactly from ``state`` at the next ``iter()``.
 
-        Raises ``StateFormatError`` for something that is not a valid state and
-        ``StateMismatchError`` for a state of another pipeline or layout; in both cases the
-        loader is left as it was. Running workers are stopped and restarted.
+        ``state`` is this rank's own state, or, after a change of ``num_workers`` only, the
+        state this rank saved on the old layout. Onto another world size, restore from every
+        rank's state (:meth:`restore_state_global`, ``restore_state_rank_file`` or a
+        ``torch.distributed.checkpoint`` load). Raises ``StateFormatError`` for something that
+        is not a valid state and ``StateMismatchError`` for a state of another pipeline,
+        another ``num_partitions``, or one that lacks partitions this rank runs; in every case
+        the loader is left as it was. Running workers are stopped and restarted.
         """
-        decoded = RankState.from_plain(state)
-        scale = self._check_compatible(decoded)
-        # After a reported end every worker starts the next epoch, whatever it had flagged.
-        workers = tuple(
-            WorkerState(w.checkpoint, w.skip * scale, w.done and not decoded.epoch_ended)
-            for w in decoded.workers
-        )
-        self._validate_checkpoints(workers)
+        self.restore_from_states([RankState.from_plain(state)])
+
+    def restore_from_states(self, states: list[RankState]) -> None:
+        """Restore this rank from some or all ranks' decoded states of one save."""
+        plan = self.plan_restore(states)
         self._shutdown_workers()
-        side, progress = self._worker_side, self._progress
-        side.restores = workers
-        side.offset = 0 if decoded.epoch_ended or self.num_workers == 0 else decoded.next_worker
+        side = self._worker_side
+        side.plan = RunPlan(self._num_partitions, plan.workers, plan.restores)
+        side.offset = plan.offset
         side.drop_runner()
-        progress.last_index = [-1] * len(workers)
-        progress.done = [w.done for w in workers]
-        progress.next_worker = decoded.next_worker
-        progress.epoch_ended = decoded.epoch_ended
-        progress.in_epoch = not decoded.epoch_ended
+        workers = len(plan.workers)
+        progress = self._progress = _Progress(workers)
+        progress.done = [w.done for w in plan.workers]
+        progress.next_worker = plan.next_worker
+        progress.epoch = plan.epoch
+        progress.in_epoch = plan.in_epoch
+        progress.epoch_ended = plan.epoch_ended
+        progress.delivered = plan.delivered
+        progress.start = plan.start
+        progress.marks.clear()
+        progress.marks.append(progress.mark())
+        self._inner = None
         self._failure = None
         self._generation += 1
 
-    def _check_compatible(self, state: RankState) -> int:
-        """Raise ``StateMismatchError`` unless ``state`` fits; returns the replay scale."""
+    def plan_restore(self, states: list[RankState]) -> RestorePlan:
+        """Check ``states`` against this loader and plan its restore (changes nothing).
+
+        Raises ``StateMismatchError`` for another pipeline or partitioning, and
+        ``StateFormatError`` for a checkpoint the pipeline cannot read.
+        """
+        scale = 1
+        for state in states:
+            scale = self._check_compatible(state)
         config = self._worker_config
-        layout = []
-        for name, saved, now in (
-            ("rank", state.rank, config.rank),
-            ("world_size", state.world_size, config.world_size),
-            ("num_workers", state.num_workers, self.num_workers),
-        ):
-            if saved != now:
-                layout.append(f"{name}: saved {saved}, now {now}")
-        if layout:
-            raise StateMismatchError(
-                "the state was saved with a different layout: " + "; ".join(layout)
-            )
+        plan = plan_restore(
+            states,
+            rank=config.rank,
+            world_size=config.world_size,
+            num_workers=self.num_workers,
+            num_partitions=self._num_partitions,
+            scale=scale,
+        )
+        self._validate_checkpoints(plan.restores)
+        return plan
+
+    def _check_compatible(self, state: RankState) -> int:
+        """Raise ``StateMismatchError`` unless the pipeline fits; returns the replay scale."""
         differences = config_differences(state.config, self._config_cache)
         scale = _batch_size_scale(differences, self._config_cache)
         if scale is None:
@@ -509,33 +677,28 @@ class SavableDataLoader(DataLoader):
             )
         return scale
 
-    def _validate_checkpoints(self, workers: tuple[WorkerState, ...]) -> None:
-        """Decode every worker checkpoint in the main process so errors surface here."""
+    def _validate_checkpoints(self, restores: dict[int, PartitionState]) -> None:
+        """Decode every partition checkpoint in the main process so errors surface here."""
         pipeline, config = self._pipeline, self._worker_config
-        runner = self._worker_side._runner
-        current = (
-            pipeline.save_state() if self.num_workers == 0 and runner and runner.started else None
-        )
         try:
-            for logical, worker in enumerate(workers):
-                pipeline.bind(config.context(logical))
+            for partition, entry in restores.items():
+                pipeline.bind(config.partition_context(partition, self._num_partitions))
                 try:
-                    pipeline.restore_state(worker.checkpoint)
+                    pipeline.restore_state(entry.checkpoint)
                 except StateFormatError as error:
-                    raise StateFormatError(f"workers[{logical}].checkpoint: {error}") from None
+                    raise StateFormatError(f"partition {partition} checkpoint: {error}") from None
         finally:
             pipeline.reset_state()
             pipeline.bind(config.context(0))
-            if current is not None:
-                pipeline.restore_state(current)
 
     def reset_state(self) -> None:
         """Forget all progress: the next ``iter()`` starts epoch 0 from scratch."""
         self._shutdown_workers()
-        self._worker_side.restores = None
+        self._worker_side.plan = self._canonical_plan(0)
         self._worker_side.offset = 0
         self._worker_side.drop_runner()
         self._progress = _Progress(max(1, self.num_workers))
+        self._inner = None
         self._failure = None
         self._generation += 1
 
@@ -572,31 +735,72 @@ class SavableDataLoader(DataLoader):
     # -- torch.distributed.checkpoint Stateful protocol --------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state as ``{"rank_state_json": "<the state as JSON>"}``.
+        """This rank's state as one JSON string leaf per partition it runs.
 
-        ``torch.distributed.checkpoint`` stores a state dict leaf by leaf, deduplicates leaves
-        that several ranks save under one key, and loads into the *shape* of a fresh loader's
-        state, which a shuffle buffer's state does not keep. One string leaf avoids all three
-        (and is ~5x smaller on disk). ``torch.save`` and ``json`` take it as is.
+        ``{"partition_00003": "<JSON>", ...}``: each leaf holds one partition's state and its
+        rank's position, so the leaves of all ranks together are the whole job's state, under
+        keys that do not depend on the layout. ``torch.distributed.checkpoint`` (DCP) stores
+        them leaf by leaf under one common key for the loader on every rank, and a job saved
+        on ``R`` ranks loads on ``R'``: a loader that has not started yet lists every
+        partition of the job (all fresh, identical on every rank), so a DCP load into a fresh
+        loader reads every partition and each rank takes the ones it now runs. String leaves
+        also avoid DCP's deduplication of equal leaves and its load into the *shape* of a
+        fresh state, which a shuffle buffer's state does not keep. ``torch.save`` and
+        ``json`` take the dict as is; :meth:`load_state_dict` reads it back.
         """
-        return {_STATE_DICT_KEY: json.dumps(self.save_state_rank(), separators=(",", ":"))}
+        if self._is_fresh():
+            states = [self._fresh_rank_state(r) for r in range(self._worker_config.world_size)]
+        else:
+            states = [RankState.from_plain(self.save_state_rank())]
+        return partition_entries(states)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict`'s output (or a plain ``save_state_rank()`` state)."""
-        if isinstance(state_dict, dict) and set(state_dict) == {_STATE_DICT_KEY}:
-            text = state_dict[_STATE_DICT_KEY]
-            if not isinstance(text, str):
-                raise StateFormatError(
-                    f"state_dict[{_STATE_DICT_KEY!r}] must be a JSON string, got "
-                    f"{type(text).__name__}"
-                )
-            try:
-                state_dict = json.loads(text)
-            except json.JSONDecodeError as error:
-                raise StateFormatError(
-                    f"state_dict[{_STATE_DICT_KEY!r}] is not valid JSON (truncated?): {error}"
-                ) from None
+        """Restore from :meth:`state_dict`'s output (from any layout with the same partitions)
+        or from a plain ``save_state_rank()`` state."""
+        if (
+            isinstance(state_dict, dict)
+            and state_dict
+            and all(isinstance(k, str) and k.startswith(PARTITION_KEY_PREFIX) for k in state_dict)
+        ):
+            self.restore_from_states(states_from_entries(state_dict))
+            return
         self.restore_state_rank(state_dict)
+
+    def _is_fresh(self) -> bool:
+        progress = self._progress
+        return (
+            progress.epoch == 0
+            and not progress.in_epoch
+            and not progress.epoch_ended
+            and self._worker_side.plan.restores is None
+        )
+
+    def _fresh_rank_state(self, rank: int) -> RankState:
+        """What rank ``rank`` of this layout saves before it starts: every partition fresh."""
+        config = self._worker_config
+        layout = PartitionLayout(self._num_partitions, config.world_size, config.num_workers)
+        workers = tuple(
+            WorkerSlots(layout.worker_partitions(rank, w))
+            for w in range(max(1, config.num_workers))
+        )
+        partitions = tuple(
+            PartitionState(p, self._fresh_checkpoint(p)) for w in workers for p in w.partitions
+        )
+        return RankState(
+            rank=rank,
+            world_size=config.world_size,
+            num_workers=self.num_workers,
+            num_partitions=self._num_partitions,
+            config=self._config_cache,
+            epoch=0,
+            in_epoch=False,
+            epoch_ended=False,
+            delivered=0,
+            start=0,
+            next_worker=0,
+            workers=workers,
+            partitions=partitions,
+        )
 
     # -- the rest --------------------------------------------------------------------------
 
@@ -617,6 +821,7 @@ class SavableDataLoader(DataLoader):
             "rank": config.rank,
             "world_size": config.world_size,
             "num_workers": self.num_workers,
+            "num_partitions": self._num_partitions,
             "seed": config.seed,
         }
 
@@ -642,7 +847,7 @@ class BasicDataLoader(SavableDataLoader):
         inner = DataLoader.__iter__(self)
         return inner if self._transport is None else map(decode, inner)
 
-    def save_state_rank(self) -> dict[str, Any]:
+    def save_state_rank(self, *, held_back: int = 0) -> dict[str, Any]:
         raise TypeError("BasicDataLoader does not save state; use SavableDataLoader")
 
     def restore_state_rank(self, state: dict[str, Any]) -> None:
@@ -715,8 +920,9 @@ def _checkpoint_settings(
     require_bool(gc_freeze, "gc_freeze_at_start")
     # Items a worker may have made that the user has not received: torch keeps up to
     # prefetch_factor * num_workers tasks outstanding, all on one worker once the others have
-    # ended their epoch; plus one for the pin-memory thread.
-    in_flight = (prefetch_factor or 0) * workers + 1
+    # ended their epoch; plus one for the pin-memory thread, plus the items a held-back save
+    # may reach back.
+    in_flight = (prefetch_factor or 0) * workers + 1 + MAX_HELD_BACK
     needed = math.ceil(in_flight / every_n) + 2
     if n_checkpoints is None:
         n_checkpoints = needed
@@ -724,7 +930,8 @@ def _checkpoint_settings(
     if n_checkpoints < needed:
         raise ValueError(
             f"n_checkpoints={n_checkpoints} cannot cover the {in_flight} items that may be in "
-            f"flight per worker (prefetch_factor={prefetch_factor} x num_workers={workers} + 1) "
+            f"flight per worker (prefetch_factor={prefetch_factor} x num_workers={workers} + 1, "
+            f"+ {MAX_HELD_BACK} for held-back saves) "
             f"at checkpoint_every_n_samples={every_n}; use n_checkpoints >= {needed}"
         )
     return CheckpointSettings(

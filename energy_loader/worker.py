@@ -178,16 +178,33 @@ class WorkerConfig:
         return cls(rank=rank, world_size=world_size, num_workers=num_workers, seed=seed)
 
     def context(self, worker_id: int) -> WorkerContext:
-        """The context of one worker of this rank (worker 0 of 1 when ``num_workers == 0``)."""
+        """The context of one worker of this rank with the default partitions.
+
+        With the default ``num_partitions`` (one partition per worker of every rank) worker
+        ``w`` of rank ``r`` runs partition ``r + w * world_size`` of
+        ``world_size * max(1, num_workers)`` (see :mod:`energy_loader.partitions`).
+        """
         workers = max(1, self.num_workers)
         if not 0 <= worker_id < workers:
             raise ValueError(f"`worker_id` must be in range({workers}) (got {worker_id})")
+        return self.partition_context(
+            self.rank + worker_id * self.world_size, self.world_size * workers, worker_id
+        )
+
+    def partition_context(
+        self, partition: int, num_partitions: int, worker_id: int = 0
+    ) -> WorkerContext:
+        """The context of logical partition ``partition`` of ``num_partitions``, run here."""
+        if not 0 <= partition < num_partitions:
+            raise ValueError(f"`partition` must be in range({num_partitions}) (got {partition})")
         return WorkerContext(
             rank=self.rank,
             world_size=self.world_size,
             worker_id=worker_id,
-            num_workers=workers,
+            num_workers=max(1, self.num_workers),
             seed=self.seed,
+            partition=partition,
+            num_partitions=num_partitions,
         )
 
 
@@ -195,9 +212,13 @@ class WorkerConfig:
 class WorkerContext:
     """Where one copy of the pipeline runs: plain numbers, cheap to send to a worker.
 
-    ``num_workers`` is at least 1 here: the main process iterating alone is worker 0 of 1.
-    The pipeline is split into ``num_shards`` disjoint shards; this copy reads
-    ``shard_index``.
+    A copy of the pipeline is one *logical partition* ``partition`` of ``num_partitions``
+    (see :mod:`energy_loader.partitions`): sources read shard ``partition`` of
+    ``num_partitions`` and random components seed their streams from it, so what a partition
+    yields does not depend on which rank or worker runs it. ``rank``, ``world_size``,
+    ``worker_id`` and ``num_workers`` say who runs it now (``num_workers`` is at least 1:
+    the main process iterating alone is worker 0 of 1); they are for logs and messages only
+    and may differ after a restore onto another layout.
     """
 
     rank: int = 0
@@ -205,21 +226,29 @@ class WorkerContext:
     worker_id: int = 0
     num_workers: int = 1
     seed: int = 0
+    partition: int = 0
+    num_partitions: int = 1
 
     @property
     def shard_index(self) -> int:
-        """This copy's shard among all ranks' workers, rank-major."""
-        return self.rank * self.num_workers + self.worker_id
+        """The shard this copy reads: its logical partition."""
+        return self.partition
 
     @property
     def num_shards(self) -> int:
-        """How many copies of the pipeline run in the whole job."""
-        return self.world_size * self.num_workers
+        """How many shards the data is split into: the number of logical partitions."""
+        return self.num_partitions
+
+    def share_of(self, total: int) -> int:
+        """This partition's share of a job-wide count: ``total // P``, plus one for the first
+        ``total % P`` partitions. The shares of all partitions add up to ``total``."""
+        quotient, remainder = divmod(total, self.num_partitions)
+        return quotient + (self.partition < remainder)
 
     @property
     def worker_seed(self) -> int:
-        """A seed distinct for every (seed, rank, worker) triple and stable across runs."""
-        return stable_hash("worker", self.seed, self.rank, self.worker_id)
+        """A seed distinct for every (seed, partition) pair, stable across runs and layouts."""
+        return stable_hash("partition", self.seed, self.partition)
 
 
 _ACTIVE: contextvars.ContextVar[WorkerContext | None] = contextvars.ContextVar(
@@ -251,6 +280,20 @@ def active_worker(context: WorkerContext) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def enter_worker(context: WorkerContext) -> contextvars.Token[WorkerContext | None]:
+    """Make ``context`` current until :func:`leave_worker` (cheaper than ``active_worker``).
+
+    For a runner that switches between partitions item by item: set and reset around one
+    ``next()``, never across a ``yield``.
+    """
+    return _ACTIVE.set(context)
+
+
+def leave_worker(token: contextvars.Token[WorkerContext | None]) -> None:
+    """Undo :func:`enter_worker`."""
+    _ACTIVE.reset(token)
 
 
 def set_process_worker(context: WorkerContext) -> None:

@@ -2,22 +2,28 @@
 
 Torch's DataLoader workers iterate a :class:`WorkerSideDataset`. In each worker process it
 
-1. binds the pipeline to its :class:`~energy_loader.WorkerContext` and restores the worker's
-   saved state, replaying ``skip`` items without yielding them;
-2. numbers every item it yields (``index`` counts up for the life of the worker process; an
-   epoch's last item is an end marker, so the main process knows this worker is done);
-3. keeps a :class:`CheckpointRing` of pipeline states, each taken by the iterating thread
-   right after an item is made, every ``every_n`` items (and every ``every_sec`` seconds);
-4. runs a :class:`CommandServer` thread that answers ``get_checkpoint(last_index)`` with the
-   newest checkpoint not after ``last_index`` and the number of items to replay from it. The
-   thread only reads the ring under a short lock, so it answers while the iterating thread is
-   busy making a sample;
+1. makes one copy of the pipeline for each logical partition the worker runs
+   (:mod:`energy_loader.partitions`), binds it to that partition's
+   :class:`~energy_loader.WorkerContext` and restores the partition's saved state, replaying
+   its ``skip`` items without yielding them;
+2. takes its partitions round-robin, one item at a time, skipping those that ended their
+   epoch, and numbers every item it yields (``index`` counts up for the life of the worker
+   process; an epoch's last item is an end marker, so the main process knows this worker is
+   done);
+3. keeps a :class:`PositionBook`: rolling checkpoints of all its partitions, each taken by the
+   iterating thread right after an item is made, every ``every_n`` items (and every
+   ``every_sec`` seconds), plus which partition made each recent item;
+4. runs a :class:`CommandServer` thread that answers ``get_checkpoint(last_index)`` with, per
+   partition, the newest checkpoint not after ``last_index`` and the number of that
+   partition's items to replay from it. The thread only reads the book under a short lock, so
+   it answers while the iterating thread is busy making a sample;
 5. encodes every sample with the batch codec (:mod:`energy_loader.transport`) when the loader
    uses it, so that what torch's result queue carries is a small packet, not tensors.
 
 Physical worker ``p`` runs *logical* worker ``(p + offset) % num_workers``. Torch always
-starts its round-robin at physical worker 0, so a restored loader sets ``offset`` to the
-logical worker that was due next and the order of items is what it would have been.
+starts its round-robin at physical worker 0, so a loader restored onto its own layout sets
+``offset`` to the logical worker that was due next and the order of items is what it would
+have been.
 """
 
 from __future__ import annotations
@@ -39,11 +45,20 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .dataset import SavableDataset, attach_restore_key
 from .errors import StateMismatchError
-from .state.rank_state import WorkerState
+from .partitions import clone_pipeline
+from .state.rank_state import PartitionState, WorkerSlots
 from .transport import WorkerTransport
-from .worker import WorkerConfig, WorkerContext, set_process_worker
+from .worker import WorkerConfig, active_worker, enter_worker, leave_worker, set_process_worker
 
-__all__ = ["CheckpointRing", "CheckpointSettings", "WorkerItem", "WorkerSideDataset"]
+__all__ = [
+    "CheckpointRing",
+    "CheckpointSettings",
+    "PositionBook",
+    "RunPlan",
+    "Snapshot",
+    "WorkerItem",
+    "WorkerSideDataset",
+]
 
 # How often the iterating thread offers the GIL to the command thread, in worker processes
 # only. The default 5 ms would put a 5 ms floor under save latency while a sample is computed.
@@ -77,7 +92,7 @@ class CheckpointRing:
     """
 
     def __init__(self, capacity: int, in_flight: int) -> None:
-        self._entries: collections.deque[tuple[int, dict[str, Any]]] = collections.deque()
+        self._entries: collections.deque[tuple[int, Any]] = collections.deque()
         self._lock = threading.Lock()
         self._capacity = capacity
         self._in_flight = in_flight
@@ -86,24 +101,32 @@ class CheckpointRing:
         with self._lock:
             self._entries.clear()
 
-    def add(self, index: int, state: dict[str, Any], *, optional: bool = False) -> bool:
+    def add(self, index: int, state: Any, *, optional: bool = False) -> bool:
         """Record the state after item ``index``; returns whether it was kept."""
         with self._lock:
             entries = self._entries
             while len(entries) >= 2 and entries[1][0] <= index - self._in_flight:
                 entries.popleft()
+            self._dropped_through(entries[0][0] if entries else index)
             if optional and len(entries) >= self._capacity:
                 return False
             entries.append((index, state))
             return True
 
-    def find(self, last_index: int) -> tuple[dict[str, Any], int]:
+    def _dropped_through(self, oldest: int) -> None:
+        """Hook: every checkpoint before ``oldest`` is gone (called under the lock)."""
+
+    def find(self, last_index: int) -> tuple[Any, int]:
         """The newest checkpoint at or before ``last_index`` and how many items follow it."""
         with self._lock:
-            for index, state in reversed(self._entries):
-                if index <= last_index:
-                    return state, last_index - index
-            oldest = self._entries[0][0] if self._entries else None
+            index, state = self._find(last_index)
+        return state, last_index - index
+
+    def _find(self, last_index: int) -> tuple[int, Any]:
+        for index, state in reversed(self._entries):
+            if index <= last_index:
+                return index, state
+        oldest = self._entries[0][0] if self._entries else None
         raise RuntimeError(
             f"no checkpoint at or before item {last_index} (oldest kept: {oldest}); "
             "n_checkpoints is too small for the prefetch depth"
@@ -113,13 +136,70 @@ class CheckpointRing:
         return len(self._entries)
 
 
+@attrs.frozen
+class Snapshot:
+    """One rolling checkpoint of a worker: every partition's state, in the worker's order.
+
+    ``skips`` are items of each partition still to be replayed on top of its state (nonzero
+    only for the snapshot a restored worker starts from), ``done`` which partitions had ended
+    their epoch, ``next`` whose turn came next.
+    """
+
+    states: tuple[dict[str, Any], ...]
+    skips: tuple[int, ...]
+    done: tuple[bool, ...]
+    next: int
+
+
+# A worker's answer to get_checkpoint: per partition (checkpoint, skip, done), then ``next``.
+Position = tuple[list[tuple[dict[str, Any], int, bool]], int]
+
+
+class PositionBook(CheckpointRing):
+    """A worker's :class:`Snapshot` ring plus which partition made each recent item.
+
+    The iterating thread appends ``(index, slot)`` for every item; entries older than the
+    oldest snapshot are dropped with it. It also takes a snapshot whenever a partition ends
+    its epoch and when a new epoch begins, so a partition's ``done`` flag always comes from a
+    snapshot taken after its end (its state then says so). :meth:`position_at` turns "the
+    newest snapshot at or before ``last_index``" plus the items after it into each
+    partition's checkpoint and replay count.
+    """
+
+    def __init__(self, capacity: int, in_flight: int) -> None:
+        super().__init__(capacity, in_flight)
+        self.events: collections.deque[tuple[int, int]] = collections.deque()
+
+    def _dropped_through(self, oldest: int) -> None:
+        events = self.events
+        while events and events[0][0] <= oldest:
+            events.popleft()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.events.clear()
+
+    def position_at(self, last_index: int) -> Position:
+        """Each partition's (checkpoint, skip, done) and the next slot after ``last_index``."""
+        with self._lock:
+            index, snapshot = self._find(last_index)
+            events = [e for e in self.events if index < e[0] <= last_index]
+        skips, following = list(snapshot.skips), snapshot.next
+        count = len(skips)
+        for _, slot in events:
+            skips[slot] += 1
+            following = (slot + 1) % count
+        return [(s, k, d) for s, k, d in zip(snapshot.states, skips, snapshot.done)], following
+
+
 class CommandServer(threading.Thread):
     """Answers the main process's requests on one worker's command channel."""
 
-    def __init__(self, channel: Connection, ring: CheckpointRing, worker_id: int) -> None:
+    def __init__(self, channel: Connection, book: PositionBook, worker_id: int) -> None:
         super().__init__(name=f"energy_loader-commands-{worker_id}", daemon=True)
         self._channel = channel
-        self._ring = ring
+        self._book = book
 
     def run(self) -> None:
         channel = self._channel
@@ -139,89 +219,201 @@ class CommandServer(threading.Thread):
 
     def handle(self, command: str, argument: Any) -> Any:
         if command == "get_checkpoint":
-            return self._ring.find(int(argument))
+            return self._book.position_at(int(argument))
         if command == "ping":
             return os.getpid()
         raise ValueError(f"unknown worker command {command!r}")
 
 
+@attrs.frozen
+class RunPlan:
+    """What the workers of one rank run: partitions per logical worker, and restores.
+
+    ``workers[w]`` lists the partitions logical worker ``w`` runs, whose turn is next and
+    whether it already ended the current epoch; ``restores`` maps a partition to the state it
+    continues from (``None``: every partition starts fresh).
+    """
+
+    num_partitions: int
+    workers: tuple[WorkerSlots, ...]
+    restores: dict[int, PartitionState] | None = None
+
+
+_END = object()
+
+
+class _Slot:
+    """One partition in a runner: its pipeline copy, live iterator and epoch-end flag."""
+
+    __slots__ = ("context", "done", "iterator", "partition", "pipeline")
+
+    def __init__(self, partition: int, pipeline: SavableDataset) -> None:
+        self.partition = partition
+        self.pipeline = pipeline
+        self.context = pipeline.context
+        self.iterator: Iterator[Any] | None = None
+        self.done = False
+
+
 class _Runner:
-    """The per-process driver of one (logical) worker's pipeline."""
+    """The per-process driver of one (logical) worker: its partitions, round-robin."""
 
     def __init__(self, owner: WorkerSideDataset, physical_id: int) -> None:
-        workers = max(1, owner.config.num_workers)
+        config, plan = owner.config, owner.plan
+        workers = max(1, config.num_workers)
         self.logical_id = (physical_id + owner.offset) % workers
-        self.context: WorkerContext = owner.config.context(self.logical_id)
-        self.pipeline = owner.pipeline
+        assignment = plan.workers[self.logical_id]
         self.settings = owner.settings
-        self.ring = CheckpointRing(owner.settings.capacity, owner.settings.in_flight)
+        self.book = PositionBook(owner.settings.capacity, owner.settings.in_flight)
+        self.slots: list[_Slot] = []
+        for partition in assignment.partitions:
+            pipeline = clone_pipeline(owner.pipeline)
+            pipeline.bind(config.partition_context(partition, plan.num_partitions, self.logical_id))
+            self.slots.append(_Slot(partition, pipeline))
+        self.next = assignment.next
         self.index = -1
         self.last_checkpoint_index = -1
         self.last_checkpoint_time = time.monotonic()
         self.started = False
-        self.restore: WorkerState | None = owner.restore_for(self.logical_id)
         self.skip_epoch = False
-        self.pipeline.bind(self.context)
+        restores = plan.restores
+        self.restores = (
+            None if restores is None else [restores[slot.partition] for slot in self.slots]
+        )
+        self.restored_done = assignment.done
         if get_worker_info() is not None:
-            set_process_worker(self.context)
+            set_process_worker(self.slots[0].pipeline.context)
             if self.settings.gc_freeze:
                 # No collection first: walking torch's heap in every new worker costs
                 # hundreds of milliseconds of start-up; freezing what exists is what matters.
                 gc.freeze()
-        # Until the pipeline is restored and has replayed, the answer to "where do you stand"
-        # is the state it was started with: its checkpoint, ``skip`` items before index -1.
-        if self.restore is None:
-            self.pipeline.reset_state()
-            self.ring.add(-1, self.pipeline.save_state())
+        # Until the partitions are restored and have replayed, the answer to "where do you
+        # stand" is what the worker was started with: their checkpoints and replay counts.
+        if self.restores is None:
+            states = []
+            for slot in self.slots:
+                slot.pipeline.reset_state()
+                states.append(slot.pipeline.save_state())
+            initial = Snapshot(tuple(states), (0,) * len(states), (False,) * len(states), 0)
         else:
-            self.ring.add(-1 - self.restore.skip, self.restore.checkpoint)
+            initial = Snapshot(
+                tuple(r.checkpoint for r in self.restores),
+                tuple(r.skip for r in self.restores),
+                tuple(r.done for r in self.restores),
+                self.next,
+            )
+        self.book.add(-1, initial)
         # Items leave the worker encoded by the batch codec, when the loader uses it.
         self.encode = None if owner.transport is None else owner.transport.encoder(physical_id)
         if owner.channels is not None:
             sys.setswitchinterval(_WORKER_SWITCH_INTERVAL)
-            CommandServer(owner.channels[physical_id], self.ring, self.logical_id).start()
+            CommandServer(owner.channels[physical_id], self.book, self.logical_id).start()
+
+    def snapshot(self) -> Snapshot:
+        """Every partition's state now (iterating thread only, between items)."""
+        slots = self.slots
+        return Snapshot(
+            tuple(slot.pipeline.save_state() for slot in slots),
+            (0,) * len(slots),
+            tuple(slot.done for slot in slots),
+            self.next,
+        )
+
+    def position_at(self, last_index: int) -> Position:
+        """Where each partition stands after item ``last_index`` (iterating thread).
+
+        At the newest item that is a fresh snapshot, with nothing to replay; before it (a
+        held-back save) the book answers as it does for the command thread.
+        """
+        if self.started and last_index == self.index:
+            now = self.snapshot()
+            return [(s, 0, d) for s, d in zip(now.states, now.done)], now.next
+        return self.book.position_at(last_index)
 
     def _checkpoint(self, *, optional: bool = False) -> None:
-        if self.ring.add(self.index, self.pipeline.save_state(), optional=optional):
+        if self.book.add(self.index, self.snapshot(), optional=optional):
             self.last_checkpoint_index = self.index
             self.last_checkpoint_time = time.monotonic()
 
-    def _start(self) -> Iterator[Any]:
-        """Restore (or reset) the pipeline; returns the keyed iterator to continue with."""
+    def _start(self) -> None:
+        """Restore (or reset) every partition and replay its items; opens their iterators."""
         self.started = True
-        pipeline, restore = self.pipeline, self.restore
-        self.restore = None
-        if restore is None:
-            pipeline.reset_state()
-            iterator = pipeline.iter_keyed()
-        else:
-            pipeline.restore_state(restore.checkpoint)
-            self.skip_epoch = restore.done
-            iterator = pipeline.iter_keyed()
-            for replayed in range(restore.skip):
-                if next(iterator, None) is None:
-                    raise StateMismatchError(
-                        f"worker {self.logical_id}: the pipeline ended after {replayed} of the "
-                        f"{restore.skip} samples to replay from its checkpoint; is the "
-                        "pipeline deterministic (same data, functions and seed)?"
-                    )
-        if restore is not None:
+        restores, self.restores = self.restores, None
+        for position, slot in enumerate(self.slots):
+            pipeline = slot.pipeline
+            if restores is None:
+                pipeline.reset_state()
+                slot.iterator = pipeline.iter_keyed()
+                continue
+            with active_worker(slot.context):
+                self._restore_slot(slot, restores[position])
+        if restores is not None:
+            self.skip_epoch = self.restored_done
             self._checkpoint()
-        return iterator
+
+    @staticmethod
+    def _restore_slot(slot: _Slot, restore: PartitionState) -> None:
+        pipeline = slot.pipeline
+        pipeline.restore_state(restore.checkpoint)
+        if restore.done:
+            # Saved after the partition ended its epoch: its state says so, nothing to replay.
+            slot.done = True
+            return
+        slot.iterator = iterator = pipeline.iter_keyed()
+        for replayed in range(restore.skip):
+            if next(iterator, _END) is _END:
+                raise StateMismatchError(
+                    f"partition {slot.partition}: the pipeline ended after {replayed} of "
+                    f"the {restore.skip} samples to replay from its checkpoint; is the "
+                    "pipeline deterministic (same data, functions and seed)?"
+                )
+
+    def _begin_epoch(self) -> None:
+        for slot in self.slots:
+            slot.iterator = slot.pipeline.iter_keyed()
+            slot.done = False
+        self.next = 0
+        # Items from here on belong to the new epoch, where no partition has ended yet.
+        self._checkpoint()
 
     def run_epoch(self, savable: bool) -> Iterator[Any]:
         """One loader epoch of this worker: numbered items, then an end marker."""
-        iterator = self._start() if not self.started else self.pipeline.iter_keyed()
+        if not self.started:
+            self._start()
+        else:
+            self._begin_epoch()
         if self.skip_epoch:
             self.skip_epoch = False
             return
         settings, logical, encode = self.settings, self.logical_id, self.encode
         every_n, every_sec, gc_every = settings.every_n, settings.every_sec, settings.gc_every_n
-        # No ContextVar is set here: a token held across yields would be reset whenever an
-        # abandoned generator is collected, inside some other loader's context. Workers have
-        # the process-wide context; the main process sets it around each next().
-        for key, sample in iterator:
+        slots, events = self.slots, self.book.events
+        count = len(slots)
+        live = sum(not slot.done for slot in slots)
+        # The partition's context is current around each next() only: a ContextVar token held
+        # across yields would be reset whenever an abandoned generator is collected, inside
+        # some other loader's context.
+        while live:
+            position = self.next
+            slot = slots[position]
+            self.next = (position + 1) % count
+            if slot.done:
+                continue
+            token = enter_worker(slot.context)
+            try:
+                pair = next(slot.iterator, _END)  # type: ignore[arg-type]
+            finally:
+                leave_worker(token)
+            if pair is _END:
+                slot.done = True
+                live -= 1
+                self._checkpoint()  # a partition's end is always in a snapshot
+                continue
+            key: Any
+            sample: Any
+            key, sample = pair  # type: ignore[misc]
             self.index += 1
+            events.append((self.index, position))
             if self.index - self.last_checkpoint_index >= every_n:
                 self._checkpoint()
             elif (
@@ -253,22 +445,20 @@ class WorkerSideDataset(IterableDataset[Any]):
         pipeline: SavableDataset,
         config: WorkerConfig,
         settings: CheckpointSettings,
+        plan: RunPlan,
         *,
         savable: bool = True,
     ) -> None:
         self.pipeline = pipeline
         self.config = attrs.evolve(config, data_parallel_group=None)
         self.settings = settings
+        self.plan = plan
         self.savable = savable
         self.channels: list[Connection] | None = None
         self.transport: WorkerTransport | None = None
         self.offset = 0
-        self.restores: tuple[WorkerState, ...] | None = None
         self._runner: _Runner | None = None
         self._runner_pid = -1
-
-    def restore_for(self, logical_id: int) -> WorkerState | None:
-        return None if self.restores is None else self.restores[logical_id]
 
     def runner(self) -> _Runner:
         """This process's runner, created on first use in each process."""
@@ -277,6 +467,11 @@ class WorkerSideDataset(IterableDataset[Any]):
             self._runner = _Runner(self, info.id if info is not None else 0)
             self._runner_pid = os.getpid()
         return self._runner
+
+    @property
+    def local_runner(self) -> _Runner | None:
+        """The runner of this process if it has one (the main process's, with 0 workers)."""
+        return self._runner if self._runner_pid == os.getpid() else None
 
     def drop_runner(self) -> None:
         """Forget the in-process runner (the main process's, when ``num_workers == 0``)."""

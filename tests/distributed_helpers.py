@@ -335,7 +335,7 @@ def _save_with_dead_worker(rank: int) -> Any:
 
 
 def dcp_round_trip(rank: int, world_size: int, workdir: Path, *, steps: int, more: int) -> None:
-    """DCP save of a DDP model + optimizer + loader (per-rank key), load into fresh ones."""
+    """DCP save of a DDP model + optimizer + loader (one key), load into fresh ones."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -358,7 +358,7 @@ def dcp_round_trip(rank: int, world_size: int, workdir: Path, *, steps: int, mor
     for _ in range(steps):
         train(model, optimizer, next(iterator))
     model_state, optim_state = get_state_dict(model, optimizer)
-    key = eld.rank_state_key(loader)
+    key = "loader"
     dcp.save(
         {"model": model_state, "optim": optim_state, key: loader}, checkpoint_id=workdir / "dcp"
     )
@@ -388,3 +388,48 @@ def dcp_round_trip(rank: int, world_size: int, workdir: Path, *, steps: int, mor
         workdir / f"dcp_rank{rank}.json",
         {"key": key, "continuation": compare_events(expected, got), "same_params": same_params},
     )
+
+
+# -- elastic resume: save on one layout, restore on another ----------------------------------------
+
+ELASTIC_PARTITIONS = 6
+
+
+def elastic_loader(num_workers: int) -> el.SavableDataLoader:
+    """A pipeline with a shuffle buffer, split into 6 logical partitions."""
+    config = el.WorkerConfig.from_process_group(num_workers=num_workers, seed=3)
+    return el.SavableDataLoader(
+        reference_pipeline(length=600, buffer=8, batch=4),
+        worker_config=config,
+        multiprocessing_context="fork",
+        checkpoint_every_n_samples=2,
+        num_partitions=ELASTIC_PARTITIONS,
+    )
+
+
+def elastic_save(rank: int, world_size: int, workdir: Path, *, steps: int, more: int) -> None:
+    """Run ``steps`` steps, save per-rank files and a DCP checkpoint, then ``more`` steps."""
+    import torch.distributed.checkpoint as dcp
+
+    loader = elastic_loader(num_workers=1)
+    iterator = iter(loader)
+    stream = [next(iterator) for _ in range(steps)]
+    eld.save_state_rank_file(loader, workdir / "files")
+    dcp.save({"loader": loader}, checkpoint_id=workdir / "dcp")
+    stream += [next(iterator) for _ in range(more)]
+    torch.save([b["__restore_key__"] for b in stream], workdir / f"elastic_saved{rank}.pt")
+
+
+def elastic_restore(rank: int, world_size: int, workdir: Path, *, steps: int, via: str) -> None:
+    """Restore onto this layout from the files or the DCP checkpoint; record ``steps`` steps."""
+    import torch.distributed.checkpoint as dcp
+
+    loader = elastic_loader(num_workers=2)
+    if via == "files":
+        eld.restore_state_rank_file(loader, workdir / "files")
+    else:
+        state = {"loader": loader}
+        dcp.load(state, checkpoint_id=workdir / "dcp")
+    iterator = iter(loader)
+    stream = [next(iterator)["__restore_key__"] for _ in range(steps)]
+    torch.save(stream, workdir / f"elastic_{via}{rank}.pt")

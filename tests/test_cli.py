@@ -40,8 +40,10 @@ def test_inspect_reads_a_checkpoint_the_demo_wrote(demo_run) -> None:
     checkpoint = sorted((out / "checkpoints").glob("*.pt"))[-1]
     result = _run("inspect", str(checkpoint))
     assert result.returncode == 0, result.stderr
-    assert "format energy_loader.rank_state version 1" in result.stdout
-    assert "rank 0 of 1, 2 workers" in result.stdout
+    assert "format energy_loader.rank_state version 2" in result.stdout
+    assert "rank 0 of 1, 2 workers, 2 logical partitions (1 per worker)" in result.stdout
+    assert "items handed out by rank 0 in this epoch; global position" in result.stdout
+    assert "partition 1: epoch " in result.stdout
     assert "ShuffleBufferDataset(size=500)" in result.stdout
 
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 import energy_loader as el
 from energy_loader import distributed as eld
@@ -117,7 +119,7 @@ def test_full_list_restores_own_entry_without_a_process_group() -> None:
         (lambda loader: eld.save_state_global(loader, -2), ValueError, ">= 0"),
         (lambda loader: eld.save_state_global("x", 0), TypeError, "SavableDataLoader"),
         (lambda loader: eld.restore_state_global(loader, None), TypeError, "list of every"),
-        (lambda loader: eld.restore_state_global(loader, [{}]), el.StateFormatError, "rank"),
+        (lambda loader: eld.restore_state_global(loader, [{}]), el.StateFormatError, "world_size"),
         (lambda loader: eld.restore_state_global(loader, [], src_rank=3), ValueError, "not in"),
     ],
 )
@@ -129,7 +131,7 @@ def test_bad_arguments_name_the_fix(call, error, message) -> None:
 def test_wrong_length_is_a_state_mismatch() -> None:
     loader = _loader()
     state = loader.save_state_rank()
-    with pytest.raises(el.StateMismatchError, match="holds 2 rank states"):
+    with pytest.raises(el.StateMismatchError, match="holds 2 rank states but they were saved"):
         eld.restore_state_global(loader, [state, state])
 
 
@@ -158,7 +160,7 @@ def test_rank_file_round_trip_and_errors(tmp_path: Path) -> None:
     tail, _ = record_events(restored, 1)
     assert compare_events(full, head + tail) is None
 
-    with pytest.raises(el.StateMismatchError, match="another layout"):
+    with pytest.raises(el.StateMismatchError, match="num_partitions=1"):
         eld.restore_state_rank_file(_loader(rank=0, world_size=2), path.parent)
     with pytest.raises(FileNotFoundError, match="save_state_rank_file"):
         eld.restore_state_rank_file(_loader(), tmp_path)
@@ -260,17 +262,35 @@ def test_bad_input_raises_on_every_rank_and_nobody_hangs(
         assert "data-parallel rank(s) [1]" in report["full_list_one_rank_bad"][1]
         assert "ShuffleBufferDataset.size: saved 99, now 8" in report["full_list_one_rank_bad"][1]
         assert "holds 1 rank states" in report["scatter_too_short"][1]
-        assert "num_workers" in report["scatter_other_layout"][1]
+        assert "num_partitions=4" in report["scatter_other_layout"][1]
     assert "data-parallel rank(s) [1]" in reports[0]["dead_worker"][1]
 
 
 @pytest.mark.timeout(120)
-def test_dcp_round_trip_with_per_rank_keys(tmp_path: Path, no_leftover_processes: None) -> None:
+def test_dcp_round_trip_with_one_loader_key(tmp_path: Path, no_leftover_processes: None) -> None:
     dh.launch(dh.dcp_round_trip, 2, tmp_path, timeout=90, steps=3, more=4)
     for rank in range(2):
         report = _read(tmp_path / f"dcp_rank{rank}.json")
-        assert report == {
-            "key": f"loader_rank_{rank:05d}_of_00002",
-            "continuation": None,
-            "same_params": True,
-        }
+        assert report == {"key": "loader", "continuation": None, "same_params": True}
+
+
+def _job_stream(streams: list[list[Any]]) -> list[Any]:
+    """Interleave the ranks' streams step by step: G[s * world_size + r] = streams[r][s]."""
+    return [stream[step] for step in range(len(streams[0])) for stream in streams]
+
+
+@pytest.mark.timeout(240)
+def test_saved_on_two_ranks_restores_on_three(tmp_path: Path, no_leftover_processes: None) -> None:
+    # 2 ranks x 1 worker (3 partitions each) save; 3 ranks x 2 workers (1 each) restore, P = 6.
+    steps, more = 5, 10
+    dh.launch(dh.elastic_save, 2, tmp_path, timeout=90, steps=steps, more=more)
+    saved = _job_stream(
+        [torch.load(tmp_path / f"elastic_saved{r}.pt", weights_only=True) for r in range(2)]
+    )
+    assert len({tuple(map(tuple, key)) for key in saved}) == len(saved)
+    for via in ("files", "dcp"):
+        dh.launch(dh.elastic_restore, 3, tmp_path, timeout=90, steps=6, via=via)
+        resumed = _job_stream(
+            [torch.load(tmp_path / f"elastic_{via}{r}.pt", weights_only=True) for r in range(3)]
+        )
+        assert resumed == saved[2 * steps : 2 * steps + len(resumed)], via

@@ -91,25 +91,28 @@ def test_after_a_worker_error_workers_stop_at_once_and_saving_refuses() -> None:
     assert time.monotonic() - start < 2
 
 
-def test_state_dict_is_one_json_leaf_and_load_state_dict_takes_both_forms() -> None:
-    loader = el.SavableDataLoader(reference_pipeline(60, 8, 4))
+def test_state_dict_is_a_json_leaf_per_partition_and_load_state_dict_takes_both_forms() -> None:
+    loader = el.SavableDataLoader(reference_pipeline(60, 8, 4), num_partitions=2)
+    assert sorted(loader.state_dict()) == ["partition_00000", "partition_00001"]
     iterator = iter(loader)
     next(iterator), next(iterator)
     wrapped = loader.state_dict()
-    assert list(wrapped) == ["rank_state_json"] and isinstance(wrapped["rank_state_json"], str)
+    assert sorted(wrapped) == ["partition_00000", "partition_00001"]
+    assert all(isinstance(leaf, str) for leaf in wrapped.values())
     rest = [indices(b) for b in iterator]
-    for form in (wrapped, json_state(wrapped)):
-        restored = el.SavableDataLoader(reference_pipeline(60, 8, 4))
+    for form in (wrapped, loader_state_after(wrapped)):
+        restored = el.SavableDataLoader(reference_pipeline(60, 8, 4), num_partitions=2)
         restored.load_state_dict(form)
         assert [indices(b) for b in restored] == rest
     with pytest.raises(el.StateFormatError, match="not valid JSON"):
-        loader.load_state_dict({"rank_state_json": wrapped["rank_state_json"][:-5]})
+        loader.load_state_dict({**wrapped, "partition_00001": wrapped["partition_00001"][:-5]})
 
 
-def json_state(wrapped: dict) -> dict:
-    import json
+def loader_state_after(wrapped: dict) -> dict:
+    from energy_loader.state.rank_state import states_from_entries
 
-    return json.loads(wrapped["rank_state_json"])
+    (state,) = states_from_entries(wrapped)
+    return state.to_plain()
 
 
 @pytest.mark.timeout(120)
@@ -131,7 +134,8 @@ def test_restore_replays_at_most_one_checkpoint_interval_plus_in_flight(fraction
     consumed = [i for _ in range(int(length / batch * fraction)) for i in indices(next(iterator))]
     state = first.save_state_rank()
     del iterator, first
-    assert all(w["skip"] < every + in_flight for w in state["workers"])
+    in_flight += 2  # held-back saves
+    assert all(p["skip"] < every + in_flight for p in state["partitions"])
     reads = multiprocessing.Value("q", 0)
     restored = el.SavableDataLoader(build(reads), **kwargs)
     restored.restore_state_rank(state)
@@ -197,10 +201,14 @@ def test_restore_while_iterating_restarts_workers_and_invalidates_the_old_iterat
     assert head + [indices(b) for b in loader] == reference
 
 
-def test_mismatched_worker_count_is_a_state_mismatch() -> None:
+def test_another_worker_count_restores_with_the_same_partitions() -> None:
     state = el.SavableDataLoader(reference_pipeline(50, 4, 4), num_workers=2).save_state_rank()
-    with pytest.raises(el.StateMismatchError, match="num_workers: saved 2, now 1"):
+    with pytest.raises(el.StateMismatchError, match="Pass num_partitions=2 to the loader"):
         el.SavableDataLoader(reference_pipeline(50, 4, 4), num_workers=1).restore_state_rank(state)
+    loader = el.SavableDataLoader(reference_pipeline(50, 4, 4), num_workers=1, num_partitions=2)
+    loader.restore_state_rank(state)
+    twin = el.SavableDataLoader(reference_pipeline(50, 4, 4), num_workers=2)
+    assert [indices(b) for b in loader] == [indices(b) for b in twin]
 
 
 @pytest.mark.timeout(60)
@@ -234,7 +242,7 @@ def test_pin_memory_passes_through() -> None:
 
 def test_loader_arguments_are_validated() -> None:
     pipeline = reference_pipeline(20, 4, 4)
-    with pytest.raises(ValueError, match="n_checkpoints=1 cannot cover the 5 items"):
+    with pytest.raises(ValueError, match="n_checkpoints=1 cannot cover the 7 items"):
         el.SavableDataLoader(pipeline, num_workers=2, n_checkpoints=1)
     with pytest.raises(ValueError, match="`checkpoint_every_n_samples` must be positive"):
         el.SavableDataLoader(pipeline, num_workers=2, checkpoint_every_n_samples=0)

@@ -3,7 +3,8 @@
 The model is the uninterrupted run as a list of events (samples and epoch ends). The machine
 drives a real loader with any interleaving of: take the next sample, break and call iter()
 again, save the state (kept), and restore one of the kept states into a fresh loader. After
-every step the loader must be exactly where the model says.
+every step the loader must be exactly where the model says. An epoch whose samples have all
+been taken is over: a new iterator goes on with the next epoch without reporting its end.
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ class LoaderMachine(RuleBasedStateMachine):
     @rule()
     def take_next(self) -> None:
         if self.iterator is None:
+            if self.events[self.position] is END:
+                # Every item of the epoch was taken: the epoch is over and a new iter() starts
+                # the next one without reporting this end.
+                self.position += 1
+                if self.position == len(self.events):
+                    return
             self.iterator = iter(self.loader)
         try:
             got = next(self.iterator)
@@ -87,7 +94,7 @@ class LoaderMachine(RuleBasedStateMachine):
 
 
 class WorkerLoaderMachine(LoaderMachine):
-    """The same with two worker processes (breaks restart them, restores rotate them)."""
+    """The same with two worker processes (restores restart and rotate them)."""
 
     workers = 2
 

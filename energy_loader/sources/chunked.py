@@ -13,28 +13,27 @@ A column file's sample ``i`` is ``{name: column[i]}``, copied out of the chunk (
 by a shuffle buffer does not pin its whole chunk in memory). :func:`write_chunked_folder` makes
 such a folder from any iterable of samples.
 
-Ranks and workers. Files are dealt to ranks round-robin in metadata order (file ``i`` belongs to
-rank ``i % world_size``, in every epoch), so a rank only ever reads whole files of its own. A
-rank's epoch is the concatenation of its files (in a per-epoch order when shuffling, each in a
-per-epoch row order); its workers split that stream into contiguous ranges, so batches are
-carved across file boundaries and every worker loads one file at a time, frees it, and loads the
-next. Every rank yields the same number of samples, its *quota*, set by ``balance``:
+Partitions. Files are dealt to the loader's logical partitions (one per worker of every rank
+by default; see :mod:`energy_loader.partitions`) round-robin in metadata order: file ``i``
+belongs to partition ``i % P`` in every epoch, so a partition, and the worker that runs it,
+only ever reads whole files of its own, loading one at a time and freeing it before the next.
+A partition's epoch is the concatenation of its files (in a per-epoch order when shuffling,
+each in a per-epoch row order). Every partition yields the same number of samples, its
+*quota*, set by ``balance``, so every rank yields the same number of batches:
 
-- ``"exact"``: every rank must hold the same number of samples, else a ``SourceDataError``
-  names the ranks, their counts and their files;
-- ``"oversample"``: the quota is the largest rank's count; smaller ranks wrap around to the
-  start of their own epoch order;
-- ``"undersample"``: the quota is the smallest rank's count; larger ranks stop early.
-
-Each worker of a rank gets ``quota // num_workers`` or one more; worker ``w`` has the same count
-on every rank, so every rank yields the same number of batches.
+- ``"exact"``: every partition must hold the same number of samples, else a
+  ``SourceDataError`` names the partitions, their counts and their files;
+- ``"oversample"``: the quota is the largest partition's count; smaller partitions wrap around
+  to the start of their own epoch order;
+- ``"undersample"``: the quota is the smallest partition's count; larger ones stop early.
 
 Order. With ``shuffle=True`` a rank's file order and every file's row order are Feistel
-permutations keyed by (``seed``, this source's position in the pipeline, epoch, rank or file):
+permutations keyed by (``seed``, this source's position in the pipeline, epoch, partition or
+file):
 deterministic, different every epoch, O(1) memory per file.
 
-State: ``{"phase", "epoch", "position"}``; ``position`` is the worker's next position in its
-rank's epoch stream. Restore key: ``(file_index, row)`` in metadata order.
+State: ``{"phase", "epoch", "position"}``; ``position`` is the partition's next position in
+its epoch stream. Restore key: ``(file_index, row)`` in metadata order.
 """
 
 from __future__ import annotations
@@ -229,17 +228,17 @@ def read_metadata(folder: Path) -> tuple[tuple[str, ...], tuple[int, ...]]:
 
 @attrs.frozen
 class _Layout:
-    """Which part of the data one worker reads in every epoch."""
+    """Which part of the data one partition reads in every epoch."""
 
-    rank_files: tuple[int, ...]  # this rank's files, metadata order
-    rank_total: int  # samples in those files
-    start: int  # this worker's range of the rank's stream: [start, stop)
+    files: tuple[int, ...]  # this partition's files, metadata order
+    total: int  # samples in those files
+    start: int  # the range of the partition's stream it yields: [start, stop)
     stop: int
 
 
 @attrs.frozen
 class _EpochPlan:
-    """A rank's stream in one epoch: its files in order and where each starts."""
+    """A partition's stream in one epoch: its files in order and where each starts."""
 
     files: tuple[int, ...]
     starts: tuple[int, ...]
@@ -269,7 +268,7 @@ class _ChunkedCursor(EpochCursor):
         plan = self.plan(layout)
         seq_len = source.seq_len
         while self.position < layout.stop:
-            local = self.position % layout.rank_total
+            local = self.position % layout.total
             slot = bisect.bisect_right(plan.starts, local) - 1
             file_index = plan.files[slot]
             chunk = self._chunk
@@ -296,19 +295,19 @@ class _ChunkedCursor(EpochCursor):
                 context = self.dataset.context
                 raise StateFormatError(
                     f"{reader.path}.position {self.position} is outside the range "
-                    f"[{layout.start}, {layout.stop}] of rank {context.rank} worker "
-                    f"{context.worker_id} of this folder"
+                    f"[{layout.start}, {layout.stop}] of partition {context.partition} of "
+                    f"{context.num_partitions} of this folder"
                 )
 
 
 class ChunkedFolderSource(SavableDataset):
-    """Stream a folder of chunk files, one file in memory at a time, sharded over ranks.
+    """Stream a folder of chunk files, one file in memory at a time, sharded over partitions.
 
     See the module documentation for the folder layout, how files and samples are spread over
-    ranks and workers (``balance``), and the shuffle. ``seq_len`` cuts every tensor or array of
-    a sample that has at least one dimension to its last ``seq_len`` positions (along its first
-    dimension). Raises ``FileNotFoundError`` for a missing folder, metadata or chunk file and
-    ``SourceDataError`` for inconsistent metadata, both naming the file. Example::
+    the loader's partitions (``balance``), and the shuffle. ``seq_len`` cuts every tensor or
+    array of a sample that has at least one dimension to its last ``seq_len`` positions (along
+    its first dimension). Raises ``FileNotFoundError`` for a missing folder, metadata or chunk
+    file and ``SourceDataError`` for inconsistent metadata, both naming the file. Example::
 
         write_chunked_folder("data/", samples, samples_per_file=1000)
         source = ChunkedFolderSource("data/", shuffle=True, seed=1234, balance="oversample")
@@ -344,53 +343,54 @@ class ChunkedFolderSource(SavableDataset):
     # -- layout and order --------------------------------------------------------------------
 
     def layout(self, context: WorkerContext | None = None) -> _Layout:
-        """The files of this copy's rank and its worker's range (raises for ``exact``)."""
+        """The files of this copy's partition and its range (raises for ``exact``)."""
         context = context if context is not None else self.context
-        ranks = context.world_size
-        totals = [sum(self.counts[rank::ranks]) for rank in range(ranks)]
+        parts, part = context.num_partitions, context.partition
+        totals = [sum(self.counts[p::parts]) for p in range(parts)]
         if self.balance == "exact":
             if len(set(totals)) > 1:
                 raise SourceDataError(self._imbalance_message(totals))
             quota = totals[0]
         elif self.balance == "oversample":
             quota = max(totals)
-            empty = [rank for rank, total in enumerate(totals) if total == 0]
+            empty = [p for p, total in enumerate(totals) if total == 0]
             if empty and quota:
                 raise SourceDataError(
-                    f"balance='oversample' cannot wrap ranks {empty} of {ranks} around: they "
-                    f"get no files of {self.path} ({len(self.files)} files); use fewer ranks "
-                    "or more files"
+                    f"balance='oversample' cannot wrap partitions {empty} of {parts} around: "
+                    f"they get no files of {self.path} ({len(self.files)} files); use fewer "
+                    "ranks, workers or num_partitions, or more files"
                 )
         else:
             quota = min(totals)
-        workers, worker = context.num_workers, context.worker_id
         return _Layout(
-            rank_files=tuple(range(context.rank, len(self.files), ranks)),
-            rank_total=totals[context.rank],
-            start=worker * quota // workers,
-            stop=(worker + 1) * quota // workers,
+            files=tuple(range(part, len(self.files), parts)),
+            total=totals[part],
+            start=0,
+            stop=quota,
         )
 
     def _imbalance_message(self, totals: list[int]) -> str:
-        ranks = len(totals)
+        parts = len(totals)
         lines = []
-        for rank, total in enumerate(totals):
-            names = self.files[rank::ranks]
+        for part, total in enumerate(totals):
+            names = self.files[part::parts]
             shown = ", ".join(names[:4]) + (f", ... ({len(names)} files)" if len(names) > 4 else "")
-            lines.append(f"rank {rank}: {total} samples in [{shown}]")
+            lines.append(f"partition {part}: {total} samples in [{shown}]")
         common = max(set(totals), key=totals.count)
-        odd = [rank for rank, total in enumerate(totals) if total != common]
+        odd = [part for part, total in enumerate(totals) if total != common]
         return (
-            f"balance='exact' needs every rank to get the same number of samples from "
-            f"{self.path}, but with files dealt round-robin to {ranks} ranks, ranks {odd} differ "
-            f"from the others ({common} samples): " + "; ".join(lines) + ". Use "
-            "balance='oversample' (smaller ranks wrap around) or balance='undersample' (all "
-            "ranks stop at the smallest), or re-chunk the data"
+            f"balance='exact' needs every partition (one per worker of every rank, unless "
+            f"num_partitions says otherwise) to get the same number of samples from "
+            f"{self.path}, but with files dealt round-robin to {parts} partitions, partitions "
+            f"{odd} differ from the others ({common} samples): " + "; ".join(lines) + ". Use "
+            "balance='oversample' (smaller partitions wrap around) or balance='undersample' "
+            "(all stop at the smallest), or re-chunk the data into a multiple of "
+            f"{parts} equal files"
         )
 
     def epoch_plan(self, layout: _Layout, epoch: int) -> _EpochPlan:
         """The order of this rank's files in ``epoch`` and where each starts in its stream."""
-        files = layout.rank_files
+        files = layout.files
         if self.shuffle and len(files) > 1:
             order = FeistelPermutation(
                 len(files), stable_hash(self.seed, self.stream_salt(), epoch, "files", files[0])

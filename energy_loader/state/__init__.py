@@ -4,16 +4,23 @@ from .atomic import fsync_directory, write_atomically
 from .checkpoint import CheckpointDirectory, load_checkpoint, save_checkpoint
 from .fingerprint import ConfigDifference, config_differences, describe_differences
 from .plain import StateReader, check_plain, to_key
-from .rank_state import RANK_STATE_FORMAT, RANK_STATE_VERSION, RankState, WorkerState
+from .rank_state import (
+    RANK_STATE_FORMAT,
+    RANK_STATE_VERSION,
+    PartitionState,
+    RankState,
+    WorkerSlots,
+)
 
 __all__ = [
     "RANK_STATE_FORMAT",
     "RANK_STATE_VERSION",
     "CheckpointDirectory",
     "ConfigDifference",
+    "PartitionState",
     "RankState",
     "StateReader",
-    "WorkerState",
+    "WorkerSlots",
     "check_plain",
     "config_differences",
     "describe_differences",

@@ -1,18 +1,30 @@
 """The saved state of one rank's loader: attrs classes and their plain-data codec.
 
-Layout (format version 1)::
+Layout (format version 2)::
 
     {
       "format": "energy_loader.rank_state",
-      "version": 1,
+      "version": 2,
       "rank": 0, "world_size": 1, "num_workers": 2,
+      "num_partitions": 4,        # P: logical partitions of the whole job
       "config": {...},            # the pipeline's config(), for mismatch messages
+      "epoch": 3,                 # the loader's epoch (0 for the first)
+      "in_epoch": true,           # an iterator of this epoch was started
       "epoch_ended": false,       # the loader reported the end of the current epoch
-      "next_worker": 1,           # the worker whose sample the user receives next
+      "delivered": 41,            # items this rank handed out in the current epoch
+      "start": 0,                 # global position (mod P) the current assignment started at
+      "next_worker": 1,           # the worker whose item the user receives next
       "workers": [                # one per worker (one entry when num_workers == 0)
-        {"checkpoint": {...},     # pipeline state at one of the worker's rolling checkpoints
-         "skip": 3,               # samples to replay from it without yielding them
+        {"partitions": [0, 2],    # the partitions it runs, in round-robin order
+         "next": 1,               # the position in that list whose item comes next
          "done": false},          # this worker already ended the current epoch
+        ...
+      ],
+      "partitions": [             # one per partition this rank runs
+        {"partition": 0,
+         "checkpoint": {...},     # the partition's pipeline state at a rolling checkpoint
+         "skip": 3,               # items of this partition to replay from it
+         "done": false},          # this partition already ended the current epoch
         ...
       ]
     }
@@ -30,28 +42,79 @@ import attrs
 from ..errors import StateFormatError
 from .plain import StateReader, check_plain
 
-__all__ = ["RANK_STATE_FORMAT", "RANK_STATE_VERSION", "RankState", "WorkerState"]
+__all__ = [
+    "RANK_STATE_FORMAT",
+    "RANK_STATE_VERSION",
+    "PartitionState",
+    "RankState",
+    "WorkerSlots",
+]
 
 RANK_STATE_FORMAT = "energy_loader.rank_state"
-RANK_STATE_VERSION = 1
+RANK_STATE_VERSION = 2
 
 
 @attrs.frozen
-class WorkerState:
-    """Where one worker stands: a pipeline checkpoint plus samples to replay from it."""
+class PartitionState:
+    """Where one logical partition stands: a pipeline checkpoint plus items to replay."""
 
+    partition: int
     checkpoint: dict[str, Any]
     skip: int = 0
     done: bool = False
 
     def to_plain(self) -> dict[str, Any]:
-        return {"checkpoint": self.checkpoint, "skip": self.skip, "done": self.done}
+        return {
+            "partition": self.partition,
+            "checkpoint": self.checkpoint,
+            "skip": self.skip,
+            "done": self.done,
+        }
 
     @classmethod
-    def from_reader(cls, reader: StateReader) -> WorkerState:
+    def from_reader(cls, reader: StateReader) -> PartitionState:
         checkpoint = reader.raw("checkpoint")
         StateReader(checkpoint, f"{reader.path}.checkpoint")
-        return cls(checkpoint=checkpoint, skip=reader.int("skip"), done=reader.bool("done"))
+        skip, done = reader.int("skip"), reader.bool("done")
+        if done and skip:
+            raise StateFormatError(
+                f"{reader.path}: a partition that had ended its epoch has nothing to replay "
+                f"(skip {skip})"
+            )
+        return cls(partition=reader.int("partition"), checkpoint=checkpoint, skip=skip, done=done)
+
+
+@attrs.frozen
+class WorkerSlots:
+    """Which partitions one worker runs, whose turn is next, and whether it has ended."""
+
+    partitions: tuple[int, ...]
+    next: int = 0
+    done: bool = False
+
+    def to_plain(self) -> dict[str, Any]:
+        return {"partitions": list(self.partitions), "next": self.next, "done": self.done}
+
+    @classmethod
+    def from_reader(cls, reader: StateReader) -> WorkerSlots:
+        partitions = tuple(
+            _int(value, f"{reader.path}.partitions[{i}]")
+            for i, value in enumerate(reader.list("partitions"))
+        )
+        if not partitions:
+            raise StateFormatError(f"{reader.path}.partitions must not be empty")
+        following = reader.int("next")
+        if following >= len(partitions):
+            raise StateFormatError(
+                f"{reader.path}.next {following} is not below its {len(partitions)} partitions"
+            )
+        return cls(partitions=partitions, next=following, done=reader.bool("done"))
+
+
+def _int(value: Any, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise StateFormatError(f"{path} must be a non-negative integer, got {value!r}")
+    return value
 
 
 @attrs.frozen
@@ -61,10 +124,20 @@ class RankState:
     rank: int
     world_size: int
     num_workers: int
+    num_partitions: int
     config: dict[str, Any]
+    epoch: int
+    in_epoch: bool
     epoch_ended: bool
+    delivered: int
+    start: int
     next_worker: int
-    workers: tuple[WorkerState, ...]
+    workers: tuple[WorkerSlots, ...]
+    partitions: tuple[PartitionState, ...]
+
+    def partition_states(self) -> dict[int, PartitionState]:
+        """This rank's partitions by number."""
+        return {p.partition: p for p in self.partitions}
 
     def to_plain(self) -> dict[str, Any]:
         """The state as plain data with its format name and version."""
@@ -74,25 +147,31 @@ class RankState:
             "rank": self.rank,
             "world_size": self.world_size,
             "num_workers": self.num_workers,
+            "num_partitions": self.num_partitions,
             "config": self.config,
+            "epoch": self.epoch,
+            "in_epoch": self.in_epoch,
             "epoch_ended": self.epoch_ended,
+            "delivered": self.delivered,
+            "start": self.start,
             "next_worker": self.next_worker,
             "workers": [w.to_plain() for w in self.workers],
+            "partitions": [p.to_plain() for p in self.partitions],
         }
 
     @classmethod
     def from_plain(cls, data: Any) -> RankState:
         """Decode and validate; raises ``StateFormatError`` naming the first bad field."""
         reader = StateReader(data, "state")
-        if reader.has("format") and reader.raw("format") != RANK_STATE_FORMAT:
-            raise StateFormatError(
-                f"state.format is {reader.raw('format')!r}; expected {RANK_STATE_FORMAT!r} "
-                "(is this a loader state from energy_loader.save_state_rank()?)"
-            )
         if not reader.has("format"):
             raise StateFormatError(
                 "state has no 'format' field: not a loader state from "
                 "SavableDataLoader.save_state_rank()"
+            )
+        if reader.raw("format") != RANK_STATE_FORMAT:
+            raise StateFormatError(
+                f"state.format is {reader.raw('format')!r}; expected {RANK_STATE_FORMAT!r} "
+                "(is this a loader state from energy_loader.save_state_rank()?)"
             )
         version = reader.int("version")
         if version != RANK_STATE_VERSION:
@@ -105,19 +184,36 @@ class RankState:
         rank = reader.int("rank")
         if rank >= world_size:
             raise StateFormatError(f"state.rank {rank} is not below state.world_size {world_size}")
-        workers = [
-            WorkerState.from_reader(StateReader(w, f"state.workers[{i}]"))
+        num_partitions = reader.int("num_partitions", minimum=1)
+        copies = world_size * max(1, num_workers)
+        if num_partitions % copies:
+            raise StateFormatError(
+                f"state.num_partitions {num_partitions} is not a multiple of world_size x "
+                f"workers = {copies}"
+            )
+        workers = tuple(
+            WorkerSlots.from_reader(StateReader(w, f"state.workers[{i}]"))
             for i, w in enumerate(reader.list("workers"))
-        ]
+        )
         if len(workers) != max(1, num_workers):
             raise StateFormatError(
                 f"state.workers has {len(workers)} entries; num_workers={num_workers} needs "
                 f"{max(1, num_workers)}"
             )
+        partitions = tuple(
+            PartitionState.from_reader(StateReader(p, f"state.partitions[{i}]"))
+            for i, p in enumerate(reader.list("partitions"))
+        )
+        _check_partitions(workers, partitions, num_partitions // world_size, num_partitions)
         next_worker = reader.int("next_worker")
         if next_worker >= len(workers):
             raise StateFormatError(
                 f"state.next_worker {next_worker} is not below the {len(workers)} workers"
+            )
+        start = reader.int("start")
+        if start >= num_partitions:
+            raise StateFormatError(
+                f"state.start {start} is not below state.num_partitions {num_partitions}"
             )
         config = reader.raw("config")
         StateReader(config, "state.config")
@@ -126,8 +222,105 @@ class RankState:
             rank=rank,
             world_size=world_size,
             num_workers=num_workers,
+            num_partitions=num_partitions,
             config=config,
+            epoch=reader.int("epoch"),
+            in_epoch=reader.bool("in_epoch"),
             epoch_ended=reader.bool("epoch_ended"),
+            delivered=reader.int("delivered"),
+            start=start,
             next_worker=next_worker,
-            workers=tuple(workers),
+            workers=workers,
+            partitions=partitions,
         )
+
+
+def _check_partitions(
+    workers: tuple[WorkerSlots, ...],
+    partitions: tuple[PartitionState, ...],
+    per_rank: int,
+    num_partitions: int,
+) -> None:
+    """Every partition in range, once, held by exactly one worker, as many as a rank runs."""
+    listed = [p.partition for p in partitions]
+    held = [p for w in workers for p in w.partitions]
+    for where, numbers in (("state.partitions", listed), ("state.workers[*].partitions", held)):
+        bad = [p for p in numbers if p >= num_partitions]
+        if bad:
+            raise StateFormatError(f"{where} names partitions {bad} of only {num_partitions}")
+        if len(set(numbers)) != len(numbers):
+            raise StateFormatError(f"{where} lists a partition twice: {numbers}")
+        if len(numbers) != per_rank:
+            raise StateFormatError(
+                f"{where} has {len(numbers)} partitions; a rank of this layout runs {per_rank}"
+            )
+    if sorted(listed) != sorted(held):
+        raise StateFormatError(
+            f"state.partitions {sorted(listed)} and the workers' partitions {sorted(held)} differ"
+        )
+    sizes = {len(w.partitions) for w in workers}
+    if len(sizes) != 1:
+        raise StateFormatError(
+            "state.workers run different numbers of partitions: "
+            f"{[len(w.partitions) for w in workers]}"
+        )
+
+
+# -- one leaf per partition: the layout-independent form of state_dict() ----------------------
+
+PARTITION_KEY_PREFIX = "partition_"
+
+
+def partition_key(partition: int) -> str:
+    """The state_dict key of one partition: ``partition_00003``."""
+    return f"{PARTITION_KEY_PREFIX}{partition:05d}"
+
+
+def partition_entries(states: list[RankState]) -> dict[str, str]:
+    """Every partition of ``states`` as a JSON leaf holding it and its rank's position."""
+    import json
+
+    out = {}
+    for state in states:
+        header = state.to_plain()
+        del header["partitions"]
+        for entry in state.partitions:
+            leaf = {"rank_state": header, "partition": entry.to_plain()}
+            out[partition_key(entry.partition)] = json.dumps(leaf, separators=(",", ":"))
+    return out
+
+
+def states_from_entries(entries: dict[str, Any]) -> list[RankState]:
+    """The rank states that :func:`partition_entries` split into leaves (validated).
+
+    Raises ``StateFormatError`` for a leaf that is not such JSON or a key that does not name
+    the partition its leaf holds.
+    """
+    import json
+
+    by_rank: dict[int, dict[str, Any]] = {}
+    for key, text in sorted(entries.items()):
+        if not isinstance(text, str):
+            raise StateFormatError(
+                f"state_dict[{key!r}] must be a JSON string, got {type(text).__name__}"
+            )
+        try:
+            leaf = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise StateFormatError(
+                f"state_dict[{key!r}] is not valid JSON (truncated?): {error}"
+            ) from None
+        reader = StateReader(leaf, f"state_dict[{key!r}]")
+        header = reader.raw("rank_state")
+        rank = StateReader(header, f"{reader.path}.rank_state").int("rank")
+        entry = reader.sub("partition")
+        if partition_key(entry.int("partition")) != key:
+            raise StateFormatError(f"{reader.path} holds partition {entry.int('partition')}")
+        target = by_rank.setdefault(rank, {**header, "partitions": []})
+        if {k: v for k, v in target.items() if k != "partitions"} != header:
+            raise StateFormatError(
+                f"{reader.path}: the partitions of rank {rank} carry different rank positions "
+                "(leaves of different saves mixed?)"
+            )
+        target["partitions"].append(reader.raw("partition"))
+    return [RankState.from_plain(by_rank[rank]) for rank in sorted(by_rank)]

@@ -134,7 +134,9 @@ def check_resume(
     ``SavableDataLoader(num_workers=..., **loader_kwargs)``) or a fresh loader. For each stop
     point the loader is run to that point, its state goes through ``json`` (and, for every
     other stop point, ``torch.save``/``torch.load(weights_only=True)``), a new loader from
-    ``build_fn()`` restores it, and its continuation must equal the uninterrupted run's.
+    ``build_fn()`` restores it, and its continuation must equal the uninterrupted run's (an
+    epoch whose items had all been taken when the state was saved is over: the restored
+    loader goes on with the next epoch).
     Default stop points: the start, the first sample, mid-epoch, right before and right after
     the first epoch end, and the last sample. Use it in your own test suite::
 
@@ -155,6 +157,10 @@ def check_resume(
         state, size = _round_trip(loader.save_state_rank(), via_torch=number % 2 == 1)
         largest = max(largest, size)
         del loader
+        if stop < len(full) and full[stop] is END:
+            # Every item of the epoch was taken: the epoch is over, and the restored loader's
+            # next iter() starts the next one without reporting this end again.
+            head, ended = [*head, END], ended + 1
         restored = _make_loader(build_fn, num_workers, kwargs)
         restored.restore_state_rank(state)
         tail, _ = record_events(restored, epochs - ended)

@@ -5,9 +5,10 @@ continues the stream where the last one stopped, never from its start (unlike
 :class:`~energy_loader.wrappers.limit.LimitDataset`, which restarts the inner epoch). When a
 finite inner dataset ends its epoch inside an epochized epoch, its next epoch (a new shuffle)
 follows at once, so the stream never runs dry; an inner epoch that yields nothing at all is an
-error rather than an endless loop. ``length`` counts the samples of one copy of the pipeline
-(one worker of one rank), like ``LimitDataset``: a loader with ``w`` workers yields
-``w * length`` samples per epoch.
+error rather than an endless loop. ``length`` counts the samples of the whole job, like
+``LimitDataset``: each of the loader's ``P`` logical partitions yields its share (``length //
+P`` or one more) per epoch, so a loader of one rank yields ``length`` items per epoch with any
+number of workers, and the shares stay put when partitions move between ranks or workers.
 
 State: ``{"phase", "epoch", "count", "pass_count", "inner"}``: samples yielded in this epoch,
 samples taken from the current inner epoch (to tell an empty inner epoch from one that ended
@@ -38,7 +39,7 @@ class _EpochizeCursor(EpochCursor):
         self.count = 0
 
     def resume(self) -> Iterator[tuple[Key, Any]]:
-        length, inner = self.dataset.length, self.dataset.dataset
+        length, inner = self.dataset.context.share_of(self.dataset.length), self.dataset.dataset
         while self.count < length:
             for pair in inner.iter_keyed():
                 self.count += 1
@@ -73,7 +74,7 @@ class EpochizeDataset(BaseWrapperDataset):
     Typical use: an endless blend or repeat, where an "epoch" is a fixed number of steps
     between evaluations. Example::
 
-        EpochizeDataset(RepeatDataset(source), 10_000)   # epochs of 10k samples per worker
+        EpochizeDataset(RepeatDataset(source), 10_000)   # epochs of 10k samples of the job
     """
 
     def __init__(self, dataset: SavableDataset, length: int) -> None:
@@ -87,4 +88,5 @@ class EpochizeDataset(BaseWrapperDataset):
         return {"length": self.length}
 
     def __len__(self) -> int:
-        return self.length
+        """This partition's items per epoch: its share of ``length``."""
+        return self.context.share_of(self.length)

@@ -1,6 +1,13 @@
-"""LimitDataset: at most ``length`` samples per epoch.
+"""LimitDataset: at most ``length`` samples per epoch, counted over the whole job.
 
-Each epoch yields the first ``length`` samples of the inner dataset's epoch and then ends the
+``length`` is what the job yields per epoch, whatever its ranks and workers: each of the
+loader's ``P`` logical partitions (see :mod:`energy_loader.partitions`) takes its share,
+``length // P`` or one more, so the shares add up to ``length`` (a loader of one rank yields
+``length`` items per epoch with any ``num_workers``; ``R`` ranks yield ``length`` together).
+The shares depend only on ``P``, so they stay the same when partitions move to other ranks
+or workers. Iterated outside a loader, the dataset is partition 0 of 1 and yields ``length``.
+
+Each epoch yields a partition's first samples of the inner dataset's epoch and then ends the
 inner epoch too, so the next epoch starts a fresh inner epoch (use
 ``EpochizeDataset`` to cut an endless stream into epochs that continue where the last stopped).
 
@@ -37,7 +44,7 @@ class _LimitCursor(WrapperCursor):
         self.count = 0
 
     def resume(self) -> Iterator[tuple[Key, Any]]:
-        length = self.dataset.length
+        length = self.dataset.context.share_of(self.dataset.length)
         if self.count < length:
             for pair in self.inner_samples():
                 self.count += 1
@@ -56,9 +63,9 @@ class _LimitCursor(WrapperCursor):
 
 
 class LimitDataset(BaseWrapperDataset):
-    """Stop each epoch after ``length`` samples. Example::
+    """Stop each epoch after ``length`` samples of the whole job. Example::
 
-    LimitDataset(validation_source, 1000)
+        LimitDataset(validation_source, 1000)   # 1000 per epoch, with any number of workers
     """
 
     def __init__(self, dataset: SavableDataset, length: int) -> None:
@@ -72,7 +79,9 @@ class LimitDataset(BaseWrapperDataset):
         return {"length": self.length}
 
     def __len__(self) -> int:
+        """This partition's items per epoch: its share of ``length``, or fewer."""
+        share = self.context.share_of(self.length)
         try:
-            return min(self.length, len(self.dataset))  # type: ignore[arg-type]
+            return min(share, len(self.dataset))  # type: ignore[arg-type]
         except TypeError:
-            return self.length
+            return share

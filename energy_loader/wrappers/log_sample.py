@@ -1,15 +1,15 @@
 """LogSampleDataset: a JSON-lines audit trail of which samples each worker produced.
 
 Each sample passing through writes one line
-``{"rank": 0, "worker": 1, "index": 17, "epoch": 0, "key": [...]}`` to
-``log_dir/rank00000-worker001.jsonl`` (or, without ``log_dir``, to the
+``{"rank": 0, "worker": 1, "partition": 2, "index": 17, "epoch": 0, "key": [...]}`` to
+``log_dir/partition00002-of-00004.jsonl`` (or, without ``log_dir``, to the
 ``energy_loader.samples`` logger at INFO). ``index`` counts this copy's samples across epochs
 and is saved, so it continues after a restore.
 
 What the log shows is what the workers *produced*, which is more than what the training loop
 consumed: samples in flight when a job died, and samples a restored worker replays from its
 checkpoint to reach the saved position, appear too, replays with the same ``index`` as their
-first appearance. Deduplicate by (rank, worker, index) and keep the last occurrence.
+first appearance. Deduplicate by (partition, epoch, index) and keep the last occurrence.
 
 State: ``{"phase", "epoch", "inner_done", "inner", "count"}``.
 """
@@ -39,7 +39,7 @@ class _LogCursor(WrapperCursor):
 
     def resume(self) -> Iterator[tuple[Key, Any]]:
         context = self.dataset.context
-        head = {"rank": context.rank, "worker": context.worker_id}
+        head = {"rank": context.rank, "worker": context.worker_id, "partition": context.partition}
         stream = self.dataset.open_stream()
         for key, sample in self.inner_samples():
             line = json.dumps({**head, "index": self.count, "epoch": self.epoch, "key": key})
@@ -76,13 +76,18 @@ class LogSampleDataset(BaseWrapperDataset):
         self._stream_pid = -1
 
     def open_stream(self) -> IO[str] | None:
-        """This copy's log file, line-buffered, opened once per process (None: use logging)."""
+        """This partition's log file, line-buffered, opened once per process (None: logging).
+
+        One file per logical partition: a partition's samples form one stream whichever rank
+        or worker runs it (each line says which), so a job resumed on another layout appends
+        to the same files.
+        """
         if self.log_dir is None:
             return None
         if self._stream is None or self._stream_pid != os.getpid():
             os.makedirs(self.log_dir, exist_ok=True)
             context = self.context
-            name = f"rank{context.rank:05d}-worker{context.worker_id:03d}.jsonl"
+            name = f"partition{context.partition:05d}-of-{context.num_partitions:05d}.jsonl"
             self._stream = open(os.path.join(self.log_dir, name), "a", buffering=1)  # noqa: SIM115
             self._stream_pid = os.getpid()
         return self._stream

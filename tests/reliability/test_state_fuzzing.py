@@ -124,7 +124,7 @@ def test_damaged_states_with_workers_fail_before_any_worker_starts(damage: str) 
     elif damage == "workers":
         broken["workers"].pop()
     else:
-        buffered = broken["workers"][1]["checkpoint"]["inner"]["indices"]
+        buffered = broken["partitions"][1]["checkpoint"]["inner"]["indices"]
         buffered[0] = 10**9
     loader = _loader(2)
     with pytest.raises(expected):

@@ -141,18 +141,14 @@ def test_batches_are_carved_across_file_boundaries(tmp_path):
 
 @pytest.mark.parametrize("balance", ["oversample", "undersample"])
 def test_every_reader_gets_its_quota(tmp_path, balance):
-    write_files(tmp_path, [5, 3, 4, 6, 2, 5, 1])  # ranks of 3 hold 5+6+1, 3+2 and 4+5 samples
+    write_files(tmp_path, [5, 3, 4, 6, 2, 5, 1])  # 3 partitions hold 5+6+1, 3+2 and 4+5 samples
     source = ChunkedFolderSource(tmp_path, shuffle=True, seed=1, balance=balance)
     quota = 12 if balance == "oversample" else 5
     per_rank = {}
     for rank in range(3):
-        keys = []
-        for worker in range(2):
-            context = WorkerContext(rank=rank, world_size=3, worker_id=worker, num_workers=2)
-            part = epoch_of(source, context)
-            assert len(part) == len(source) == (quota // 2 if worker == 0 else quota - quota // 2)
-            keys += part
-        assert len(keys) == quota
+        context = WorkerContext(partition=rank, num_partitions=3)
+        keys = epoch_of(source, context)
+        assert len(keys) == len(source) == quota
         assert {file for file, _ in keys} <= set(range(rank, 7, 3))  # whole files, round-robin
         per_rank[rank] = keys
     if balance == "oversample":
@@ -165,19 +161,19 @@ def test_every_reader_gets_its_quota(tmp_path, balance):
         assert all(len(set(keys)) == 5 for keys in per_rank.values())
 
 
-def test_exact_balance_names_the_ranks_and_files(tmp_path):
+def test_exact_balance_names_the_partitions_and_files(tmp_path):
     write_files(tmp_path, [4, 4, 4, 3])
     source = ChunkedFolderSource(tmp_path)
-    source.bind(WorkerContext(rank=0, world_size=2))
+    source.bind(WorkerContext(partition=0, num_partitions=2))
     with pytest.raises(SourceDataError) as raised:
         list(source.iter_keyed())
     message = str(raised.value)
-    assert "ranks [1] differ" in message
-    assert "rank 0: 8 samples in [part0.pt, part2.pt]" in message
-    assert "rank 1: 7 samples in [part1.pt, part3.pt]" in message
+    assert "partitions [1] differ" in message
+    assert "partition 0: 8 samples in [part0.pt, part2.pt]" in message
+    assert "partition 1: 7 samples in [part1.pt, part3.pt]" in message
     assert "balance='oversample'" in message
-    source.bind(WorkerContext(rank=0, world_size=4))
-    with pytest.raises(SourceDataError, match="ranks \\[3\\] differ"):
+    source.bind(WorkerContext(partition=0, num_partitions=4))
+    with pytest.raises(SourceDataError, match="partitions \\[3\\] differ"):
         len(source)
 
 
@@ -191,7 +187,8 @@ def test_every_rank_yields_the_same_number_of_batches(tmp_path):
         batches = list(loader)
         assert len(batches) == len(loader)
         counts.append(len(batches))
-    assert counts[0] == counts[1] == 4  # quota 11: workers of 5 and 6 samples, 2 + 2 batches
+    # 4 partitions get files 0+4, 1, 2 and 3 (12, 2, 7, 7 samples): quota 2, one batch each.
+    assert counts[0] == counts[1] == 2
 
 
 # -- resume -------------------------------------------------------------------------------------
@@ -200,7 +197,7 @@ def test_every_rank_yields_the_same_number_of_batches(tmp_path):
 @pytest.mark.parametrize("num_workers", [0, 1, 2])
 @pytest.mark.timeout(120)
 def test_resume_is_exact_with_workers(tmp_path, num_workers, no_leftover_processes):
-    write_files(tmp_path, [5, 4, 6, 1, 5])  # 21 samples: 7 batches of 3 per epoch
+    write_files(tmp_path, [5, 4, 6, 7, 4, 4])  # files 0+2+4 and 1+3+5: 15 samples each
     report = check_resume(
         lambda: el.BatchDataset(ChunkedFolderSource(tmp_path, shuffle=True, seed=9), 3),
         num_workers=num_workers,
@@ -214,7 +211,7 @@ def test_resume_is_exact_with_workers(tmp_path, num_workers, no_leftover_process
 
 @pytest.mark.timeout(120)
 def test_resume_is_exact_on_a_rank_that_wraps_around(tmp_path):
-    write_files(tmp_path, [5, 4, 6, 1, 5])  # 3 ranks: 6, 9 and 6 samples
+    write_files(tmp_path, [5, 4, 6, 1, 5, 2])  # 3 ranks x 2 workers: partitions of 5,4,6,1,5,2
     config = el.WorkerConfig(rank=2, world_size=3, num_workers=2)
     check_resume(
         lambda: el.SavableDataLoader(
@@ -222,13 +219,17 @@ def test_resume_is_exact_on_a_rank_that_wraps_around(tmp_path):
             worker_config=config,
         ),
         epochs=2,
-        stop_points=[4, 9, 10],  # the rank's quota is 9: mid-epoch, both sides of its end
+        # Rank 2 runs partitions 2 and 5 (6 and 2 samples, both wrap to the quota of 6): 12
+        # items; stop mid-epoch and on both sides of its end.
+        stop_points=[4, 12, 13],
     )
 
 
 @settings(max_examples=8)
 @given(
-    sizes=st.lists(st.integers(0, 6), min_size=1, max_size=6),
+    # At least one file per partition (ranks x workers <= 4): with oversample, a partition
+    # without files is an error by design.
+    sizes=st.lists(st.integers(1, 6), min_size=4, max_size=7),
     seed=st.integers(0, 2**31),
     shuffle=st.booleans(),
     balance=st.sampled_from(["oversample", "undersample"]),
@@ -252,15 +253,14 @@ def test_resume_property(tmp_path_factory, sizes, seed, shuffle, balance, ranks,
     check_resume(build, epochs=2, stop_points=[stop])
 
 
-def test_state_of_another_worker_is_refused(tmp_path):
-    write_files(tmp_path, [4, 4, 4, 4])
+def test_a_position_outside_the_partition_is_refused(tmp_path):
+    write_files(tmp_path, [4, 4, 4, 4, 4, 4])
     source = ChunkedFolderSource(tmp_path)
-    source.bind(WorkerContext(worker_id=0, num_workers=2))  # range [0, 8)
+    source.bind(WorkerContext(partition=0, num_partitions=3))  # files 0 and 3: range [0, 8)
     source.restore_state({"phase": "running", "epoch": 0, "position": 3})
-    source.bind(WorkerContext(worker_id=1, num_workers=2))
-    with pytest.raises(StateFormatError, match=r"position 3 is outside the range \[8, 16\]"):
-        source.restore_state({"phase": "running", "epoch": 0, "position": 3})
-    source.restore_state({"phase": "running", "epoch": 0, "position": 15})
+    with pytest.raises(StateFormatError, match=r"position 9 is outside the range \[0, 8\]"):
+        source.restore_state({"phase": "running", "epoch": 0, "position": 9})
+    source.restore_state({"phase": "running", "epoch": 0, "position": 7})
     assert [key for key, _ in source.iter_keyed()] == [(3, 3)]
 
 

@@ -53,7 +53,8 @@ def test_shards_are_disjoint_and_cover_the_epoch(world: int, workers: int, lengt
     for rank in range(world):
         for worker in range(workers):
             source = el.IndexedSource.from_fn(length, make_sample, shuffle=True, seed=5)
-            source.bind(WorkerContext(rank, world, worker, workers, seed=0))
+            partition, partitions = rank * workers + worker, world * workers
+            source.bind(WorkerContext(partition=partition, num_partitions=partitions, seed=0))
             shard = [s["index"] for s in source]
             assert len(shard) == len(source)
             seen += shard

@@ -181,10 +181,8 @@ def test_global_order_is_the_same_for_any_number_of_readers(tmp_path, shuffle):
         merged: list[Any] = [None] * len(expected)
         for rank in range(ranks):
             for worker in range(workers):
-                context = WorkerContext(
-                    rank=rank, world_size=ranks, worker_id=worker, num_workers=workers
-                )
                 reader = rank * workers + worker
+                context = WorkerContext(partition=reader, num_partitions=readers)
                 merged[reader::readers] = keys_of(source, context)
         assert merged == expected, (ranks, workers)
 
@@ -193,7 +191,7 @@ def test_each_reader_reads_its_own_shards_when_partitions_match(tmp_path):
     write(tmp_path / "remote", 64, max_shard_bytes=1000)
     source = ShardedSource(tmp_path / "remote", tmp_path / "cache", shuffle=True, seed=3)
     shards = [
-        {shard for shard, _ in keys_of(source, WorkerContext(worker_id=w, num_workers=4))}
+        {shard for shard, _ in keys_of(source, WorkerContext(partition=w, num_partitions=4))}
         for w in range(4)
     ]
     # Spans are contiguous in shard order: readers share at most a boundary shard.
@@ -281,7 +279,7 @@ def test_resume_property(
 def test_state_of_another_reader_is_refused(tmp_path):
     write(tmp_path / "remote", 10)
     source = ShardedSource(tmp_path / "remote", tmp_path / "cache")
-    source.bind(WorkerContext(worker_id=1, num_workers=2))
+    source.bind(WorkerContext(partition=1, num_partitions=2))
     with pytest.raises(StateFormatError, match="position 4 does not belong to reader 1 of 2"):
         source.restore_state({"phase": "running", "epoch": 0, "position": 4})
     source.restore_state({"phase": "running", "epoch": 0, "position": 7})

@@ -174,7 +174,7 @@ def test_restore_sample_fetches_the_cursor_again(port):
 
 def test_state_of_another_reader_is_refused(port):
     source = finite(new_stream(port, total=3))
-    source.bind(WorkerContext(worker_id=1, num_workers=2))
+    source.bind(WorkerContext(partition=1, num_partitions=2))
     with pytest.raises(StateFormatError, match="cursor 4 does not belong to reader 1 of 2"):
         source.restore_state({"phase": "running", "epoch": 0, "cursor": 4})
     source.restore_state({"phase": "running", "epoch": 0, "cursor": 1})

@@ -45,22 +45,35 @@ def test_state_size_does_not_grow_with_dataset_size() -> None:
     [
         (lambda s: s.pop("format"), "no 'format' field"),
         (lambda s: s.update(format="something else"), "state.format is 'something else'"),
-        (lambda s: s.update(version=RANK_STATE_VERSION + 1), "state.version is 2"),
+        (
+            lambda s: s.update(version=RANK_STATE_VERSION + 1),
+            f"state.version is {RANK_STATE_VERSION + 1}",
+        ),
+        (lambda s: s.update(version=1), "state.version is 1; this energy_loader reads version 2"),
         (lambda s: s.update(workers="nope"), "state.workers must be a list"),
         (lambda s: s.update(workers=[]), "state.workers has 0 entries"),
-        (lambda s: s["workers"][0].update(skip=-1), r"state.workers\[0\].skip must be >= 0"),
-        (lambda s: s["workers"][0].update(skip="3"), r"state.workers\[0\].skip must be an integer"),
-        (lambda s: s.update(next_worker=5), "next_worker 5 is not below"),
         (
-            lambda s: s["workers"][0]["checkpoint"].update(phase="sideways"),
-            r"workers\[0\].checkpoint: .*phase must be one of",
+            lambda s: s["partitions"][0].update(skip=-1),
+            r"state.partitions\[0\].skip must be >= 0",
         ),
         (
-            lambda s: s["workers"][0]["checkpoint"]["inner"].pop("counter"),
+            lambda s: s["partitions"][0].update(skip="3"),
+            r"state.partitions\[0\].skip must be an integer",
+        ),
+        (lambda s: s["partitions"][0].update(partition=3), "names partitions \\[3\\] of only 1"),
+        (lambda s: s["workers"][0].update(partitions=[]), "must not be empty"),
+        (lambda s: s.update(num_partitions=0), "num_partitions must be >= 1"),
+        (lambda s: s.update(next_worker=5), "next_worker 5 is not below"),
+        (
+            lambda s: s["partitions"][0]["checkpoint"].update(phase="sideways"),
+            r"partition 0 checkpoint: .*phase must be one of",
+        ),
+        (
+            lambda s: s["partitions"][0]["checkpoint"]["inner"].pop("counter"),
             "has no field 'counter'",
         ),
         (
-            lambda s: s["workers"][0]["checkpoint"]["inner"].update(indices=[1, "x"]),
+            lambda s: s["partitions"][0]["checkpoint"]["inner"].update(indices=[1, "x"]),
             r"indices\[1\] must be an integer",
         ),
         (lambda s: s.update(config=float("nan")), "state.config must be a dict"),
@@ -104,12 +117,13 @@ def test_larger_or_non_dividing_batch_size_raises_mismatch() -> None:
             loader.restore_state_rank(state)
 
 
-def test_layout_mismatch_names_world_size_and_workers() -> None:
+def test_another_partition_count_is_a_mismatch_naming_both() -> None:
     state = _mid_epoch_state(buffer=10, length=2000)
     loader = el.SavableDataLoader(
         reference_pipeline(2000, 10, 32), worker_config=el.WorkerConfig(rank=1, world_size=2)
     )
     with pytest.raises(
-        el.StateMismatchError, match="rank: saved 0, now 1; world_size: saved 1, now 2"
+        el.StateMismatchError, match=r"saved with num_partitions=1 .* this loader runs num_partit"
     ):
         loader.restore_state_rank(state)
+

@@ -47,9 +47,8 @@ def test_log_index_continues_after_a_restore(tmp_path) -> None:
     restored = el.LogSampleDataset(_source(6), log_dir=tmp_path)
     restored.restore_state(state)
     list(restored)
-    records = [
-        json.loads(x) for x in (tmp_path / "rank00000-worker000.jsonl").read_text().split("\n") if x
-    ]
+    log = (tmp_path / "partition00000-of-00001.jsonl").read_text()
+    records = [json.loads(x) for x in log.split("\n") if x]
     assert [r["index"] for r in records] == [0, 1, 2, 3, 4, 5]
 
 
