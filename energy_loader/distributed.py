@@ -3,10 +3,10 @@
 The only module that talks to process groups. Two ways to checkpoint a job's data position:
 
 * **Each rank saves its own state** (the scalable path, and the one to use beyond a few
-  hundred ranks): ``loader.state_dict()`` under this rank's own key in a
-  ``torch.distributed.checkpoint`` save (:func:`rank_state_key`), or one file per rank next
-  to the model checkpoint (:func:`save_state_rank_file` / :func:`restore_state_rank_file`).
-  No collective, no single rank holding everyone's state.
+  hundred ranks): the loader in a ``torch.distributed.checkpoint`` save (its ``state_dict()``
+  is one leaf per logical partition), or one file per rank next to the model checkpoint
+  (:func:`save_state_rank_file` / :func:`restore_state_rank_file`). No collective, no single
+  rank holding everyone's state.
 * **Gather and scatter** (small jobs, one file for the whole job):
   :func:`save_state_global` gathers every data-parallel rank's state to one rank with
   ``gather_object``; :func:`restore_state_global` hands each rank its own entry, from a list
@@ -350,7 +350,7 @@ def save_state_global(loader: SavableDataLoader, dst_rank: int) -> list[dict[str
     ``torch.save``, and what :func:`restore_state_global` takes. Each state travels to
     ``dst_rank`` once, pickled by ``gather_object``; cost and memory on ``dst_rank`` grow with
     the number of ranks (see docs/distributed.md; beyond a few hundred ranks prefer
-    :func:`save_state_rank_file` or DCP with :func:`rank_state_key`).
+    :func:`save_state_rank_file` or DCP).
 
     If a rank cannot save (a worker died, a layout that disagrees with the group), it still
     takes part, sending its error instead of a state: that rank raises its error and
@@ -473,18 +473,22 @@ def restore_state_global(
     this, with the same ``src_rank``):
 
     * ``src_rank=None``: every rank passes the full list (e.g. each read the same file) and
-      restores its own entry;
+      restores from what it needs of it;
     * ``src_rank=r`` (a global rank in the group): only rank ``r`` needs the list; it is
-      checked there and each entry is sent to its rank with ``scatter_object_list``. Other
-      ranks' ``states`` are ignored (pass ``None``).
+      checked there and sent with ``scatter_object_list``: each rank's own entry when the
+      world size is the one the list was saved with, every entry otherwise. Other ranks'
+      ``states`` are ignored (pass ``None``).
 
-    Every rank checks its entry as ``restore_state_rank`` would, then the group agrees: if any
-    rank's entry does not fit (a list of the wrong length, a state of another world size,
-    rank order, pipeline or worker count, a malformed state) every rank raises the same
-    ``StateMismatchError``/``StateFormatError``/``TypeError`` naming the failing ranks, and no
-    loader is changed. ``src_rank`` outside the group is a ``ValueError`` on every rank before
-    anything is exchanged. Without an initialised process group the full-list form restores
-    this loader's own entry and the scatter form needs world size 1. Example::
+    The list is every rank's state of one save, in rank order, possibly of another world size
+    or worker count with the same ``num_partitions``: each rank then takes the partitions it
+    now runs (see :mod:`energy_loader.partitions`). Every rank checks what it needs as
+    ``restore_state_rank`` would, then the group agrees: if anything does not fit on any rank
+    (an incomplete list, rank order, another pipeline or ``num_partitions``, a malformed state)
+    every rank raises the same ``StateMismatchError``/``StateFormatError``/``TypeError``
+    naming the failing ranks, and no loader is changed. ``src_rank`` outside the group is a
+    ``ValueError`` on every rank before anything is exchanged. Without an initialised process
+    group the full-list form restores this loader (a rank simulated with an explicit
+    ``WorkerConfig``) and the scatter form needs world size 1. Example::
 
         states = json.load(open(path)) if dist.get_rank() == 0 else None
         restore_state_global(loader, states, src_rank=0)
@@ -530,21 +534,16 @@ def _rank_stem(config: WorkerConfig, prefix: str) -> str:
 
 
 def rank_state_key(loader: SavableDataLoader | WorkerConfig, prefix: str = "loader") -> str:
-    """This rank's key for its loader in a ``torch.distributed.checkpoint`` state dict.
+    """A per-rank name, ``loader_rank_00003_of_00016``, for things saved once per rank.
 
-    ``torch.distributed.checkpoint`` keeps *one* copy of every key it sees on several ranks
-    (it deduplicates replicated values), so a loader saved under the same key on every rank
-    comes back as one rank's state, or a mixture of leaves from several, everywhere. Give each
-    data-parallel rank its own key; tensor-parallel peers share one (their states are
-    equivalent). The key names the data-parallel world size, so loading into a job of
-    another size fails with a missing key instead of restoring the wrong shard.
+    Not needed for ``torch.distributed.checkpoint``: ``loader.state_dict()`` holds one JSON
+    leaf per logical partition under keys that name the partition, so the loader goes under
+    one common key on every rank and a job saved on ``R`` ranks loads on ``R'``::
 
-    ``loader.state_dict()`` is one JSON string leaf, so DCP stores it compactly and loads it
-    whatever shape the state had when it was saved. Example::
+        dcp.save({"model": model_state, "loader": loader}, checkpoint_id=path)
+        dcp.load({"model": model_state, "loader": fresh_loader}, checkpoint_id=path)
 
-        state = {"model": model_state, rank_state_key(loader): loader}
-        dcp.save(state, checkpoint_id=path)   # ... later, same dict shape:
-        dcp.load(state, checkpoint_id=path)   # calls loader.load_state_dict
+    A per-rank key would tie the checkpoint to the world size it was saved with.
     """
     return _rank_stem(_config_of(loader), prefix)
 

@@ -402,6 +402,17 @@ class SavableDataLoader(DataLoader):
         )
 
     @property
+    def epoch(self) -> int:
+        """The epoch of the item handed out last (0 before the first; read after each item).
+
+        After an epoch's end was reported it is the epoch the next ``iter()`` starts. A loader
+        restored from a state saved right after an epoch's last item moves on to the next
+        epoch with its first item, so read it after each item rather than before.
+        """
+        progress = self._progress
+        return progress.epoch + (1 if progress.epoch_ended else 0)
+
+    @property
     def num_partitions(self) -> int:
         """P: the logical partitions of the whole job (see :mod:`energy_loader.partitions`)."""
         return self._num_partitions

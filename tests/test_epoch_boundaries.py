@@ -148,3 +148,19 @@ def test_any_consumer_sees_the_torch_epoch_sequence(
     assert len(got) == len(want)
     for position, (a, b) in enumerate(zip(want, got)):
         assert first_difference(a, b) is None, f"item {position}: {first_difference(a, b)}"
+
+
+def test_epoch_is_the_epoch_of_the_last_item() -> None:
+    loader = el.SavableDataLoader(_issue_pipeline())
+    assert loader.epoch == 0
+    first = list(itertools.islice(iter(loader), len(loader)))
+    assert loader.epoch == 0 and len(first) == 12
+    state = loader.save_state_rank()
+    next(iter(loader))
+    assert loader.epoch == 1
+    restored = el.SavableDataLoader(_issue_pipeline())
+    restored.restore_state_rank(state)
+    next(iter(restored))
+    assert restored.epoch == 1
+    list(restored)  # the rest of epoch 1, then its end
+    assert restored.epoch == 2
