@@ -268,7 +268,9 @@ class ShardedSource(SavableDataset):
     - ``cache_limit``: bytes of uncompressed shards to keep in ``local`` (``None``: no bound);
       shards the reader has finished are evicted first;
     - ``download_retries`` / ``download_timeout``: extra attempts per shard after a failure or a
-      hash mismatch, and seconds per attempt.
+      hash mismatch, and seconds per attempt;
+    - ``storage_options``: fsspec options for the remote (``{"client_kwargs": {"endpoint_url":
+      ...}}`` for an S3-compatible server), plain data.
 
     Errors: ``FileNotFoundError`` (index or shard missing on the remote), ``SourceDataError``
     (bad index, a shard still corrupt after every retry, a cache holding another index),
@@ -292,6 +294,7 @@ class ShardedSource(SavableDataset):
         cache_limit: int | None = None,
         download_retries: int = 2,
         download_timeout: float = 60.0,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(remote, (str, os.PathLike)):
@@ -322,7 +325,7 @@ class ShardedSource(SavableDataset):
                 f"(got {download_timeout!r})"
             )
         self.download_timeout = float(download_timeout)
-        self.remote = Remote(os.fspath(remote))
+        self.remote = Remote(os.fspath(remote), storage_options)
         self.local = Path(local).resolve()
         if "://" not in self.remote.url and Path(self.remote.url).resolve() == self.local:
             raise ValueError(
