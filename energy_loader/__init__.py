@@ -27,10 +27,13 @@ from .errors import (
 from .loader import BasicDataLoader, SavableDataLoader
 from .sources import (
     ChunkedFolderSource,
+    HuggingFaceIterableSource,
     IndexedSource,
+    ParquetSource,
     ShardedSource,
     ShardWriter,
     StreamSource,
+    WebDatasetSource,
     write_chunked_folder,
 )
 from .worker import WorkerConfig, WorkerContext, current_worker
@@ -66,11 +69,13 @@ __all__ = [
     "FilterDataset",
     "GcDataset",
     "GroupBatchDataset",
+    "HuggingFaceIterableSource",
     "IndexedSource",
     "LimitDataset",
     "LogSampleDataset",
     "MapDataset",
     "PackingDataset",
+    "ParquetSource",
     "RESTORE_KEY",
     "RepeatDataset",
     "SavableDataLoader",
@@ -84,6 +89,7 @@ __all__ = [
     "StreamError",
     "StreamSource",
     "UnbatchDataset",
+    "WebDatasetSource",
     "WorkerConfig",
     "WorkerContext",
     "WorkerError",

@@ -72,10 +72,17 @@ class Remote:
     """A remote directory: any fsspec URL, or a local directory standing in for one.
 
     The fsspec filesystem is opened lazily in each process (never pickled).
+    ``storage_options`` go to the filesystem (``{"client_kwargs": {"endpoint_url": ...}}`` for
+    an S3-compatible server); they must be plain data, as they travel to worker processes.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url if "://" in url else str(Path(url).resolve())
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(
+                f"`storage_options` must be a dict of fsspec options (got {storage_options!r})"
+            )
+        self.storage_options = dict(storage_options or {})
         self._fs: Any = None
         self._root = ""
         self._pid = -1
@@ -84,7 +91,7 @@ class Remote:
         if self._fs is None or self._pid != os.getpid():
             import fsspec
 
-            self._fs, self._root = fsspec.core.url_to_fs(self.url)
+            self._fs, self._root = fsspec.core.url_to_fs(self.url, **self.storage_options)
             self._pid = os.getpid()
         return self._fs, self._root
 
@@ -97,8 +104,18 @@ class Remote:
         fs, root = self._filesystem()
         return fs.open(f"{root.rstrip('/')}/{name}", "rb")
 
+    def filesystem(self) -> tuple[Any, str]:
+        """This process's fsspec filesystem and the remote's root path in it."""
+        return self._filesystem()
+
     def __getstate__(self) -> dict[str, Any]:
-        return {"url": self.url, "_fs": None, "_root": "", "_pid": -1}
+        return {
+            "url": self.url,
+            "storage_options": self.storage_options,
+            "_fs": None,
+            "_root": "",
+            "_pid": -1,
+        }
 
 
 class _Corrupt(Exception):
@@ -153,8 +170,10 @@ class ShardCache:
         retries: int,
         timeout: float,
         cache_limit: int | None,
+        remedy: str = "rewrite the dataset with ShardWriter",
     ) -> None:
         self.remote = remote
+        self.remedy = remedy
         self.local = local
         self.shards = shards
         self.compression = compression
@@ -296,8 +315,8 @@ class ShardCache:
                 return None
             except FileNotFoundError:
                 raise FileNotFoundError(
-                    f"shard {info.name} listed in {self.remote.where('index.json')} is missing "
-                    f"from the remote ({self.remote.where(info.name)})"
+                    f"shard {info.name} listed in the index is missing from the remote "
+                    f"({self.remote.where(info.name)})"
                 ) from None
             except _Corrupt as error:
                 last, corrupt = error, True
@@ -324,7 +343,7 @@ class ShardCache:
         if corrupt:
             raise SourceDataError(
                 f"shard {where} is corrupt: {last} (downloaded {attempts} times); the remote "
-                "copy does not match its index.json: rewrite the dataset with ShardWriter"
+                f"copy does not match its index: {self.remedy}"
             ) from last
         raise DownloadError(
             f"cannot download shard {where} after {attempts} attempts: "

@@ -31,14 +31,13 @@ State: ``{"phase", "epoch", "position"}``: the reader's next global position. Re
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import math
 import os
 import struct
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +49,7 @@ from ..rng import stable_hash
 from ..state.plain import StateReader
 from ._codec import decode_sample
 from ._download import LOCKS, Prefetcher, ReaderProgress, Remote, ShardCache, fetch_bytes, node_lock
-from .permutation import FeistelPermutation
+from ._order import EpochOrder
 from .shard_writer import COMPRESSIONS, FORMAT, INDEX, MAGIC, VERSION, ShardInfo, zstd_module
 
 __all__ = ["ShardedSource"]
@@ -143,46 +142,14 @@ def parse_index(data: bytes, where: str) -> tuple[str | None, tuple[ShardInfo, .
     return compression, tuple(shards)
 
 
-class _EpochOrder:
-    """The global order of one epoch: global position -> (shard, row). O(shards) memory."""
-
-    def __init__(self, source: ShardedSource, epoch: int, partitions: int) -> None:
-        shards = source.shards
-        self.total = source.total
-        self.partitions = partitions
-        self.seed = stable_hash(source.seed, source.stream_salt(), epoch)
-        self.shuffle = source.shuffle
-        order: Sequence[int] = range(len(shards))
-        if source.shuffle and len(shards) > 1:
-            permutation = FeistelPermutation(len(shards), stable_hash(self.seed, "shards"))
-            order = [permutation[i] for i in range(len(shards))]
-        self.order = list(order)
-        self.starts: list[int] = []
-        running = 0
-        for shard in self.order:
-            self.starts.append(running)
-            running += shards[shard].samples
-        self.samples = [info.samples for info in shards]
-        self._rows: dict[int, FeistelPermutation] = {}
-
-    def locate(self, position: int) -> tuple[int, int]:
-        """``(shard, offset in the shard's per-epoch order)`` of global ``position``."""
-        partitions, total = self.partitions, self.total
-        span, step = position % partitions, position // partitions
-        q = span * (total // partitions) + min(span, total % partitions) + step
-        slot = bisect.bisect_right(self.starts, q) - 1
-        return self.order[slot], q - self.starts[slot]
-
-    def row(self, shard: int, offset: int) -> int:
-        if not self.shuffle:
-            return offset
-        permutation = self._rows.get(shard)
-        if permutation is None:
-            if len(self._rows) > 256:
-                self._rows.clear()
-            permutation = FeistelPermutation(self.samples[shard], stable_hash(self.seed, shard))
-            self._rows[shard] = permutation
-        return permutation[offset]
+def _epoch_order(source: ShardedSource, epoch: int, partitions: int) -> EpochOrder:
+    """The global order of one epoch (see :mod:`energy_loader.sources._order`)."""
+    return EpochOrder(
+        [info.samples for info in source.shards],
+        stable_hash(source.seed, source.stream_salt(), epoch),
+        source.shuffle,
+        partitions,
+    )
 
 
 class _ShardedCursor(EpochCursor):
@@ -193,20 +160,20 @@ class _ShardedCursor(EpochCursor):
         self.position = 0
         self._prefetcher: Prefetcher | None = None
         self._finalizer: weakref.finalize | None = None
-        self._order: tuple[int, _EpochOrder] | None = None
+        self._order: tuple[int, EpochOrder] | None = None
 
     def begin_epoch(self) -> None:
         self.position = self.dataset.context.shard_index
 
-    def order(self) -> _EpochOrder:
+    def order(self) -> EpochOrder:
         if self._order is None or self._order[0] != self.epoch:
             self._order = (
                 self.epoch,
-                _EpochOrder(self.dataset, self.epoch, self.dataset.partitions()),
+                _epoch_order(self.dataset, self.epoch, self.dataset.partitions()),
             )
         return self._order[1]
 
-    def _start_prefetch(self, order: _EpochOrder, cache: ShardCache) -> ReaderProgress:
+    def _start_prefetch(self, order: EpochOrder, cache: ShardCache) -> ReaderProgress:
         self.stop_prefetch()
         context = self.dataset.context
         start, stride = context.shard_index, context.num_shards
@@ -301,7 +268,9 @@ class ShardedSource(SavableDataset):
     - ``cache_limit``: bytes of uncompressed shards to keep in ``local`` (``None``: no bound);
       shards the reader has finished are evicted first;
     - ``download_retries`` / ``download_timeout``: extra attempts per shard after a failure or a
-      hash mismatch, and seconds per attempt.
+      hash mismatch, and seconds per attempt;
+    - ``storage_options``: fsspec options for the remote (``{"client_kwargs": {"endpoint_url":
+      ...}}`` for an S3-compatible server), plain data.
 
     Errors: ``FileNotFoundError`` (index or shard missing on the remote), ``SourceDataError``
     (bad index, a shard still corrupt after every retry, a cache holding another index),
@@ -325,6 +294,7 @@ class ShardedSource(SavableDataset):
         cache_limit: int | None = None,
         download_retries: int = 2,
         download_timeout: float = 60.0,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(remote, (str, os.PathLike)):
@@ -355,7 +325,7 @@ class ShardedSource(SavableDataset):
                 f"(got {download_timeout!r})"
             )
         self.download_timeout = float(download_timeout)
-        self.remote = Remote(os.fspath(remote))
+        self.remote = Remote(os.fspath(remote), storage_options)
         self.local = Path(local).resolve()
         if "://" not in self.remote.url and Path(self.remote.url).resolve() == self.local:
             raise ValueError(
@@ -434,12 +404,8 @@ class ShardedSource(SavableDataset):
 
     def global_order(self, epoch: int, partitions: int | None = None) -> list[tuple[int, int]]:
         """The epoch's global order as ``(shard, row)`` keys (for tests and audits: O(N))."""
-        order = _EpochOrder(self, epoch, partitions or self.partitions())
-        out = []
-        for position in range(self.total):
-            shard, offset = order.locate(position)
-            out.append((shard, order.row(shard, offset)))
-        return out
+        order = _epoch_order(self, epoch, partitions or self.partitions())
+        return [order.key(position) for position in range(self.total)]
 
     # -- protocol --------------------------------------------------------------------------
 

@@ -1,0 +1,84 @@
+"""The per-epoch global order shared by the sources that read units of samples (shards, tar
+files, windows of Parquet row groups): O(units) memory, O(log units) per lookup.
+
+1. The units are laid out in a per-epoch order (a Feistel permutation of the units when
+   shuffling and ``shuffle_units``), each with its samples in a per-epoch order (a Feistel
+   permutation per unit when shuffling): a sequence Q of N samples.
+2. Q is cut into P contiguous spans ("canonical partitions") of N // P or N // P + 1 samples.
+3. Global position ``g`` is sample ``g // P`` of span ``g % P``.
+
+Reader ``s`` of ``S`` reads global positions ``s, s + S, ...``; with ``S == P`` it reads span
+``s`` front to back, one unit after another, so its reads stay local.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+from ..rng import stable_hash
+from .permutation import FeistelPermutation
+
+__all__ = ["EpochOrder"]
+
+_MAX_CACHED_PERMUTATIONS = 256
+
+
+class EpochOrder:
+    """Global position -> ``(unit, row)`` for one epoch.
+
+    ``samples[u]`` is the number of samples of unit ``u``; ``seed`` already folds in the
+    source's seed, stream salt and epoch.
+    """
+
+    def __init__(
+        self,
+        samples: Sequence[int],
+        seed: int,
+        shuffle: bool,
+        partitions: int,
+        *,
+        shuffle_units: bool = True,
+    ) -> None:
+        self.samples = list(samples)
+        self.total = sum(self.samples)
+        self.partitions = partitions
+        self.seed = seed
+        self.shuffle = shuffle
+        units = len(self.samples)
+        if shuffle and shuffle_units and units > 1:
+            permutation = FeistelPermutation(units, stable_hash(seed, "shards"))
+            self.order = [permutation[i] for i in range(units)]
+        else:
+            self.order = list(range(units))
+        self.starts: list[int] = []
+        running = 0
+        for unit in self.order:
+            self.starts.append(running)
+            running += self.samples[unit]
+        self._rows: dict[int, FeistelPermutation] = {}
+
+    def locate(self, position: int) -> tuple[int, int]:
+        """``(unit, offset in the unit's per-epoch order)`` of global ``position``."""
+        partitions, total = self.partitions, self.total
+        span, step = position % partitions, position // partitions
+        q = span * (total // partitions) + min(span, total % partitions) + step
+        slot = bisect.bisect_right(self.starts, q) - 1
+        return self.order[slot], q - self.starts[slot]
+
+    def row(self, unit: int, offset: int) -> int:
+        """The row of ``unit`` that comes at ``offset`` of its per-epoch order."""
+        if not self.shuffle:
+            return offset
+        permutation = self._rows.get(unit)
+        if permutation is None:
+            if len(self._rows) > _MAX_CACHED_PERMUTATIONS:
+                self._rows.clear()
+            permutation = FeistelPermutation(self.samples[unit], stable_hash(self.seed, unit))
+            self._rows[unit] = permutation
+        return permutation[offset]
+
+    def key(self, position: int) -> tuple[int, int]:
+        """``(unit, row)`` of global ``position``."""
+        unit, offset = self.locate(position)
+        return unit, self.row(unit, offset)

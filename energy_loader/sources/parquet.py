@@ -1,0 +1,412 @@
+"""ParquetSource: rows of Parquet files (local or any fsspec URL) as dict samples, through
+pyarrow, with random access by row group, a local shuffle and exact resume.
+
+Order. Epoch ``e`` has one global order of all rows, independent of the number of ranks and
+workers. Without shuffle it is the files in the given order, each row group after the other,
+rows in file order. With ``shuffle=True``:
+
+1. the row groups of all files are permuted (a Feistel permutation keyed by seed, this
+   source's position in the pipeline and ``e``);
+2. consecutive permuted row groups form *windows* of ``shuffle_window`` row groups, and the
+   rows of each window are permuted (one Feistel permutation per window);
+3. the concatenated windows are cut into ``num_canonical_partitions`` P spans, and global
+   position ``g`` is row ``g // P`` of span ``g % P`` (see :mod:`energy_loader.sources._order`).
+
+Reader ``s`` of ``S`` reads positions ``s, s + S, ...``; with ``S == P`` it reads one span
+front to back, so at any time it needs the row groups of one window: the decoded row groups
+live in a small per-process LRU cache (``max_cached_row_groups``, by default
+``shuffle_window`` per span the reader touches, plus one), and every row group is decoded
+about once per epoch. The shuffle is therefore local: rows move within a window of
+``shuffle_window`` row groups, row groups anywhere.
+
+State: ``{"phase", "epoch", "position"}``. Restore key: ``(file, row_group, row)``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..dataset import EpochCursor, Key, SavableDataset, require_bool, require_int
+from ..errors import DownloadError, SourceDataError, StateFormatError
+from ..rng import stable_hash
+from ..state.plain import StateReader
+from ._order import EpochOrder
+from .permutation import FeistelPermutation
+
+__all__ = ["ParquetSource"]
+
+_SUFFIXES = (".parquet", ".pq")
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+class _ParquetOrder:
+    """One epoch's global order: position -> ``(row group, row)``. O(row groups) memory."""
+
+    def __init__(self, source: ParquetSource, epoch: int, partitions: int) -> None:
+        sizes = source.row_group_rows
+        seed = stable_hash(source.seed, source.stream_salt(), epoch)
+        count = len(sizes)
+        if source.shuffle and count > 1:
+            permutation = FeistelPermutation(count, stable_hash(seed, "row-groups"))
+            groups = [permutation[i] for i in range(count)]
+            width = source.shuffle_window
+        else:
+            groups = list(range(count))
+            width = 1
+        self.windows = [groups[i : i + width] for i in range(0, count, width)]
+        self.window_starts: list[list[int]] = []
+        window_sizes = []
+        for window in self.windows:
+            starts, running = [], 0
+            for group in window:
+                starts.append(running)
+                running += sizes[group]
+            self.window_starts.append(starts)
+            window_sizes.append(running)
+        self.order = EpochOrder(window_sizes, seed, source.shuffle, partitions, shuffle_units=False)
+        self.total = self.order.total
+        self.partitions = partitions
+
+    def locate(self, position: int) -> tuple[int, int]:
+        window, offset = self.order.locate(position)
+        row = self.order.row(window, offset)
+        starts = self.window_starts[window]
+        slot = bisect.bisect_right(starts, row) - 1
+        return self.windows[window][slot], row - starts[slot]
+
+
+class _ParquetCursor(EpochCursor):
+    dataset: ParquetSource
+
+    def __init__(self, dataset: ParquetSource) -> None:
+        super().__init__(dataset)
+        self.position = 0
+
+    def begin_epoch(self) -> None:
+        self.position = self.dataset.context.shard_index
+
+    def resume(self) -> Iterator[tuple[Key, Any]]:
+        source = self.dataset
+        stride = source.context.num_shards
+        order = source.epoch_order(self.epoch)
+        spans = order.partitions // math.gcd(order.partitions, stride)
+        source.set_cache_bound(spans * (source.shuffle_window if source.shuffle else 1) + 1)
+        groups = source.row_groups
+        while self.position < order.total:
+            group, row = order.locate(self.position)
+            rows = source.rows_of(group)
+            self.position += stride
+            file, number = groups[group]
+            yield (file, number, row), rows[row]
+
+    def fields(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_fields(self, reader: StateReader) -> None:
+        self.position = reader.int("position")
+        context = self.dataset.context
+        if self.phase == "running" and self.position % context.num_shards != (
+            context.shard_index % context.num_shards
+        ):
+            raise StateFormatError(
+                f"{reader.path}.position {self.position} does not belong to reader "
+                f"{context.shard_index} of {context.num_shards}"
+            )
+
+
+class ParquetSource(SavableDataset):
+    """Read the rows of Parquet files as dict samples, shuffled locally, resumed exactly.
+
+    ``paths_or_dir``: a directory (its ``*.parquet``/``*.pq`` files, sorted), one file or a
+    list of files; local paths or fsspec URLs (``s3://...``, with ``storage_options``).
+    ``columns`` selects columns (default: all). Each file's footer is read when the source
+    is built (row group sizes, schema); row groups are read through pyarrow when first
+    needed, with ``read_retries`` extra attempts on I/O errors before a
+    :class:`~energy_loader.DownloadError` naming the file.
+
+    Shuffle: row groups are permuted, and rows within windows of ``shuffle_window`` row
+    groups (see the module documentation); larger windows mix more and cache more decoded
+    row groups (``max_cached_row_groups``, default: what the window needs). A damaged file
+    (corrupt footer or page) is a :class:`~energy_loader.SourceDataError` naming the file and
+    row group. Example::
+
+        source = ParquetSource("/data/train", columns=["text", "label"], shuffle=True, seed=7)
+    """
+
+    def __init__(
+        self,
+        paths_or_dir: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        *,
+        columns: Sequence[str] | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        num_canonical_partitions: int | None = None,
+        shuffle_window: int = 4,
+        max_cached_row_groups: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        read_retries: int = 2,
+    ) -> None:
+        super().__init__()
+        require_bool(shuffle, "shuffle")
+        self.shuffle = shuffle
+        self.seed = require_int(seed, "seed", minimum=0)
+        self.num_canonical_partitions = (
+            None
+            if num_canonical_partitions is None
+            else require_int(num_canonical_partitions, "num_canonical_partitions", minimum=1)
+        )
+        self.shuffle_window = require_int(shuffle_window, "shuffle_window", minimum=1)
+        self.max_cached_row_groups = (
+            None
+            if max_cached_row_groups is None
+            else require_int(max_cached_row_groups, "max_cached_row_groups", minimum=1)
+        )
+        self.read_retries = require_int(read_retries, "read_retries", minimum=0)
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(
+                f"`storage_options` must be a dict of fsspec options (got {storage_options!r})"
+            )
+        self.storage_options = dict(storage_options or {})
+        if columns is not None:
+            if isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
+                raise TypeError(f"`columns` must be a list of column names (got {columns!r})")
+            columns = list(columns)
+        self.columns = columns
+        self.paths = tuple(self._resolve(paths_or_dir))
+        self._files: dict[int, Any] = {}
+        self._files_pid = -1
+        groups: list[tuple[int, int]] = []
+        rows: list[int] = []
+        for number in range(len(self.paths)):
+            metadata = self._metadata(number)
+            for group in range(metadata.num_row_groups):
+                count = metadata.row_group(group).num_rows
+                if count:
+                    groups.append((number, group))
+                    rows.append(count)
+        self.row_groups = tuple(groups)
+        self.row_group_rows = tuple(rows)
+        self.total = sum(rows)
+        self._close_files()
+        self._cache: collections.OrderedDict[int, list[dict[str, Any]]] = collections.OrderedDict()
+        self._cache_bound = self.max_cached_row_groups or self.shuffle_window + 1
+
+    # -- construction helpers ----------------------------------------------------------------
+
+    def _resolve(self, paths_or_dir: Any) -> list[str]:
+        if isinstance(paths_or_dir, (str, os.PathLike)):
+            location = os.fspath(paths_or_dir)
+            if _is_url(location):
+                import fsspec
+
+                fs, root = fsspec.core.url_to_fs(location, **self.storage_options)
+                if fs.isfile(root):
+                    paths = [location]
+                else:
+                    protocol = location.split("://", 1)[0]
+                    found = sorted(p for p in fs.find(root) if p.endswith(_SUFFIXES))
+                    paths = [f"{protocol}://{p}" for p in found]
+            else:
+                path = Path(location)
+                if path.is_file():
+                    paths = [str(path.resolve())]
+                elif path.is_dir():
+                    paths = sorted(
+                        str(p.resolve()) for p in path.rglob("*") if p.suffix in _SUFFIXES
+                    )
+                else:
+                    raise FileNotFoundError(f"{location} is neither a Parquet file nor a directory")
+            if not paths:
+                raise FileNotFoundError(f"{location} holds no .parquet files")
+            return paths
+        if isinstance(paths_or_dir, Sequence) and paths_or_dir:
+            out = []
+            for path in paths_or_dir:
+                if not isinstance(path, (str, os.PathLike)):
+                    raise TypeError(f"Parquet file locations must be paths or URLs (got {path!r})")
+                text = os.fspath(path)
+                out.append(text if _is_url(text) else str(Path(text).resolve()))
+            if len(set(out)) != len(out):
+                raise ValueError("`paths_or_dir` lists a file more than once")
+            return out
+        raise TypeError(
+            "`paths_or_dir` must be a directory, a file or a non-empty list of files "
+            f"(got {paths_or_dir!r})"
+        )
+
+    def _file(self, number: int) -> Any:
+        """This process's ``pyarrow.parquet.ParquetFile`` of file ``number`` (opened lazily)."""
+        import pyarrow
+        import pyarrow.parquet as pq
+
+        if self._files_pid != os.getpid():
+            self._files = {}
+            self._files_pid = os.getpid()
+        handle = self._files.get(number)
+        if handle is None:
+            path = self.paths[number]
+            try:
+                if _is_url(path):
+                    import fsspec
+
+                    fs, root = fsspec.core.url_to_fs(path, **self.storage_options)
+                    handle = pq.ParquetFile(fs.open(root, "rb"))
+                else:
+                    handle = pq.ParquetFile(path, memory_map=False)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"Parquet file {path} does not exist") from None
+            except (pyarrow.ArrowInvalid, pyarrow.ArrowException) as error:
+                raise SourceDataError(
+                    f"{path} is not a readable Parquet file (corrupt or truncated footer?): {error}"
+                ) from None
+            if self.columns is not None:
+                missing = [c for c in self.columns if c not in handle.schema_arrow.names]
+                if missing:
+                    raise ValueError(
+                        f"`columns` {missing} are not in {path}; it has {handle.schema_arrow.names}"
+                    )
+            self._files[number] = handle
+        return handle
+
+    def _metadata(self, number: int) -> Any:
+        return self._file(number).metadata
+
+    def _close_files(self) -> None:
+        for handle in self._files.values():
+            close = getattr(handle, "close", None)
+            if close is not None:
+                close()
+        self._files = {}
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def partitions(self) -> int:
+        """P: ``num_canonical_partitions``, or this run's number of readers."""
+        return self.num_canonical_partitions or self.context.num_shards
+
+    def epoch_order(self, epoch: int, partitions: int | None = None) -> _ParquetOrder:
+        """The global order of ``epoch`` (see the module documentation)."""
+        return _ParquetOrder(self, epoch, partitions or self.partitions())
+
+    def global_order(self, epoch: int, partitions: int | None = None) -> list[tuple[int, ...]]:
+        """The epoch's global order as restore keys (for tests and audits: O(N))."""
+        order = self.epoch_order(epoch, partitions)
+        out: list[tuple[int, ...]] = []
+        for position in range(self.total):
+            group, row = order.locate(position)
+            out.append((*self.row_groups[group], row))
+        return out
+
+    def set_cache_bound(self, needed: int) -> None:
+        """Keep ``needed`` decoded row groups (or ``max_cached_row_groups`` if set)."""
+        self._cache_bound = self.max_cached_row_groups or max(needed, 1)
+
+    def rows_of(self, group: int) -> list[dict[str, Any]]:
+        """The decoded rows of global row group ``group`` (from the LRU cache if there)."""
+        cache = self._cache
+        rows = cache.get(group)
+        if rows is not None:
+            cache.move_to_end(group)
+            return rows
+        rows = self._read(group)
+        cache[group] = rows
+        while len(cache) > self._cache_bound:
+            cache.popitem(last=False)
+        return rows
+
+    def _read(self, group: int) -> list[dict[str, Any]]:
+        import pyarrow
+
+        number, index = self.row_groups[group]
+        path = self.paths[number]
+        last: BaseException | None = None
+        for attempt in range(self.read_retries + 1):
+            try:
+                table = self._file(number).read_row_group(index, columns=self.columns)
+            except (pyarrow.ArrowInvalid, pyarrow.ArrowException) as error:
+                if isinstance(error, OSError) and not isinstance(error, pyarrow.ArrowInvalid):
+                    last = error
+                else:
+                    raise SourceDataError(
+                        f"{path}, row group {index} (samples ({number}, {index}, *)): cannot "
+                        f"decode: {error}"
+                    ) from None
+            except OSError as error:
+                last = error
+            else:
+                if table.num_rows != self.row_group_rows[group]:
+                    raise SourceDataError(
+                        f"{path}, row group {index}: {table.num_rows} rows, the footer says "
+                        f"{self.row_group_rows[group]}"
+                    )
+                return table.to_pylist()
+            self._files.pop(number, None)  # reopen: the connection may be gone
+            if attempt < self.read_retries:
+                time.sleep(min(0.05 * 2**attempt, 1.0))
+        raise DownloadError(
+            f"cannot read {path}, row group {index} after {self.read_retries + 1} attempts: "
+            f"{type(last).__name__}: {last}"
+        ) from last
+
+    # -- protocol --------------------------------------------------------------------------
+
+    def _new_cursor(self) -> EpochCursor:
+        return _ParquetCursor(self)
+
+    def validate_key(self, key: Key) -> None:
+        if (
+            isinstance(key, tuple)
+            and len(key) == 3
+            and not any(isinstance(part, bool) or not isinstance(part, int) for part in key)
+        ):
+            position = bisect.bisect_left(self.row_groups, (key[0], key[1]))
+            if (
+                position < len(self.row_groups)
+                and self.row_groups[position] == (key[0], key[1])
+                and 0 <= key[2] < self.row_group_rows[position]
+            ):
+                return
+        raise ValueError(
+            "ParquetSource restore keys are (file, row_group, row) naming a row of the "
+            f"{len(self.paths)} files of this source; got {key!r}"
+        )
+
+    def restore_sample(self, key: Key) -> Any:
+        self.validate_key(key)
+        group = bisect.bisect_left(self.row_groups, (key[0], key[1]))
+        return self.rows_of(group)[key[2]]
+
+    def can_restore_sample(self) -> bool:
+        return True
+
+    def _config_fields(self) -> dict[str, Any]:
+        return {
+            "files": len(self.paths),
+            "row_groups": len(self.row_groups),
+            "total_samples": self.total,
+            "columns": self.columns,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "shuffle_window": self.shuffle_window,
+            "num_canonical_partitions": self.num_canonical_partitions,
+        }
+
+    def __len__(self) -> int:
+        """Samples per epoch of this copy's reader."""
+        context = self.context
+        return len(range(context.shard_index, self.total, context.num_shards))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update(_files={}, _files_pid=-1, _cache=collections.OrderedDict())
+        return state

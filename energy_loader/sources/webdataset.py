@@ -1,0 +1,701 @@
+"""WebDatasetSource: WebDataset tar shards, local or through fsspec, with random access.
+
+A shard is a tar file whose consecutive members sharing a key prefix form one sample
+(``000123.jpg`` + ``000123.json`` -> ``{"__key__": "000123", "jpg": ..., "json": ...}``), the
+format WebDataset and Megatron-Energon read. A small per-shard *member index*
+(:mod:`energy_loader.sources._tar_index`; built once by ``python -m energy_loader index PATH``
+or lazily when the source is built) maps each sample to the byte range of its members, so a
+reader seeks to any sample: the per-epoch shuffle, canonical partitions, exact resume and
+``restore_sample`` work exactly as for :class:`~energy_loader.ShardedSource`.
+
+Order. The shards in a per-epoch order (a Feistel permutation when shuffling), each with its
+samples in a per-epoch order, cut into ``num_canonical_partitions`` P spans; global position
+``g`` is sample ``g // P`` of span ``g % P`` and reader ``s`` of ``S`` reads ``s, s + S, ...``
+(see :mod:`energy_loader.sources._order`): the same global order whatever the number of ranks
+and workers. Only the context's shard index and count choose what a copy reads.
+
+Remote shards (any fsspec URL, ``s3://`` through s3fs) are downloaded whole into
+``cache_dir`` ahead of the reader by the downloader of ShardedSource (node-wide lock, retries,
+timeout, size and sha256 checked against the index); local shards are read in place.
+
+State: ``{"phase", "epoch", "position", "skipped"}``. Restore key: ``(shard, row)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import posixpath
+import re
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..dataset import EpochCursor, Key, SavableDataset, callable_name, require_bool, require_int
+from ..errors import DownloadError, SourceDataError, StateFormatError
+from ..rng import stable_hash
+from ..state.atomic import write_atomically
+from ..state.plain import StateReader
+from ._download import Prefetcher, ReaderProgress, Remote, ShardCache, fetch_bytes
+from ._order import EpochOrder
+from ._tar_index import INDEX_SUFFIX, TarIndex, build_index, check_header, parse_index
+from .shard_writer import ShardInfo
+
+__all__ = ["DEFAULT_DECODERS", "WebDatasetSource", "expand_urls"]
+
+LOGGER = logging.getLogger("energy_loader.sources.webdataset")
+DEFAULT_PREDOWNLOAD = 1024
+ON_ERROR = ("raise", "skip")
+_BRACES = re.compile(r"\{(\d+)\.\.(\d+)\}")
+_REMEDY = (
+    "the shard changed after it was indexed: rebuild the index (python -m energy_loader index)"
+)
+
+Decoder = Callable[[bytes], Any]
+
+
+def _text(data: bytes) -> str:
+    return data.decode("utf-8")
+
+
+def _integer(data: bytes) -> int:
+    return int(data.decode("utf-8").strip())
+
+
+def _npy(data: bytes) -> Any:
+    import numpy as np
+
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+def _torch(data: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _image(data: bytes) -> Any:
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return image
+
+
+def _default_decoders() -> dict[str, Decoder]:
+    decoders: dict[str, Decoder] = {"json": json.loads}
+    decoders.update(dict.fromkeys(("txt", "text"), _text))
+    decoders.update(dict.fromkeys(("cls", "cls2", "index", "inx", "id", "int"), _integer))
+    decoders["npy"] = _npy
+    decoders.update(dict.fromkeys(("pt", "pth"), _torch))
+    try:
+        import PIL.Image  # noqa: F401
+    except ImportError:  # images stay bytes without Pillow
+        return decoders
+    images = ("jpg", "jpeg", "png", "ppm", "pgm", "pbm", "pnm", "webp", "bmp", "tif", "tiff")
+    decoders.update(dict.fromkeys(images, _image))
+    return decoders
+
+
+#: The decoders used with ``decode=True``, by the last part of a member's extension.
+DEFAULT_DECODERS: Mapping[str, Decoder] = _default_decoders()
+
+
+def expand_urls(pattern: str) -> list[str]:
+    """Expand WebDataset's numeric brace ranges: ``shard-{000..002}.tar`` -> three names."""
+    match = _BRACES.search(pattern)
+    if match is None:
+        return [pattern]
+    first, last = match.group(1), match.group(2)
+    width = len(first) if first.startswith("0") else 0
+    out = []
+    for number in range(int(first), int(last) + 1):
+        head = pattern[: match.start()] + str(number).zfill(width)
+        out += [head + tail for tail in expand_urls(pattern[match.end() :])]
+    return out
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+def _list_shards(location: str, storage_options: dict[str, Any]) -> list[str]:
+    """The ``.tar`` files of a directory (local or fsspec URL), sorted by name."""
+    if _is_url(location):
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(location, **storage_options)
+        if fs.isfile(root):
+            return [location]
+        protocol = location.split("://", 1)[0]
+        found = sorted(fs.glob(root.rstrip("/") + "/*.tar"))
+        return [f"{protocol}://{path}" for path in found]
+    path = Path(location)
+    if path.is_file():
+        return [str(path.resolve())]
+    if not path.is_dir():
+        raise FileNotFoundError(f"{location} is neither a .tar shard nor a directory of shards")
+    return sorted(str(p.resolve()) for p in path.glob("*.tar"))
+
+
+def _default_cache_dir(base: str) -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    digest = hashlib.sha256(base.encode()).hexdigest()[:16]
+    return Path(root) / "energy_loader" / "webdataset" / digest
+
+
+def _flat(name: str) -> str:
+    return name.replace("/", "__")
+
+
+class _TarFile:
+    """One shard opened for random access: its index and the local file."""
+
+    def __init__(self, path: str, index: TarIndex, where: str) -> None:
+        self.where = where
+        self.index = index
+        size = os.path.getsize(path)
+        if size != index.bytes:
+            raise SourceDataError(
+                f"{where} has {size} bytes but had {index.bytes} when it was indexed: it is "
+                f"truncated or was rewritten; {_REMEDY}"
+            )
+        self.file = open(path, "rb")  # noqa: SIM115 (closed by close())
+
+    def read(self, row: int) -> dict[str, Any]:
+        """The raw sample ``row``: ``{"__key__": key, extension: bytes, ...}``."""
+        index = self.index
+        key = index.keys[row]
+        members = index.members[row]
+        start, stop = index.span(row)
+        self.file.seek(start)
+        data = self.file.read(stop - start)
+        if len(data) != stop - start:
+            raise SourceDataError(f"{self.where}, sample {row} (key {key!r}) is truncated")
+        sample: dict[str, Any] = {"__key__": key}
+        view = memoryview(data)
+        for i in range(0, len(members), 4):
+            extension, header, offset, size = members[i : i + 4]
+            check_header(
+                bytes(view[header - start : header - start + 512]),
+                f"{key}.{extension}",
+                self.where,
+                row,
+                key,
+            )
+            sample[extension] = bytes(view[offset - start : offset - start + size])
+        return sample
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class _WebDatasetCursor(EpochCursor):
+    dataset: WebDatasetSource
+
+    def __init__(self, dataset: WebDatasetSource) -> None:
+        super().__init__(dataset)
+        self.position = 0
+        self.skipped = 0
+        self._prefetcher: Prefetcher | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    def begin_epoch(self) -> None:
+        self.position = self.dataset.context.shard_index
+
+    def _start_prefetch(self, order: EpochOrder) -> ReaderProgress:
+        self.stop_prefetch()
+        source = self.dataset
+        start, stride = source.context.shard_index, source.context.num_shards
+        steps = len(range(start, order.total, stride))
+        progress = ReaderProgress((self.position - start) // stride)
+        if source.remote is not None and source.predownload > 0 and progress.step < steps:
+
+            def shard_at(step: int) -> int:
+                return order.locate(start + step * stride)[0]
+
+            prefetcher = Prefetcher(source.cache(), shard_at, steps, source.predownload, progress)
+            prefetcher.start()
+            self._prefetcher = prefetcher
+            self._finalizer = weakref.finalize(self, prefetcher.stop_event.set)
+        return progress
+
+    def stop_prefetch(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.stop()
+            self._prefetcher = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+
+    def resume(self) -> Iterator[tuple[Key, Any]]:
+        source = self.dataset
+        stride, start = source.context.num_shards, source.context.shard_index
+        order = source.epoch_order(self.epoch)
+        progress = self._start_prefetch(order)
+        prefetcher = self._prefetcher
+        files: dict[int, _TarFile] = {}
+        current: dict[int, int] = {}  # span -> the shard it is reading
+        users: dict[int, int] = {}  # open shard -> number of spans reading it
+        partitions = order.partitions
+        skip = source.on_error == "skip"
+        try:
+            while self.position < order.total:
+                shard, offset = order.locate(self.position)
+                span = self.position % partitions
+                row = order.row(shard, offset)
+                try:
+                    if current.get(span) != shard:
+                        previous = current.pop(span, None)
+                        if shard not in files:
+                            files[shard] = source.open_shard(shard)
+                        current[span] = shard
+                        users[shard] = users.get(shard, 0) + 1
+                        if previous is not None:
+                            users[previous] -= 1
+                            if not users[previous]:
+                                del users[previous]
+                                files.pop(previous).close()
+                                source.release(previous)
+                    sample = source.decode_sample(files[shard].read(row), shard, row)
+                except SourceDataError as error:
+                    if not skip:
+                        raise
+                    self.skipped += 1
+                    self.position += stride
+                    progress.step = (self.position - start) // stride
+                    LOGGER.warning(
+                        "skipped sample (%d, %d) (%d so far): %s", shard, row, self.skipped, error
+                    )
+                    continue
+                self.position += stride
+                progress.step = (self.position - start) // stride
+                yield (shard, row), sample
+        finally:
+            if self._prefetcher is prefetcher:
+                self.stop_prefetch()
+            for shard, file in files.items():
+                file.close()
+                source.release(shard)
+
+    def fields(self) -> dict[str, Any]:
+        return {"position": self.position, "skipped": self.skipped}
+
+    def load_fields(self, reader: StateReader) -> None:
+        self.position = reader.int("position")
+        self.skipped = reader.int("skipped")
+        context = self.dataset.context
+        if self.phase == "running" and self.position % context.num_shards != (
+            context.shard_index % context.num_shards
+        ):
+            raise StateFormatError(
+                f"{reader.path}.position {self.position} does not belong to reader "
+                f"{context.shard_index} of {context.num_shards}"
+            )
+
+
+class WebDatasetSource(SavableDataset):
+    """Read WebDataset tar shards (local or any fsspec URL) with shuffle and exact resume.
+
+    ``urls_or_dir``: a directory holding ``*.tar`` shards, one shard, a brace pattern
+    (``"s3://bucket/train/shard-{000..099}.tar"``) or a list of shards; local paths or fsspec
+    URLs (one protocol for all). Each sample is a dict ``{"__key__": key, extension: value}``;
+    ``decode``:
+
+    - ``True``: :data:`DEFAULT_DECODERS` by the last part of the extension (json, txt, cls/int,
+      npy with ``allow_pickle=False``, pt/pth with ``torch.load(weights_only=True)``, images
+      as PIL images when Pillow is installed); other members stay ``bytes``;
+    - ``False``: every member stays ``bytes``;
+    - a mapping ``{extension: fn(bytes) -> value}`` added to (or, with ``None``, removed from)
+      the defaults;
+    - a callable ``fn(raw_sample) -> sample`` given the dict of bytes (the user hook).
+
+    A member index per shard (``<shard>.idx.json``) is read when the source is built; a
+    missing one is built then (one pass over the shard) and stored beside the shard, or in
+    ``cache_dir`` when that is not writable or the shard is remote. ``python -m energy_loader
+    index PATH`` builds them ahead, in parallel. Remote shards are downloaded into
+    ``cache_dir`` (default ``~/.cache/energy_loader/webdataset/<hash of the location>``) by a
+    background thread, ``predownload`` samples ahead, checked against the index's size and
+    sha256, with ``download_retries`` and ``download_timeout`` per attempt; ``cache_limit``
+    bounds the cache in bytes. ``storage_options`` go to fsspec.
+
+    Damaged data (a truncated tar, a missing member, a decoder failure) raises
+    :class:`~energy_loader.SourceDataError` naming the shard and sample; with
+    ``on_error="skip"`` such samples are skipped, logged and counted in the state's
+    ``skipped``. Example::
+
+        source = WebDatasetSource("/data/train", shuffle=True, seed=1234)
+        for sample in source:
+            image, label = sample["jpg"], sample["cls"]
+    """
+
+    def __init__(
+        self,
+        urls_or_dir: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        num_canonical_partitions: int | None = None,
+        decode: bool | Mapping[str, Decoder | None] | Callable[[dict[str, Any]], Any] = True,
+        cache_dir: str | os.PathLike[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        predownload: int = DEFAULT_PREDOWNLOAD,
+        cache_limit: int | None = None,
+        download_retries: int = 2,
+        download_timeout: float = 60.0,
+        on_error: str = "raise",
+    ) -> None:
+        super().__init__()
+        require_bool(shuffle, "shuffle")
+        self.shuffle = shuffle
+        self.seed = require_int(seed, "seed", minimum=0)
+        self.num_canonical_partitions = (
+            None
+            if num_canonical_partitions is None
+            else require_int(num_canonical_partitions, "num_canonical_partitions", minimum=1)
+        )
+        self.predownload = require_int(predownload, "predownload", minimum=0)
+        self.cache_limit = (
+            None if cache_limit is None else require_int(cache_limit, "cache_limit", minimum=1)
+        )
+        self.download_retries = require_int(download_retries, "download_retries", minimum=0)
+        if (
+            isinstance(download_timeout, bool)
+            or not isinstance(download_timeout, (int, float))
+            or not download_timeout > 0
+            or math.isinf(download_timeout)
+        ):
+            raise ValueError(
+                "`download_timeout` must be a positive number of seconds "
+                f"(got {download_timeout!r})"
+            )
+        self.download_timeout = float(download_timeout)
+        if on_error not in ON_ERROR:
+            raise ValueError(f"`on_error` must be one of {ON_ERROR} (got {on_error!r})")
+        self.on_error = on_error
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(
+                f"`storage_options` must be a dict of fsspec options (got {storage_options!r})"
+            )
+        self.storage_options = dict(storage_options or {})
+        self._set_decoders(decode)
+        urls = self._resolve(urls_or_dir)
+        self.remote: Remote | None = None
+        if _is_url(urls[0]):
+            base = posixpath.commonpath([posixpath.dirname(u.split("://", 1)[1]) for u in urls])
+            protocol = urls[0].split("://", 1)[0]
+            self.remote = Remote(f"{protocol}://{base}", self.storage_options)
+            names = [u.split("://", 1)[1][len(base) :].lstrip("/") for u in urls]
+            location = self.remote.url
+        else:
+            names = urls
+            location = os.path.commonpath(urls)
+        self.urls = tuple(urls)
+        self.names = tuple(names)
+        if cache_dir is not None and (
+            not isinstance(cache_dir, (str, os.PathLike)) or _is_url(os.fspath(cache_dir))
+        ):
+            raise TypeError(f"`cache_dir` must be a local directory path (got {cache_dir!r})")
+        self.cache_dir = (
+            Path(cache_dir).resolve() if cache_dir is not None else _default_cache_dir(location)
+        )
+        self._index_files: list[str] = []
+        infos = []
+        for number, name in enumerate(self.names):
+            index, index_file = self._load_index(number)
+            self._index_files.append(index_file)
+            infos.append(
+                ShardInfo(
+                    name=name,
+                    samples=index.samples,
+                    bytes=index.bytes,
+                    sha256=index.sha256,
+                    raw_name=_flat(name) if self.remote is not None else name,
+                    raw_bytes=index.bytes,
+                    raw_sha256=index.sha256,
+                )
+            )
+        self.shards = tuple(infos)
+        self.total = sum(info.samples for info in self.shards)
+        self._fingerprint = stable_hash(*(info.sha256 for info in self.shards))
+        self._cache: ShardCache | None = None
+        self._cache_pid = -1
+        self._indexes: dict[int, TarIndex] = {}
+        self._restore: tuple[int, _TarFile] | None = None
+
+    # -- construction helpers ------------------------------------------------------------------
+
+    def _set_decoders(self, decode: Any) -> None:
+        self._decode_fn: Callable[[dict[str, Any]], Any] | None = None
+        self._decoders: dict[str, Decoder] = {}
+        if isinstance(decode, bool):
+            self._decoders = dict(DEFAULT_DECODERS) if decode else {}
+            self._decode_name: Any = decode
+        elif isinstance(decode, Mapping):
+            self._decoders = dict(DEFAULT_DECODERS)
+            for extension, fn in decode.items():
+                if not isinstance(extension, str) or (fn is not None and not callable(fn)):
+                    raise TypeError(
+                        "`decode` as a mapping is {extension: fn(bytes) -> value or None} "
+                        f"(got {extension!r}: {fn!r})"
+                    )
+                if fn is None:
+                    self._decoders.pop(extension, None)
+                else:
+                    self._decoders[extension] = fn
+            self._decode_name = {k: callable_name(v) for k, v in self._decoders.items()}
+        elif callable(decode):
+            self._decode_fn = decode
+            self._decode_name = callable_name(decode)
+        else:
+            raise TypeError(
+                "`decode` must be True, False, a mapping {extension: fn(bytes)} or a function "
+                f"of the raw sample dict (got {decode!r})"
+            )
+
+    def _resolve(self, urls_or_dir: Any) -> list[str]:
+        if isinstance(urls_or_dir, (str, os.PathLike)):
+            location = os.fspath(urls_or_dir)
+            if _BRACES.search(location):
+                urls = expand_urls(location)
+            else:
+                urls = _list_shards(location, self.storage_options)
+                if not urls:
+                    raise FileNotFoundError(f"{location} holds no .tar shards")
+        elif isinstance(urls_or_dir, Sequence) and urls_or_dir:
+            urls = []
+            for url in urls_or_dir:
+                if not isinstance(url, (str, os.PathLike)):
+                    raise TypeError(f"shard locations must be paths or URLs (got {url!r})")
+                urls.append(os.fspath(url))
+        else:
+            raise TypeError(
+                "`urls_or_dir` must be a directory, a shard, a brace pattern or a non-empty list "
+                f"of shards (got {urls_or_dir!r})"
+            )
+        protocols = {u.split("://", 1)[0] if _is_url(u) else "" for u in urls}
+        if len(protocols) > 1:
+            raise ValueError(
+                f"all shards must be local or share one fsspec protocol (got {sorted(protocols)})"
+            )
+        if not _is_url(urls[0]):
+            urls = [str(Path(u).resolve()) for u in urls]
+        if len(set(urls)) != len(urls):
+            raise ValueError("`urls_or_dir` lists a shard more than once")
+        return urls
+
+    def where(self, shard: int) -> str:
+        """The shard's location (for messages)."""
+        return self.urls[shard]
+
+    def _cached_index_path(self, shard: int) -> Path:
+        return self.cache_dir / "indexes" / (_flat(self.names[shard].lstrip("/")) + INDEX_SUFFIX)
+
+    def _load_index(self, shard: int) -> tuple[TarIndex, str]:
+        """The shard's index and the local file it can be re-read from (built if missing)."""
+        where = self.urls[shard]
+        cached = self._cached_index_path(shard)
+        if self.remote is None:
+            beside = Path(where + INDEX_SUFFIX)
+            for candidate in (beside, cached):
+                if candidate.exists():
+                    index = parse_index(candidate.read_bytes(), str(candidate))
+                    size = os.path.getsize(where)
+                    if size != index.bytes:
+                        raise SourceDataError(
+                            f"{where} has {size} bytes but had {index.bytes} when it was "
+                            f"indexed ({candidate}): {_REMEDY}"
+                        )
+                    return index, str(candidate)
+            with open(where, "rb") as file:
+                data = build_index(file, Path(where).name, where)
+            target = beside
+            try:
+                write_atomically(beside, json.dumps(data).encode())
+            except OSError:
+                target = cached
+                write_atomically(cached, json.dumps(data).encode())
+            LOGGER.info("indexed %s (%d samples) into %s", where, data["samples"], target)
+            return TarIndex(data), str(target)
+        remote = self.remote
+        name = self.names[shard]
+        if cached.exists():
+            return parse_index(cached.read_bytes(), str(cached)), str(cached)
+        try:
+            raw = fetch_bytes(
+                remote,
+                name + INDEX_SUFFIX,
+                retries=self.download_retries,
+                timeout=self.download_timeout,
+            )
+            index = parse_index(raw, where + INDEX_SUFFIX)
+        except FileNotFoundError:
+            try:
+                with remote.open(name) as file:
+                    data = build_index(file, posixpath.basename(name), where)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"shard {where} does not exist") from None
+            except OSError as error:
+                raise DownloadError(f"cannot read {where} to index it: {error}") from error
+            index = TarIndex(data)
+            LOGGER.info("indexed %s (%d samples) into %s", where, index.samples, cached)
+        write_atomically(cached, json.dumps(index.to_plain()).encode())
+        return index, str(cached)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def partitions(self) -> int:
+        """P: ``num_canonical_partitions``, or this run's number of readers."""
+        return self.num_canonical_partitions or self.context.num_shards
+
+    def epoch_order(self, epoch: int, partitions: int | None = None) -> EpochOrder:
+        """The global order of ``epoch`` (see the module documentation)."""
+        return EpochOrder(
+            [info.samples for info in self.shards],
+            stable_hash(self.seed, self.stream_salt(), epoch),
+            self.shuffle,
+            partitions or self.partitions(),
+        )
+
+    def global_order(self, epoch: int, partitions: int | None = None) -> list[tuple[int, int]]:
+        """The epoch's global order as ``(shard, row)`` keys (for tests and audits: O(N))."""
+        order = self.epoch_order(epoch, partitions)
+        return [order.key(position) for position in range(self.total)]
+
+    def cache(self) -> ShardCache:
+        """This process's view of the download cache (remote shards only; made lazily)."""
+        if self.remote is None:
+            raise RuntimeError("local shards are read in place; there is no download cache")
+        if self._cache is None or self._cache_pid != os.getpid():
+            self._cache = ShardCache(
+                self.remote,
+                self.cache_dir,
+                self.shards,
+                compression=None,
+                retries=self.download_retries,
+                timeout=self.download_timeout,
+                cache_limit=self.cache_limit,
+                remedy=_REMEDY,
+            )
+            self._cache_pid = os.getpid()
+        return self._cache
+
+    def index(self, shard: int) -> TarIndex:
+        """The member index of ``shard`` (re-read lazily in each process, a few kept)."""
+        index = self._indexes.get(shard)
+        if index is None:
+            path = self._index_files[shard]
+            index = parse_index(Path(path).read_bytes(), path)
+            if index.bytes != self.shards[shard].bytes or index.sha256 != self.shards[shard].sha256:
+                raise SourceDataError(f"{path} changed after the source was built: {_REMEDY}")
+            if len(self._indexes) >= 8:
+                self._indexes.pop(next(iter(self._indexes)))
+            self._indexes[shard] = index
+        return index
+
+    def open_shard(self, shard: int) -> _TarFile:
+        """Open one shard for random access (downloading it first if it is remote)."""
+        if self.remote is None:
+            path = self.urls[shard]
+        else:
+            local = self.cache().ensure(shard)
+            if local is None:
+                raise DownloadError(f"shard {self.urls[shard]} could not be downloaded")
+            path = str(local)
+        return _TarFile(path, self.index(shard), self.urls[shard])
+
+    def release(self, shard: int) -> None:
+        """The reader is done with ``shard`` for now (a remote one may be evicted)."""
+        if self.remote is not None:
+            self.cache().release(shard)
+
+    def decode_sample(self, raw: dict[str, Any], shard: int, row: int) -> Any:
+        """Decode one raw sample; a decoder failure is a :class:`SourceDataError`."""
+        if self._decode_fn is not None:
+            try:
+                return self._decode_fn(raw)
+            except Exception as error:
+                raise SourceDataError(
+                    f"{self.urls[shard]}, sample {row} (key {raw['__key__']!r}): "
+                    f"{callable_name(self._decode_fn)} raised {type(error).__name__}: {error}"
+                ) from error
+        decoders = self._decoders
+        if not decoders:
+            return raw
+        out: dict[str, Any] = {}
+        for extension, value in raw.items():
+            decoder = decoders.get(extension.rsplit(".", 1)[-1].lower())
+            if decoder is None or extension == "__key__":
+                out[extension] = value
+                continue
+            try:
+                out[extension] = decoder(value)
+            except Exception as error:
+                raise SourceDataError(
+                    f"{self.urls[shard]}, sample {row} (key {raw['__key__']!r}): cannot decode "
+                    f"member {extension!r}: {type(error).__name__}: {error}"
+                ) from error
+        return out
+
+    # -- protocol --------------------------------------------------------------------------
+
+    def _new_cursor(self) -> EpochCursor:
+        return _WebDatasetCursor(self)
+
+    def validate_key(self, key: Key) -> None:
+        if (
+            not isinstance(key, tuple)
+            or len(key) != 2
+            or any(isinstance(part, bool) or not isinstance(part, int) for part in key)
+            or not 0 <= key[0] < len(self.shards)
+            or not 0 <= key[1] < self.shards[key[0]].samples
+        ):
+            raise ValueError(
+                f"WebDatasetSource restore keys are (shard, row) within the {len(self.shards)} "
+                f"shards of this source; got {key!r}"
+            )
+
+    def restore_sample(self, key: Key) -> Any:
+        self.validate_key(key)
+        shard, row = key
+        if self._restore is None or self._restore[0] != shard:
+            if self._restore is not None:
+                self._restore[1].close()
+                self._restore = None
+            self._restore = (shard, self.open_shard(shard))
+        try:
+            return self.decode_sample(self._restore[1].read(row), shard, row)
+        except (OSError, SourceDataError):
+            self._restore[1].close()
+            self._restore = None
+            raise
+
+    def can_restore_sample(self) -> bool:
+        return True
+
+    def _config_fields(self) -> dict[str, Any]:
+        return {
+            "shards": len(self.shards),
+            "total_samples": self.total,
+            "fingerprint": self._fingerprint,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "num_canonical_partitions": self.num_canonical_partitions,
+            "decode": self._decode_name,
+            "on_error": self.on_error,
+        }
+
+    def __len__(self) -> int:
+        """Samples per epoch of this copy's reader."""
+        context = self.context
+        return len(range(context.shard_index, self.total, context.num_shards))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update(_cache=None, _cache_pid=-1, _indexes={}, _restore=None)
+        return state

@@ -1,0 +1,75 @@
+"""Hugging Face datasets: a map-style Dataset through IndexedSource, an IterableDataset through
+HuggingFaceIterableSource (its own state_dict kept as plain data)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from datasets import Dataset
+
+import energy_loader as el
+from energy_loader import HuggingFaceIterableSource, IndexedSource
+from energy_loader.sources.huggingface import to_plain_state
+from energy_loader.testing import check_resume
+from energy_loader.worker import WorkerContext
+
+
+def table(n: int = 24) -> Dataset:
+    return Dataset.from_dict({"i": list(range(n)), "text": [f"t{i}" for i in range(n)]})
+
+
+def test_a_map_style_dataset_is_an_indexed_source(no_leftover_processes):
+    data = table()
+    source = IndexedSource(data, shuffle=True, seed=3)
+    got = list(source)
+    assert sorted(s["i"] for s in got) == list(range(24))
+    assert source.restore_sample(got[5][el.RESTORE_KEY]) == {k: got[5][k] for k in ("i", "text")}
+    check_resume(lambda: IndexedSource(table(), shuffle=True, seed=3).batch(5), num_workers=2)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_iterable_dataset_resumes_exactly(num_workers, no_leftover_processes):
+    def build() -> el.SavableDataset:
+        stream = table().to_iterable_dataset(num_shards=4).shuffle(seed=1, buffer_size=1)
+        return HuggingFaceIterableSource(stream)
+
+    report = check_resume(build, num_workers=num_workers, check_restore_sample=False)
+    assert report.events == 2 * 25
+
+
+def test_copies_split_the_stream_and_the_state_is_plain():
+    stream = table().to_iterable_dataset(num_shards=4)
+    seen: list[Any] = []
+    for worker in range(2):
+        source = HuggingFaceIterableSource(stream)
+        source.bind(WorkerContext(worker_id=worker, num_workers=2))
+        iterator = source.iter_keyed()
+        seen += [sample["i"] for _, sample in [next(iterator), next(iterator)]]
+        state = source.save_state()
+        assert json.loads(json.dumps(state)) == state and state["count"] == 2
+        seen += [sample["i"] for _, sample in iterator]
+    assert sorted(seen) == list(range(24))
+
+
+def test_to_plain_state_converts_or_names_what_it_cannot():
+    import numpy as np
+
+    assert to_plain_state({"a": (1, np.int64(2)), "b": np.float32(0.5)}) == {
+        "a": [1, 2],
+        "b": 0.5,
+    }
+    with pytest.raises(TypeError, match=r"state_dict\.a\[0\] is a object"):
+        to_plain_state({"a": [object()]})
+
+
+def test_wrong_inputs_are_refused():
+    with pytest.raises(TypeError, match="goes through IndexedSource"):
+        HuggingFaceIterableSource(table())
+    with pytest.raises(TypeError, match=r"needs a datasets\.IterableDataset"):
+        HuggingFaceIterableSource([1, 2])
+    source = HuggingFaceIterableSource(table().to_iterable_dataset())
+    assert not source.can_restore_sample()
+    with pytest.raises(TypeError, match="cannot rebuild a sample"):
+        source.restore_sample((0, 0))

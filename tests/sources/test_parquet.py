@@ -1,0 +1,174 @@
+"""ParquetSource: row groups, local shuffle, global order, resume with workers, damaged files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import energy_loader as el
+from energy_loader import ParquetSource, SourceDataError
+from energy_loader.testing import check_resume
+from energy_loader.worker import WorkerContext
+
+
+def write_files(directory: Path, sizes: list[int], row_group_size: int = 4) -> int:
+    """Parquet files of ``sizes`` rows (columns i, text, values), row groups of 4 rows."""
+    directory.mkdir(parents=True, exist_ok=True)
+    first = 0
+    for number, size in enumerate(sizes):
+        rows = range(first, first + size)
+        table = pa.table(
+            {
+                "i": list(rows),
+                "text": [f"row {i}" for i in rows],
+                "values": [[i, i + 1] for i in rows],
+            }
+        )
+        pq.write_table(table, directory / f"part-{number}.parquet", row_group_size=row_group_size)
+        first += size
+    return first
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> Path:
+    """Three files of 10, 7 and 13 rows (30 in all) in row groups of up to 4 rows."""
+    directory = tmp_path_factory.mktemp("parquet")
+    write_files(directory, [10, 7, 13])
+    return directory
+
+
+def keys_of(source: ParquetSource, context: WorkerContext | None = None) -> list[Any]:
+    source.bind(context or WorkerContext())
+    source.reset_state()
+    return [key for key, _ in source.iter_keyed()]
+
+
+def test_rows_in_order_and_restorable(files):
+    source = ParquetSource(files)
+    got = list(source)
+    assert [row["i"] for row in got] == list(range(30)) and len(source) == 30
+    assert got[12]["text"] == "row 12" and got[12]["values"] == [12, 13]
+    assert got[12][el.RESTORE_KEY] == (1, 0, 2)
+    assert source.restore_sample((1, 0, 2)) == {"i": 12, "text": "row 12", "values": [12, 13]}
+    narrow = ParquetSource(sorted(files.glob("*.parquet")), columns=["text"])
+    assert next(iter(narrow)) == {"text": "row 0", el.RESTORE_KEY: (0, 0, 0)}
+
+
+def test_shuffle_is_local_per_epoch_and_seeded(files):
+    source = ParquetSource(files, shuffle=True, seed=2, shuffle_window=2)
+    first = keys_of(source)
+    second = [key for key, _ in source.iter_keyed()]
+    assert sorted(first) == sorted(second) == sorted(keys_of(ParquetSource(files)))
+    assert first != second
+    assert keys_of(ParquetSource(files, shuffle=True, seed=3, shuffle_window=2)) != first
+    # Rows move within windows of 2 row groups, read one window after the other.
+    order = source.epoch_order(0)
+    assert all(len(window) <= 2 for window in order.windows)
+    window_of = {
+        source.row_groups[group]: number
+        for number, window in enumerate(order.windows)
+        for group in window
+    }
+    assert [window_of[key[:2]] for key in first] == sorted(window_of[key[:2]] for key in first)
+
+
+def test_each_row_group_is_decoded_about_once_per_epoch(files, monkeypatch):
+    source = ParquetSource(files, shuffle=True, seed=1, shuffle_window=3)
+    reads: list[int] = []
+    original = source._read
+    monkeypatch.setattr(source, "_read", lambda group: reads.append(group) or original(group))
+    keys_of(source)
+    assert sorted(reads) == list(range(len(source.row_groups)))
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_global_order_is_the_same_for_any_number_of_readers(files, shuffle):
+    source = ParquetSource(files, shuffle=shuffle, seed=5, num_canonical_partitions=4)
+    expected = source.global_order(epoch=0)
+    assert len(set(expected)) == 30
+    for ranks, workers in [(1, 1), (2, 1), (1, 4), (2, 2), (3, 1)]:
+        readers = ranks * workers
+        merged: list[Any] = [None] * len(expected)
+        for rank in range(ranks):
+            for worker in range(workers):
+                context = WorkerContext(
+                    rank=rank, world_size=ranks, worker_id=worker, num_workers=workers
+                )
+                merged[rank * workers + worker :: readers] = keys_of(source, context)
+        assert merged == expected, (ranks, workers)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_is_exact(files, num_workers, no_leftover_processes):
+    check_resume(
+        lambda: ParquetSource(files, shuffle=True, seed=4, num_canonical_partitions=4).batch(4),
+        num_workers=num_workers,
+    )
+
+
+@given(stop=st.integers(0, 32), window=st.integers(1, 5))
+def test_resume_property(files, stop, window):
+    check_resume(
+        lambda: ParquetSource(files, shuffle=True, seed=7, shuffle_window=window),
+        stop_points=[stop],
+    )
+
+
+def test_a_corrupt_footer_is_named(tmp_path):
+    write_files(tmp_path, [5, 5])
+    path = tmp_path / "part-1.parquet"
+    data = bytearray(path.read_bytes())
+    data[-12:-4] = b"\xff" * 8  # the footer length and the end of the footer
+    path.write_bytes(bytes(data))
+    with pytest.raises(SourceDataError, match=r"part-1\.parquet is not a readable Parquet file"):
+        ParquetSource(tmp_path)
+
+
+def test_a_corrupt_row_group_is_a_worker_error(tmp_path, no_leftover_processes):
+    write_files(tmp_path, [8], row_group_size=8)
+    path = tmp_path / "part-0.parquet"
+    source = ParquetSource(tmp_path)
+    data = bytearray(path.read_bytes())
+    for offset in range(8, 200):  # the column chunks, after the magic
+        data[offset] ^= 0x5A
+    path.write_bytes(bytes(data))
+    loader = el.SavableDataLoader(source, num_workers=2)
+    with pytest.raises(el.WorkerError, match=r"part-0\.parquet, row group 0"):
+        list(loader)
+    del loader
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"shuffle": "yes"}, TypeError, "`shuffle` must be True or False"),
+        ({"seed": -2}, ValueError, "`seed` must be >= 0"),
+        ({"shuffle_window": 0}, ValueError, "`shuffle_window` must be positive"),
+        ({"max_cached_row_groups": 0}, ValueError, "`max_cached_row_groups` must be positive"),
+        ({"columns": "text"}, TypeError, "`columns` must be a list"),
+        ({"columns": ["nope"]}, ValueError, r"`columns` \['nope'\] are not in"),
+        ({"read_retries": -1}, ValueError, "`read_retries` must be >= 0"),
+    ],
+)
+def test_bad_arguments(files, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        ParquetSource(files, **kwargs)
+
+
+def test_bad_locations_and_keys(files, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"holds no \.parquet files"):
+        ParquetSource(tmp_path)
+    with pytest.raises(FileNotFoundError, match="neither a Parquet file nor a directory"):
+        ParquetSource(tmp_path / "missing")
+    with pytest.raises(TypeError, match="`paths_or_dir` must be"):
+        ParquetSource(3)
+    source = ParquetSource(files)
+    for key in [(0, 3, 0), (0, 0, 4), (3, 0, 0), (0, 0), ("0", 0, 0)]:
+        with pytest.raises(ValueError, match=r"restore keys are \(file, row_group, row\)"):
+            source.restore_sample(key)
