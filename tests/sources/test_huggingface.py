@@ -44,7 +44,7 @@ def test_copies_split_the_stream_and_the_state_is_plain():
     seen: list[Any] = []
     for worker in range(2):
         source = HuggingFaceIterableSource(stream)
-        source.bind(WorkerContext(worker_id=worker, num_workers=2))
+        source.bind(WorkerContext(partition=worker, num_partitions=2))
         iterator = source.iter_keyed()
         seen += [sample["i"] for _, sample in [next(iterator), next(iterator)]]
         state = source.save_state()

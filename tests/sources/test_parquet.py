@@ -97,10 +97,9 @@ def test_global_order_is_the_same_for_any_number_of_readers(files, shuffle):
         merged: list[Any] = [None] * len(expected)
         for rank in range(ranks):
             for worker in range(workers):
-                context = WorkerContext(
-                    rank=rank, world_size=ranks, worker_id=worker, num_workers=workers
-                )
-                merged[rank * workers + worker :: readers] = keys_of(source, context)
+                reader = rank * workers + worker
+                context = WorkerContext(partition=reader, num_partitions=readers)
+                merged[reader::readers] = keys_of(source, context)
         assert merged == expected, (ranks, workers)
 
 
