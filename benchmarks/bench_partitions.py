@@ -1,0 +1,188 @@
+"""Elastic partitions: what more partitions cost, side by side in one run.
+
+On the reference workload (60k samples of 64 tokens, map -> shuffle buffer 1000 -> batch 32,
+2 workers, prefetch 2; docs/benchmarks.md) with a save every 50 batches, each repetition runs
+in fresh subprocesses, interleaved:
+
+- ``default``: ``num_partitions`` left at its default (one per worker);
+- ``P=4xRxW``: four partitions per worker (``num_partitions=8``);
+- ``baseline`` (with ``--baseline-tree DIR``): the same default loader from another checkout
+  of energy_loader (for example the commit before logical partitions), to show that the
+  default got no slower.
+
+Reported per variant: samples/s and its ratio to ``default`` within each repetition (median
+over repetitions), the median and p95 of ``save_state_rank()``, restore-to-first-batch at
+10/50/90% of the epoch, and the state size as JSON. A last table gives the state size against
+the number of partitions per rank. Example::
+
+    python benchmarks/bench_partitions.py --repetitions 7 --baseline-tree /path/to/old/checkout
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parents[1]
+
+
+def _child(options: dict[str, Any]) -> dict[str, Any]:
+    """One measurement in this process: throughput with saves, then restores and state size."""
+    import energy_loader as el
+    from energy_loader.bench.workloads import PREFETCH, SAVE_EVERY, WORKERS, savable_pipeline
+
+    samples = options["samples"]
+    kwargs: dict[str, Any] = {"num_workers": WORKERS, "prefetch_factor": PREFETCH}
+    if options["partitions"]:
+        kwargs["num_partitions"] = options["partitions"]
+
+    def build() -> Any:
+        return el.SavableDataLoader(savable_pipeline(samples), **kwargs)
+
+    loader = build()
+    iterator = iter(loader)
+    first = next(iterator)  # workers started and warm
+    start, count, saves = time.perf_counter(), len(first["index"]), []
+    states = {}
+    batches = samples // 32
+    for step, batch in enumerate(iterator, start=1):
+        count += len(batch["index"])
+        due = [f for f in (0.1, 0.5, 0.9) if f not in states and step >= f * batches]
+        if step % SAVE_EVERY == 0 or due:
+            began = time.perf_counter()
+            state = loader.save_state_rank()
+            saves.append(time.perf_counter() - began)
+            for fraction in (0.1, 0.5, 0.9):
+                if fraction not in states and step >= fraction * batches:
+                    states[fraction] = state
+    elapsed = time.perf_counter() - start
+    loader.reset_state()
+    restores = {}
+    for fraction, state in states.items():
+        fresh = build()
+        began = time.perf_counter()
+        fresh.restore_state_rank(state)
+        next(iter(fresh))
+        restores[str(fraction)] = time.perf_counter() - began
+        fresh.reset_state()
+    return {
+        "samples_per_s": count / elapsed,
+        "save_ms": [s * 1000 for s in saves],
+        "restore_s": restores,
+        "state_bytes": len(json.dumps(states.get(0.5, {}))),
+    }
+
+
+def _state_sizes(samples: int) -> dict[int, int]:
+    """State size (JSON bytes) a quarter into the epoch against partitions per rank."""
+    import energy_loader as el
+    from energy_loader.bench.workloads import savable_pipeline
+
+    sizes = {}
+    for per_rank in (1, 2, 4, 8, 16):
+        loader = el.SavableDataLoader(savable_pipeline(samples), num_partitions=per_rank)
+        iterator = iter(loader)
+        for _ in range(samples // 32 // 4):
+            next(iterator)
+        sizes[per_rank] = len(json.dumps(loader.save_state_rank()))
+    return sizes
+
+
+def _spawn(tree: Path, options: dict[str, Any]) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(HERE)!r}); "
+        "from benchmarks.bench_partitions import _child; "
+        "print(json.dumps(_child(json.loads(sys.argv[1]))))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(options)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"benchmark child failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=60_000, help="samples per epoch")
+    parser.add_argument("--repetitions", type=int, default=7, help="interleaved repetitions")
+    parser.add_argument(
+        "--baseline-tree", type=Path, default=None, help="another energy_loader checkout"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    args = parser.parse_args(argv)
+    from energy_loader.bench.workloads import WORKERS
+
+    variants: dict[str, tuple[Path, int | None]] = {
+        "default": (HERE, None),
+        "P=4xRxW": (HERE, 4 * WORKERS),
+    }
+    if args.baseline_tree is not None:
+        variants["baseline"] = (args.baseline_tree.resolve(), None)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+    for repetition in range(args.repetitions):
+        order = list(variants)
+        if repetition % 2:
+            order.reverse()
+        for name in order:
+            tree, partitions = variants[name]
+            runs[name].append(_spawn(tree, {"samples": args.samples, "partitions": partitions}))
+        print(f"repetition {repetition + 1}/{args.repetitions} done", file=sys.stderr)
+    lines = [
+        "| variant | samples/s | x default (paired) | save med / p95 ms | restore s at 10/50/90% "
+        "| state (JSON) |",
+        "|---|---:|---:|---:|---|---:|",
+    ]
+    summary: dict[str, Any] = {}
+    for name, results in runs.items():
+        ratios = [r["samples_per_s"] / d["samples_per_s"] for r, d in zip(results, runs["default"])]
+        saves = [s for r in results for s in r["save_ms"]]
+        restores = {
+            f: statistics.median(r["restore_s"][f] for r in results if f in r["restore_s"])
+            for f in ("0.1", "0.5", "0.9")
+        }
+        row = {
+            "samples_per_s": statistics.median(r["samples_per_s"] for r in results),
+            "ratio": statistics.median(ratios),
+            "save_median_ms": statistics.median(saves),
+            "save_p95_ms": _p95(saves),
+            "restore_s": restores,
+            "state_bytes": statistics.median(r["state_bytes"] for r in results),
+        }
+        summary[name] = row
+        lines.append(
+            f"| {name} | {row['samples_per_s']:,.0f} | {row['ratio']:.3f} | "
+            f"{row['save_median_ms']:.2f} / {row['save_p95_ms']:.2f} | "
+            + " / ".join(f"{restores[f]:.3f}" for f in ("0.1", "0.5", "0.9"))
+            + f" | {row['state_bytes']:,.0f} B |"
+        )
+    sizes = _state_sizes(args.samples)
+    summary["state_bytes_by_partitions_per_rank"] = sizes
+    lines += ["", "| partitions per rank | state (JSON, a quarter into the epoch) |", "|---:|---:|"]
+    lines += [f"| {p} | {b:,} B |" for p, b in sizes.items()]
+    print("\n".join(lines))
+    if args.out is not None:
+        args.out.write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
