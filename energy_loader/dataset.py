@@ -32,6 +32,9 @@ from torch.utils.data import IterableDataset
 from .errors import StateFormatError
 from .rng import seed_globals_for_sample, stable_hash
 from .state.plain import StateReader
+
+# Re-exported: the validators lived here before energy_loader.validation.
+from .validation import require_bool, require_callable, require_int  # noqa: F401
 from .worker import WorkerContext, current_worker
 
 __all__ = [
@@ -123,29 +126,6 @@ def apply_user_fn(
             f"raised by {callable_name(fn)} in {type(owner).__name__} for restore key {key!r}"
         )
         raise
-
-
-def require_callable(value: Any, name: str) -> None:
-    """Raise ``TypeError`` unless ``value`` is callable."""
-    if not callable(value):
-        raise TypeError(f"`{name}` must be callable (got {type(value).__name__}: {value!r})")
-
-
-def require_bool(value: Any, name: str) -> bool:
-    """Raise ``TypeError`` unless ``value`` is ``True`` or ``False``."""
-    if not isinstance(value, bool):
-        raise TypeError(f"`{name}` must be True or False (got {value!r})")
-    return value
-
-
-def require_int(value: Any, name: str, *, minimum: int) -> int:
-    """Raise ``ValueError``/``TypeError`` unless ``value`` is an int >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an integer (got {type(value).__name__}: {value!r})")
-    if value < minimum:
-        what = "positive" if minimum == 1 else f">= {minimum}"
-        raise ValueError(f"`{name}` must be {what} (got {value})")
-    return value
 
 
 class EpochCursor(ABC):

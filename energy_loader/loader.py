@@ -28,7 +28,7 @@ import attrs
 import dill
 from torch.utils.data import DataLoader
 
-from .dataset import SavableDataset, require_bool, require_int
+from .dataset import SavableDataset
 from .errors import StateFormatError, StateMismatchError, WorkerError
 from .partitions import PartitionLayout, RestorePlan, plan_restore, resolve_num_partitions
 from .state.fingerprint import ConfigDifference, config_differences, describe_differences
@@ -47,6 +47,7 @@ from .transport import (
     decode,
     validate_transport_settings,
 )
+from .validation import require_bool, require_int
 from .worker import WorkerConfig, active_worker
 from .worker_process import CheckpointSettings, Position, RunPlan, WorkerSideDataset
 

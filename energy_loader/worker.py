@@ -118,7 +118,7 @@ class WorkerConfig:
                 f"world_size={self.world_size})"
             )
         if self.data_parallel_group is not None:
-            from .distributed import check_group_layout
+            from .process_groups import check_group_layout
 
             check_group_layout(self.data_parallel_group, self.rank, self.world_size)
 
@@ -144,7 +144,7 @@ class WorkerConfig:
                 num_workers=2, seed=1234, data_parallel_group=mesh["dp"]
             )
         """
-        from .distributed import data_parallel_layout
+        from .process_groups import data_parallel_layout
 
         group, rank, world_size = data_parallel_layout(data_parallel_group)
         return cls(
@@ -167,7 +167,7 @@ class WorkerConfig:
         with the data-parallel group. A half-set or malformed environment is a ``ValueError``
         rather than a silent rank 0 of 1.
         """
-        from .distributed import process_group_initialized
+        from .process_groups import process_group_initialized
 
         if process_group_initialized():
             return cls.from_process_group(num_workers=num_workers, seed=seed)

@@ -51,11 +51,12 @@ import attrs
 import numpy as np
 import torch
 
-from ..dataset import EpochCursor, Key, SavableDataset, require_bool, require_int
+from ..dataset import EpochCursor, Key, SavableDataset
 from ..errors import SourceDataError, StateFormatError
 from ..rng import stable_hash
 from ..state.atomic import write_atomically
 from ..state.plain import StateReader
+from ..validation import require_bool, require_int
 from ..worker import WorkerContext
 from .permutation import FeistelPermutation
 

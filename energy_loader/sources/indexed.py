@@ -26,13 +26,11 @@ from ..dataset import (
     Key,
     SavableDataset,
     callable_name,
-    require_bool,
-    require_callable,
-    require_int,
 )
 from ..errors import StateFormatError
 from ..rng import stable_hash
 from ..state.plain import StateReader
+from ..validation import require_bool, require_callable, require_int
 from .permutation import FeistelPermutation
 
 __all__ = ["IndexedSource"]

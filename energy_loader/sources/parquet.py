@@ -33,10 +33,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..dataset import EpochCursor, Key, SavableDataset, require_bool, require_int
+from ..dataset import EpochCursor, Key, SavableDataset
 from ..errors import DownloadError, SourceDataError, StateFormatError
 from ..rng import stable_hash
 from ..state.plain import StateReader
+from ..validation import require_bool, require_int
 from ._order import EpochOrder
 from .permutation import FeistelPermutation
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import attrs
 
-from ..dataset import require_int
 from ..state.atomic import write_atomically
+from ..validation import require_int
 from ._codec import encode_sample
 
 __all__ = ["INDEX", "ShardInfo", "ShardWriter"]

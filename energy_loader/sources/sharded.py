@@ -43,10 +43,11 @@ from typing import Any
 
 import numpy as np
 
-from ..dataset import EpochCursor, Key, SavableDataset, require_bool, require_int
+from ..dataset import EpochCursor, Key, SavableDataset
 from ..errors import DownloadError, SourceDataError, StateFormatError
 from ..rng import stable_hash
 from ..state.plain import StateReader
+from ..validation import require_bool, require_int
 from ._codec import decode_sample
 from ._download import LOCKS, Prefetcher, ReaderProgress, Remote, ShardCache, fetch_bytes, node_lock
 from ._order import EpochOrder

@@ -39,9 +39,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..dataset import EpochCursor, Key, SavableDataset, callable_name, require_callable
+from ..dataset import EpochCursor, Key, SavableDataset, callable_name
 from ..errors import StateFormatError, StreamError
 from ..state.plain import StateReader
+from ..validation import require_callable
 
 __all__ = ["StreamSource"]
 

@@ -36,11 +36,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..dataset import EpochCursor, Key, SavableDataset, callable_name, require_bool, require_int
+from ..dataset import EpochCursor, Key, SavableDataset, callable_name
 from ..errors import DownloadError, SourceDataError, StateFormatError
 from ..rng import stable_hash
 from ..state.atomic import write_atomically
 from ..state.plain import StateReader
+from ..validation import require_bool, require_int
 from ._download import Prefetcher, ReaderProgress, Remote, ShardCache, fetch_bytes
 from ._order import EpochOrder
 from ._tar_index import INDEX_SUFFIX, TarIndex, build_index, check_header, parse_index

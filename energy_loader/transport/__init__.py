@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..dataset import require_bool
+from ..validation import require_bool
 from ._arena import HAVE_MEMFD, MIN_ARENA_BYTES, Arena, close_all_but
 from ._codec import Encoder, Packet, decode
 

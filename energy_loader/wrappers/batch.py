@@ -21,11 +21,9 @@ from ..dataset import (
     SavableDataset,
     WrapperCursor,
     callable_name,
-    require_bool,
-    require_callable,
-    require_int,
 )
 from ..state.plain import StateReader
+from ..validation import require_bool, require_callable, require_int
 from .collate import default_collate
 
 __all__ = ["BatchDataset"]

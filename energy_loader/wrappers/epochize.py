@@ -20,9 +20,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from ..dataset import BaseWrapperDataset, EpochCursor, Key, SavableDataset, require_int
+from ..dataset import BaseWrapperDataset, EpochCursor, Key, SavableDataset
 from ..errors import EnergyLoaderError
 from ..state.plain import StateReader
+from ..validation import require_int
 
 __all__ = ["EpochizeDataset"]
 

@@ -16,7 +16,8 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from ..dataset import BaseWrapperDataset, Key, SavableDataset, require_bool, require_int
+from ..dataset import BaseWrapperDataset, Key, SavableDataset
+from ..validation import require_bool, require_int
 
 __all__ = ["GcDataset"]
 

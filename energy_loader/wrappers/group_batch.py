@@ -33,12 +33,10 @@ from ..dataset import (
     apply_user_fn,
     bad_state,
     callable_name,
-    require_bool,
-    require_callable,
-    require_int,
 )
 from ..errors import StateFormatError
 from ..state.plain import StateReader, to_key
+from ..validation import require_bool, require_callable, require_int
 from .collate import default_collate
 
 __all__ = ["GroupBatchDataset"]

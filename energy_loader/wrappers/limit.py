@@ -25,9 +25,9 @@ from ..dataset import (
     Key,
     SavableDataset,
     WrapperCursor,
-    require_int,
 )
 from ..state.plain import StateReader
+from ..validation import require_int
 
 __all__ = ["LimitDataset"]
 
@@ -65,7 +65,7 @@ class _LimitCursor(WrapperCursor):
 class LimitDataset(BaseWrapperDataset):
     """Stop each epoch after ``length`` samples of the whole job. Example::
 
-        LimitDataset(validation_source, 1000)   # 1000 per epoch, with any number of workers
+    LimitDataset(validation_source, 1000)   # 1000 per epoch, with any number of workers
     """
 
     def __init__(self, dataset: SavableDataset, length: int) -> None:

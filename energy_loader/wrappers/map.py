@@ -16,9 +16,8 @@ from ..dataset import (
     SavableDataset,
     apply_user_fn,
     callable_name,
-    require_bool,
-    require_callable,
 )
+from ..validation import require_bool, require_callable
 
 __all__ = ["MapDataset"]
 

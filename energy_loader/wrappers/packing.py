@@ -41,11 +41,9 @@ from ..dataset import (
     apply_user_fn,
     bad_state,
     callable_name,
-    require_bool,
-    require_callable,
-    require_int,
 )
 from ..state.plain import StateReader, to_key
+from ..validation import require_bool, require_callable, require_int
 
 __all__ = ["PackingDataset"]
 

@@ -22,10 +22,10 @@ from ..dataset import (
     SavableDataset,
     WrapperCursor,
     bad_state,
-    require_int,
 )
 from ..rng import CounterRng, stable_hash
 from ..state.plain import StateReader, pack_keys, unpack_keys
+from ..validation import require_int
 
 __all__ = ["ShuffleBufferDataset"]
 

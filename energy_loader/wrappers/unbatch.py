@@ -37,10 +37,10 @@ from ..dataset import (
     SavableDataset,
     WrapperCursor,
     bad_state,
-    require_int,
 )
 from ..errors import EnergyLoaderError
 from ..state.plain import StateReader, to_key
+from ..validation import require_int
 
 __all__ = ["UnbatchDataset", "batch_length", "take_rows"]
 
