@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 import energy_loader as el
 from energy_loader.partitions import PartitionLayout, resolve_num_partitions
@@ -218,3 +219,76 @@ def test_refusals_say_what_differs() -> None:
         one_rank.restore_state_rank(states[1])
     with pytest.raises(el.StateMismatchError, match="holds 1 rank states"):
         one_rank.restore_state_global(states[:1])
+
+
+# -- stateful: move the job between layouts again and again ---------------------------------------
+
+_MACHINE_SPEC = PipelineSpec(
+    length=48,
+    shuffle=True,
+    seed=11,
+    stages=(
+        ("map", None),
+        ("filter", 5),
+        ("shuffle_buffer", 5),
+        ("pack", (6, 2, "split", False)),
+        ("batch", (2, False)),
+    ),
+)
+_MACHINE_PARTITIONS = 4
+
+
+class ElasticJobMachine(RuleBasedStateMachine):
+    """A job on one layout, saved and restored onto another layout at any step, repeatedly.
+
+    The model is the job's stream ``G`` of an endless pipeline, computed on one rank in one
+    process; after every step of every rank the streams must have continued ``G`` exactly,
+    whether the states went through restore_state_global or through the partition leaves of
+    state_dict() (the torch.distributed.checkpoint form).
+    """
+
+    @initialize(layout=st.sampled_from([(1, 0), (2, 0), (1, 2), (2, 2), (4, 0), (1, 4)]))
+    def start(self, layout: tuple[int, int]) -> None:
+        self.build = _endless(_MACHINE_SPEC)
+        reference = _loaders(self.build, 1, 0, _MACHINE_PARTITIONS)
+        self.expected = _job_stream(reference, 60)
+        _close(reference)
+        self.loaders = _loaders(self.build, *layout, _MACHINE_PARTITIONS)
+        self.iterators = [iter(loader) for loader in self.loaders]
+        self.position = 0
+
+    @precondition(lambda self: self.position + 4 <= 60)
+    @rule()
+    def step(self) -> None:
+        got = [next(iterator) for iterator in self.iterators]
+        _same(self.expected[self.position : self.position + len(got)], got)
+        self.position += len(got)
+
+    @rule(
+        layout=st.sampled_from([(1, 0), (2, 0), (1, 1), (2, 1), (4, 0), (1, 4), (2, 2)]),
+        via_leaves=st.booleans(),
+    )
+    def move(self, layout: tuple[int, int], via_leaves: bool) -> None:
+        if via_leaves:
+            leaves: dict[str, str] = {}
+            for loader in self.loaders:
+                leaves.update(loader.state_dict())
+        else:
+            states = [json.loads(json.dumps(loader.save_state_rank())) for loader in self.loaders]
+        _close(self.loaders)
+        self.loaders = _loaders(self.build, *layout, _MACHINE_PARTITIONS)
+        for loader in self.loaders:
+            if via_leaves:
+                loader.load_state_dict(leaves)
+            else:
+                loader.restore_state_global(states)
+        self.iterators = [iter(loader) for loader in self.loaders]
+
+    def teardown(self) -> None:
+        _close(getattr(self, "loaders", []))
+
+
+ElasticJobMachine.TestCase.settings = settings(
+    max_examples=8, stateful_step_count=12, deadline=None
+)
+TestElasticJobMachine = ElasticJobMachine.TestCase
