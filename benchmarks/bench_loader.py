@@ -1,4 +1,4 @@
-"""The SPEC section 9 reference benchmark: energy_loader vs a plain torch DataLoader.
+"""The reference benchmark (docs/benchmarks.md): energy_loader vs a plain torch DataLoader.
 
 Same as ``python -m energy_loader bench``; kept here so the benchmarks folder is the one place
 to look. Example::

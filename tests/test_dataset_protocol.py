@@ -1,4 +1,4 @@
-"""Epoch semantics, restore keys and direct iteration of savable datasets (SPEC section 2)."""
+"""Epoch semantics, restore keys and direct iteration of savable datasets (docs/concepts.md)."""
 
 from __future__ import annotations
 

@@ -223,7 +223,7 @@ def test_refusals_say_what_differs() -> None:
 
 # -- stateful: move the job between layouts again and again ---------------------------------------
 
-_MACHINE_SPEC = PipelineSpec(
+_MACHINE_PIPELINE = PipelineSpec(
     length=48,
     shuffle=True,
     seed=11,
@@ -249,7 +249,7 @@ class ElasticJobMachine(RuleBasedStateMachine):
 
     @initialize(layout=st.sampled_from([(1, 0), (2, 0), (1, 2), (2, 2), (4, 0), (1, 4)]))
     def start(self, layout: tuple[int, int]) -> None:
-        self.build = _endless(_MACHINE_SPEC)
+        self.build = _endless(_MACHINE_PIPELINE)
         reference = _loaders(self.build, 1, 0, _MACHINE_PARTITIONS)
         self.expected = _job_stream(reference, 60)
         _close(reference)

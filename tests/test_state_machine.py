@@ -20,7 +20,7 @@ from energy_loader.testing import END, record_events
 from energy_loader.testing.compare import first_difference
 from energy_loader.testing.strategies import PipelineSpec
 
-SPEC = PipelineSpec(
+PIPELINE = PipelineSpec(
     length=23,
     shuffle=True,
     seed=5,
@@ -33,7 +33,7 @@ class LoaderMachine(RuleBasedStateMachine):
     workers = 0
 
     def _loader(self) -> el.SavableDataLoader:
-        return el.SavableDataLoader(SPEC.build(), num_workers=self.workers)
+        return el.SavableDataLoader(PIPELINE.build(), num_workers=self.workers)
 
     @initialize()
     def start(self) -> None:
