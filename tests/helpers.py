@@ -20,7 +20,7 @@ def noisy(sample: dict[str, Any]) -> dict[str, Any]:
 
 
 def reference_pipeline(length: int = 200, buffer: int = 16, batch: int = 4) -> el.SavableDataset:
-    """map -> shuffle buffer -> batch over a shuffled IndexedSource (the reference workload's shape, small)."""
+    """map -> shuffle buffer -> batch over a shuffled IndexedSource (the reference shape, small)."""
     source = el.IndexedSource.from_fn(length, MakeSample(), shuffle=True, seed=7)
     return el.BatchDataset(
         el.ShuffleBufferDataset(el.MapDataset(source, AddNoise()), size=buffer), batch_size=batch

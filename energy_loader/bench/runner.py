@@ -1,8 +1,8 @@
 """``python -m energy_loader bench``: the reference workload (docs/benchmarks.md), side by side.
 
-Workloads (``--workload``, see :mod:`energy_loader.bench.workloads`): ``reference`` (docs/benchmarks.md
-section 9: 64-token samples -> map -> shuffle buffer of 1000 -> batch of 32, 2 workers,
-prefetch 2) and ``large`` (3 x 224 x 224 uint8 images, buffer 64, 4.8 MB per batch).
+Workloads (``--workload``, see :mod:`energy_loader.bench.workloads`): ``reference``
+(64-token samples -> map -> shuffle buffer of 1000 -> batch of 32, 2 workers, prefetch 2)
+and ``large`` (3 x 224 x 224 uint8 images, buffer 64, 4.8 MB per batch).
 
 Throughput runs, each in a fresh subprocess (clean memory numbers, nothing shared between
 runs) and interleaved over ``repetitions`` rounds in rotating order, because this kind of
@@ -306,9 +306,9 @@ def main(argv: list[str]) -> int:
     """Run the bench; exit 0 when energy_loader resumed exactly."""
     parser = argparse.ArgumentParser(
         prog="python -m energy_loader bench",
-        description="The reference workload (docs/benchmarks.md): a plain torch DataLoader, energy_loader and "
-        "the installed peers (torchdata, megatron-energon; pip install -e '.[bench]') running "
-        "the same pipeline, interleaved repetitions, medians and ratios.",
+        description="The reference workload (docs/benchmarks.md): a plain torch DataLoader, "
+        "energy_loader and the installed peers (torchdata, megatron-energon; pip install -e "
+        "'.[bench]') running the same pipeline, interleaved repetitions, medians and ratios.",
     )
     parser.add_argument(
         "--workload",
