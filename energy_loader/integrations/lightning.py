@@ -24,6 +24,12 @@ Example::
     trainer = pl.Trainer(max_epochs=2, callbacks=[SavableLoaderCallback(), checkpointing])
     trainer.fit(model, train_dataloaders=loader, ckpt_path=last_checkpoint_or_none)
 
+It also refuses a resume that Lightning did not pass the loader's state to: in Lightning
+2.x, reading ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` with
+``max_epochs`` set builds the train dataloader before the checkpoint is read, and the saved
+loader state is then never loaded -- the run would silently restart the epoch. See
+docs/integrations-lightning.md for the workarounds.
+
 Thread-safety: the count is read on the trainer's thread, where Lightning saves.
 """
 
@@ -32,6 +38,7 @@ from __future__ import annotations
 import functools
 import weakref
 
+from ..errors import EnergyLoaderError
 from ..loader import SavableDataLoader
 
 try:  # the unified package, if the user has it; otherwise the standalone one
@@ -39,7 +46,11 @@ try:  # the unified package, if the user has it; otherwise the standalone one
 except ImportError:
     from pytorch_lightning import Callback, LightningModule, Trainer
 
-__all__ = ["SavableLoaderCallback", "held_back_batches"]
+__all__ = ["LoaderStateNotLoadedError", "SavableLoaderCallback", "held_back_batches"]
+
+
+class LoaderStateNotLoadedError(EnergyLoaderError, RuntimeError):
+    """Lightning resumed from a checkpoint with loader state but never gave it to the loader."""
 
 
 def held_back_batches(trainer: Trainer) -> int:
@@ -69,8 +80,13 @@ class SavableLoaderCallback(Callback):
     fetched batch holds one item of each loader.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, check_resume: bool = True) -> None:
+        """``check_resume=False`` lets a resume go on when Lightning did not load the saved
+        loader state (the data then restarts wherever the fresh loader starts)."""
         super().__init__()
+        if not isinstance(check_resume, bool):
+            raise TypeError(f"`check_resume` must be True or False (got {check_resume!r})")
+        self._check_resume = check_resume
         self._loaders: list[SavableDataLoader] = []
 
     def _attach(self, trainer: Trainer) -> None:
@@ -85,6 +101,20 @@ class SavableLoaderCallback(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._attach(trainer)
+        # The fit loop keeps the checkpoint's loader states until it hands them to the loaders
+        # (when it sets up the train dataloader); still holding them now means it never will.
+        unloaded = getattr(trainer.fit_loop, "_combined_loader_states_to_load", None)
+        if self._check_resume and unloaded and self._loaders:
+            raise LoaderStateNotLoadedError(
+                "Lightning resumed from a checkpoint that holds the train loader's state but "
+                "never passed it to the loader's load_state_dict(), so the data would restart "
+                "from the beginning of the epoch. The known cause: "
+                "`trainer.estimated_stepping_batches` read in configure_optimizers() while "
+                "`max_epochs` is set (Lightning then builds the train dataloader before it reads "
+                "the checkpoint). Compute the number of steps yourself (len(loader) * max_epochs "
+                "// accumulate_grad_batches), or train with `max_steps` and leave `max_epochs` "
+                "unset; SavableLoaderCallback(check_resume=False) silences this check"
+            )
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._attach(trainer)
