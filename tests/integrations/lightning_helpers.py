@@ -23,6 +23,13 @@ def not_multiple_of_five(sample: dict[str, Any]) -> bool:
     return sample["index"] % 5 != 0
 
 
+def build_endless_loader(num_workers: int) -> el.SavableDataLoader:
+    """Batches of a source repeated forever: no ``len()``, for ``max_steps`` training."""
+    source = el.IndexedSource.from_fn(SAMPLES, make_sample, shuffle=True, seed=3)
+    pipeline = el.BatchDataset(el.RepeatDataset(source), batch_size=BATCH)
+    return el.SavableDataLoader(pipeline, num_workers=num_workers)
+
+
 def build_loader(
     *,
     sized: bool,
@@ -62,7 +69,7 @@ class TinyModel(pl.LightningModule):
 def run(
     loader: el.SavableDataLoader,
     *,
-    max_epochs: int = 2,
+    max_epochs: int | None = 2,
     max_steps: int = -1,
     checkpoint_dir: Path | None = None,
     checkpoint_every: int | None = None,

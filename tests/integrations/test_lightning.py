@@ -20,7 +20,7 @@ from energy_loader.integrations.lightning import (
     SavableLoaderCallback,
 )
 
-from .lightning_helpers import TinyModel, build_loader, run, weights
+from .lightning_helpers import TinyModel, build_endless_loader, build_loader, run, weights
 
 # Lightning's advice for real runs (num_workers, logging) and its own deprecations.
 pytestmark = pytest.mark.filterwarnings(
@@ -81,6 +81,27 @@ def test_resume_trains_the_same_batches_and_weights(
         tmp_path, step, loader=build_loader(sized=sized, num_workers=workers)
     )
     second = run(build_loader(sized=sized, num_workers=workers), ckpt_path=checkpoint)
+    assert_same_training(first, second, full)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_endless_pipeline_with_max_steps_resumes_exactly(tmp_path: Path, workers: int) -> None:
+    """RepeatDataset + max_steps (max_epochs unset): also the estimated_stepping_batches
+    workaround, since Lightning then answers max_steps without building the loader."""
+    steps = dict(max_epochs=None, max_steps=16, read_estimated_steps=True)
+    full = run(build_endless_loader(workers), **steps)
+    assert full.estimated_steps == 16
+    assert len(full.seen) == 16
+    first = run(
+        build_endless_loader(workers),
+        max_epochs=None,
+        max_steps=5,
+        checkpoint_dir=tmp_path,
+        checkpoint_every=5,
+        read_estimated_steps=True,
+    )
+    (checkpoint,) = tmp_path.glob("*.ckpt")
+    second = run(build_endless_loader(workers), ckpt_path=str(checkpoint), **steps)
     assert_same_training(first, second, full)
 
 
