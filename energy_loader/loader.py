@@ -20,7 +20,7 @@ import math
 import multiprocessing
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -331,6 +331,8 @@ class SavableDataLoader(DataLoader):
         self._failure: WorkerError | None = None
         self._request_ids = itertools.count()
         self._parent_channels: list[Connection] = []
+        # Set by integrations whose trainer fetches ahead of training (see state_dict()).
+        self.held_back_source: Callable[[], int] | None = None
         dataset.bind(config.context(0))
         self._config_cache = dataset.config()
         dataset.reset_state()
@@ -746,8 +748,14 @@ class SavableDataLoader(DataLoader):
 
     # -- torch.distributed.checkpoint Stateful protocol --------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, held_back: int | None = None) -> dict[str, Any]:
         """This rank's state as one JSON string leaf per partition it runs.
+
+        ``held_back`` is passed to :meth:`save_state_rank`. Left at ``None`` (how DCP and
+        trainers call it), it is ``held_back_source()`` when an integration set that attribute
+        -- :class:`energy_loader.integrations.lightning.SavableLoaderCallback` does, because
+        Lightning may hold a fetched batch it has not trained on when it saves -- and 0
+        otherwise.
 
         ``{"partition_00003": "<JSON>", ...}``: each leaf holds one partition's state and its
         rank's position, so the leaves of all ranks together are the whole job's state, under
@@ -760,10 +768,12 @@ class SavableDataLoader(DataLoader):
         fresh state, which a shuffle buffer's state does not keep. ``torch.save`` and
         ``json`` take the dict as is; :meth:`load_state_dict` reads it back.
         """
-        if self._is_fresh():
+        if held_back is None:
+            held_back = 0 if self.held_back_source is None else self.held_back_source()
+        if self._is_fresh() and held_back == 0:
             states = [self._fresh_rank_state(r) for r in range(self._worker_config.world_size)]
         else:
-            states = [RankState.from_plain(self.save_state_rank())]
+            states = [RankState.from_plain(self.save_state_rank(held_back=held_back))]
         return partition_entries(states)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

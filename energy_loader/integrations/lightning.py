@@ -1,0 +1,125 @@
+"""Lightning integration: save the loader's position as of the batch Lightning last trained on.
+
+Why. Lightning saves a train dataloader that has ``state_dict``/``load_state_dict`` with the
+checkpoint (the fit loop stores ``loader.state_dict()`` under ``combined_loader``) and loads it
+on ``fit(ckpt_path=...)``. For a loader *without* ``len()`` (a filter, a stream, an endless
+pipeline) its ``_PrefetchDataFetcher`` reads one batch ahead, to know whether the batch it
+trains on is the last; a checkpoint taken then holds a batch that was handed out but not
+trained on, and a resume would skip it. For a loader *with* ``len()`` it does not prefetch.
+
+How. :class:`SavableLoaderCallback` points each :class:`~energy_loader.SavableDataLoader` of
+the fit loop at a function that counts the batches Lightning holds untrained right now; the
+loader's ``state_dict()`` saves with that many items held back. A callback rather than a
+loader option because only the trainer knows, at the moment it saves, whether it holds a
+batch: prefetching depends on the loader's length, on ``training_step(dataloader_iter)``, and
+on whether the epoch's end was already seen (then nothing is held). The count is read when the
+state is saved, so checkpoints taken in any hook are right.
+
+Example::
+
+    import pytorch_lightning as pl  # or: import lightning.pytorch as pl
+    from energy_loader.integrations.lightning import SavableLoaderCallback
+
+    loader = el.SavableDataLoader(pipeline, num_workers=2)
+    trainer = pl.Trainer(max_epochs=2, callbacks=[SavableLoaderCallback(), checkpointing])
+    trainer.fit(model, train_dataloaders=loader, ckpt_path=last_checkpoint_or_none)
+
+It also refuses a resume that Lightning did not pass the loader's state to: in Lightning
+2.x, reading ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` with
+``max_epochs`` set builds the train dataloader before the checkpoint is read, and the saved
+loader state is then never loaded -- the run would silently restart the epoch. See
+docs/integrations-lightning.md for the workarounds.
+
+Thread-safety: the count is read on the trainer's thread, where Lightning saves.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+from ..errors import EnergyLoaderError
+from ..loader import SavableDataLoader
+
+try:  # the unified package, if the user has it; otherwise the standalone one
+    from lightning.pytorch import Callback, LightningModule, Trainer
+except ImportError:
+    from pytorch_lightning import Callback, LightningModule, Trainer
+
+__all__ = ["LoaderStateNotLoadedError", "SavableLoaderCallback", "held_back_batches"]
+
+
+class LoaderStateNotLoadedError(EnergyLoaderError, RuntimeError):
+    """Lightning resumed from a checkpoint with loader state but never gave it to the loader."""
+
+
+def held_back_batches(trainer: Trainer) -> int:
+    """How many train batches ``trainer`` has fetched but not yet handed to ``training_step``.
+
+    Reads the fit loop's data fetcher: its ``batches`` list holds the batches fetched ahead
+    (one while a loader of unknown length is mid-epoch; none for a sized loader, after the
+    epoch's end was seen, or with ``training_step(dataloader_iter)``, where the user fetches).
+    """
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    prefetched = getattr(fetcher, "batches", None)
+    return len(prefetched) if isinstance(prefetched, list) else 0
+
+
+def _held_back(trainer_ref: weakref.ref[Trainer]) -> int:
+    trainer = trainer_ref()
+    return 0 if trainer is None else held_back_batches(trainer)
+
+
+class SavableLoaderCallback(Callback):
+    """Makes Lightning checkpoints of a :class:`~energy_loader.SavableDataLoader` resume exactly.
+
+    Saved state: nothing of its own. At the start of training (and of each epoch, so loaders
+    reloaded by ``reload_dataloaders_every_n_epochs`` are covered) it sets
+    ``held_back_source`` on every ``SavableDataLoader`` among the train dataloaders, and
+    clears it at teardown. Other loaders are left alone. With several train dataloaders each
+    fetched batch holds one item of each loader.
+    """
+
+    def __init__(self, *, check_resume: bool = True) -> None:
+        """``check_resume=False`` lets a resume go on when Lightning did not load the saved
+        loader state (the data then restarts wherever the fresh loader starts)."""
+        super().__init__()
+        if not isinstance(check_resume, bool):
+            raise TypeError(f"`check_resume` must be True or False (got {check_resume!r})")
+        self._check_resume = check_resume
+        self._loaders: list[SavableDataLoader] = []
+
+    def _attach(self, trainer: Trainer) -> None:
+        combined = getattr(trainer.fit_loop, "_combined_loader", None)
+        loaders = [] if combined is None else list(combined.flattened)
+        source = functools.partial(_held_back, weakref.ref(trainer))
+        for loader in loaders:
+            if isinstance(loader, SavableDataLoader):
+                loader.held_back_source = source
+                if loader not in self._loaders:
+                    self._loaders.append(loader)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._attach(trainer)
+        # The fit loop keeps the checkpoint's loader states until it hands them to the loaders
+        # (when it sets up the train dataloader); still holding them now means it never will.
+        unloaded = getattr(trainer.fit_loop, "_combined_loader_states_to_load", None)
+        if self._check_resume and unloaded and self._loaders:
+            raise LoaderStateNotLoadedError(
+                "Lightning resumed from a checkpoint that holds the train loader's state but "
+                "never passed it to the loader's load_state_dict(), so the data would restart "
+                "from the beginning of the epoch. The known cause: "
+                "`trainer.estimated_stepping_batches` read in configure_optimizers() while "
+                "`max_epochs` is set (Lightning then builds the train dataloader before it reads "
+                "the checkpoint). Compute the number of steps yourself (len(loader) * max_epochs "
+                "// accumulate_grad_batches), or train with `max_steps` and leave `max_epochs` "
+                "unset; SavableLoaderCallback(check_resume=False) silences this check"
+            )
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._attach(trainer)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        for loader in self._loaders:
+            loader.held_back_source = None
+        self._loaders.clear()

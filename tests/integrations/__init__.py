@@ -1,0 +1,1 @@
+"""Tests for energy_loader.integrations."""

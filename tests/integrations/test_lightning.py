@@ -1,0 +1,198 @@
+"""SavableDataLoader under a real Lightning Trainer: epochs, exact resume, held-back batches.
+
+Each resume test runs an uninterrupted reference, a run stopped right after a checkpoint
+(``max_steps``), and a fresh Trainer + fresh loader resumed with ``fit(ckpt_path=...)``; the
+batches the two runs trained on must concatenate to the reference's, and the final weights
+must be bit-identical.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import energy_loader as el
+from energy_loader.integrations.lightning import (
+    LoaderStateNotLoadedError,
+    SavableLoaderCallback,
+)
+
+from .lightning_helpers import TinyModel, build_endless_loader, build_loader, run, weights
+
+# Lightning's advice for real runs (num_workers, logging) and its own deprecations.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::UserWarning",
+    "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning",
+    "ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated",
+)
+
+# Batches per epoch of the two pipelines (the unsized one filters 4 of 24 samples out).
+PER_EPOCH = {True: 12, False: 10}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[tuple[bool, int], TinyModel]:
+    """Uninterrupted two-epoch runs, built once per (sized, num_workers)."""
+    return {}
+
+
+def uninterrupted(cache: dict[tuple[bool, int], TinyModel], sized: bool, workers: int) -> TinyModel:
+    if (sized, workers) not in cache:
+        cache[(sized, workers)] = run(build_loader(sized=sized, num_workers=workers))
+    return cache[(sized, workers)]
+
+
+def checkpoint_at(tmp_path: Path, step: int, **kwargs: Any) -> tuple[TinyModel, str]:
+    """Train ``step`` steps, checkpointing at the last; return the model and the file."""
+    first = run(max_steps=step, checkpoint_dir=tmp_path, checkpoint_every=step, **kwargs)
+    (checkpoint,) = tmp_path.glob("*.ckpt")
+    return first, str(checkpoint)
+
+
+def assert_same_training(first: TinyModel, second: TinyModel, full: TinyModel) -> None:
+    assert first.seen + second.seen == full.seen
+    for mine, theirs in zip(weights(second), weights(full), strict=True):
+        assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_two_epochs_train_every_batch_twice(reference, workers: int) -> None:
+    assert len(build_loader(sized=True, num_workers=workers)) == 12
+    model = uninterrupted(reference, True, workers)
+    assert model.global_step_at_end == 24
+    assert [epoch for epoch, _ in model.seen] == [0] * 12 + [1] * 12
+    for epoch in (0, 1):
+        samples = sorted(i for e, batch in model.seen if e == epoch for i in batch)
+        assert samples == list(range(24))
+
+
+@pytest.mark.parametrize("sized", [True, False], ids=["sized", "unsized"])
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("where", ["mid_epoch", "epoch_end"])
+def test_resume_trains_the_same_batches_and_weights(
+    tmp_path: Path, reference, sized: bool, workers: int, where: str
+) -> None:
+    full = uninterrupted(reference, sized, workers)
+    step = 5 if where == "mid_epoch" else PER_EPOCH[sized]
+    first, checkpoint = checkpoint_at(
+        tmp_path, step, loader=build_loader(sized=sized, num_workers=workers)
+    )
+    second = run(build_loader(sized=sized, num_workers=workers), ckpt_path=checkpoint)
+    assert_same_training(first, second, full)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_endless_pipeline_with_max_steps_resumes_exactly(tmp_path: Path, workers: int) -> None:
+    """RepeatDataset + max_steps (max_epochs unset): also the estimated_stepping_batches
+    workaround, since Lightning then answers max_steps without building the loader."""
+    steps = dict(max_epochs=None, max_steps=16, read_estimated_steps=True)
+    full = run(build_endless_loader(workers), **steps)
+    assert full.estimated_steps == 16
+    assert len(full.seen) == 16
+    first = run(
+        build_endless_loader(workers),
+        max_epochs=None,
+        max_steps=5,
+        checkpoint_dir=tmp_path,
+        checkpoint_every=5,
+        read_estimated_steps=True,
+    )
+    (checkpoint,) = tmp_path.glob("*.ckpt")
+    second = run(build_endless_loader(workers), ckpt_path=str(checkpoint), **steps)
+    assert_same_training(first, second, full)
+
+
+def test_without_the_callback_an_unsized_resume_skips_the_prefetched_batch(
+    tmp_path: Path, reference
+) -> None:
+    """The symptom the callback fixes: Lightning saved while holding batch 6 untrained."""
+    full = uninterrupted(reference, False, 0)
+    first, checkpoint = checkpoint_at(
+        tmp_path, 5, loader=build_loader(sized=False, num_workers=0), use_callback=False
+    )
+    second = run(build_loader(sized=False, num_workers=0), ckpt_path=checkpoint, use_callback=False)
+    assert first.seen == full.seen[:5]
+    assert second.seen == full.seen[6:]
+
+
+class CountingLoader(el.SavableDataLoader):
+    """A SavableDataLoader that counts Lightning's calls of load_state_dict."""
+
+    loads = 0
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        CountingLoader.loads += 1
+        super().load_state_dict(state_dict)
+
+
+def resume_reading_estimated_steps(
+    tmp_path: Path, callback: SavableLoaderCallback | None = None
+) -> tuple[TinyModel, TinyModel]:
+    """Checkpoint at step 5 and resume, reading estimated_stepping_batches in both runs."""
+    CountingLoader.loads = 0
+    first, checkpoint = checkpoint_at(
+        tmp_path, 5, loader=build_loader(sized=True, num_workers=0), read_estimated_steps=True
+    )
+    loader = build_loader(sized=True, num_workers=0, loader_class=CountingLoader)
+    second = run(loader, ckpt_path=checkpoint, read_estimated_steps=True, callback=callback)
+    return first, second
+
+
+def test_estimated_stepping_batches_keeps_lightning_from_loading_the_state(
+    tmp_path: Path, reference
+) -> None:
+    """Lightning's bug, not the loader's: it never calls load_state_dict. Without our check
+    the resumed run restarts the epoch from its first batch."""
+    full = uninterrupted(reference, True, 0)
+    _, second = resume_reading_estimated_steps(tmp_path, SavableLoaderCallback(check_resume=False))
+    assert second.estimated_steps == 24
+    assert CountingLoader.loads == 0
+    assert second.seen[0] == full.seen[0]
+
+
+def test_the_callback_refuses_a_resume_that_did_not_load_the_state(tmp_path: Path) -> None:
+    with pytest.raises(LoaderStateNotLoadedError, match="estimated_stepping_batches"):
+        resume_reading_estimated_steps(tmp_path)
+    assert CountingLoader.loads == 0
+
+
+def test_the_same_resume_works_when_configure_optimizers_does_not_read_it(
+    tmp_path: Path, reference
+) -> None:
+    """The workaround: the total steps computed without Lightning's estimate."""
+    CountingLoader.loads = 0
+    full = uninterrupted(reference, True, 0)
+    first, checkpoint = checkpoint_at(tmp_path, 5, loader=build_loader(sized=True, num_workers=0))
+    loader = build_loader(sized=True, num_workers=0, loader_class=CountingLoader)
+    second = run(loader, ckpt_path=checkpoint)
+    assert CountingLoader.loads == 1
+    assert_same_training(first, second, full)
+
+
+def test_state_dict_saves_with_the_held_back_source() -> None:
+    """What the callback relies on: state_dict() with no arguments asks held_back_source."""
+    loader = build_loader(sized=True, num_workers=0)
+    iterator = iter(loader)
+    handed_out = [next(iterator)["index"] for _ in range(3)]
+    loader.held_back_source = lambda: 1
+    states = {"source": loader.state_dict(), "explicit": loader.state_dict(held_back=1)}
+    states["overridden"] = loader.state_dict(held_back=0)
+    after = {}
+    for name, state in states.items():
+        resumed = build_loader(sized=True, num_workers=0)
+        resumed.load_state_dict(state)
+        after[name] = next(iter(resumed))["index"]
+    assert after == {
+        "source": handed_out[2],
+        "explicit": handed_out[2],
+        "overridden": after["overridden"],
+    }
+    assert after["overridden"] not in handed_out
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(TypeError, match="check_resume"):
+        SavableLoaderCallback(check_resume="yes")  # type: ignore[arg-type]
