@@ -1,4 +1,4 @@
-"""Command line: ``python -m energy_loader {demo,inspect,bench} ...``."""
+"""Command line: ``python -m energy_loader {demo,inspect,bench,replay} ...``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ commands:
   demo      kill a training run at a random step, resume it, compare with an uninterrupted run
   inspect   pretty-print a saved loader state or checkpoint file
   bench     run the reference benchmark against a plain torch DataLoader
+  replay    print the restore keys (or samples) of any steps of a saved job
 
 python -m energy_loader COMMAND --help describes each command's options."""
 
@@ -26,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
         from .inspect_state import main as run
     elif command == "bench":
         from .bench import main as run
+    elif command == "replay":
+        from .replay import main as run
     else:
         print(f"unknown command {command!r}\n\n{_USAGE}", file=sys.stderr)
         return 2
