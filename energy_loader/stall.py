@@ -23,7 +23,7 @@ __all__ = ["StallWarner", "diagnose"]
 
 LOGGER = logging.getLogger("energy_loader")
 
-_SATURATED = 0.8
+_SATURATED = 0.7  # torch's own queue work counts as idle: 70% busy is flat out
 _IDLE = 0.5
 
 
