@@ -25,6 +25,7 @@ from .errors import (
     WorkerError,
 )
 from .loader import BasicDataLoader, SavableDataLoader
+from .metrics import StallPolicy
 from .sources import (
     ChunkedFolderSource,
     HuggingFaceIterableSource,
@@ -84,6 +85,7 @@ __all__ = [
     "ShardedSource",
     "ShuffleBufferDataset",
     "SourceDataError",
+    "StallPolicy",
     "StateFormatError",
     "StateMismatchError",
     "StreamError",

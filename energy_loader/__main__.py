@@ -1,4 +1,4 @@
-"""Command line: ``python -m energy_loader {demo,inspect,bench,index} ...``."""
+"""Command line: ``python -m energy_loader {demo,inspect,bench,index,replay} ...``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ commands:
   inspect   pretty-print a saved loader state or checkpoint file
   bench     run the reference benchmark against a plain torch DataLoader
   index     build the member index of WebDataset tar shards (for random access)
+  replay    print the restore keys (or samples) of any steps of a saved job
 
 python -m energy_loader COMMAND --help describes each command's options."""
 
@@ -29,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import main as run
     elif command == "index":
         from .index_shards import main as run
+    elif command == "replay":
+        from .replay import main as run
     else:
         print(f"unknown command {command!r}\n\n{_USAGE}", file=sys.stderr)
         return 2

@@ -27,16 +27,21 @@ from .state.rank_state import (
     states_from_entries,
 )
 
-__all__ = ["describe_rank_state", "main"]
+__all__ = ["describe_rank_state", "main", "summarize_rank_state"]
 
-_HELP = """usage: python -m energy_loader inspect PATH
+_HELP = """usage: python -m energy_loader inspect PATH [--json] [--pipeline MODULE:FUNCTION]
 
 Print every loader state saved in PATH: a checkpoint file (energy_loader's own, or any
 torch.save file) or a JSON file holding a rank state, the list of all ranks' states, or
 the partition entries of loader.state_dict(). For each rank it shows the layout (ranks,
 workers, logical partitions), the epoch and position, where each partition stands and
 the pipeline. Nothing in the file is executed. Exit code 2 if the file holds no
-readable loader state."""
+readable loader state.
+
+  --json                      one JSON object per state found: layout, partitions, epoch,
+                              items delivered, global position, per-partition positions
+  --pipeline MODULE:FUNCTION  rebuild the pipeline (FUNCTION returns it, or a loader) to
+                              also show how far through the epoch each rank is"""
 
 
 def _read(path: Path) -> Any:
@@ -146,16 +151,84 @@ def describe_rank_state(state: Any) -> str:
     return "\n".join(lines)
 
 
+def summarize_rank_state(state: Any, length: int | None = None) -> dict[str, Any]:
+    """One rank state as a small JSON-able summary; ``length``: the rank's items per epoch."""
+    decoded = RankState.from_plain(state)
+    summary: dict[str, Any] = {
+        "rank": decoded.rank,
+        "world_size": decoded.world_size,
+        "num_workers": decoded.num_workers,
+        "num_partitions": decoded.num_partitions,
+        "epoch": decoded.epoch,
+        "in_epoch": decoded.in_epoch,
+        "epoch_ended": decoded.epoch_ended,
+        "delivered": decoded.delivered,
+        "global_position": decoded.start + decoded.world_size * decoded.delivered,
+        "next_worker": decoded.next_worker,
+        "workers": [w.to_plain() for w in decoded.workers],
+        "partitions": [
+            {
+                "partition": p.partition,
+                "position": _position(p.checkpoint),
+                "skip": p.skip,
+                "done": p.done,
+            }
+            for p in decoded.partitions
+        ],
+    }
+    if length:
+        summary["epoch_length"] = length
+        summary["fraction_through"] = 1.0 if decoded.epoch_ended else decoded.delivered / length
+    return summary
+
+
+def _rank_length(spec: str, state: dict[str, Any]) -> int | None:
+    """Items per epoch of the state's rank, from the user's pipeline (None if unknown)."""
+    from .replay import build_loader, load_builder
+
+    loader = build_loader(load_builder(spec)(), state, int(state["rank"]), None)
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+    if not argv or any(a in ("-h", "--help") for a in argv):
         print(_HELP)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    path = Path(argv[0])
+        return 0 if argv else 2
+    as_json, pipeline, paths = False, None, []
+    rest = list(argv)
+    while rest:
+        arg = rest.pop(0)
+        if arg == "--json":
+            as_json = True
+        elif arg == "--pipeline" and rest:
+            pipeline = rest.pop(0)
+        elif arg.startswith("-"):
+            print(f"inspect: unknown option {arg!r}\n\n{_HELP}", file=sys.stderr)
+            return 2
+        else:
+            paths.append(arg)
+    if len(paths) != 1:
+        print(_HELP)
+        return 2
+    path = Path(paths[0])
     try:
         found = list(_find_states(_read(path)))
         if not found:
             raise StateFormatError("no energy_loader loader state inside")
-        blocks = [f"{where}:\n{describe_rank_state(state)}" for where, state in found]
+        lengths = [None if pipeline is None else _rank_length(pipeline, s) for _, s in found]
+        if as_json:
+            blocks = [
+                json.dumps({"where": where, **summarize_rank_state(state, length)})
+                for (where, state), length in zip(found, lengths)
+            ]
+        else:
+            blocks = [
+                f"{where}:\n{describe_rank_state(state)}{_through(state, length)}"
+                for (where, state), length in zip(found, lengths)
+            ]
     except FileNotFoundError:
         print(f"inspect: {path}: no such file", file=sys.stderr)
         return 2
@@ -163,5 +236,15 @@ def main(argv: list[str]) -> int:
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
         print(f"inspect: {path}: {type(error).__name__}: {message}", file=sys.stderr)
         return 2
-    print(f"{path}\n\n" + "\n\n".join(blocks))
+    if as_json:
+        print("\n".join(blocks))
+    else:
+        print(f"{path}\n\n" + "\n\n".join(blocks))
     return 0
+
+
+def _through(state: dict[str, Any], length: int | None) -> str:
+    if not length:
+        return ""
+    fraction = summarize_rank_state(state, length)["fraction_through"]
+    return f"\n{100 * fraction:.1f}% through epoch {state['epoch']} ({length:,} items per rank)"

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 
 from .dataset import SavableDataset
 from .errors import StateFormatError, StateMismatchError, WorkerError
+from .metrics import LoaderMetrics, clock, poll_loader, resolve_stall_policy
 from .partitions import PartitionLayout, RestorePlan, plan_restore, resolve_num_partitions
 from .state.fingerprint import ConfigDifference, config_differences, describe_differences
 from .state.rank_state import (
@@ -178,6 +179,7 @@ class _LoaderIterator:
         self._generation = loader._generation
         self._continuation = continuation
         self._finished = False
+        loader._metrics.new_iterator()
 
     def __iter__(self) -> _LoaderIterator:
         return self
@@ -194,12 +196,15 @@ class _LoaderIterator:
         progress = loader._progress
         workers = len(progress.done)
         decoding = loader._transport is not None
+        began, decode_s = clock(), 0.0  # for loader.stats()
         while True:
             try:
                 with loader._main_process_context():
                     worker, index, is_end, sample = loader._pull()
                 if decoding and not is_end:
+                    decoding_began = clock()
                     sample = decode(sample)
+                    decode_s += clock() - decoding_began
             except StopIteration:
                 loader._end_epoch()
                 if self._continuation:
@@ -227,6 +232,7 @@ class _LoaderIterator:
             progress.delivered += 1
             progress.marks.append(progress.mark())
             self._continuation = False
+            loader._metrics.item(began, decode_s)
             return sample
 
     def __len__(self) -> int:
@@ -264,6 +270,13 @@ class SavableDataLoader(DataLoader):
     ``transport_arena_bytes`` (address space, touched only as needed) above. Decoded items
     equal the originals; tensors come back contiguous. ``transport_codec=False`` uses torch's
     transport.
+
+    Observing. ``stats()`` returns what the loader has been doing (waits, items/s, worker busy
+    fractions, saves; :mod:`energy_loader.metrics`), ``peek_keys(n)`` the restore keys of the
+    next items. ``stall_warning`` (True: a :class:`~energy_loader.metrics.StallPolicy` with
+    its defaults; a fraction; a ``StallPolicy``; False or None: off) logs one warning on the
+    ``energy_loader`` logger, with backoff, when the training loop waits for data more than
+    that fraction of its step time, naming the likely cause (:mod:`energy_loader.stall`).
     """
 
     _savable = True
@@ -287,8 +300,10 @@ class SavableDataLoader(DataLoader):
         transport_inline_bytes: int = DEFAULT_INLINE_BYTES,
         transport_arena_bytes: int = DEFAULT_ARENA_BYTES,
         num_partitions: int | None = None,
+        stall_warning: Any = True,
     ) -> None:
         config = _resolve_config(dataset, worker_config, num_workers)
+        stall = resolve_stall_policy(stall_warning)
         workers = config.num_workers
         partitions = resolve_num_partitions(num_partitions, config.world_size, workers)
         settings = _checkpoint_settings(
@@ -333,6 +348,7 @@ class SavableDataLoader(DataLoader):
         self._parent_channels: list[Connection] = []
         # Set by integrations whose trainer fetches ahead of training (see state_dict()).
         self.held_back_source: Callable[[], int] | None = None
+        self._metrics = _make_metrics(self, stall)
         dataset.bind(config.context(0))
         self._config_cache = dataset.config()
         dataset.reset_state()
@@ -516,6 +532,7 @@ class SavableDataLoader(DataLoader):
                 original_traceback=self._failure.original_traceback,
             )
         require_int(held_back, "held_back", minimum=0)
+        began = clock()
         progress = self._progress
         mark = progress.held_back(held_back)
         plan = self._worker_side.plan
@@ -541,6 +558,7 @@ class SavableDataLoader(DataLoader):
             workers=tuple(workers),
             partitions=tuple(partitions),
         )
+        self._metrics.save(clock() - began)
         return state.to_plain()
 
     def _positions(self, mark: _Mark) -> list[Position]:
@@ -824,6 +842,38 @@ class SavableDataLoader(DataLoader):
             partitions=partitions,
         )
 
+    # -- observing ---------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """What the loader has been doing, as plain numbers: see :mod:`energy_loader.metrics`.
+
+        ``{"since_last": {...}, "total": {...}, "queue_depth": [...]}``: per section the
+        items handed out and items/s, the time ``next()`` waited (mean, p50/p90/p99, max,
+        and as a fraction of the step time), decoding, saves and their latency, and per worker
+        its busy fraction, checkpoint and encode seconds and payload bytes. Asks each worker
+        over its command channel (a round trip, not a wait for a sample). Example::
+
+            if step % 100 == 0:
+                print(energy_loader.metrics.flatten(loader.stats()))
+        """
+        return self._metrics.stats()
+
+    def peek_keys(self, n: int) -> list[Any]:
+        """The restore keys of the next ``n`` items this rank will yield, without taking them.
+
+        How: save this rank's state and run a throwaway copy of the pipeline from it in this
+        process, the way a restore would, emulating the workers' round-robin (see
+        :mod:`energy_loader.peek`). Exact by the same argument as save/restore, and the live
+        loader is untouched: nothing is pulled from its workers and nothing buffered, so a
+        later save needs no special case. Cost: one save plus making the replayed and the
+        ``n`` peeked items once more in this process (global RNG states are kept). Keys run
+        on across an epoch end into the epoch the next ``iter(loader)`` starts; fewer than
+        ``n`` only if the pipeline has no more items at all.
+        """
+        from .peek import peek_keys
+
+        return peek_keys(self, n)
+
     # -- the rest --------------------------------------------------------------------------
 
     def restore_sample(self, key: Any) -> Any:
@@ -874,6 +924,25 @@ class BasicDataLoader(SavableDataLoader):
 
     def restore_state_rank(self, state: dict[str, Any]) -> None:
         raise TypeError("BasicDataLoader does not restore state; use SavableDataLoader")
+
+
+def _make_metrics(loader: SavableDataLoader, stall: Any) -> LoaderMetrics:
+    """The loader's stats and stall check (by weak reference: no cycle keeps workers alive)."""
+    import weakref
+
+    from .stall import StallWarner
+
+    workers = loader._worker_config.num_workers
+    owner = weakref.ref(loader)
+
+    def poll() -> Any:
+        live = owner()
+        if live is None:
+            return [None] * max(1, workers), [0] * max(1, workers)
+        return poll_loader(live)
+
+    warner = None if stall is None else StallWarner(workers, stall.threshold)
+    return LoaderMetrics(max(1, workers), poll, stall, warner)
 
 
 def _basic_main_process(loader: BasicDataLoader) -> Iterator[Any]:

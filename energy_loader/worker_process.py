@@ -45,6 +45,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .dataset import SavableDataset, attach_restore_key
 from .errors import StateMismatchError
+from .metrics import WorkerCounters, clock
 from .partitions import clone_pipeline
 from .state.rank_state import PartitionState, WorkerSlots
 from .transport import WorkerTransport
@@ -196,10 +197,17 @@ class PositionBook(CheckpointRing):
 class CommandServer(threading.Thread):
     """Answers the main process's requests on one worker's command channel."""
 
-    def __init__(self, channel: Connection, book: PositionBook, worker_id: int) -> None:
+    def __init__(
+        self,
+        channel: Connection,
+        book: PositionBook,
+        worker_id: int,
+        counters: WorkerCounters | None = None,
+    ) -> None:
         super().__init__(name=f"energy_loader-commands-{worker_id}", daemon=True)
         self._channel = channel
         self._book = book
+        self._counters = counters
 
     def run(self) -> None:
         channel = self._channel
@@ -222,6 +230,8 @@ class CommandServer(threading.Thread):
             return self._book.position_at(int(argument))
         if command == "ping":
             return os.getpid()
+        if command == "stats" and self._counters is not None:
+            return self._counters.read()
         raise ValueError(f"unknown worker command {command!r}")
 
 
@@ -265,6 +275,7 @@ class _Runner:
         assignment = plan.workers[self.logical_id]
         self.settings = owner.settings
         self.book = PositionBook(owner.settings.capacity, owner.settings.in_flight)
+        self.counters = WorkerCounters()  # loader.stats(): busy time, bytes (metrics.py)
         self.slots: list[_Slot] = []
         for partition in assignment.partitions:
             pipeline = clone_pipeline(owner.pipeline)
@@ -307,7 +318,9 @@ class _Runner:
         self.encode = None if owner.transport is None else owner.transport.encoder(physical_id)
         if owner.channels is not None:
             sys.setswitchinterval(_WORKER_SWITCH_INTERVAL)
-            CommandServer(owner.channels[physical_id], self.book, self.logical_id).start()
+            CommandServer(
+                owner.channels[physical_id], self.book, self.logical_id, self.counters
+            ).start()
 
     def snapshot(self) -> Snapshot:
         """Every partition's state now (iterating thread only, between items)."""
@@ -331,9 +344,11 @@ class _Runner:
         return self.book.position_at(last_index)
 
     def _checkpoint(self, *, optional: bool = False) -> None:
+        began = clock()
         if self.book.add(self.index, self.snapshot(), optional=optional):
             self.last_checkpoint_index = self.index
             self.last_checkpoint_time = time.monotonic()
+        self.counters.checkpoint_s += clock() - began
 
     def _start(self) -> None:
         """Restore (or reset) every partition and replay its items; opens their iterators."""
@@ -390,6 +405,8 @@ class _Runner:
         slots, events = self.slots, self.book.events
         count = len(slots)
         live = sum(not slot.done for slot in slots)
+        counters = self.counters
+        began = clock()  # busy from here to each yield; idle while torch holds the generator
         # The partition's context is current around each next() only: a ContextVar token held
         # across yields would be reset whenever an abandoned generator is collected, inside
         # some other loader's context.
@@ -424,8 +441,14 @@ class _Runner:
                 gc.collect()
             sample = attach_restore_key(sample, key)
             if encode is not None:
+                encoding = clock()
                 sample = encode(sample)
+                counters.bytes += sum(sample.sizes)
+                counters.encode_s += clock() - encoding
+            counters.items += 1
+            counters.produce_s += clock() - began
             yield (logical, self.index, False, sample) if savable else sample
+            began = clock()
         if savable:
             self.index += 1
             self._checkpoint()

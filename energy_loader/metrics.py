@@ -1,0 +1,453 @@
+"""What the data loader is doing: cheap counters, ``loader.stats()``, and a tqdm helper.
+
+Two kinds of numbers, both plain floats and ints:
+
+- *Main process* (:class:`LoaderMetrics`, one per loader): for every item handed to the
+  training loop, the time ``next()`` waited (pulling from torch's queue plus decoding the
+  transport payload), the decode time alone, and the *step* time (from one item handed out to
+  the next: the training loop's own work plus the wait). Saves: how many and how long. The hot
+  path is a few additions and one ``list.append`` per item; quantiles are computed only when
+  :meth:`LoaderMetrics.stats` is called.
+- *Workers* (:class:`WorkerCounters`, one per worker process, or the main process's runner
+  with ``num_workers=0``): seconds spent producing items (the pipeline, checkpoints and the
+  transport encoder), of which checkpointing and encoding, items made and payload bytes. The
+  rest of a worker's wall time is idle: blocked on torch's queues because the training loop
+  has not asked for more. The main process reads them over each worker's command channel,
+  only when ``stats()`` (or the stall check) asks: nothing extra travels with the items.
+
+``stats()`` returns ``{"since_last": {...}, "total": {...}, "queue_depth": [...]}``: the
+same fields since the previous ``stats()`` call and since the loader was made, plus how many
+items torch has asked each worker for that the training loop has not received yet (a
+snapshot). :func:`flatten` turns it into ``{"since_last/wait_s_p50": ...}`` for a logger and
+:func:`tqdm_postfix` into a short dict for ``tqdm.set_postfix``.
+
+Thread-safety: call ``stats()`` from the thread that iterates the loader.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "LoaderMetrics",
+    "StallPolicy",
+    "WorkerCounters",
+    "flatten",
+    "resolve_stall_policy",
+    "tqdm_postfix",
+]
+
+clock = time.perf_counter
+
+# Fold the per-item wait list into the all-time histogram once it holds this many entries.
+_FOLD_AT = 65536
+# Histogram resolution: buckets per doubling of the wait time (about 19% wide).
+_PER_OCTAVE = 4
+_QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
+
+
+class WorkerCounters:
+    """Counters kept by one worker's iterating thread, read by its command thread.
+
+    Plain float/int attributes: a read from the command thread sees each one whole (the GIL),
+    and a reading taken between two updates is off by at most one item.
+    """
+
+    __slots__ = ("bytes", "checkpoint_s", "encode_s", "items", "produce_s", "started")
+
+    def __init__(self) -> None:
+        self.started = clock()
+        self.produce_s = 0.0
+        self.checkpoint_s = 0.0
+        self.encode_s = 0.0
+        self.items = 0
+        self.bytes = 0
+
+    def read(self) -> dict[str, float]:
+        """The counters and the seconds since this worker started, as plain data."""
+        return {
+            "wall_s": clock() - self.started,
+            "produce_s": self.produce_s,
+            "checkpoint_s": self.checkpoint_s,
+            "encode_s": self.encode_s,
+            "items": self.items,
+            "bytes": self.bytes,
+        }
+
+
+_WORKER_FIELDS = ("wall_s", "produce_s", "checkpoint_s", "encode_s", "items", "bytes")
+
+
+@attrs.frozen
+class StallPolicy:
+    """When the loader warns that the training loop is waiting for data.
+
+    The loader warns (logger ``energy_loader``, level WARNING) when, over a window of at least
+    ``window_seconds`` and ``min_steps`` items, ``next()`` waited for more than ``threshold``
+    of the step time. After a warning the next one needs twice as many windows (1, 2, 4, ...
+    up to 64), so a job that stays data-bound logs a handful of lines, not one per window.
+    The first item after ``iter()`` is left out: it includes starting the workers.
+    """
+
+    threshold: float = 0.3
+    window_seconds: float = 60.0
+    min_steps: int = 20
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("threshold", "window_seconds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"`{name}` must be a positive number (got {value!r})")
+        if self.threshold >= 1:
+            raise ValueError(
+                f"`threshold` is a fraction of the step time below 1 (got {self.threshold})"
+            )
+        if isinstance(self.min_steps, bool) or not isinstance(self.min_steps, int):
+            raise TypeError(f"`min_steps` must be an integer (got {self.min_steps!r})")
+        if self.min_steps < 1:
+            raise ValueError(f"`min_steps` must be at least 1 (got {self.min_steps})")
+
+
+def resolve_stall_policy(value: Any) -> StallPolicy | None:
+    """The loader's ``stall_warning`` argument: True (defaults), False/None (off), a
+    threshold fraction, or a :class:`StallPolicy`."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return StallPolicy()
+    if isinstance(value, StallPolicy):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return StallPolicy(threshold=float(value))
+    raise TypeError(
+        "`stall_warning` must be True, False, None, a threshold fraction such as 0.3, or a "
+        f"StallPolicy (got {type(value).__name__}: {value!r})"
+    )
+
+
+class _Totals:
+    """Monotonic main-process totals; a consumer's window is the difference of two copies."""
+
+    __slots__ = (
+        "decode_s",
+        "items",
+        "save_s",
+        "save_s_max",
+        "saves",
+        "stall_items",
+        "stall_step_s",
+        "stall_wait_s",
+        "wait_s",
+        "wait_s_max",
+        "workers",
+    )
+
+    def __init__(self, workers: int) -> None:
+        self.items = 0
+        self.wait_s = 0.0
+        self.wait_s_max = 0.0
+        self.decode_s = 0.0
+        self.saves = 0
+        self.save_s = 0.0
+        self.save_s_max = 0.0
+        # Sums over items whose step time is known (not the first after iter()).
+        self.stall_items = 0
+        self.stall_wait_s = 0.0
+        self.stall_step_s = 0.0
+        self.workers = [dict.fromkeys(_WORKER_FIELDS, 0.0) for _ in range(workers)]
+
+    def copy(self) -> _Totals:
+        other = _Totals(0)
+        for name in self.__slots__:
+            setattr(other, name, getattr(self, name))
+        other.workers = [dict(w) for w in self.workers]
+        return other
+
+
+def _quantile_fields(sorted_waits: list[float]) -> dict[str, float]:
+    count = len(sorted_waits)
+    if not count:
+        return {f"wait_s_{name}": 0.0 for name, _ in _QUANTILES}
+    return {
+        f"wait_s_{name}": sorted_waits[min(count - 1, int(q * count))] for name, q in _QUANTILES
+    }
+
+
+def _bucket(seconds: float) -> int:
+    if seconds <= 0:
+        return -(10**6)
+    mantissa, exponent = math.frexp(seconds)  # seconds = mantissa * 2**exponent, 0.5 <= m < 1
+    return exponent * _PER_OCTAVE + int((mantissa - 0.5) * 2 * _PER_OCTAVE)
+
+
+def _bucket_value(bucket: int) -> float:
+    """The middle of a histogram bucket, in seconds."""
+    if bucket == -(10**6):
+        return 0.0
+    exponent, sub = divmod(bucket, _PER_OCTAVE)
+    low = (0.5 + sub / (2 * _PER_OCTAVE)) * 2.0**exponent
+    high = (0.5 + (sub + 1) / (2 * _PER_OCTAVE)) * 2.0**exponent
+    return (low + high) / 2
+
+
+def _histogram_quantiles(histogram: Counter[int]) -> dict[str, float]:
+    count = sum(histogram.values())
+    out = {}
+    for name, q in _QUANTILES:
+        if not count:
+            out[f"wait_s_{name}"] = 0.0
+            continue
+        rank, seen = min(count - 1, int(q * count)), 0
+        for bucket in sorted(histogram):
+            seen += histogram[bucket]
+            if seen > rank:
+                out[f"wait_s_{name}"] = _bucket_value(bucket)
+                break
+    return out
+
+
+class LoaderMetrics:
+    """The main-process side: per-item timings, save timings, worker polls, windows.
+
+    ``poll`` returns each logical worker's :meth:`WorkerCounters.read` (``None`` for one that
+    cannot be asked) and the per-worker queue depth; ``on_window`` is called with the window's
+    numbers whenever a stall window closes (the stall detector).
+    """
+
+    def __init__(
+        self,
+        workers: int,
+        poll: Callable[[], tuple[list[dict[str, float] | None], list[int]]],
+        stall: StallPolicy | None,
+        on_window: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self._poll = poll
+        self._stall = stall
+        self._on_window = on_window
+        self.totals = _Totals(workers)
+        self._waits: list[float] = []
+        self._histogram: Counter[int] = Counter()
+        self._last_end: float | None = None
+        self._worker_seen: list[tuple[float, dict[str, float]] | None] = [None] * workers
+        self._born = clock()
+        self._base = self.totals.copy()
+        self._base_time = self._born
+        self._stall_base = self.totals.copy()
+        self._stall_time = self._born
+        self._check_at = math.inf if stall is None else self._born + stall.window_seconds
+
+    # -- hot path ----------------------------------------------------------------------------
+
+    def new_iterator(self) -> None:
+        """A new ``iter()``: the next item's wait includes starting up, its step is unknown."""
+        self._last_end = None
+
+    def item(self, began: float, decode_s: float) -> None:
+        """One item handed out; ``next()`` began at ``began`` (a :func:`clock` reading)."""
+        end = clock()
+        wait = end - began
+        totals = self.totals
+        totals.items += 1
+        totals.wait_s += wait
+        totals.decode_s += decode_s
+        if wait > totals.wait_s_max:
+            totals.wait_s_max = wait
+        waits = self._waits
+        waits.append(wait)
+        if len(waits) >= _FOLD_AT:
+            self._fold()
+        last, self._last_end = self._last_end, end
+        if last is not None:
+            totals.stall_items += 1
+            totals.stall_wait_s += wait
+            totals.stall_step_s += end - last
+        if end >= self._check_at:
+            self._close_stall_window(end)
+
+    def save(self, seconds: float) -> None:
+        """One ``save_state_rank()`` took ``seconds``."""
+        totals = self.totals
+        totals.saves += 1
+        totals.save_s += seconds
+        totals.save_s_max = max(totals.save_s_max, seconds)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def _fold(self) -> None:
+        histogram = self._histogram
+        for wait in self._waits:
+            histogram[_bucket(wait)] += 1
+        self._waits = []
+
+    def _refresh_workers(self) -> list[int]:
+        """Add every worker's progress since the last poll to the totals; the queue depths."""
+        readings, depths = self._poll()
+        totals = self.totals.workers
+        for logical, reading in enumerate(readings):
+            if reading is None or logical >= len(totals):
+                continue
+            previous = self._worker_seen[logical]
+            # A restarted worker (its wall clock went back) counts from zero again.
+            if previous is not None and reading["wall_s"] >= previous[1]["wall_s"]:
+                before = previous[1]
+            else:
+                before = dict.fromkeys(_WORKER_FIELDS, 0.0)
+            for name in _WORKER_FIELDS:
+                totals[logical][name] += reading[name] - before[name]
+            self._worker_seen[logical] = (clock(), reading)
+        return depths
+
+    @staticmethod
+    def _section(
+        now: _Totals, base: _Totals, seconds: float, quantiles: dict[str, float]
+    ) -> dict[str, Any]:
+        items = now.items - base.items
+        wait = now.wait_s - base.wait_s
+        step = now.stall_step_s - base.stall_step_s
+        saves = now.saves - base.saves
+        save_s = now.save_s - base.save_s
+        workers = []
+        for index, (a, b) in enumerate(zip(now.workers, base.workers)):
+            delta = {name: a[name] - b[name] for name in _WORKER_FIELDS}
+            wall = delta.pop("wall_s")
+            delta["busy_fraction"] = min(1.0, delta["produce_s"] / wall) if wall > 0 else 0.0
+            workers.append({"worker": index, **delta})
+        return {
+            "seconds": seconds,
+            "items": items,
+            "items_per_s": items / seconds if seconds > 0 else 0.0,
+            "wait_s_sum": wait,
+            "wait_s_mean": wait / items if items else 0.0,
+            **quantiles,
+            "wait_fraction": ((now.stall_wait_s - base.stall_wait_s) / step if step > 0 else 0.0),
+            "decode_s": now.decode_s - base.decode_s,
+            "saves": saves,
+            "save_s_sum": save_s,
+            "save_s_mean": save_s / saves if saves else 0.0,
+            "checkpoint_s": sum(w["checkpoint_s"] for w in workers),
+            "encode_s": sum(w["encode_s"] for w in workers),
+            "transport_bytes": int(sum(w["bytes"] for w in workers)),
+            "busy_fraction_mean": (
+                sum(w["busy_fraction"] for w in workers) / len(workers) if workers else 0.0
+            ),
+            "workers": workers,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """Numbers since the previous call and in total (see the module docstring)."""
+        depths = self._refresh_workers()
+        now, at = self.totals, clock()
+        window_waits = sorted(self._waits)
+        since_last = self._section(now, self._base, at - self._base_time, {})
+        since_last.update(_quantile_fields(window_waits))
+        since_last["wait_s_max"] = window_waits[-1] if window_waits else 0.0
+        self._fold()
+        total = self._section(now, _Totals(len(now.workers)), at - self._born, {})
+        total.update(_histogram_quantiles(self._histogram))
+        total["wait_s_max"] = now.wait_s_max
+        total["save_s_max"] = now.save_s_max
+        self._base, self._base_time = now.copy(), at
+        return {"since_last": since_last, "total": total, "queue_depth": depths}
+
+    def _close_stall_window(self, end: float) -> None:
+        stall = self._stall
+        if stall is None:
+            return
+        now, base = self.totals, self._stall_base
+        if now.stall_items - base.stall_items < stall.min_steps:
+            return
+        self._check_at = end + stall.window_seconds
+        step = now.stall_step_s - base.stall_step_s
+        fraction = (now.stall_wait_s - base.stall_wait_s) / step if step > 0 else 0.0
+        if fraction > stall.threshold and self._on_window is not None:
+            self._refresh_workers()
+            window = self._section(now, base, end - self._stall_time, {})
+            self._on_window(window)
+        self._stall_base, self._stall_time = now.copy(), end
+
+
+def flatten(stats: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """``stats()`` as one flat dict of numbers, e.g. ``{"since_last/wait_s_p50": 0.001}``.
+
+    Lists become ``workers/0/busy_fraction`` style keys. For loggers that take scalars
+    (``SummaryWriter.add_scalar``, wandb, MLflow).
+    """
+    if not isinstance(stats, dict):
+        raise TypeError(f"`stats` must be the dict loader.stats() returns (got {stats!r})")
+    out: dict[str, float] = {}
+    for name, value in stats.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{key}/"))
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                if isinstance(item, dict):
+                    item = {k: v for k, v in item.items() if k != "worker"}
+                    out.update(flatten(item, f"{key}/{index}/"))
+                else:
+                    out[f"{key}/{index}"] = item
+        else:
+            out[key] = value
+    return out
+
+
+def tqdm_postfix(stats: dict[str, Any], section: str = "since_last") -> dict[str, str]:
+    """A short summary of ``stats()`` for ``tqdm``'s ``set_postfix``.
+
+    Example::
+
+        bar = tqdm(loader)
+        for step, batch in enumerate(bar):
+            if step % 100 == 0:
+                bar.set_postfix(energy_loader.metrics.tqdm_postfix(loader.stats()))
+    """
+    if not isinstance(stats, dict) or section not in stats:
+        raise ValueError(
+            f"`stats` must be the dict loader.stats() returns, with a {section!r} section "
+            "(section is 'since_last' or 'total')"
+        )
+    part = stats[section]
+    return {
+        "it/s": f"{part['items_per_s']:.1f}",
+        "wait": f"{100 * part['wait_fraction']:.0f}%",
+        "p90": f"{1000 * part['wait_s_p90']:.1f}ms",
+        "busy": f"{100 * part['busy_fraction_mean']:.0f}%",
+    }
+
+
+def poll_loader(loader: Any) -> tuple[list[dict[str, float] | None], list[int]]:
+    """Each logical worker's counters and queue depth, read from a live loader.
+
+    Workers answer over their command channels (the command thread replies while the worker
+    computes); with ``num_workers=0`` the main process's runner is read directly. A worker
+    that has not started reads as ``None``. The queue depth of a worker is the number of items
+    torch has asked it for that the training loop has not yet received.
+    """
+    workers = loader.num_workers
+    if workers == 0:
+        runner = loader._worker_side.local_runner
+        return [None if runner is None else runner.counters.read()], [0]
+    iterator = loader._iterator
+    channels = loader._parent_channels
+    if iterator is None or not channels or loader._failure is not None:
+        return [None] * workers, [0] * workers
+    offset = loader._worker_side.offset
+    request = next(loader._request_ids)
+    for channel in channels:
+        channel.send(("stats", request, None))
+    readings: list[dict[str, float] | None] = [None] * workers
+    for physical in range(workers):
+        logical = (physical + offset) % workers
+        readings[logical] = loader._await_reply(physical, logical, request)
+    depths = [0] * workers
+    received = getattr(iterator, "_rcvd_idx", 0)
+    for task, info in list(getattr(iterator, "_task_info", {}).items()):
+        if task >= received and info:
+            depths[(info[0] + offset) % workers] += 1
+    return readings, depths

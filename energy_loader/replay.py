@@ -1,0 +1,199 @@
+"""``python -m energy_loader replay``: the restore keys (or samples) of any steps of a saved job.
+
+Imports the user's function that builds the pipeline (or a loader), builds a loader with the
+saved layout for the chosen rank, and runs :func:`energy_loader.peek.future_items` from the
+saved states: no worker processes, nothing iterated from the epoch start, only the replayed
+and the requested items are made. Step 0 is the first item the rank yields after the saved
+position; steps run on across epoch ends as the training loop's next ``iter()`` would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .dataset import SavableDataset
+from .errors import StateFormatError
+
+__all__ = ["build_loader", "load_builder", "main", "parse_steps", "read_states", "replay"]
+
+_HELP = """Print the restore keys (or samples) of steps A to B of one rank of a saved job.
+
+Step 0 is the first item the rank yields after the saved position. The pipeline is rebuilt
+by calling FUNCTION from MODULE with no arguments; it returns the pipeline (a SavableDataset)
+or a SavableDataLoader. The state is restored and only the items up to step B are made, in
+this process; nothing is iterated from the start of the epoch. The result equals what the
+training run yielded (or will yield) after saving."""
+
+_EPILOG = """examples:
+  python -m energy_loader replay --pipeline train:build_pipeline ckpt/step-500.pt
+  python -m energy_loader replay --pipeline train:build_pipeline states.json --rank 1 \\
+      --steps 10:20 --samples --json"""
+
+
+def parse_steps(text: str) -> tuple[int, int]:
+    """``"A:B"`` (B excluded), ``":B"`` (from 0) or ``"A"`` (just step A) as ``(A, B)``."""
+    try:
+        if ":" in text:
+            first, last = text.split(":", 1)
+            start, stop = int(first or 0), int(last)
+        else:
+            start = int(text)
+            stop = start + 1
+    except ValueError:
+        raise ValueError(f"--steps must look like A:B, :B or A (got {text!r})") from None
+    if start < 0 or stop <= start:
+        raise ValueError(f"--steps needs 0 <= A < B (got {text!r})")
+    return start, stop
+
+
+def load_builder(spec: str) -> Callable[[], Any]:
+    """The function named by ``module:function`` (the current directory is importable)."""
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise ValueError(f"--pipeline must be module:function (got {spec!r})")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    module = importlib.import_module(module_name)
+    function = module
+    for part in name.split("."):
+        function = getattr(function, part)
+    if not callable(function):
+        raise TypeError(f"{spec} is not callable")
+    return function  # type: ignore[return-value]
+
+
+def read_states(paths: list[Path]) -> list[dict[str, Any]]:
+    """Every rank state in the files (checkpoint, torch.save or JSON), one per rank."""
+    from .inspect_state import _find_states, _read
+
+    by_rank: dict[int, dict[str, Any]] = {}
+    for path in paths:
+        for _, state in _find_states(_read(path)):
+            by_rank.setdefault(int(state["rank"]), state)
+    if not by_rank:
+        raise StateFormatError("no energy_loader loader state inside")
+    return [by_rank[rank] for rank in sorted(by_rank)]
+
+
+def build_loader(built: Any, state: dict[str, Any], rank: int, seed: int | None) -> Any:
+    """A loader (never started) with the saved layout, for ``rank``, over the built pipeline."""
+    from .loader import SavableDataLoader
+    from .worker import WorkerConfig
+
+    if isinstance(built, SavableDataLoader):
+        pipeline, config_seed = built._pipeline, built.worker_config.seed
+        built._shutdown_workers()
+    elif isinstance(built, SavableDataset):
+        pipeline, config_seed = built, 0
+    else:
+        raise TypeError(
+            "the --pipeline function must return a SavableDataset pipeline or a "
+            f"SavableDataLoader (got {type(built).__name__})"
+        )
+    world_size = int(state["world_size"])
+    if not 0 <= rank < world_size:
+        raise ValueError(f"--rank must be in range({world_size}) for this job (got {rank})")
+    config = WorkerConfig(
+        rank=rank,
+        world_size=world_size,
+        num_workers=int(state["num_workers"]),
+        seed=config_seed if seed is None else seed,
+    )
+    return SavableDataLoader(
+        pipeline,
+        worker_config=config,
+        num_partitions=int(state["num_partitions"]),
+        stall_warning=False,
+    )
+
+
+def replay(
+    loader: Any, states: list[dict[str, Any]], start: int, stop: int, *, samples: bool = False
+) -> list[dict[str, Any]]:
+    """Steps ``start`` to ``stop`` (excluded) after the saved position: key, and sample."""
+    from .peek import future_items, kept_rng_state
+    from .state.rank_state import RankState
+
+    decoded = [RankState.from_plain(state) for state in states]
+    rows: list[dict[str, Any]] = []
+    with kept_rng_state():
+        for step, (key, _) in enumerate(future_items(loader, decoded)):
+            if step >= stop:
+                break
+            if step >= start:
+                rows.append({"step": step, "key": key})
+        if samples:
+            for row in rows:
+                row["sample"] = loader.restore_sample(row["key"])
+    return rows
+
+
+def _plain(value: Any) -> Any:
+    """Samples as JSON: tensors and arrays as nested lists, bytes as their length."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{len(value)} bytes>"
+    return repr(value)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m energy_loader replay",
+        description=_HELP,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--pipeline", required=True, metavar="MODULE:FUNCTION", help="builds the pipeline"
+    )
+    parser.add_argument(
+        "checkpoint",
+        nargs="+",
+        type=Path,
+        metavar="CHECKPOINT",
+        help="a checkpoint file, a per-rank file (several may be given) or a JSON of all "
+        "ranks' states",
+    )
+    parser.add_argument("--rank", type=int, default=0, help="the rank to replay (default 0)")
+    parser.add_argument(
+        "--steps", default="0:10", help="A:B, steps A to B-1 after the save (default 0:10)"
+    )
+    parser.add_argument("--samples", action="store_true", help="print the samples too")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="the job's WorkerConfig seed, when FUNCTION returns a pipeline (default 0)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        start, stop = parse_steps(args.steps)
+        states = read_states(args.checkpoint)
+        loader = build_loader(load_builder(args.pipeline)(), states[0], args.rank, args.seed)
+        rows = replay(loader, states, start, stop, samples=args.samples)
+    except FileNotFoundError as error:
+        print(f"replay: no such file: {error.filename or error}", file=sys.stderr)
+        return 2
+    except Exception as error:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        print(f"replay: {type(error).__name__}: {message}", file=sys.stderr)
+        return 2
+    for row in rows:
+        if args.json:
+            print(json.dumps(row, default=_plain))
+        elif args.samples:
+            print(f"step {row['step']}: {row['key']}\n  {row['sample']!r}")
+        else:
+            print(f"step {row['step']}: {row['key']}")
+    if len(rows) < stop - start:
+        print(f"replay: the pipeline ended after {len(rows)} of the steps asked", file=sys.stderr)
+    return 0

@@ -1,0 +1,253 @@
+"""peek_keys and ``replay`` agree exactly with what real runs yield after a save.
+
+Two ranks are simulated in one process (explicit ``WorkerConfig(rank=r, world_size=2)``), with
+0 and 2 real worker processes each. The run saves every rank's state at step ``SAVE`` and
+records what each rank yields for ``AFTER`` more steps (across the end of the epoch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import energy_loader as el
+from energy_loader.replay import build_loader, parse_steps, replay
+
+from .observe_pipelines import LENGTH, build
+
+ROOT = Path(__file__).resolve().parents[1]
+SAVE, AFTER, SEED, RANKS = 7, 24, 5, 2
+
+
+def _plain(key: Any) -> Any:
+    return json.loads(json.dumps(key))
+
+
+def _loaders(workers: int) -> list[el.SavableDataLoader]:
+    return [
+        el.SavableDataLoader(
+            build(),
+            worker_config=el.WorkerConfig(
+                rank=rank, world_size=RANKS, num_workers=workers, seed=SEED
+            ),
+            checkpoint_every_n_samples=3,
+        )
+        for rank in range(RANKS)
+    ]
+
+
+def _take(loader: el.SavableDataLoader, iterator: Any, count: int) -> tuple[list[Any], Any]:
+    """``count`` keys, starting the next epoch when one ends (as a training loop would)."""
+    keys = []
+    while len(keys) < count:
+        try:
+            keys.append(el.restore_key_of(next(iterator)))
+        except StopIteration:
+            iterator = iter(loader)
+    return keys, iterator
+
+
+@pytest.fixture(scope="module", params=[0, 2], ids=["0-workers", "2-workers"])
+def saved_run(request, tmp_path_factory):
+    """States saved at step SAVE of a 2-rank run, the AFTER keys each rank yielded next."""
+    workers = request.param
+    out = tmp_path_factory.mktemp(f"run{workers}")
+    with _logging_to(out / "log"):
+        loaders = _loaders(workers)
+    iterators = [iter(loader) for loader in loaders]
+    for rank, loader in enumerate(loaders):
+        _, iterators[rank] = _take(loader, iterators[rank], SAVE)
+    states = [loader.save_state_rank() for loader in loaders]
+    streams = []
+    for rank, loader in enumerate(loaders):
+        keys, _ = _take(loader, iterators[rank], AFTER)
+        streams.append([_plain(k) for k in keys])
+        loader._shutdown_workers()
+    path = out / "states.json"
+    path.write_text(json.dumps(states))
+    logged: dict[str, list[Any]] = {}  # per partition file, each key once, in logged order
+    for file in sorted((out / "log").glob("*.jsonl")):
+        keys = logged.setdefault(file.name, [])
+        for line in file.read_text().splitlines():
+            key = json.loads(line)["key"]
+            if key not in keys:
+                keys.append(key)
+    return workers, states, streams, path, out / "log", logged
+
+
+@contextlib.contextmanager
+def _logging_to(log_dir: Path) -> Iterator[None]:
+    """build() wraps the pipeline in LogSampleDataset(log_dir=log_dir) inside this block."""
+    os.environ["ENERGY_LOADER_TEST_LOG_DIR"] = str(log_dir)
+    try:
+        yield
+    finally:
+        del os.environ["ENERGY_LOADER_TEST_LOG_DIR"]
+
+
+def _replay_loader(saved_run: Any, rank: int) -> el.SavableDataLoader:
+    """A loader over the same (logged) pipeline as the run, for replay."""
+    with _logging_to(saved_run[4]):
+        return build_loader(build(), saved_run[1][0], rank, SEED)
+
+
+@given(rank=st.integers(0, RANKS - 1), start=st.integers(0, AFTER - 1), size=st.integers(1, 8))
+def test_replay_equals_the_run_for_any_window(saved_run, rank: int, start: int, size: int):
+    _, states, streams, _, _, _ = saved_run
+    stop = min(AFTER, start + size)
+    loader = _replay_loader(saved_run, rank)
+    rows = replay(loader, states, start, stop)
+    assert [r["step"] for r in rows] == list(range(start, stop))
+    assert [_plain(r["key"]) for r in rows] == streams[rank][start:stop]
+
+
+def test_restore_state_global_on_each_rank_yields_the_same(saved_run) -> None:
+    workers, states, streams, _, log_dir, _ = saved_run
+    with _logging_to(log_dir):
+        loaders = _loaders(workers)
+    for rank, loader in enumerate(loaders):
+        loader.restore_state_global(states)
+        keys, _ = _take(loader, iter(loader), AFTER)
+        assert [_plain(k) for k in keys] == streams[rank]
+        loader._shutdown_workers()
+
+
+def test_replay_agrees_with_the_sample_log(saved_run) -> None:
+    # The log holds what the partitions produced, in each partition's order: every replayed
+    # batch is there, and within a partition the replayed ones come in logged order.
+    _, states, streams, _, _, logged = saved_run
+    for rank in range(RANKS):
+        loader = _replay_loader(saved_run, rank)
+        replayed = [_plain(r["key"]) for r in replay(loader, states, 0, AFTER)]
+        assert replayed == streams[rank]
+        for keys in logged.values():
+            mine = [k for k in replayed if k in keys]
+            positions = [keys.index(k) for k in mine]
+            assert positions == sorted(positions)
+        assert all(any(k in keys for keys in logged.values()) for k in replayed)
+
+
+def test_replay_command_line(saved_run) -> None:
+    _, states, streams, path, log_dir, _ = saved_run
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ENERGY_LOADER_TEST_LOG_DIR": str(log_dir)}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "energy_loader",
+            "replay",
+            "--pipeline",
+            "tests.observe_pipelines:build",
+            str(path),
+            "--rank",
+            "1",
+            "--steps",
+            "3:9",
+            "--json",
+            "--seed",
+            str(SEED),
+            "--samples",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["key"] for r in rows] == streams[1][3:9]
+    assert all("sample" in r for r in rows)
+    text = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "energy_loader",
+            "replay",
+            "--pipeline",
+            "tests.observe_pipelines:build",
+            str(path),
+            "--steps",
+            "2",
+            "--seed",
+            str(SEED),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+    )
+    assert text.returncode == 0 and text.stdout.startswith("step 2: ")
+    inspect = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "energy_loader",
+            "inspect",
+            str(path),
+            "--json",
+            "--pipeline",
+            "tests.observe_pipelines:build",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+    )
+    assert inspect.returncode == 0, inspect.stderr
+    summaries = [json.loads(line) for line in inspect.stdout.splitlines()]
+    assert [s["rank"] for s in summaries] == [0, 1]
+    per_rank = LENGTH // RANKS // 3
+    assert summaries[0]["epoch_length"] == per_rank
+    assert summaries[0]["fraction_through"] == pytest.approx(SAVE / per_rank)
+    assert summaries[1]["global_position"] == states[1]["start"] + RANKS * SAVE
+    assert {"partition", "position", "skip", "done"} <= set(summaries[0]["partitions"][0])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_peek_keys_then_iteration_and_a_restore_yield_those_keys(workers: int) -> None:
+    loader = el.SavableDataLoader(build(), num_workers=workers, checkpoint_every_n_samples=2)
+    iterator = iter(loader)
+    for taken in (0, 5, 13):
+        _, iterator = _take(loader, iterator, taken)
+        random.seed(3)
+        peeked = loader.peek_keys(25)  # 25 > the 40 - 18 left: runs into the next epoch
+        assert random.random() == random.Random(3).random()  # global RNG untouched
+        state = loader.save_state_rank()
+        keys, iterator = _take(loader, iterator, 25)
+        assert keys == peeked
+        fresh = el.SavableDataLoader(build(), num_workers=workers, checkpoint_every_n_samples=2)
+        fresh.restore_state_rank(state)
+        assert _take(fresh, iter(fresh), 25)[0] == peeked
+        fresh._shutdown_workers()
+    loader._shutdown_workers()
+
+
+def test_bad_arguments() -> None:
+    loader = el.SavableDataLoader(build())
+    assert loader.peek_keys(0) == []
+    with pytest.raises(ValueError, match="`n`"):
+        loader.peek_keys(-1)
+    with pytest.raises(TypeError, match="SavableDataLoader"):
+        el.BasicDataLoader(build()).peek_keys(2)
+    assert parse_steps("3:7") == (3, 7) and parse_steps("4") == (4, 5)
+    for bad in ("7:3", "x", "-1:2"):
+        with pytest.raises(ValueError, match="--steps"):
+            parse_steps(bad)
+    with pytest.raises(ValueError, match="--rank"):
+        build_loader(build(), loader.save_state_rank(), 3, None)
+    with pytest.raises(TypeError, match="SavableDataset"):
+        build_loader(42, loader.save_state_rank(), 0, None)
