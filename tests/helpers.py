@@ -20,7 +20,7 @@ def noisy(sample: dict[str, Any]) -> dict[str, Any]:
 
 
 def reference_pipeline(length: int = 200, buffer: int = 16, batch: int = 4) -> el.SavableDataset:
-    """map -> shuffle buffer -> batch over a shuffled IndexedSource (the SPEC shape, small)."""
+    """map -> shuffle buffer -> batch over a shuffled IndexedSource (the reference shape, small)."""
     source = el.IndexedSource.from_fn(length, MakeSample(), shuffle=True, seed=7)
     return el.BatchDataset(
         el.ShuffleBufferDataset(el.MapDataset(source, AddNoise()), size=buffer), batch_size=batch
@@ -30,4 +30,6 @@ def reference_pipeline(length: int = 200, buffer: int = 16, batch: int = 4) -> e
 def indices(batch_or_sample: Any) -> list[int]:
     """The source indices in a sample or a batch."""
     value = batch_or_sample["index"]
-    return list(value) if isinstance(value, list) else [int(value)]
+    if isinstance(value, torch.Tensor):  # a batch collated by default_collate
+        value = value.tolist()
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
