@@ -1,4 +1,4 @@
-"""SavableDataLoader with worker processes (SPEC section 5)."""
+"""SavableDataLoader with worker processes."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""``python -m energy_loader bench``: the SPEC reference workload, side by side.
+"""``python -m energy_loader bench``: the reference workload, side by side.
 
-Workloads (``--workload``, see :mod:`energy_loader.bench.workloads`): ``reference`` (SPEC
-section 9: 64-token samples -> map -> shuffle buffer of 1000 -> batch of 32, 2 workers,
+Workloads (``--workload``, see :mod:`energy_loader.bench.workloads`): ``reference`` (the
+reference workload: 64-token samples -> map -> shuffle buffer of 1000 -> batch of 32, 2 workers,
 prefetch 2) and ``large`` (3 x 224 x 224 uint8 images, buffer 64, 4.8 MB per batch).
 
 Throughput runs, each in a fresh subprocess (clean memory numbers, nothing shared between
@@ -306,7 +306,7 @@ def main(argv: list[str]) -> int:
     """Run the bench; exit 0 when energy_loader resumed exactly."""
     parser = argparse.ArgumentParser(
         prog="python -m energy_loader bench",
-        description="The SPEC reference workload: a plain torch DataLoader, energy_loader and "
+        description="The reference workload: a plain torch DataLoader, energy_loader and "
         "the installed peers (torchdata, megatron-energon; pip install -e '.[bench]') running "
         "the same pipeline, interleaved repetitions, medians and ratios.",
     )
@@ -314,10 +314,13 @@ def main(argv: list[str]) -> int:
         "--workload",
         choices=sorted(WORKLOADS),
         default="reference",
-        help="reference: 64-token samples (SPEC section 9); large: 3x224x224 uint8 images",
+        help="reference: 60k samples of 64 tokens, map -> shuffle buffer 1000 -> batch 32; "
+        "large: 3x224x224 uint8 images (5 MB batches)",
     )
     parser.add_argument("--samples", type=int, default=None, help="default: per workload")
-    parser.add_argument("--repetitions", type=int, default=7)
+    parser.add_argument(
+        "--repetitions", type=int, default=7, help="interleaved repetitions (default: 7)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="directory for bench.json/png")
     parser.add_argument(
         "--no-peers", action="store_true", help="skip torchdata and megatron-energon"
