@@ -105,7 +105,11 @@ def train(args: argparse.Namespace) -> None:
             if args.role == "resumed" and start is not None:
                 log.write(json.dumps({"restore_ms": (time.perf_counter() - start) * 1000}) + "\n")
                 start = None
-            record = {"step": step, "indices": batch["index"], "sum": int(batch["tokens"].sum())}
+            record = {
+                "step": step,
+                "indices": batch["index"].tolist(),
+                "sum": int(batch["tokens"].sum()),
+            }
             log.write(json.dumps(record) + "\n")
             if step == args.kill_step:
                 log.flush()
@@ -185,6 +189,12 @@ def _verdict(args: argparse.Namespace, out: Path, kill_step: int) -> int:
     return 0
 
 
+def _steps_per_epoch(data_path: str, seed: int, workers: int) -> int:
+    """Batches per epoch on this worker layout (each worker's shard ends in its own partial
+    batch, so this is more than ``ceil(samples / 32)`` with workers)."""
+    return len(SavableDataLoader(build_pipeline(data_path, seed), num_workers=workers))
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m energy_loader demo",
@@ -202,27 +212,26 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.samples < 64 or args.workers < 0 or args.epochs < 1 or args.save_every < 1:
         parser.error("need --samples >= 64, --workers >= 0, --epochs >= 1, --save-every >= 1")
-    steps_per_epoch = -(-args.samples // 32)  # an upper bound per worker layout is enough here
     if args._role is not None:
         args.data = str(args.out / "tokens.npy")
         args.checkpoints = str(args.out / "checkpoints")
         args.log = str(args.out / f"{args._role}.jsonl")
         args.role = args._role
-        args.total_steps = steps_per_epoch * args.epochs
+        args.total_steps = _steps_per_epoch(args.data, args.seed, args.workers) * args.epochs
         train(args)
         return 0
     if args.seed is None:
         args.seed = random.randrange(2**31)
     args.out = args.out or Path(tempfile.mkdtemp(prefix="energy_loader-demo-"))
     args.out.mkdir(parents=True, exist_ok=True)
-    total = steps_per_epoch * args.epochs
+    rows = np.random.default_rng(args.seed).integers(1, 50_000, (args.samples, TOKENS_PER_SAMPLE))
+    np.save(args.out / "tokens.npy", rows.astype(np.int32))
+    total = _steps_per_epoch(str(args.out / "tokens.npy"), args.seed, args.workers) * args.epochs
     kill_step = args.kill_step
     if kill_step is None:
         kill_step = random.Random(args.seed).randrange(total // 5, total * 4 // 5)
     if not 0 <= kill_step < total:
         parser.error(f"--kill-step must be in [0, {total})")
-    rows = np.random.default_rng(args.seed).integers(1, 50_000, (args.samples, TOKENS_PER_SAMPLE))
-    np.save(args.out / "tokens.npy", rows.astype(np.int32))
     print(f"demo data: {args.samples} samples x {TOKENS_PER_SAMPLE} tokens in {args.out}; "
           f"seed {args.seed}; {args.workers} workers; {args.epochs} epochs")  # fmt: skip
     code = _child(args, "interrupted", args.out / "interrupted.jsonl", kill_step)

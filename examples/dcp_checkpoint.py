@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         loss = train_step(model, optimizer, batch)
         training.step += 1
         if log is not None:
-            log.write(json.dumps({"step": training.step, "ids": batch["id"]}) + "\n")
+            log.write(json.dumps({"step": training.step, "ids": batch["id"].tolist()}) + "\n")
             log.flush()
         if training.step % args.every == 0:
             save(args.ckpt_dir, training, loader)

@@ -34,16 +34,16 @@ def main() -> None:
     loader = el.SavableDataLoader(build_pipeline(), num_workers=2)
     seen = []
     for step, batch in enumerate(loader):
-        seen.append(batch["index"])
+        seen.append(batch["index"].tolist())
         if step == 20:
             torch.save({"data": loader.state_dict()}, path)
         if step == 30:
             break  # a preemption
     loader = el.SavableDataLoader(build_pipeline(), num_workers=2)
     loader.load_state_dict(torch.load(path, weights_only=True)["data"])
-    resumed = [batch["index"] for batch in loader]
+    resumed = [batch["index"].tolist() for batch in loader]
     uninterrupted = [
-        batch["index"] for batch in el.SavableDataLoader(build_pipeline(), num_workers=2)
+        batch["index"].tolist() for batch in el.SavableDataLoader(build_pipeline(), num_workers=2)
     ]
     assert seen[:21] + resumed == uninterrupted
     print(f"resumed exactly: {len(seen[:21])} + {len(resumed)} batches == {len(uninterrupted)}")

@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         loss = train_step(model, optimizer, batch)
         step += 1
         if log is not None:
-            log.write(json.dumps({"step": step, "ids": batch["id"]}) + "\n")
+            log.write(json.dumps({"step": step, "ids": batch["id"].tolist()}) + "\n")
             log.flush()
         if step % args.every == 0:
             save(args.ckpt_dir, step, model, optimizer, loader)

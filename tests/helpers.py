@@ -30,4 +30,6 @@ def reference_pipeline(length: int = 200, buffer: int = 16, batch: int = 4) -> e
 def indices(batch_or_sample: Any) -> list[int]:
     """The source indices in a sample or a batch."""
     value = batch_or_sample["index"]
-    return list(value) if isinstance(value, list) else [int(value)]
+    if isinstance(value, torch.Tensor):  # a batch collated by default_collate
+        value = value.tolist()
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]

@@ -88,3 +88,26 @@ def test_bench_at_tiny_sizes_writes_every_field(tmp_path) -> None:
     assert summary["workload"]["samples"] == 2048
     assert "identical" in result.stdout
     assert set(summary["missing"]) == {"torchdata", "energon"}
+
+
+_MARKUP = ("``", ":func:", ":class:", ":meth:", ":mod:", ":data:")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        [],
+        ["demo"],
+        ["bench"],
+        ["inspect"],
+        ["replay"],
+        ["index"],
+    ],
+    ids=["top", "demo", "bench", "inspect", "replay", "index"],
+)
+def test_help_is_plain_text(command: list[str]) -> None:
+    result = _run(*command, "--help", timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "usage:" in result.stdout
+    found = [markup for markup in _MARKUP if markup in result.stdout]
+    assert not found, f"help of {command} shows docstring markup {found}:\n{result.stdout}"

@@ -89,7 +89,7 @@ def test_batch_keys_are_the_tuple_of_sample_keys_and_restore_sample_rebuilds_the
     assert [b[el.RESTORE_KEY] for b in batches] == [((0,), (1,)), ((2,), (3,)), ((4,),)]
     rebuilt = pipeline.restore_sample(batches[1][el.RESTORE_KEY])
     assert torch.equal(rebuilt["y"], batches[1]["y"])
-    assert rebuilt["index"] == batches[1]["index"] == [2, 3]
+    assert rebuilt["index"].tolist() == batches[1]["index"].tolist() == [2, 3]
 
 
 def test_config_names_types_parameters_and_functions() -> None:

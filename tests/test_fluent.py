@@ -32,7 +32,7 @@ def test_fluent_chain_equals_the_class_pipeline() -> None:
         2,
     )
     assert fluent.config() == classes.config()
-    assert [b["index"] for b in fluent] == [b["index"] for b in classes]
+    assert [b["index"].tolist() for b in fluent] == [b["index"].tolist() for b in classes]
     assert isinstance(source().gc(every_n_iter=2, freeze=False), el.GcDataset)
     assert isinstance(source().log_samples(), el.LogSampleDataset)
 

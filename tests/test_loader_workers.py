@@ -268,3 +268,17 @@ def test_checkpoint_ring_keeps_what_the_main_process_can_still_ask_for() -> None
     assert not ring.add(40, {"at": 40}, optional=True) or len(ring) <= 3
     with pytest.raises(RuntimeError, match="no checkpoint at or before item 2"):
         ring.find(2)
+
+
+@pytest.mark.timeout(60)
+def test_close_stops_the_workers_and_keeps_the_position(no_leftover_processes) -> None:
+    reference = [
+        indices(b) for b in el.SavableDataLoader(reference_pipeline(80, 4, 4), num_workers=2)
+    ]
+    with el.SavableDataLoader(reference_pipeline(80, 4, 4), num_workers=2) as loader:
+        iterator = iter(loader)
+        head = [indices(next(iterator)) for _ in range(5)]
+        loader.close()
+        assert loader._iterator is None
+        rest = [indices(b) for b in loader]
+    assert head + rest == reference

@@ -6,8 +6,8 @@ this same pipeline in its own library's terms; a batch is always a dict whose ``
 list (or tensor) of the source indices it holds, which is what throughput counts and the
 exact-resume checks compare.
 
-- ``reference`` (docs/benchmarks.md): 64 int64 tokens per sample -> a tokenizer-like map -> shuffle
-  buffer of 1000 -> batch of 32;
+- ``reference`` (the documented reference workload): 64 int64 tokens per sample -> a
+  tokenizer-like map -> shuffle buffer of 1000 -> batch of 32;
 - ``large``: a 3 x 224 x 224 uint8 image per sample -> a horizontal flip -> shuffle buffer of
   64 -> batch of 32 (4.8 MB per batch).
 """

@@ -478,7 +478,10 @@ def write_chunked_folder(
 
     - ``"pt"``: dict samples whose values are tensors of one shape per key are stored as
       columns (stacked tensors); any other samples as a list (tensors, numbers, strings and
-      containers of them: what ``torch.load(weights_only=True)`` reads back);
+      containers of them: what ``torch.load(weights_only=True)`` reads back). Numpy arrays
+      and numpy scalars of numeric or bool dtype are stored *as tensors* (a scalar as a 0-dim
+      tensor, numpy strings as ``str``), because the safe loader reads no numpy objects: they
+      come back as tensors of the same dtype and values. Ragged arrays are fine here;
     - ``"npz"``: dict samples of arrays (or tensors, numbers), one shape per key, as columns;
     - ``"npy"``: samples that are arrays (or tensors) of one shape, as one array.
 
@@ -531,12 +534,15 @@ def _write_chunk(file: Any, group: list[Any], file_format: str, name: str) -> No
             allow_pickle=False,
         )
         return
+    if file_format == "pt":
+        group = [_numpy_to_torch(s, f"{name}: sample {i}") for i, s in enumerate(group)]
     columns = _columns(group, name, tensors=file_format == "pt")
     if file_format == "npz":
         if columns is None:
             raise TypeError(
                 f"{name}: file_format='npz' needs dict samples with the same keys, whose values "
-                "are arrays, tensors or numbers of one shape per key; use file_format='pt'"
+                "are arrays, tensors or numbers of one shape and dtype per key; use "
+                "file_format='pt' for other samples (ragged arrays included)"
             )
         np.savez(file, **columns)
         return
@@ -578,14 +584,23 @@ def _as_numpy(value: Any, what: str) -> np.ndarray:
     if isinstance(value, (np.ndarray, np.generic, int, float, bool)):
         array = np.asarray(value)
         if array.dtype.hasobject:
-            raise TypeError(f"{what} has an object dtype, which numpy files cannot hold safely")
+            raise TypeError(
+                f"{what} has an object dtype, which numpy files cannot hold safely; store its "
+                "items as a list with file_format='pt'"
+            )
         return array
-    raise TypeError(f"{what} is a {type(value).__name__}; numpy chunk files hold arrays only")
+    raise TypeError(
+        f"{what} is a {type(value).__name__}; numpy chunk files hold arrays only (use "
+        "file_format='pt' for strings, lists and other values)"
+    )
 
 
 def _stack_numpy(arrays: list[np.ndarray], name: str) -> np.ndarray:
     if any(a.shape != arrays[0].shape or a.dtype != arrays[0].dtype for a in arrays):
-        raise TypeError(f"{name}: file_format='npy' needs arrays of one shape and dtype")
+        raise TypeError(
+            f"{name}: file_format='npy' needs arrays of one shape and dtype; use "
+            "file_format='pt' for ragged arrays"
+        )
     return np.stack(arrays)
 
 
@@ -603,6 +618,33 @@ def _check_weights_only(value: Any, what: str) -> None:
         return
     raise TypeError(
         f"{what} is a {type(value).__name__}; .pt chunks are read with "
-        "torch.load(weights_only=True), which takes tensors, numbers, strings and containers "
-        "of them (use file_format='npz' for numpy arrays)"
+        "torch.load(weights_only=True), which takes tensors (numpy arrays are converted to "
+        "them), numbers, strings, None and lists, tuples and dicts of them: convert it to "
+        "one of those before writing"
     )
+
+
+def _numpy_to_torch(value: Any, what: str) -> Any:
+    """``value`` with numpy arrays and scalars replaced by tensors, containers rebuilt.
+
+    ``torch.load(weights_only=True)`` refuses numpy objects; a tensor of the same dtype holds
+    the same values. Named tuples become plain tuples for the same reason.
+    """
+    if isinstance(value, (np.ndarray, np.generic)):
+        if isinstance(value, np.str_):
+            return str(value)
+        if isinstance(value, np.bytes_):
+            return bytes(value)
+        if value.dtype.kind not in "biufc":
+            raise TypeError(
+                f"{what} is a numpy {type(value).__name__} of dtype {value.dtype}; .pt chunks "
+                "store numeric and bool numpy data as tensors: convert it (e.g. .tolist()) "
+                "before writing"
+            )
+        return torch.from_numpy(np.array(value, copy=True))
+    if isinstance(value, dict):
+        return {k: _numpy_to_torch(v, f"{what}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_numpy_to_torch(v, f"{what}[{i}]") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    return value

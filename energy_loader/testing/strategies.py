@@ -76,7 +76,8 @@ class DropMultiples:
     k: int
 
     def __call__(self, sample: dict[str, Any]) -> bool:
-        return sample["index"] % self.k != 0
+        # int(): after batch -> unbatch the index is a 0-dim tensor (default_collate made it one)
+        return int(sample["index"]) % self.k != 0
 
 
 @attrs.frozen
@@ -86,7 +87,7 @@ class GroupOf:
     k: int
 
     def __call__(self, sample: dict[str, Any]) -> int:
-        return sample["index"] % self.k
+        return int(sample["index"]) % self.k  # a plain int: group keys go into the state
 
 
 @attrs.frozen

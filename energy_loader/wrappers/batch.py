@@ -56,9 +56,10 @@ class _BatchCursor(WrapperCursor):
 class BatchDataset(BaseWrapperDataset):
     """Group ``batch_size`` consecutive samples into one batch.
 
-    ``collate_fn(list_of_samples)`` builds the batch; the default stacks tensors and numpy
-    arrays (per dict key) and keeps lists of everything else. The last batch of an epoch may
-    be smaller unless ``drop_last=True``. Example::
+    ``collate_fn(list_of_samples)`` builds the batch; the default, :func:`default_collate`,
+    makes the batches ``torch.utils.data.default_collate`` makes (numbers and arrays become
+    tensors, strings stay lists) but keeps ragged data as lists instead of failing. The last
+    batch of an epoch may be smaller unless ``drop_last=True``. Example::
 
         BatchDataset(ShuffleBufferDataset(source, size=1000), batch_size=32)
     """

@@ -1,8 +1,16 @@
-"""The default collate function: stack tensors and arrays, keep lists of everything else."""
+"""The default collate function: ``torch.utils.data.default_collate``, tolerant of ragged data.
+
+It makes the batches a plain ``torch.utils.data.DataLoader`` would make, so a training step
+written for one works with the other: numbers and numpy arrays become tensors, strings stay
+lists, dicts, named tuples and sequences are collated per entry. Where torch raises, it keeps
+the samples as a list instead, so variable-length data (token lists, ragged tensors, images
+of different sizes) batches without a custom ``collate_fn``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import copy
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -12,32 +20,127 @@ from ..dataset import RESTORE_KEY
 
 __all__ = ["default_collate"]
 
+# numpy dtype kinds torch cannot hold: bytes, str, object, void (structured), datetimes.
+_NON_NUMERIC_KINDS = frozenset("SUOVMm")
+
 
 def default_collate(samples: Sequence[Any]) -> Any:
-    """Combine a list of samples into one batch.
+    """Combine a list of samples into one batch, as ``torch.utils.data.default_collate`` does.
 
-    Dicts are collated per key (a ``__restore_key__`` entry is dropped: the batch gets its
-    own); tuples per position; tensors with equal shapes are stacked with ``torch.stack`` and
-    numpy arrays with ``numpy.stack``; anything else (numbers, strings, ragged tensors,
-    lists) becomes a list.
+    - tensors of equal shape are stacked (``torch.stack``) along a new first dimension;
+    - numpy arrays of equal shape and numeric dtype become one stacked tensor; numpy scalars
+      become a tensor of their dtype;
+    - python ``int``/``bool`` become an ``int64``/``bool`` tensor, ``float`` a ``float64``
+      tensor;
+    - ``str`` and ``bytes`` stay a list;
+    - dicts (and other mappings) are collated per key, keeping the mapping's type; a
+      ``__restore_key__`` entry is dropped, because the batch carries its own key (the tuple
+      of its samples' keys);
+    - named tuples keep their type, collated per field; lists (and other sequences) of equal
+      length become a list of collated columns;
+    - plain tuples become a *tuple* of collated columns (torch gives a list): this keeps
+      columns apart from a list of items, which is how :class:`UnbatchDataset` splits them.
+
+    Where torch raises, the samples are kept as a list instead: tensors or arrays of
+    different shapes (ragged), nested or sparse tensors, sequences of different lengths,
+    numbers that do not fit one tensor, string/object arrays and objects of other types.
+    Example::
+
+        default_collate([{"x": torch.ones(2), "y": 1}, {"x": torch.zeros(2), "y": 0}])
+        # {"x": tensor([[1., 1.], [0., 0.]]), "y": tensor([1, 0])}
+        default_collate([torch.ones(1), torch.ones(2)])  # [tensor([1.]), tensor([1., 1.])]
     """
     if not samples:
         return []
+    samples = list(samples)
     first = samples[0]
-    if isinstance(first, Mapping):
-        return {
-            name: default_collate([s[name] for s in samples])
-            for name in first
-            if name != RESTORE_KEY
-        }
     if isinstance(first, torch.Tensor):
-        if all(isinstance(s, torch.Tensor) and s.shape == first.shape for s in samples):
-            return torch.stack(list(samples))
-        return list(samples)
+        return _collate_tensors(samples)
     if isinstance(first, np.ndarray):
-        if all(isinstance(s, np.ndarray) and s.shape == first.shape for s in samples):
-            return np.stack(samples)
-        return list(samples)
-    if type(first) is tuple and all(type(s) is tuple and len(s) == len(first) for s in samples):
-        return tuple(default_collate(list(column)) for column in zip(*samples))
-    return list(samples)
+        return _collate_arrays(samples)
+    if isinstance(first, (np.bool_, np.number)):
+        return _attempt(torch.as_tensor, samples)
+    if isinstance(first, float):
+        return _attempt(lambda batch: torch.tensor(batch, dtype=torch.float64), samples)
+    if isinstance(first, int):
+        return _attempt(torch.tensor, samples)
+    if isinstance(first, (str, bytes)):
+        return samples
+    if isinstance(first, Mapping):
+        return _collate_mappings(samples)
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        if _same_lengths(samples) and all(type(s) is type(first) for s in samples):
+            return type(first)(*(default_collate(list(col)) for col in zip(*samples)))
+        return samples
+    if isinstance(first, Sequence):
+        return _collate_sequences(samples)
+    return samples
+
+
+def _collate_tensors(samples: list[Any]) -> Any:
+    first = samples[0]
+    if first.is_nested or first.layout != torch.strided:
+        return samples
+    if all(
+        isinstance(s, torch.Tensor) and s.layout == torch.strided and s.shape == first.shape
+        for s in samples
+    ):
+        return torch.stack(samples)
+    return samples
+
+
+def _collate_arrays(samples: list[Any]) -> Any:
+    first = samples[0]
+    if first.dtype.kind in _NON_NUMERIC_KINDS:
+        return samples
+    if all(
+        isinstance(s, np.ndarray) and s.shape == first.shape and s.dtype == first.dtype
+        for s in samples
+    ):
+        # One copy into a fresh (writable, contiguous) array, shared with the tensor.
+        return torch.from_numpy(np.stack(samples))
+    if all(isinstance(s, np.ndarray) and s.shape == first.shape for s in samples):
+        # Mixed dtypes: torch.stack promotes them, as torch's collate does.
+        return _attempt(lambda batch: torch.stack([torch.as_tensor(s) for s in batch]), samples)
+    return samples
+
+
+def _attempt(make_tensor: Callable[[list[Any]], torch.Tensor], samples: list[Any]) -> Any:
+    """``make_tensor(samples)``, or the samples as a list when torch cannot make one tensor."""
+    try:
+        return make_tensor(samples)
+    except (TypeError, RuntimeError, ValueError, OverflowError):
+        return samples
+
+
+def _collate_mappings(samples: list[Any]) -> Any:
+    first = samples[0]
+    names = [name for name in first if name != RESTORE_KEY]
+    if not all(isinstance(s, Mapping) and all(n in s for n in names) for s in samples):
+        return samples
+    columns = {name: default_collate([s[name] for s in samples]) for name in names}
+    if type(first) is dict:
+        return columns
+    try:
+        if isinstance(first, MutableMapping):
+            clone = copy.copy(first)
+            clone.pop(RESTORE_KEY, None)
+            clone.update(columns)
+            return clone
+        return type(first)(columns)
+    except TypeError:
+        return columns
+
+
+def _same_lengths(samples: list[Any]) -> bool:
+    size = len(samples[0])
+    return all(isinstance(s, Sequence) and len(s) == size for s in samples)
+
+
+def _collate_sequences(samples: list[Any]) -> Any:
+    if not _same_lengths(samples):
+        return samples
+    columns = [default_collate(list(col)) for col in zip(*samples)]
+    if isinstance(samples[0], tuple):
+        return tuple(columns)
+    return columns

@@ -68,10 +68,9 @@ def main() -> None:
         log.write(json.dumps({"resumed_from": resumed_from, "pid": os.getpid()}) + "\n")
         while epoch < args.epochs:
             for batch in loader:
-                noise = round(float(sum(batch["noise"])), 12)
-                log.write(
-                    json.dumps({"step": step, "indices": batch["index"], "noise": noise}) + "\n"
-                )
+                noise = round(float(sum(batch["noise"].tolist())), 12)
+                record = {"step": step, "indices": batch["index"].tolist(), "noise": noise}
+                log.write(json.dumps(record) + "\n")
                 if step == args.kill_step:
                     log.flush()
                     _kill_everything()

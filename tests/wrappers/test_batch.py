@@ -17,16 +17,16 @@ def _pipeline(batch_size: int = 4, drop_last: bool = False, length: int = 22) ->
     return el.BatchDataset(el.MapDataset(source, AddNoise()), batch_size, drop_last=drop_last)
 
 
-def test_default_collate_stacks_tensors_and_arrays_and_lists_the_rest() -> None:
+def test_default_collate_stacks_tensors_arrays_and_numbers_and_lists_the_rest() -> None:
     samples = [
         {"t": torch.tensor([i, i]), "a": np.array([i]), "n": i, "s": str(i), "pair": (i, -i)}
         for i in range(3)
     ]
     batch = el.default_collate(samples)
     assert batch["t"].shape == (3, 2)
-    assert batch["a"].shape == (3, 1)
-    assert batch["n"] == [0, 1, 2] and batch["s"] == ["0", "1", "2"]
-    assert batch["pair"] == ([0, 1, 2], [0, -1, -2])
+    assert isinstance(batch["a"], torch.Tensor) and batch["a"].shape == (3, 1)
+    assert batch["n"].tolist() == [0, 1, 2] and batch["s"] == ["0", "1", "2"]
+    assert [column.tolist() for column in batch["pair"]] == [[0, 1, 2], [0, -1, -2]]
     ragged = el.default_collate([torch.zeros(1), torch.zeros(2)])
     assert isinstance(ragged, list) and len(ragged) == 2
 
