@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import struct
 import weakref
@@ -49,7 +48,16 @@ from ..rng import stable_hash
 from ..state.plain import StateReader
 from ..validation import require_bool, require_int
 from ._codec import decode_sample
-from ._download import LOCKS, Prefetcher, ReaderProgress, Remote, ShardCache, fetch_bytes, node_lock
+from ._download import (
+    LOCKS,
+    Prefetcher,
+    ReaderProgress,
+    Remote,
+    ShardCache,
+    download_settings,
+    fetch_bytes,
+    node_lock,
+)
 from ._order import EpochOrder
 from .shard_writer import COMPRESSIONS, FORMAT, INDEX, MAGIC, VERSION, ShardInfo, zstd_module
 
@@ -310,22 +318,9 @@ class ShardedSource(SavableDataset):
             if num_canonical_partitions is None
             else require_int(num_canonical_partitions, "num_canonical_partitions", minimum=1)
         )
-        self.predownload = require_int(predownload, "predownload", minimum=0)
-        self.cache_limit = (
-            None if cache_limit is None else require_int(cache_limit, "cache_limit", minimum=1)
+        self.predownload, self.cache_limit, self.download_retries, self.download_timeout = (
+            download_settings(predownload, cache_limit, download_retries, download_timeout)
         )
-        self.download_retries = require_int(download_retries, "download_retries", minimum=0)
-        if (
-            isinstance(download_timeout, bool)
-            or not isinstance(download_timeout, (int, float))
-            or not download_timeout > 0
-            or math.isinf(download_timeout)
-        ):
-            raise ValueError(
-                "`download_timeout` must be a positive number of seconds "
-                f"(got {download_timeout!r})"
-            )
-        self.download_timeout = float(download_timeout)
         self.remote = Remote(os.fspath(remote), storage_options)
         self.local = Path(local).resolve()
         if "://" not in self.remote.url and Path(self.remote.url).resolve() == self.local:

@@ -27,7 +27,6 @@ import hashlib
 import io
 import json
 import logging
-import math
 import os
 import posixpath
 import re
@@ -42,7 +41,14 @@ from ..rng import stable_hash
 from ..state.atomic import write_atomically
 from ..state.plain import StateReader
 from ..validation import require_bool, require_int
-from ._download import Prefetcher, ReaderProgress, Remote, ShardCache, fetch_bytes
+from ._download import (
+    Prefetcher,
+    ReaderProgress,
+    Remote,
+    ShardCache,
+    download_settings,
+    fetch_bytes,
+)
 from ._order import EpochOrder
 from ._tar_index import INDEX_SUFFIX, TarIndex, build_index, check_header, parse_index
 from .shard_writer import ShardInfo
@@ -360,22 +366,9 @@ class WebDatasetSource(SavableDataset):
             if num_canonical_partitions is None
             else require_int(num_canonical_partitions, "num_canonical_partitions", minimum=1)
         )
-        self.predownload = require_int(predownload, "predownload", minimum=0)
-        self.cache_limit = (
-            None if cache_limit is None else require_int(cache_limit, "cache_limit", minimum=1)
+        self.predownload, self.cache_limit, self.download_retries, self.download_timeout = (
+            download_settings(predownload, cache_limit, download_retries, download_timeout)
         )
-        self.download_retries = require_int(download_retries, "download_retries", minimum=0)
-        if (
-            isinstance(download_timeout, bool)
-            or not isinstance(download_timeout, (int, float))
-            or not download_timeout > 0
-            or math.isinf(download_timeout)
-        ):
-            raise ValueError(
-                "`download_timeout` must be a positive number of seconds "
-                f"(got {download_timeout!r})"
-            )
-        self.download_timeout = float(download_timeout)
         if on_error not in ON_ERROR:
             raise ValueError(f"`on_error` must be one of {ON_ERROR} (got {on_error!r})")
         self.on_error = on_error
