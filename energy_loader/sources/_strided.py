@@ -14,17 +14,25 @@ next *global* position (a subclass may add fields).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
-from ..dataset import EpochCursor, SavableDataset
+from ..dataset import EpochCursor, Key, SavableDataset
 from ..errors import StateFormatError
 from ..state.plain import StateReader
 from ..validation import require_bool, require_int
 from ._download import Prefetcher, ReaderProgress, ShardCache
 from ._order import EpochOrder
+from .shard_writer import ShardInfo
 
-__all__ = ["OpenShards", "PrefetchingCursor", "StridedCursor", "StridedSource", "order_settings"]
+__all__ = [
+    "OpenShards",
+    "PrefetchingCursor",
+    "StridedCursor",
+    "StridedSource",
+    "is_shard_row",
+    "order_settings",
+]
 
 
 def order_settings(
@@ -182,3 +190,13 @@ class OpenShards(Generic[F]):
             file.close()
             self._release(shard)
         self.files = {}
+
+
+def is_shard_row(key: Key, shards: Sequence[ShardInfo]) -> bool:
+    """Whether ``key`` is a ``(shard, row)`` restore key naming a sample of ``shards``."""
+    return (
+        len(key) == 2
+        and not any(isinstance(part, bool) or not isinstance(part, int) for part in key)
+        and 0 <= key[0] < len(shards)
+        and 0 <= key[1] < shards[key[0]].samples
+    )

@@ -47,7 +47,7 @@ from ..rng import stable_hash
 from ._codec import decode_sample
 from ._download import LOCKS, Remote, ShardCache, download_settings, fetch_bytes, node_lock
 from ._order import EpochOrder
-from ._strided import OpenShards, PrefetchingCursor, StridedSource
+from ._strided import OpenShards, PrefetchingCursor, StridedSource, is_shard_row
 from .shard_writer import COMPRESSIONS, FORMAT, INDEX, MAGIC, VERSION, ShardInfo, zstd_module
 
 __all__ = ["ShardedSource"]
@@ -325,12 +325,7 @@ class ShardedSource(StridedSource):
         return _ShardedCursor(self)
 
     def restore_sample(self, key: Key) -> Any:
-        if (
-            len(key) != 2
-            or any(isinstance(part, bool) or not isinstance(part, int) for part in key)
-            or not 0 <= key[0] < len(self.shards)
-            or not 0 <= key[1] < self.shards[key[0]].samples
-        ):
+        if not is_shard_row(key, self.shards):
             raise ValueError(
                 f"ShardedSource restore keys are (shard, row) within the {len(self.shards)} "
                 f"shards of {self.remote.url}; got {key!r}"

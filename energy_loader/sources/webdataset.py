@@ -41,7 +41,7 @@ from ..state.atomic import write_atomically
 from ..state.plain import StateReader
 from ._download import Remote, ShardCache, download_settings, fetch_bytes
 from ._order import EpochOrder
-from ._strided import OpenShards, PrefetchingCursor, StridedSource
+from ._strided import OpenShards, PrefetchingCursor, StridedSource, is_shard_row
 from ._tar_index import INDEX_SUFFIX, TarIndex, build_index, check_header, parse_index
 from .shard_writer import ShardInfo
 
@@ -569,13 +569,7 @@ class WebDatasetSource(StridedSource):
         return _WebDatasetCursor(self)
 
     def validate_key(self, key: Key) -> None:
-        if (
-            not isinstance(key, tuple)
-            or len(key) != 2
-            or any(isinstance(part, bool) or not isinstance(part, int) for part in key)
-            or not 0 <= key[0] < len(self.shards)
-            or not 0 <= key[1] < self.shards[key[0]].samples
-        ):
+        if not isinstance(key, tuple) or not is_shard_row(key, self.shards):
             raise ValueError(
                 f"WebDatasetSource restore keys are (shard, row) within the {len(self.shards)} "
                 f"shards of this source; got {key!r}"
