@@ -3,9 +3,9 @@
 Reader ``s`` of ``S`` (the context's shard index and count: ranks x workers) reads global
 positions ``s, s + S, s + 2S, ...`` of each epoch's order. :class:`StridedCursor` keeps that
 position; :class:`PrefetchingCursor` adds the background download of the shards ahead of it;
-:class:`OpenShards` keeps open the shard each canonical partition ("span") is reading;
-:class:`StridedSource` holds the order settings (``shuffle``, ``seed``,
-``num_canonical_partitions``) and the per-reader length.
+:class:`OpenShards` keeps open the shard each canonical partition ("span") is reading and
+:func:`is_shard_row` checks a ``(shard, row)`` restore key; :class:`StridedSource` holds the
+order settings (``shuffle``, ``seed``, ``num_canonical_partitions``) and the per-reader length.
 
 State of a strided cursor: ``{"phase", "epoch", "position"}``, ``position`` being the reader's
 next *global* position (a subclass may add fields).
