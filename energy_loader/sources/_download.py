@@ -20,22 +20,64 @@ import fcntl
 import gzip
 import hashlib
 import logging
+import math
 import os
 import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import DownloadError, SourceDataError
+from ..validation import require_int
 from .shard_writer import ShardInfo, zstd_module
 
-__all__ = ["Prefetcher", "Remote", "ShardCache", "node_lock"]
+__all__ = [
+    "DownloadSettings",
+    "Prefetcher",
+    "Remote",
+    "ShardCache",
+    "download_settings",
+    "node_lock",
+]
 
 LOGGER = logging.getLogger("energy_loader.sources.sharded")
 _READ_SIZE = 1 << 20
 LOCKS = ".locks"
+
+
+class DownloadSettings(NamedTuple):
+    """The validated download settings of a source that reads shards through a cache."""
+
+    predownload: int
+    cache_limit: int | None
+    download_retries: int
+    download_timeout: float
+
+
+def download_settings(
+    predownload: Any, cache_limit: Any, download_retries: Any, download_timeout: Any
+) -> DownloadSettings:
+    """Check a source's download arguments (raising with the fix) and return them.
+
+    ``predownload`` >= 0 samples, ``cache_limit`` ``None`` or positive bytes,
+    ``download_retries`` >= 0, ``download_timeout`` a positive finite number of seconds.
+    """
+    predownload = require_int(predownload, "predownload", minimum=0)
+    if cache_limit is not None:
+        cache_limit = require_int(cache_limit, "cache_limit", minimum=1)
+    download_retries = require_int(download_retries, "download_retries", minimum=0)
+    if (
+        isinstance(download_timeout, bool)
+        or not isinstance(download_timeout, (int, float))
+        or not download_timeout > 0
+        or math.isinf(download_timeout)
+    ):
+        raise ValueError(
+            f"`download_timeout` must be a positive number of seconds (got {download_timeout!r})"
+        )
+    return DownloadSettings(predownload, cache_limit, download_retries, float(download_timeout))
 
 
 @contextlib.contextmanager

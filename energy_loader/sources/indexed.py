@@ -27,10 +27,9 @@ from ..dataset import (
     SavableDataset,
     callable_name,
 )
-from ..errors import StateFormatError
 from ..rng import stable_hash
-from ..state.plain import StateReader
 from ..validation import require_bool, require_callable, require_int
+from ._strided import StridedCursor
 from .permutation import FeistelPermutation
 
 __all__ = ["IndexedSource"]
@@ -38,15 +37,9 @@ __all__ = ["IndexedSource"]
 _ORDER_BLOCK = 256
 
 
-class _IndexedCursor(EpochCursor):
+class _IndexedCursor(StridedCursor):
     dataset: IndexedSource
-
-    def __init__(self, dataset: IndexedSource) -> None:
-        super().__init__(dataset)
-        self.position = 0
-
-    def begin_epoch(self) -> None:
-        self.position = self.dataset.context.shard_index
+    reader_name = "shard"
 
     def resume(self) -> Iterator[tuple[Key, Any]]:
         source = self.dataset
@@ -65,21 +58,6 @@ class _IndexedCursor(EpochCursor):
                 sample = getitem(index)
                 self.position += stride
                 yield (index,), sample
-
-    def fields(self) -> dict[str, Any]:
-        return {"position": self.position}
-
-    def load_fields(self, reader: StateReader) -> None:
-        self.position = reader.int("position")
-        context = self.dataset.context
-        if (
-            self.phase == "running"
-            and self.position % context.num_shards != context.shard_index % context.num_shards
-        ):
-            raise StateFormatError(
-                f"{reader.path}.position {self.position} does not belong to shard "
-                f"{context.shard_index} of {context.num_shards}"
-            )
 
 
 class IndexedSource(SavableDataset):

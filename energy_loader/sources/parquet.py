@@ -33,12 +33,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..dataset import EpochCursor, Key, SavableDataset
-from ..errors import DownloadError, SourceDataError, StateFormatError
+from ..dataset import EpochCursor, Key
+from ..errors import DownloadError, SourceDataError
 from ..rng import stable_hash
-from ..state.plain import StateReader
-from ..validation import require_bool, require_int
+from ..validation import require_int
 from ._order import EpochOrder
+from ._strided import StridedCursor, StridedSource
 from .permutation import FeistelPermutation
 
 __all__ = ["ParquetSource"]
@@ -86,15 +86,8 @@ class _ParquetOrder:
         return self.windows[window][slot], row - starts[slot]
 
 
-class _ParquetCursor(EpochCursor):
+class _ParquetCursor(StridedCursor):
     dataset: ParquetSource
-
-    def __init__(self, dataset: ParquetSource) -> None:
-        super().__init__(dataset)
-        self.position = 0
-
-    def begin_epoch(self) -> None:
-        self.position = self.dataset.context.shard_index
 
     def resume(self) -> Iterator[tuple[Key, Any]]:
         source = self.dataset
@@ -110,22 +103,8 @@ class _ParquetCursor(EpochCursor):
             file, number = groups[group]
             yield (file, number, row), rows[row]
 
-    def fields(self) -> dict[str, Any]:
-        return {"position": self.position}
 
-    def load_fields(self, reader: StateReader) -> None:
-        self.position = reader.int("position")
-        context = self.dataset.context
-        if self.phase == "running" and self.position % context.num_shards != (
-            context.shard_index % context.num_shards
-        ):
-            raise StateFormatError(
-                f"{reader.path}.position {self.position} does not belong to reader "
-                f"{context.shard_index} of {context.num_shards}"
-            )
-
-
-class ParquetSource(SavableDataset):
+class ParquetSource(StridedSource):
     """Read the rows of Parquet files as dict samples, shuffled locally, resumed exactly.
 
     ``paths_or_dir``: a directory (its ``*.parquet``/``*.pq`` files, sorted), one file or a
@@ -158,14 +137,7 @@ class ParquetSource(SavableDataset):
         read_retries: int = 2,
     ) -> None:
         super().__init__()
-        require_bool(shuffle, "shuffle")
-        self.shuffle = shuffle
-        self.seed = require_int(seed, "seed", minimum=0)
-        self.num_canonical_partitions = (
-            None
-            if num_canonical_partitions is None
-            else require_int(num_canonical_partitions, "num_canonical_partitions", minimum=1)
-        )
+        self._set_order(shuffle, seed, num_canonical_partitions)
         self.shuffle_window = require_int(shuffle_window, "shuffle_window", minimum=1)
         self.max_cached_row_groups = (
             None
@@ -291,10 +263,6 @@ class ParquetSource(SavableDataset):
 
     # -- reading -----------------------------------------------------------------------------
 
-    def partitions(self) -> int:
-        """P: ``num_canonical_partitions``, or this run's number of readers."""
-        return self.num_canonical_partitions or self.context.num_shards
-
     def epoch_order(self, epoch: int, partitions: int | None = None) -> _ParquetOrder:
         """The global order of ``epoch`` (see the module documentation)."""
         return _ParquetOrder(self, epoch, partitions or self.partitions())
@@ -401,11 +369,6 @@ class ParquetSource(SavableDataset):
             "shuffle_window": self.shuffle_window,
             "num_canonical_partitions": self.num_canonical_partitions,
         }
-
-    def __len__(self) -> int:
-        """Samples per epoch of this copy's reader."""
-        context = self.context
-        return len(range(context.shard_index, self.total, context.num_shards))
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

@@ -33,24 +33,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import struct
-import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..dataset import EpochCursor, Key, SavableDataset
-from ..errors import DownloadError, SourceDataError, StateFormatError
+from ..dataset import EpochCursor, Key
+from ..errors import DownloadError, SourceDataError
 from ..rng import stable_hash
-from ..state.plain import StateReader
-from ..validation import require_bool, require_int
 from ._codec import decode_sample
-from ._download import LOCKS, Prefetcher, ReaderProgress, Remote, ShardCache, fetch_bytes, node_lock
+from ._download import LOCKS, Remote, ShardCache, download_settings, fetch_bytes, node_lock
 from ._order import EpochOrder
+from ._strided import OpenShards, PrefetchingCursor, StridedSource, is_shard_row
 from .shard_writer import COMPRESSIONS, FORMAT, INDEX, MAGIC, VERSION, ShardInfo, zstd_module
 
 __all__ = ["ShardedSource"]
@@ -153,18 +150,12 @@ def _epoch_order(source: ShardedSource, epoch: int, partitions: int) -> EpochOrd
     )
 
 
-class _ShardedCursor(EpochCursor):
+class _ShardedCursor(PrefetchingCursor):
     dataset: ShardedSource
 
     def __init__(self, dataset: ShardedSource) -> None:
         super().__init__(dataset)
-        self.position = 0
-        self._prefetcher: Prefetcher | None = None
-        self._finalizer: weakref.finalize | None = None
         self._order: tuple[int, EpochOrder] | None = None
-
-    def begin_epoch(self) -> None:
-        self.position = self.dataset.context.shard_index
 
     def order(self) -> EpochOrder:
         if self._order is None or self._order[0] != self.epoch:
@@ -174,88 +165,32 @@ class _ShardedCursor(EpochCursor):
             )
         return self._order[1]
 
-    def _start_prefetch(self, order: EpochOrder, cache: ShardCache) -> ReaderProgress:
-        self.stop_prefetch()
-        context = self.dataset.context
-        start, stride = context.shard_index, context.num_shards
-        steps = len(range(start, order.total, stride))
-        progress = ReaderProgress((self.position - start) // stride)
-        if self.dataset.predownload > 0 and progress.step < steps:
-
-            def shard_at(step: int) -> int:
-                return order.locate(start + step * stride)[0]
-
-            prefetcher = Prefetcher(cache, shard_at, steps, self.dataset.predownload, progress)
-            prefetcher.start()
-            self._prefetcher = prefetcher
-            # Stop the thread if this cursor is dropped without finishing its epoch.
-            self._finalizer = weakref.finalize(self, prefetcher.stop_event.set)
-        return progress
-
-    def stop_prefetch(self) -> None:
-        if self._prefetcher is not None:
-            self._prefetcher.stop()
-            self._prefetcher = None
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            self._finalizer = None
-
     def resume(self) -> Iterator[tuple[Key, Any]]:
         source = self.dataset
         stride = source.context.num_shards
         start = source.context.shard_index
         order = self.order()
         cache = source.cache()
-        progress = self._start_prefetch(order, cache)
+        progress = self.start_prefetch(order, source.predownload, source.cache)
         prefetcher = self._prefetcher
-        files: dict[int, _ShardFile] = {}
-        users: dict[int, int] = {}  # open shard -> number of spans now reading it
-        current: dict[int, int] = {}  # span -> the shard it is reading
+        files = OpenShards(source.open_shard, cache.release)
         partitions = order.partitions
         try:
             while self.position < order.total:
                 shard, offset = order.locate(self.position)
-                span = self.position % partitions
-                if current.get(span) != shard:
-                    previous = current.get(span)
-                    current[span] = shard
-                    users[shard] = users.get(shard, 0) + 1
-                    if shard not in files:
-                        files[shard] = source.open_shard(shard)
-                    if previous is not None:
-                        users[previous] -= 1
-                        if not users[previous]:
-                            del users[previous]
-                            files.pop(previous).close()
-                            cache.release(previous)
+                file = files.get(self.position % partitions, shard)
                 row = order.row(shard, offset)
-                sample = files[shard].read(row)
+                sample = file.read(row)
                 self.position += stride
                 progress.step = (self.position - start) // stride
                 yield (shard, row), sample
         finally:
             if self._prefetcher is prefetcher:
                 self.stop_prefetch()
-            for shard, file in files.items():
-                file.close()
-                cache.release(shard)
-
-    def fields(self) -> dict[str, Any]:
-        return {"position": self.position}
-
-    def load_fields(self, reader: StateReader) -> None:
-        self.position = reader.int("position")
-        context = self.dataset.context
-        if self.phase == "running" and self.position % context.num_shards != (
-            context.shard_index % context.num_shards
-        ):
-            raise StateFormatError(
-                f"{reader.path}.position {self.position} does not belong to reader "
-                f"{context.shard_index} of {context.num_shards}"
-            )
+            files.close()
 
 
-class ShardedSource(SavableDataset):
+class ShardedSource(StridedSource):
     """Read ShardWriter shards from a remote through a local cache, downloading ahead.
 
     ``remote`` is an fsspec URL (``s3://bucket/data``, ``memory://data``) or a local directory
@@ -302,30 +237,10 @@ class ShardedSource(SavableDataset):
             raise TypeError(f"`remote` must be an fsspec URL or a directory (got {remote!r})")
         if not isinstance(local, (str, os.PathLike)) or "://" in os.fspath(local):
             raise TypeError(f"`local` must be a local directory path (got {local!r})")
-        require_bool(shuffle, "shuffle")
-        self.shuffle = shuffle
-        self.seed = require_int(seed, "seed", minimum=0)
-        self.num_canonical_partitions = (
-            None
-            if num_canonical_partitions is None
-            else require_int(num_canonical_partitions, "num_canonical_partitions", minimum=1)
+        self._set_order(shuffle, seed, num_canonical_partitions)
+        self.predownload, self.cache_limit, self.download_retries, self.download_timeout = (
+            download_settings(predownload, cache_limit, download_retries, download_timeout)
         )
-        self.predownload = require_int(predownload, "predownload", minimum=0)
-        self.cache_limit = (
-            None if cache_limit is None else require_int(cache_limit, "cache_limit", minimum=1)
-        )
-        self.download_retries = require_int(download_retries, "download_retries", minimum=0)
-        if (
-            isinstance(download_timeout, bool)
-            or not isinstance(download_timeout, (int, float))
-            or not download_timeout > 0
-            or math.isinf(download_timeout)
-        ):
-            raise ValueError(
-                "`download_timeout` must be a positive number of seconds "
-                f"(got {download_timeout!r})"
-            )
-        self.download_timeout = float(download_timeout)
         self.remote = Remote(os.fspath(remote), storage_options)
         self.local = Path(local).resolve()
         if "://" not in self.remote.url and Path(self.remote.url).resolve() == self.local:
@@ -377,10 +292,6 @@ class ShardedSource(SavableDataset):
         self._index_sha = hashlib.sha256(data).hexdigest()[:16]
         return parsed
 
-    def partitions(self) -> int:
-        """P: ``num_canonical_partitions``, or this run's number of readers."""
-        return self.num_canonical_partitions or self.context.num_shards
-
     def cache(self) -> ShardCache:
         """This process's view of the local cache (made lazily in each process)."""
         if self._cache is None or self._cache_pid != os.getpid():
@@ -414,12 +325,7 @@ class ShardedSource(SavableDataset):
         return _ShardedCursor(self)
 
     def restore_sample(self, key: Key) -> Any:
-        if (
-            len(key) != 2
-            or any(isinstance(part, bool) or not isinstance(part, int) for part in key)
-            or not 0 <= key[0] < len(self.shards)
-            or not 0 <= key[1] < self.shards[key[0]].samples
-        ):
+        if not is_shard_row(key, self.shards):
             raise ValueError(
                 f"ShardedSource restore keys are (shard, row) within the {len(self.shards)} "
                 f"shards of {self.remote.url}; got {key!r}"
@@ -450,11 +356,6 @@ class ShardedSource(SavableDataset):
             "seed": self.seed,
             "num_canonical_partitions": self.num_canonical_partitions,
         }
-
-    def __len__(self) -> int:
-        """Samples per epoch of this copy's reader."""
-        context = self.context
-        return len(range(context.shard_index, self.total, context.num_shards))
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

@@ -27,23 +27,21 @@ import hashlib
 import io
 import json
 import logging
-import math
 import os
 import posixpath
 import re
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..dataset import EpochCursor, Key, SavableDataset, callable_name
-from ..errors import DownloadError, SourceDataError, StateFormatError
+from ..dataset import EpochCursor, Key, callable_name
+from ..errors import DownloadError, SourceDataError
 from ..rng import stable_hash
 from ..state.atomic import write_atomically
 from ..state.plain import StateReader
-from ..validation import require_bool, require_int
-from ._download import Prefetcher, ReaderProgress, Remote, ShardCache, fetch_bytes
+from ._download import Remote, ShardCache, download_settings, fetch_bytes
 from ._order import EpochOrder
+from ._strided import OpenShards, PrefetchingCursor, StridedSource, is_shard_row
 from ._tar_index import INDEX_SUFFIX, TarIndex, build_index, check_header, parse_index
 from .shard_writer import ShardInfo
 
@@ -196,74 +194,30 @@ class _TarFile:
         self.file.close()
 
 
-class _WebDatasetCursor(EpochCursor):
+class _WebDatasetCursor(PrefetchingCursor):
     dataset: WebDatasetSource
 
     def __init__(self, dataset: WebDatasetSource) -> None:
         super().__init__(dataset)
-        self.position = 0
         self.skipped = 0
-        self._prefetcher: Prefetcher | None = None
-        self._finalizer: weakref.finalize | None = None
-
-    def begin_epoch(self) -> None:
-        self.position = self.dataset.context.shard_index
-
-    def _start_prefetch(self, order: EpochOrder) -> ReaderProgress:
-        self.stop_prefetch()
-        source = self.dataset
-        start, stride = source.context.shard_index, source.context.num_shards
-        steps = len(range(start, order.total, stride))
-        progress = ReaderProgress((self.position - start) // stride)
-        if source.remote is not None and source.predownload > 0 and progress.step < steps:
-
-            def shard_at(step: int) -> int:
-                return order.locate(start + step * stride)[0]
-
-            prefetcher = Prefetcher(source.cache(), shard_at, steps, source.predownload, progress)
-            prefetcher.start()
-            self._prefetcher = prefetcher
-            self._finalizer = weakref.finalize(self, prefetcher.stop_event.set)
-        return progress
-
-    def stop_prefetch(self) -> None:
-        if self._prefetcher is not None:
-            self._prefetcher.stop()
-            self._prefetcher = None
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            self._finalizer = None
 
     def resume(self) -> Iterator[tuple[Key, Any]]:
         source = self.dataset
         stride, start = source.context.num_shards, source.context.shard_index
         order = source.epoch_order(self.epoch)
-        progress = self._start_prefetch(order)
+        predownload = source.predownload if source.remote is not None else 0
+        progress = self.start_prefetch(order, predownload, source.cache)
         prefetcher = self._prefetcher
-        files: dict[int, _TarFile] = {}
-        current: dict[int, int] = {}  # span -> the shard it is reading
-        users: dict[int, int] = {}  # open shard -> number of spans reading it
+        files = OpenShards(source.open_shard, source.release)
         partitions = order.partitions
         skip = source.on_error == "skip"
         try:
             while self.position < order.total:
                 shard, offset = order.locate(self.position)
-                span = self.position % partitions
                 row = order.row(shard, offset)
                 try:
-                    if current.get(span) != shard:
-                        previous = current.pop(span, None)
-                        if shard not in files:
-                            files[shard] = source.open_shard(shard)
-                        current[span] = shard
-                        users[shard] = users.get(shard, 0) + 1
-                        if previous is not None:
-                            users[previous] -= 1
-                            if not users[previous]:
-                                del users[previous]
-                                files.pop(previous).close()
-                                source.release(previous)
-                    sample = source.decode_sample(files[shard].read(row), shard, row)
+                    file = files.get(self.position % partitions, shard)
+                    sample = source.decode_sample(file.read(row), shard, row)
                 except SourceDataError as error:
                     if not skip:
                         raise
@@ -280,27 +234,17 @@ class _WebDatasetCursor(EpochCursor):
         finally:
             if self._prefetcher is prefetcher:
                 self.stop_prefetch()
-            for shard, file in files.items():
-                file.close()
-                source.release(shard)
+            files.close()
 
     def fields(self) -> dict[str, Any]:
-        return {"position": self.position, "skipped": self.skipped}
+        return {**super().fields(), "skipped": self.skipped}
 
     def load_fields(self, reader: StateReader) -> None:
-        self.position = reader.int("position")
+        super().load_fields(reader)
         self.skipped = reader.int("skipped")
-        context = self.dataset.context
-        if self.phase == "running" and self.position % context.num_shards != (
-            context.shard_index % context.num_shards
-        ):
-            raise StateFormatError(
-                f"{reader.path}.position {self.position} does not belong to reader "
-                f"{context.shard_index} of {context.num_shards}"
-            )
 
 
-class WebDatasetSource(SavableDataset):
+class WebDatasetSource(StridedSource):
     """Read WebDataset tar shards (local or any fsspec URL) with shuffle and exact resume.
 
     ``urls_or_dir``: a directory holding ``*.tar`` shards, one shard, a brace pattern
@@ -352,30 +296,10 @@ class WebDatasetSource(SavableDataset):
         on_error: str = "raise",
     ) -> None:
         super().__init__()
-        require_bool(shuffle, "shuffle")
-        self.shuffle = shuffle
-        self.seed = require_int(seed, "seed", minimum=0)
-        self.num_canonical_partitions = (
-            None
-            if num_canonical_partitions is None
-            else require_int(num_canonical_partitions, "num_canonical_partitions", minimum=1)
+        self._set_order(shuffle, seed, num_canonical_partitions)
+        self.predownload, self.cache_limit, self.download_retries, self.download_timeout = (
+            download_settings(predownload, cache_limit, download_retries, download_timeout)
         )
-        self.predownload = require_int(predownload, "predownload", minimum=0)
-        self.cache_limit = (
-            None if cache_limit is None else require_int(cache_limit, "cache_limit", minimum=1)
-        )
-        self.download_retries = require_int(download_retries, "download_retries", minimum=0)
-        if (
-            isinstance(download_timeout, bool)
-            or not isinstance(download_timeout, (int, float))
-            or not download_timeout > 0
-            or math.isinf(download_timeout)
-        ):
-            raise ValueError(
-                "`download_timeout` must be a positive number of seconds "
-                f"(got {download_timeout!r})"
-            )
-        self.download_timeout = float(download_timeout)
         if on_error not in ON_ERROR:
             raise ValueError(f"`on_error` must be one of {ON_ERROR} (got {on_error!r})")
         self.on_error = on_error
@@ -550,10 +474,6 @@ class WebDatasetSource(SavableDataset):
 
     # -- reading -----------------------------------------------------------------------------
 
-    def partitions(self) -> int:
-        """P: ``num_canonical_partitions``, or this run's number of readers."""
-        return self.num_canonical_partitions or self.context.num_shards
-
     def epoch_order(self, epoch: int, partitions: int | None = None) -> EpochOrder:
         """The global order of ``epoch`` (see the module documentation)."""
         return EpochOrder(
@@ -649,13 +569,7 @@ class WebDatasetSource(SavableDataset):
         return _WebDatasetCursor(self)
 
     def validate_key(self, key: Key) -> None:
-        if (
-            not isinstance(key, tuple)
-            or len(key) != 2
-            or any(isinstance(part, bool) or not isinstance(part, int) for part in key)
-            or not 0 <= key[0] < len(self.shards)
-            or not 0 <= key[1] < self.shards[key[0]].samples
-        ):
+        if not isinstance(key, tuple) or not is_shard_row(key, self.shards):
             raise ValueError(
                 f"WebDatasetSource restore keys are (shard, row) within the {len(self.shards)} "
                 f"shards of this source; got {key!r}"
@@ -690,11 +604,6 @@ class WebDatasetSource(SavableDataset):
             "decode": self._decode_name,
             "on_error": self.on_error,
         }
-
-    def __len__(self) -> int:
-        """Samples per epoch of this copy's reader."""
-        context = self.context
-        return len(range(context.shard_index, self.total, context.num_shards))
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -14,7 +13,7 @@ from hypothesis import strategies as st
 import energy_loader as el
 from energy_loader import ParquetSource, SourceDataError
 from energy_loader.testing import check_resume
-from energy_loader.worker import WorkerContext
+from tests.sources.helpers import assert_readers_interleave, keys_of
 
 
 def write_files(directory: Path, sizes: list[int], row_group_size: int = 4) -> int:
@@ -41,12 +40,6 @@ def files(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("parquet")
     write_files(directory, [10, 7, 13])
     return directory
-
-
-def keys_of(source: ParquetSource, context: WorkerContext | None = None) -> list[Any]:
-    source.bind(context or WorkerContext())
-    source.reset_state()
-    return [key for key, _ in source.iter_keyed()]
 
 
 def test_rows_in_order_and_restorable(files):
@@ -92,15 +85,7 @@ def test_global_order_is_the_same_for_any_number_of_readers(files, shuffle):
     source = ParquetSource(files, shuffle=shuffle, seed=5, num_canonical_partitions=4)
     expected = source.global_order(epoch=0)
     assert len(set(expected)) == 30
-    for ranks, workers in [(1, 1), (2, 1), (1, 4), (2, 2), (3, 1)]:
-        readers = ranks * workers
-        merged: list[Any] = [None] * len(expected)
-        for rank in range(ranks):
-            for worker in range(workers):
-                reader = rank * workers + worker
-                context = WorkerContext(partition=reader, num_partitions=readers)
-                merged[reader::readers] = keys_of(source, context)
-        assert merged == expected, (ranks, workers)
+    assert_readers_interleave(source, expected, [(1, 1), (2, 1), (1, 4), (2, 2), (3, 1)])
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

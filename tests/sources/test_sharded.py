@@ -30,6 +30,7 @@ from energy_loader.errors import StateFormatError
 from energy_loader.testing import check_resume
 from energy_loader.testing.compare import first_difference
 from energy_loader.worker import WorkerContext
+from tests.sources.helpers import assert_readers_interleave, keys_of
 
 LOGGER_NAME = "energy_loader.sources.sharded"
 
@@ -52,13 +53,6 @@ def write(url: str | Path, n: int, *, max_shard_bytes: int = 1500, compression=N
 
 def without_key(item: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in item.items() if k != el.RESTORE_KEY}
-
-
-def keys_of(source: ShardedSource, context: WorkerContext | None = None) -> list[Any]:
-    """The keys of one epoch of ``source`` (epoch 0), read as the given reader."""
-    source.bind(context or WorkerContext())
-    source.reset_state()
-    return [key for key, _ in source.iter_keyed()]
 
 
 def usage(local: Path) -> int:
@@ -176,15 +170,7 @@ def test_global_order_is_the_same_for_any_number_of_readers(tmp_path, shuffle):
     )
     expected = source.global_order(epoch=0)
     assert sorted(expected) == sorted(keys_of(ShardedSource(tmp_path / "remote", tmp_path / "c2")))
-    for ranks, workers in [(1, 1), (2, 1), (1, 4), (4, 2), (3, 1)]:
-        readers = ranks * workers
-        merged: list[Any] = [None] * len(expected)
-        for rank in range(ranks):
-            for worker in range(workers):
-                reader = rank * workers + worker
-                context = WorkerContext(partition=reader, num_partitions=readers)
-                merged[reader::readers] = keys_of(source, context)
-        assert merged == expected, (ranks, workers)
+    assert_readers_interleave(source, expected, [(1, 1), (2, 1), (1, 4), (4, 2), (3, 1)])
 
 
 def test_each_reader_reads_its_own_shards_when_partitions_match(tmp_path):

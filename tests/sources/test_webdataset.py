@@ -10,7 +10,6 @@ import logging
 import shutil
 import tarfile
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -23,7 +22,7 @@ from energy_loader import SourceDataError, WebDatasetSource, WorkerError
 from energy_loader.index_shards import main as index_main
 from energy_loader.testing import check_resume
 from energy_loader.testing.resume import END, record_events
-from energy_loader.worker import WorkerContext
+from tests.sources.helpers import assert_readers_interleave, keys_of
 
 
 def members(i: int) -> list[tuple[str, bytes]]:
@@ -68,12 +67,6 @@ def shards(tmp_path_factory) -> Path:
     write_shards(directory, [7, 5, 9, 3])
     WebDatasetSource(directory)  # builds the indexes
     return directory
-
-
-def keys_of(source: WebDatasetSource, context: WorkerContext | None = None) -> list[Any]:
-    source.bind(context or WorkerContext())
-    source.reset_state()
-    return [key for key, _ in source.iter_keyed()]
 
 
 def test_samples_are_decoded_and_restorable(shards):
@@ -121,15 +114,7 @@ def test_global_order_is_the_same_for_any_number_of_readers(shards, shuffle):
     source = WebDatasetSource(shards, shuffle=shuffle, seed=5, num_canonical_partitions=4)
     expected = source.global_order(epoch=0)
     assert sorted(expected) == sorted(keys_of(WebDatasetSource(shards)))
-    for ranks, workers in [(1, 1), (2, 1), (1, 4), (2, 2), (3, 1)]:
-        readers = ranks * workers
-        merged: list[Any] = [None] * len(expected)
-        for rank in range(ranks):
-            for worker in range(workers):
-                reader = rank * workers + worker
-                context = WorkerContext(partition=reader, num_partitions=readers)
-                merged[reader::readers] = keys_of(source, context)
-        assert merged == expected, (ranks, workers)
+    assert_readers_interleave(source, expected, [(1, 1), (2, 1), (1, 4), (2, 2), (3, 1)])
 
 
 def test_shuffle_differs_per_epoch_and_seed(shards):

@@ -1,0 +1,202 @@
+"""Strided reading, shared by the sources that deal one global order out to their readers.
+
+Reader ``s`` of ``S`` (the context's shard index and count: ranks x workers) reads global
+positions ``s, s + S, s + 2S, ...`` of each epoch's order. :class:`StridedCursor` keeps that
+position; :class:`PrefetchingCursor` adds the background download of the shards ahead of it;
+:class:`OpenShards` keeps open the shard each canonical partition ("span") is reading and
+:func:`is_shard_row` checks a ``(shard, row)`` restore key; :class:`StridedSource` holds the
+order settings (``shuffle``, ``seed``, ``num_canonical_partitions``) and the per-reader length.
+
+State of a strided cursor: ``{"phase", "epoch", "position"}``, ``position`` being the reader's
+next *global* position (a subclass may add fields).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
+
+from ..dataset import EpochCursor, Key, SavableDataset
+from ..errors import StateFormatError
+from ..state.plain import StateReader
+from ..validation import require_bool, require_int
+from ._download import Prefetcher, ReaderProgress, ShardCache
+from ._order import EpochOrder
+from .shard_writer import ShardInfo
+
+__all__ = [
+    "OpenShards",
+    "PrefetchingCursor",
+    "StridedCursor",
+    "StridedSource",
+    "is_shard_row",
+    "order_settings",
+]
+
+
+def order_settings(
+    shuffle: Any, seed: Any, num_canonical_partitions: Any
+) -> tuple[bool, int, int | None]:
+    """Check a source's order arguments (raising with the fix) and return them."""
+    require_bool(shuffle, "shuffle")
+    seed = require_int(seed, "seed", minimum=0)
+    if num_canonical_partitions is not None:
+        num_canonical_partitions = require_int(
+            num_canonical_partitions, "num_canonical_partitions", minimum=1
+        )
+    return shuffle, seed, num_canonical_partitions
+
+
+class StridedSource(SavableDataset):
+    """A source of ``total`` samples per epoch whose global order is cut into
+    ``num_canonical_partitions`` spans and read with a stride (see the module documentation).
+    """
+
+    shuffle: bool
+    seed: int
+    num_canonical_partitions: int | None
+    total: int
+
+    def _set_order(self, shuffle: Any, seed: Any, num_canonical_partitions: Any) -> None:
+        """Validate and keep ``shuffle``, ``seed`` and ``num_canonical_partitions``."""
+        self.shuffle, self.seed, self.num_canonical_partitions = order_settings(
+            shuffle, seed, num_canonical_partitions
+        )
+
+    def partitions(self) -> int:
+        """P: ``num_canonical_partitions``, or this run's number of readers."""
+        return self.num_canonical_partitions or self.context.num_shards
+
+    def __len__(self) -> int:
+        """Samples per epoch of this copy's reader."""
+        context = self.context
+        return len(range(context.shard_index, self.total, context.num_shards))
+
+
+class StridedCursor(EpochCursor):
+    """The reader's next global position: ``shard_index``, then steps of ``num_shards``."""
+
+    #: What a pipeline copy is called when a restored position is not one of its positions.
+    reader_name = "reader"
+
+    def __init__(self, dataset: SavableDataset) -> None:
+        super().__init__(dataset)
+        self.position = 0
+
+    def begin_epoch(self) -> None:
+        self.position = self.dataset.context.shard_index
+
+    def fields(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_fields(self, reader: StateReader) -> None:
+        self.position = reader.int("position")
+        context = self.dataset.context
+        if self.phase == "running" and self.position % context.num_shards != (
+            context.shard_index % context.num_shards
+        ):
+            raise StateFormatError(
+                f"{reader.path}.position {self.position} does not belong to {self.reader_name} "
+                f"{context.shard_index} of {context.num_shards}"
+            )
+
+
+class PrefetchingCursor(StridedCursor):
+    """A strided cursor whose shards a background :class:`Prefetcher` downloads ahead of it.
+
+    The thread is started by :meth:`start_prefetch` (in the reader, never the constructor)
+    and stopped by :meth:`stop_prefetch`, or when the cursor is dropped.
+    """
+
+    def __init__(self, dataset: SavableDataset) -> None:
+        super().__init__(dataset)
+        self._prefetcher: Prefetcher | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    def start_prefetch(
+        self, order: EpochOrder, predownload: int, cache: Callable[[], ShardCache]
+    ) -> ReaderProgress:
+        """Start downloading the shards of the next ``predownload`` samples (0: no thread).
+
+        Returns the progress the reader updates as it goes (``progress.step``).
+        """
+        self.stop_prefetch()
+        context = self.dataset.context
+        start, stride = context.shard_index, context.num_shards
+        steps = len(range(start, order.total, stride))
+        progress = ReaderProgress((self.position - start) // stride)
+        if predownload > 0 and progress.step < steps:
+
+            def shard_at(step: int) -> int:
+                return order.locate(start + step * stride)[0]
+
+            prefetcher = Prefetcher(cache(), shard_at, steps, predownload, progress)
+            prefetcher.start()
+            self._prefetcher = prefetcher
+            # Stop the thread if this cursor is dropped without finishing its epoch.
+            self._finalizer = weakref.finalize(self, prefetcher.stop_event.set)
+        return progress
+
+    def stop_prefetch(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.stop()
+            self._prefetcher = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+F = TypeVar("F", bound=_Closable)
+
+
+class OpenShards(Generic[F]):
+    """The shards a strided reader has open: the one each span is reading, shared by spans.
+
+    ``open_shard(shard)`` opens a shard; ``release(shard)`` is called after its file is closed
+    (a cache may then evict it). Not thread-safe: one reader uses it.
+    """
+
+    def __init__(self, open_shard: Callable[[int], F], release: Callable[[int], None]) -> None:
+        self._open = open_shard
+        self._release = release
+        self.files: dict[int, F] = {}
+        self._users: dict[int, int] = {}  # open shard -> number of spans reading it
+        self._current: dict[int, int] = {}  # span -> the shard it is reading
+
+    def get(self, span: int, shard: int) -> F:
+        """The open file of ``shard``, now read by ``span`` (closing what no span reads)."""
+        if self._current.get(span) != shard:
+            previous = self._current.pop(span, None)
+            if shard not in self.files:
+                self.files[shard] = self._open(shard)
+            self._current[span] = shard
+            self._users[shard] = self._users.get(shard, 0) + 1
+            if previous is not None:
+                self._users[previous] -= 1
+                if not self._users[previous]:
+                    del self._users[previous]
+                    self.files.pop(previous).close()
+                    self._release(previous)
+        return self.files[shard]
+
+    def close(self) -> None:
+        """Close and release every open shard."""
+        for shard, file in self.files.items():
+            file.close()
+            self._release(shard)
+        self.files = {}
+
+
+def is_shard_row(key: Key, shards: Sequence[ShardInfo]) -> bool:
+    """Whether ``key`` is a ``(shard, row)`` restore key naming a sample of ``shards``."""
+    return (
+        len(key) == 2
+        and not any(isinstance(part, bool) or not isinstance(part, int) for part in key)
+        and 0 <= key[0] < len(shards)
+        and 0 <= key[1] < shards[key[0]].samples
+    )
