@@ -254,8 +254,19 @@ class ShardCache:
         next ``ensure`` of that shard raises it (once). Raises :class:`DownloadError`,
         ``FileNotFoundError`` (missing on the remote) or :class:`SourceDataError` (still corrupt
         after every retry).
+
+        The reader takes the shard off the eviction list first, under the eviction lock: a
+        shard it released earlier and comes back to must not be evicted by the prefetch thread
+        between this check and the reader opening it.
         """
-        if self.present(shard):
+        if not ahead and self.cache_limit is not None:
+            with node_lock(self.local / LOCKS / "cache.lock", self.lock_timeout, "cache eviction"):
+                with self._done_lock:
+                    if shard in self._done:
+                        self._done.remove(shard)
+                if self.present(shard):
+                    return self.path(shard)
+        elif self.present(shard):
             return self.path(shard)
         info = self.shards[shard]
         lock = self.local / LOCKS / f"{info.raw_name}.lock"

@@ -494,3 +494,16 @@ def test_restore_sample_refuses_bad_keys(tmp_path):
     for key in [(0,), (5, 0), (0, 4), (0, "1")]:
         with pytest.raises(ValueError, match=r"restore keys are \(shard, row\)"):
             source.restore_sample(key)
+
+
+def test_a_shard_the_reader_comes_back_to_is_not_evicted_under_it(tmp_path):
+    # Released shard 0, read again: making room for another shard must not delete it.
+    write(tmp_path / "remote", 64, max_shard_bytes=1000)
+    source = ShardedSource(tmp_path / "remote", tmp_path / "cache", cache_limit=2500)
+    cache = source.cache()
+    first = cache.ensure(0)
+    cache.release(0)
+    assert cache.ensure(0) == first
+    cache.ensure(1, ahead=True)
+    cache.ensure(2, ahead=True)
+    assert first.exists()
