@@ -31,14 +31,12 @@ its last, shorter accumulation window then never steps the optimizer, so a resum
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 try:
     from transformers import Trainer
-    from transformers.trainer_callback import TrainerState
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 except ImportError as error:  # pragma: no cover - the dev extra installs transformers
     raise ImportError(
@@ -59,35 +57,16 @@ class TrainerLoader:
     """What ``SavableLoaderTrainer.get_train_dataloader`` returns: the loader, keys stripped.
 
     Iterating it iterates the loader (one epoch) and drops ``__restore_key__`` from dict
-    batches; ``len()`` is the loader's. Trainer takes exactly ``len()`` batches per epoch and
-    never asks for the end, so the loader's epoch would still be open when Trainer starts the
-    next one (and a fresh ``iter()`` of the loader would only report that end). Each new
-    iteration therefore first closes the previous epoch: it asks the previous iterator for
-    its end, or, right after a restore at an epoch boundary (``end_pending``), iterates the
-    loader once to the end it owes.
+    batches, because Trainer passes every entry of a batch to ``model(**batch)``; ``len()`` is
+    the loader's. Trainer takes exactly ``len()`` batches per epoch and never asks for the end;
+    the loader counts an epoch whose batches have all been taken as over, so the next
+    ``iter()`` starts the next epoch, also right after a restore at an epoch boundary.
     """
 
     def __init__(self, loader: SavableDataLoader) -> None:
         self.loader = loader
-        self.end_pending = False
-        self._epoch: Iterator[Any] | None = None
 
     def __iter__(self) -> Iterator[Any]:
-        leftover: list[Any] = []
-        if self._epoch is not None:
-            leftover = list(itertools.islice(self._epoch, 1))
-        elif self.end_pending:
-            leftover = list(itertools.islice(iter(self.loader), 1))
-        if leftover:
-            raise RuntimeError(
-                "Trainer started a new epoch while the loader's epoch still had batches: "
-                "len(loader) does not match what the loader yields"
-            )
-        self.end_pending = False
-        self._epoch = self._batches()
-        return self._epoch
-
-    def _batches(self) -> Iterator[Any]:
         for batch in self.loader:
             if isinstance(batch, Mapping) and RESTORE_KEY in batch:
                 batch = {k: v for k, v in batch.items() if k != RESTORE_KEY}
@@ -145,7 +124,7 @@ class SavableLoaderTrainer(Trainer):
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _restore_loader(self, checkpoint: str) -> None:
-        """Restore the loader; note whether the checkpoint closed an epoch (end owed)."""
+        """Restore the loader from the state file in the checkpoint folder."""
         steps, length = self.args.gradient_accumulation_steps, len(self.train_loader)
         if steps > 1 and length % steps:
             raise ValueError(
@@ -155,9 +134,6 @@ class SavableLoaderTrainer(Trainer):
                 "the optimizer. Use a batch count or accumulation that divides"
             )
         restore_state_rank_file(self.train_loader, checkpoint, STATE_PREFIX)
-        state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
-        batches = state.global_step * steps
-        self._trainer_loader.end_pending = batches > 0 and batches % length == 0
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         super()._save_checkpoint(model, trial)

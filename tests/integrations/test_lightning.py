@@ -176,7 +176,7 @@ def test_state_dict_saves_with_the_held_back_source() -> None:
     """What the callback relies on: state_dict() with no arguments asks held_back_source."""
     loader = build_loader(sized=True, num_workers=0)
     iterator = iter(loader)
-    handed_out = [next(iterator)["index"] for _ in range(3)]
+    handed_out = [next(iterator)["index"].tolist() for _ in range(3)]
     loader.held_back_source = lambda: 1
     states = {"source": loader.state_dict(), "explicit": loader.state_dict(held_back=1)}
     states["overridden"] = loader.state_dict(held_back=0)
@@ -184,7 +184,7 @@ def test_state_dict_saves_with_the_held_back_source() -> None:
     for name, state in states.items():
         resumed = build_loader(sized=True, num_workers=0)
         resumed.load_state_dict(state)
-        after[name] = next(iter(resumed))["index"]
+        after[name] = next(iter(resumed))["index"].tolist()
     assert after == {
         "source": handed_out[2],
         "explicit": handed_out[2],
