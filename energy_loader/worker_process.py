@@ -401,7 +401,12 @@ class _Runner:
             self.skip_epoch = False
             return
         settings, logical, encode = self.settings, self.logical_id, self.encode
-        every_n, every_sec, gc_every = settings.every_n, settings.every_sec, settings.gc_every_n
+        every_sec, gc_every = settings.every_sec, settings.gc_every_n
+        # A snapshot saves every partition of the worker, so with k partitions one is taken
+        # every k/2 * every_n items of the worker (measured at k = 4: every_n alone cost 12%
+        # of the throughput; k * every_n made restores 1.5x slower). A partition then advances
+        # about every_n / 2 of its own items between snapshots, the worker k/2 * every_n.
+        every_n = settings.every_n * max(1, len(self.slots) // 2)
         slots, events = self.slots, self.book.events
         count = len(slots)
         live = sum(not slot.done for slot in slots)
