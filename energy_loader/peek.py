@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 
 from .dataset import Key, require_int
 from .state.rank_state import PartitionState, RankState, WorkerSlots
-from .worker import enter_worker, leave_worker
 from .worker_process import RunPlan, WorkerSideDataset, _Runner
 
 if TYPE_CHECKING:
@@ -64,32 +63,10 @@ def kept_rng_state() -> Iterator[None]:
 
 def _worker_items(runner: _Runner) -> Iterator[tuple[Key, Any]]:
     """One epoch of one simulated worker: ``(key, sample)`` in the order it yields them."""
-    if not runner.started:
-        runner._start()
-    else:
-        runner._begin_epoch()
-    if runner.skip_epoch:
-        runner.skip_epoch = False
+    if not runner.prepare_epoch():
         return
-    slots = runner.slots
-    count = len(slots)
-    live = sum(not slot.done for slot in slots)
-    while live:
-        position = runner.next
-        slot = slots[position]
-        runner.next = (position + 1) % count
-        if slot.done:
-            continue
-        token = enter_worker(slot.context)
-        try:
-            pair = next(slot.iterator, _END)  # type: ignore[arg-type]
-        finally:
-            leave_worker(token)
-        if pair is _END:
-            slot.done = True
-            live -= 1
-            continue
-        yield pair  # type: ignore[misc]
+    while (step := runner.next_pair(snapshot_ends=False)) is not None:
+        yield step[1]
 
 
 def _ended_state(loader: SavableDataLoader, runners: list[_Runner], start: int) -> RankState:

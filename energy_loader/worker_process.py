@@ -287,6 +287,7 @@ class _Runner:
         self.last_checkpoint_time = time.monotonic()
         self.started = False
         self.skip_epoch = False
+        self.live = 0
         restores = plan.restores
         self.restores = (
             None if restores is None else [restores[slot.partition] for slot in self.slots]
@@ -391,31 +392,31 @@ class _Runner:
         # Items from here on belong to the new epoch, where no partition has ended yet.
         self._checkpoint()
 
-    def run_epoch(self, savable: bool) -> Iterator[Any]:
-        """One loader epoch of this worker: numbered items, then an end marker."""
+    def prepare_epoch(self) -> bool:
+        """Start (or restore) the partitions, or begin their next epoch; False when this
+        worker had already ended the epoch it was restored into (nothing to yield)."""
         if not self.started:
             self._start()
         else:
             self._begin_epoch()
+        self.live = sum(not slot.done for slot in self.slots)
         if self.skip_epoch:
             self.skip_epoch = False
-            return
-        settings, logical, encode = self.settings, self.logical_id, self.encode
-        every_sec, gc_every = settings.every_sec, settings.gc_every_n
-        # A snapshot saves every partition of the worker, so with k partitions one is taken
-        # every k/2 * every_n items of the worker (measured at k = 4: every_n alone cost 12%
-        # of the throughput; k * every_n made restores 1.5x slower). A partition then advances
-        # about every_n / 2 of its own items between snapshots, the worker k/2 * every_n.
-        every_n = settings.every_n * max(1, len(self.slots) // 2)
-        slots, events = self.slots, self.book.events
+            return False
+        return True
+
+    def next_pair(self, *, snapshot_ends: bool = True) -> tuple[int, Any] | None:
+        """The round-robin's next ``(slot position, (key, sample))``; None when every
+        partition has ended its epoch. A partition found ended is marked (and, with
+        ``snapshot_ends``, recorded in a snapshot).
+
+        The partition's context is current around its next() only: a ContextVar token held
+        across yields would be reset whenever an abandoned generator is collected, inside some
+        other loader's context.
+        """
+        slots = self.slots
         count = len(slots)
-        live = sum(not slot.done for slot in slots)
-        counters = self.counters
-        began = clock()  # busy from here to each yield; idle while torch holds the generator
-        # The partition's context is current around each next() only: a ContextVar token held
-        # across yields would be reset whenever an abandoned generator is collected, inside
-        # some other loader's context.
-        while live:
+        while self.live:
             position = self.next
             slot = slots[position]
             self.next = (position + 1) % count
@@ -428,12 +429,29 @@ class _Runner:
                 leave_worker(token)
             if pair is _END:
                 slot.done = True
-                live -= 1
-                self._checkpoint()  # a partition's end is always in a snapshot
+                self.live -= 1
+                if snapshot_ends:
+                    self._checkpoint()  # a partition's end is always in a snapshot
                 continue
-            key: Any
-            sample: Any
-            key, sample = pair  # type: ignore[misc]
+            return position, pair
+        return None
+
+    def run_epoch(self, savable: bool) -> Iterator[Any]:
+        """One loader epoch of this worker: numbered items, then an end marker."""
+        if not self.prepare_epoch():
+            return
+        settings, logical, encode = self.settings, self.logical_id, self.encode
+        every_sec, gc_every = settings.every_sec, settings.gc_every_n
+        # A snapshot saves every partition of the worker, so with k partitions one is taken
+        # every k/2 * every_n items of the worker (measured at k = 4: every_n alone cost 12%
+        # of the throughput; k * every_n made restores 1.5x slower). A partition then advances
+        # about every_n / 2 of its own items between snapshots, the worker k/2 * every_n.
+        every_n = settings.every_n * max(1, len(self.slots) // 2)
+        events, counters = self.book.events, self.counters
+        began = clock()  # busy from here to each yield; idle while torch holds the generator
+        sample: Any
+        while (step := self.next_pair()) is not None:
+            position, (key, sample) = step
             self.index += 1
             events.append((self.index, position))
             if self.index - self.last_checkpoint_index >= every_n:
