@@ -405,11 +405,7 @@ class SavableDataLoader(DataLoader):
     def _canonical_plan(self, start: int) -> RunPlan:
         config = self._worker_config
         layout = PartitionLayout(self._num_partitions, config.world_size, config.num_workers, start)
-        workers = tuple(
-            WorkerSlots(layout.worker_partitions(config.rank, w))
-            for w in range(max(1, config.num_workers))
-        )
-        return RunPlan(self._num_partitions, workers)
+        return RunPlan(self._num_partitions, layout.worker_slots(config.rank))
 
     def _is_canonical(self) -> bool:
         """Workers unrotated and running the partitions a new epoch gives them."""
@@ -818,11 +814,9 @@ class SavableDataLoader(DataLoader):
     def _fresh_rank_state(self, rank: int) -> RankState:
         """What rank ``rank`` of this layout saves before it starts: every partition fresh."""
         config = self._worker_config
-        layout = PartitionLayout(self._num_partitions, config.world_size, config.num_workers)
-        workers = tuple(
-            WorkerSlots(layout.worker_partitions(rank, w))
-            for w in range(max(1, config.num_workers))
-        )
+        workers = PartitionLayout(
+            self._num_partitions, config.world_size, config.num_workers
+        ).worker_slots(rank)
         partitions = tuple(
             PartitionState(p, self._fresh_checkpoint(p)) for w in workers for p in w.partitions
         )

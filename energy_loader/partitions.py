@@ -118,6 +118,12 @@ class PartitionLayout:
         first = self.start + rank + worker * self.world_size
         return tuple((first + i * step) % self.num_partitions for i in range(self.per_worker))
 
+    def worker_slots(self, rank: int) -> tuple[WorkerSlots, ...]:
+        """Every worker of rank ``rank`` with its partitions, first turn, not ended."""
+        return tuple(
+            WorkerSlots(self.worker_partitions(rank, w)) for w in range(max(1, self.num_workers))
+        )
+
     def rank_partitions(self, rank: int) -> tuple[int, ...]:
         """Every partition rank ``rank`` runs, in the order its steps reach them."""
         per_rank = self.num_partitions // self.world_size
@@ -283,11 +289,8 @@ def plan_restore(
         entry, rank_ended = available[p]
         done = False if ended else (entry.done or rank_ended)
         restores[p] = attrs.evolve(entry, skip=entry.skip * scale, done=done)
-    workers = tuple(
-        WorkerSlots(layout.worker_partitions(rank, w), 0, False) for w in range(max(1, num_workers))
-    )
     return RestorePlan(
-        workers=workers,
+        workers=layout.worker_slots(rank),
         restores=restores,
         epoch=first.epoch,
         in_epoch=any(s.in_epoch for s in states) and not ended,
