@@ -199,8 +199,7 @@ class _LoaderIterator:
         began, decode_s = clock(), 0.0  # for loader.stats()
         while True:
             try:
-                with loader._main_process_context():
-                    worker, index, is_end, sample = loader._pull()
+                worker, index, is_end, sample = loader._pull()
                 if decoding and not is_end:
                     decoding_began = clock()
                     sample = decode(sample)
@@ -444,11 +443,6 @@ class SavableDataLoader(DataLoader):
         finally:
             pipeline.bind(config.context(0))
         return total
-
-    def _main_process_context(self) -> Any:
-        if self.num_workers == 0:
-            return active_worker(self._worker_config.context(0))
-        return _NULL_CONTEXT
 
     def _open_channels(self) -> None:
         context = self._mp_context or multiprocessing.get_context()
@@ -925,9 +919,7 @@ class BasicDataLoader(SavableDataLoader):
     _savable = False
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        if self.num_workers == 0:
-            return _basic_main_process(self)
-        if self._iterator is None:
+        if self.num_workers > 0 and self._iterator is None:
             self._open_transport()
         inner = DataLoader.__iter__(self)
         return inner if self._transport is None else map(decode, inner)
@@ -956,28 +948,6 @@ def _make_metrics(loader: SavableDataLoader, stall: Any) -> LoaderMetrics:
 
     warner = None if stall is None else StallWarner(workers, stall.threshold)
     return LoaderMetrics(max(1, workers), poll, stall, warner)
-
-
-def _basic_main_process(loader: BasicDataLoader) -> Iterator[Any]:
-    inner = DataLoader.__iter__(loader)
-    while True:
-        with loader._main_process_context():
-            try:
-                sample = next(inner)
-            except StopIteration:
-                return
-        yield sample
-
-
-class _NullContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NULL_CONTEXT = _NullContext()
 
 
 def _resolve_mp_context(value: Any) -> Any:
