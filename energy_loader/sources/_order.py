@@ -8,13 +8,17 @@ files, windows of Parquet row groups): O(units) memory, O(log units) per lookup.
 3. Global position ``g`` is sample ``g // P`` of span ``g % P``.
 
 Reader ``s`` of ``S`` reads global positions ``s, s + S, ...``; with ``S == P`` it reads span
-``s`` front to back, one unit after another, so its reads stay local.
+``s`` front to back, one unit after another, so its reads stay local. :meth:`EpochOrder.walk`
+gives a reader its ``(unit, row)`` pairs computed a block at a time with numpy (~0.2 us a
+sample instead of ~5 us for a lookup and a Feistel evaluation per sample).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+
+import numpy as np
 
 from ..rng import stable_hash
 from .permutation import FeistelPermutation
@@ -22,6 +26,10 @@ from .permutation import FeistelPermutation
 __all__ = ["EpochOrder"]
 
 _MAX_CACHED_PERMUTATIONS = 256
+
+#: Positions :meth:`EpochOrder.walk` computes at once: enough to amortise numpy's per-call
+#: cost, few enough that a reader which stops early (a restore, a save) wastes little.
+_WALK_BLOCK = 256
 
 
 class EpochOrder:
@@ -56,6 +64,8 @@ class EpochOrder:
         for unit in self.order:
             self.starts.append(running)
             running += self.samples[unit]
+        self._order_array = np.asarray(self.order, dtype=np.int64)
+        self._starts_array = np.asarray(self.starts, dtype=np.int64)
         self._rows: dict[int, FeistelPermutation] = {}
 
     def locate(self, position: int) -> tuple[int, int]:
@@ -70,13 +80,45 @@ class EpochOrder:
         """The row of ``unit`` that comes at ``offset`` of its per-epoch order."""
         if not self.shuffle:
             return offset
+        return self._permutation(unit)[offset]
+
+    def _permutation(self, unit: int) -> FeistelPermutation:
         permutation = self._rows.get(unit)
         if permutation is None:
             if len(self._rows) > _MAX_CACHED_PERMUTATIONS:
                 self._rows.clear()
             permutation = FeistelPermutation(self.samples[unit], stable_hash(self.seed, unit))
             self._rows[unit] = permutation
-        return permutation[offset]
+        return permutation
+
+    def keys(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(units, rows)`` of an ``int64`` array of global positions: :meth:`key`, vectorised."""
+        partitions, total = self.partitions, self.total
+        span, step = positions % partitions, positions // partitions
+        q = span * (total // partitions) + np.minimum(span, total % partitions) + step
+        slots = np.searchsorted(self._starts_array, q, side="right") - 1
+        units = self._order_array[slots]
+        rows = q - self._starts_array[slots]
+        if self.shuffle:
+            for unit in np.unique(units).tolist():
+                chosen = units == unit
+                offsets = rows[chosen].astype(np.uint64)
+                rows[chosen] = self._permutation(unit).take(offsets).astype(np.int64)
+        return units, rows
+
+    def blocks(self, position: int, stride: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """:meth:`keys` of positions ``position, position + stride, ...`` to the epoch's end, a
+        block of ``_WALK_BLOCK`` positions at a time."""
+        while position < self.total:
+            stop = min(self.total, position + stride * _WALK_BLOCK)
+            positions = np.arange(position, stop, stride, dtype=np.int64)
+            yield self.keys(positions)
+            position += stride * len(positions)
+
+    def walk(self, position: int, stride: int) -> Iterator[tuple[int, int]]:
+        """``(unit, row)`` of positions ``position, position + stride, ...`` to the epoch's end."""
+        for units, rows in self.blocks(position, stride):
+            yield from zip(units.tolist(), rows.tolist())
 
     def key(self, position: int) -> tuple[int, int]:
         """``(unit, row)`` of global ``position``."""

@@ -33,6 +33,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..dataset import EpochCursor, Key
 from ..errors import DownloadError, SourceDataError
 from ..rng import stable_hash
@@ -59,31 +61,55 @@ class _ParquetOrder:
         count = len(sizes)
         if source.shuffle and count > 1:
             permutation = FeistelPermutation(count, stable_hash(seed, "row-groups"))
-            groups = [permutation[i] for i in range(count)]
+            groups = permutation.take(np.arange(count, dtype=np.uint64)).astype(np.int64)
             width = source.shuffle_window
         else:
-            groups = list(range(count))
+            groups = np.arange(count, dtype=np.int64)
             width = 1
-        self.windows = [groups[i : i + width] for i in range(0, count, width)]
-        self.window_starts: list[list[int]] = []
-        window_sizes = []
-        for window in self.windows:
-            starts, running = [], 0
-            for group in window:
-                starts.append(running)
-                running += sizes[group]
-            self.window_starts.append(starts)
-            window_sizes.append(running)
-        self.order = EpochOrder(window_sizes, seed, source.shuffle, partitions, shuffle_units=False)
+        # The row groups in epoch order, back to back: where each starts in that sequence, and
+        # where each window (``width`` consecutive ones) starts.
+        self.groups = groups
+        self.width = width
+        self.group_starts = np.concatenate(([0], np.cumsum(np.asarray(sizes)[groups])[:-1]))
+        window_starts = self.group_starts[::width]
+        window_sizes = np.diff(np.append(window_starts, sum(sizes)))
+        self.window_starts = window_starts
+        self.order = EpochOrder(
+            window_sizes.tolist(), seed, source.shuffle, partitions, shuffle_units=False
+        )
         self.total = self.order.total
         self.partitions = partitions
 
+    @property
+    def windows(self) -> list[list[int]]:
+        """The row groups of each window, in epoch order."""
+        return [
+            self.groups[i : i + self.width].tolist() for i in range(0, len(self.groups), self.width)
+        ]
+
+    def groups_and_rows(
+        self, windows: np.ndarray, rows: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(row groups, rows in them)`` of rows of windows."""
+        at = self.window_starts[windows] + rows
+        slots = np.searchsorted(self.group_starts, at, side="right") - 1
+        return self.groups[slots], at - self.group_starts[slots]
+
     def locate(self, position: int) -> tuple[int, int]:
-        window, offset = self.order.locate(position)
-        row = self.order.row(window, offset)
-        starts = self.window_starts[window]
-        slot = bisect.bisect_right(starts, row) - 1
-        return self.windows[window][slot], row - starts[slot]
+        """``(row group, row)`` of global ``position``."""
+        groups, rows = self.groups_and_rows(*self.order.keys(np.array([position])))
+        return int(groups[0]), int(rows[0])
+
+    def blocks(self, position: int, stride: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """``(row groups, rows)`` arrays of positions ``position, position + stride, ...``, a
+        block at a time (see :meth:`EpochOrder.blocks`)."""
+        for windows, rows in self.order.blocks(position, stride):
+            yield self.groups_and_rows(windows, rows)
+
+    def walk(self, position: int, stride: int) -> Iterator[tuple[int, int]]:
+        """``(row group, row)`` of positions ``position, position + stride, ...``."""
+        for groups, rows in self.blocks(position, stride):
+            yield from zip(groups.tolist(), rows.tolist())
 
 
 class _ParquetCursor(StridedCursor):
@@ -95,13 +121,15 @@ class _ParquetCursor(StridedCursor):
         order = source.epoch_order(self.epoch)
         spans = order.partitions // math.gcd(order.partitions, stride)
         source.set_cache_bound(spans * (source.shuffle_window if source.shuffle else 1) + 1)
-        groups = source.row_groups
-        while self.position < order.total:
-            group, row = order.locate(self.position)
-            rows = source.rows_of(group)
-            self.position += stride
-            file, number = groups[group]
-            yield (file, number, row), rows[row]
+        names = source.row_groups
+        for groups, rows in order.blocks(self.position, stride):
+            samples, error = source.rows_at(groups, rows)
+            for group, row, sample in zip(groups.tolist(), rows.tolist(), samples):
+                self.position += stride
+                file, number = names[group]
+                yield (file, number, row), sample
+            if error is not None:
+                raise error
 
 
 class ParquetSource(StridedSource):
@@ -111,14 +139,15 @@ class ParquetSource(StridedSource):
     list of files; local paths or fsspec URLs (``s3://...``, with ``storage_options``).
     ``columns`` selects columns (default: all). Each file's footer is read when the source
     is built (row group sizes, schema); row groups are read through pyarrow when first
-    needed, with ``read_retries`` extra attempts on I/O errors before a
-    :class:`~energy_loader.DownloadError` naming the file.
+    needed; a remote file gets ``read_retries`` extra attempts on I/O errors before a
+    :class:`~energy_loader.DownloadError` naming the file and row group.
 
     Shuffle: row groups are permuted, and rows within windows of ``shuffle_window`` row
     groups (see the module documentation); larger windows mix more and cache more decoded
     row groups (``max_cached_row_groups``, default: what the window needs). A damaged file
-    (corrupt footer or page) is a :class:`~energy_loader.SourceDataError` naming the file and
-    row group. Example::
+    (corrupt footer or page; locally, any read error) is a
+    :class:`~energy_loader.SourceDataError` naming the file and row group, raised after the
+    rows before it have been delivered. Example::
 
         source = ParquetSource("/data/train", columns=["text", "label"], shuffle=True, seed=7)
     """
@@ -270,11 +299,7 @@ class ParquetSource(StridedSource):
     def global_order(self, epoch: int, partitions: int | None = None) -> list[tuple[int, ...]]:
         """The epoch's global order as restore keys (for tests and audits: O(N))."""
         order = self.epoch_order(epoch, partitions)
-        out: list[tuple[int, ...]] = []
-        for position in range(self.total):
-            group, row = order.locate(position)
-            out.append((*self.row_groups[group], row))
-        return out
+        return [(*self.row_groups[group], row) for group, row in order.walk(0, 1)]
 
     def set_cache_bound(self, needed: int) -> None:
         """Keep ``needed`` decoded row groups (or ``max_cached_row_groups`` if set)."""
@@ -293,24 +318,50 @@ class ParquetSource(StridedSource):
             cache.popitem(last=False)
         return rows
 
+    def rows_at(
+        self, groups: np.ndarray, rows: np.ndarray
+    ) -> tuple[list[dict[str, Any]], Exception | None]:
+        """The rows ``(groups[i], rows[i])`` as dicts, and the error that stopped the list short.
+
+        If a row group cannot be read, the list ends before the first row that needs it and
+        the error is returned, so every row before the damaged one is still delivered, in
+        order, before the error is raised.
+        """
+        if len(groups) == 0:
+            return [], None
+        unique, first_index = np.unique(groups, return_index=True)
+        decoded: dict[int, list[dict[str, Any]]] = {}
+        for position in np.argsort(first_index).tolist():
+            group = int(unique[position])
+            try:
+                decoded[group] = self.rows_of(group)
+            except Exception as error:  # raised at its row, after the rows before it
+                cut = int(first_index[position])
+                return self.rows_at(groups[:cut], rows[:cut])[0], error
+        if len(decoded) == 1:
+            (only,) = decoded.values()
+            return [only[row] for row in rows.tolist()], None
+        return [decoded[g][r] for g, r in zip(groups.tolist(), rows.tolist())], None
+
     def _read(self, group: int) -> list[dict[str, Any]]:
         import pyarrow
 
         number, index = self.row_groups[group]
         path = self.paths[number]
+        # A local file reads the same bytes every time, so an error reading it is damage. A
+        # remote read may have been cut off in transit: it is tried again, and an error that
+        # outlasts the retries is a DownloadError (pyarrow reports a damaged page and a
+        # broken connection alike, as OSError).
+        remote = _is_url(path)
+        attempts = self.read_retries + 1 if remote else 1
         last: BaseException | None = None
-        for attempt in range(self.read_retries + 1):
+        for attempt in range(attempts):
             try:
                 table = self._file(number).read_row_group(index, columns=self.columns)
-            except (pyarrow.ArrowInvalid, pyarrow.ArrowException) as error:
-                if isinstance(error, OSError) and not isinstance(error, pyarrow.ArrowInvalid):
-                    last = error
-                else:
-                    raise SourceDataError(
-                        f"{path}, row group {index} (samples ({number}, {index}, *)): cannot "
-                        f"decode: {error}"
-                    ) from None
-            except OSError as error:
+            except pyarrow.ArrowInvalid as error:
+                last = error
+                break
+            except OSError as error:  # pyarrow's I/O errors (ArrowIOError) are OSErrors too
                 last = error
             else:
                 if table.num_rows != self.row_group_rows[group]:
@@ -320,10 +371,15 @@ class ParquetSource(StridedSource):
                     )
                 return table.to_pylist()
             self._files.pop(number, None)  # reopen: the connection may be gone
-            if attempt < self.read_retries:
+            if attempt + 1 < attempts:
                 time.sleep(min(0.05 * 2**attempt, 1.0))
+        if isinstance(last, pyarrow.ArrowInvalid) or not remote:
+            raise SourceDataError(
+                f"{path}, row group {index} (samples ({number}, {index}, *)): cannot decode: "
+                f"{last}"
+            ) from None
         raise DownloadError(
-            f"cannot read {path}, row group {index} after {self.read_retries + 1} attempts: "
+            f"cannot read {path}, row group {index} after {attempts} attempts: "
             f"{type(last).__name__}: {last}"
         ) from last
 

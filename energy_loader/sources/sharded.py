@@ -176,10 +176,8 @@ class _ShardedCursor(PrefetchingCursor):
         files = OpenShards(source.open_shard, cache.release)
         partitions = order.partitions
         try:
-            while self.position < order.total:
-                shard, offset = order.locate(self.position)
+            for shard, row in order.walk(self.position, stride):
                 file = files.get(self.position % partitions, shard)
-                row = order.row(shard, offset)
                 sample = file.read(row)
                 self.position += stride
                 progress.step = (self.position - start) // stride

@@ -212,9 +212,7 @@ class _WebDatasetCursor(PrefetchingCursor):
         partitions = order.partitions
         skip = source.on_error == "skip"
         try:
-            while self.position < order.total:
-                shard, offset = order.locate(self.position)
-                row = order.row(shard, offset)
+            for shard, row in order.walk(self.position, stride):
                 try:
                     file = files.get(self.position % partitions, shard)
                     sample = source.decode_sample(file.read(row), shard, row)

@@ -12,6 +12,9 @@ from hypothesis import strategies as st
 
 import energy_loader as el
 from energy_loader import ParquetSource, SourceDataError
+from energy_loader.rng import stable_hash
+from energy_loader.sources import FeistelPermutation
+from energy_loader.sources._order import EpochOrder
 from energy_loader.testing import check_resume
 from tests.sources.helpers import assert_readers_interleave, keys_of
 
@@ -88,6 +91,40 @@ def test_global_order_is_the_same_for_any_number_of_readers(files, shuffle):
     assert_readers_interleave(source, expected, [(1, 1), (2, 1), (1, 4), (2, 2), (3, 1)])
 
 
+def reference_order(source: ParquetSource, epoch: int, partitions: int) -> list[tuple[int, ...]]:
+    """The documented global order, one position at a time: row groups permuted, rows
+    permuted within windows of ``shuffle_window`` row groups, the sequence cut into spans."""
+    seed = stable_hash(source.seed, source.stream_salt(), epoch)
+    sizes = source.row_group_rows
+    count = len(sizes)
+    groups, width = list(range(count)), 1
+    if source.shuffle and count > 1:
+        permutation = FeistelPermutation(count, stable_hash(seed, "row-groups"))
+        groups, width = [permutation[i] for i in range(count)], source.shuffle_window
+    windows = [groups[i : i + width] for i in range(0, count, width)]
+    rows = [[(g, r) for g in window for r in range(sizes[g])] for window in windows]
+    order = EpochOrder(
+        [len(w) for w in rows], seed, source.shuffle, partitions, shuffle_units=False
+    )
+    keys = []
+    for position in range(source.total):
+        window, row = order.key(position)
+        group, row = rows[window][row]
+        keys.append((*source.row_groups[group], row))
+    return keys
+
+
+@given(
+    shuffle=st.booleans(),
+    window=st.integers(1, 5),
+    partitions=st.integers(1, 6),
+    epoch=st.integers(0, 3),
+)
+def test_global_order_is_the_documented_one(files, shuffle, window, partitions, epoch):
+    source = ParquetSource(files, shuffle=shuffle, seed=9, shuffle_window=window)
+    assert source.global_order(epoch, partitions) == reference_order(source, epoch, partitions)
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_is_exact(files, num_workers, no_leftover_processes):
     check_resume(
@@ -126,6 +163,29 @@ def test_a_corrupt_row_group_is_a_worker_error(tmp_path, no_leftover_processes):
     with pytest.raises(el.WorkerError, match=r"part-0\.parquet, row group 0"):
         list(loader)
     del loader
+
+
+def test_rows_before_a_damaged_row_group_come_first_and_resume_is_exact(tmp_path):
+    write_files(tmp_path, [16], row_group_size=8)
+    path = tmp_path / "part-0.parquet"
+    good = path.read_bytes()
+    second = pq.ParquetFile(path).metadata.row_group(1)
+    start = min(second.column(c).data_page_offset for c in range(second.num_columns))
+    damaged = bytearray(good)
+    for offset in range(start, start + 64):
+        damaged[offset] ^= 0x5A
+    path.write_bytes(bytes(damaged))
+    loader = el.SavableDataLoader(ParquetSource(tmp_path))
+    rows, iterator = [], iter(loader)
+    with pytest.raises(SourceDataError, match=r"part-0\.parquet, row group 1"):
+        for row in iterator:
+            rows.append(row["i"])
+            state = loader.save_state_rank()
+    assert rows == list(range(8))
+    path.write_bytes(good)  # repaired: the run continues from its last save
+    restored = el.SavableDataLoader(ParquetSource(tmp_path))
+    restored.restore_state_rank(state)
+    assert [row["i"] for row in restored] == list(range(8, 16))
 
 
 @pytest.mark.parametrize(
