@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import pickle
 import re
@@ -227,7 +228,7 @@ def _take(ring: Arena, slot: tuple[int, int], size: int) -> None:
     ring.take(slot[0], slot[1], np.empty(size, dtype=np.uint8))
 
 
-def test_arena_is_a_fifo_that_keeps_to_its_front() -> None:
+def test_arena_keeps_to_its_front() -> None:
     ring = Arena(1 << 20)
     try:
         size, in_flight, offsets = 10_000, 3, set()
@@ -256,6 +257,67 @@ def test_a_full_arena_refuses_and_the_encoder_falls_back_to_inline() -> None:
         assert decode(_through_queue(packet)).shape == (3000,)
     finally:
         ring.close()
+
+
+def _in_ring(ring: Arena, tensor: torch.Tensor) -> bool:
+    start = np.frombuffer(ring._map, dtype=np.uint8).ctypes.data
+    return start <= tensor.data_ptr() < start + len(ring._map)
+
+
+def _handed_back(ring: Arena, number: int) -> bool:
+    return bool(ring._slots()[number] == number)
+
+
+def test_the_main_process_reads_arena_payloads_in_place_until_they_are_freed() -> None:
+    ring = Arena(1 << 20)
+    try:
+        encoder = Encoder(0, ring)
+        packets = [_through_queue(encoder.encode({"x": torch.full((1000,), i)})) for i in range(3)]
+        items = [decode(packet) for packet in packets]
+        del packets
+        assert all(_in_ring(ring, item["x"]) for item in items)  # no copy was made
+        assert [int(item["x"][0]) for item in items] == [0, 1, 2]
+        assert ring.held_bytes > 0 and not any(_handed_back(ring, n) for n in (1, 2, 3))
+        first, second, third = items
+        del items, second
+        gc.collect()
+        # Space comes back in any order: a batch the user keeps holds only its own.
+        assert [_handed_back(ring, n) for n in (1, 2, 3)] == [False, True, False]
+        in_use = ring.reserve(4000)
+        assert in_use is not None
+        assert in_use[0] < int(third["x"].data_ptr()) - np.frombuffer(ring._map).ctypes.data
+        view = third["x"][10:20]  # a view of a view keeps the space too
+        del third
+        gc.collect()
+        assert not _handed_back(ring, 3) and int(view[0]) == 2
+        del view, first
+        gc.collect()
+        assert _handed_back(ring, 1) and _handed_back(ring, 3) and ring.held_bytes == 0
+    finally:
+        ring.close()
+
+
+def test_payloads_are_copied_once_half_the_ring_is_held_and_dropped_packets_hand_back() -> None:
+    ring = Arena(1 << 16)
+    try:
+        encoder = Encoder(0, ring)
+        kept = decode(_through_queue(encoder.encode(torch.ones(5000))))  # 20 KB of 64 KB
+        copied = decode(_through_queue(encoder.encode(torch.zeros(5000))))  # would pass half
+        assert _in_ring(ring, kept) and not _in_ring(ring, copied)
+        assert not _handed_back(ring, 1) and _handed_back(ring, 2)
+        dropped = _through_queue(encoder.encode(torch.zeros(10)))
+        del dropped  # received but never decoded: its space comes back all the same
+        assert _handed_back(ring, 3)
+        del kept
+        gc.collect()
+        assert _handed_back(ring, 1)
+        kept = decode(_through_queue(encoder.encode(torch.full((100,), 9.0))))
+    finally:
+        ring.close()
+    # The ring is closed while a tensor still reads it: the memory stays mapped until it goes.
+    assert float(kept.sum()) == 900.0
+    del kept
+    gc.collect()
 
 
 def test_closed_arena_is_a_clear_error_not_a_crash() -> None:
@@ -420,6 +482,7 @@ def test_break_and_restore_recreate_the_arenas_and_release_the_old_ones() -> Non
             break
     first = _arenas() - before
     assert len(first) == 2  # one per worker
+    del batch  # read in place: a batch the user holds keeps its arena mapped
     state = loader.save_state_rank()
     got += [indices(b) for b in loader]  # the workers go on after the break, same arenas
     assert got == reference

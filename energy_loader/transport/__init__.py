@@ -13,13 +13,14 @@ batch of a few small tensors that costs far more than the bytes. The codec repla
   the buffers are laid out back to back (buffers 64-byte aligned) in *one* payload.
 - A payload smaller than ``inline_bytes`` travels inline: one writable ``bytearray`` inside a
   small :class:`Packet`, through torch's result queue.
-- A larger one is copied into the worker's :class:`Arena`, a FIFO ring in shared memory that
-  lives as long as the worker, and only its position travels in the packet.
+- A larger one is copied into the worker's :class:`Arena`, a ring of shared memory that lives
+  as long as the worker, and only its position travels in the packet.
 - In the main process :func:`decode` rebuilds the item: tensors with ``torch.frombuffer`` and
   arrays with ``numpy.frombuffer`` as views of the payload (no copy; the memory is writable, so
-  no read-only warning). An arena payload is first copied out of the ring into memory of its
-  own (one copy, into pinned memory when torch's pin-memory thread asks), and its space is
-  handed back to the worker. Decoded tensors are contiguous; shape, dtype, values and the
+  no read-only warning). An arena payload is read in place: its tensors are views of the
+  ring, and its space goes back to the worker when the last of them is freed. (It is copied
+  out instead, and its space handed back at once, into pinned memory when torch's pin-memory
+  thread asks, or while half the ring is held by batches the user keeps.) Decoded tensors are contiguous; shape, dtype, values and the
   attributes of plain tensors (a ``__restore_key__``) are kept.
 
 Arenas are anonymous memory files (``os.memfd_create``): nothing is ever created in
@@ -29,12 +30,11 @@ when the workers start and closes them when they stop; a worker inherits its are
 or receives its file descriptor with the dataset under spawn/forkserver (the same way it
 receives its command pipe). Without ``memfd_create`` (not Linux) every payload goes inline.
 
-The ring is single-producer/single-consumer and first-in first-out: the worker numbers its
-payloads and remembers where the untaken ones lie; the main process, which decodes a worker's
-packets in the order the worker made them, publishes the number of the last one it took (an
-8-byte counter in the arena's first page). A worker never waits for space: a payload that does
-not fit goes inline. Allocation keeps to the front of the ring, so the pages it touches stay
-close to what is actually in flight.
+The ring is single-producer/single-consumer: the worker numbers its payloads and remembers
+where the ones in use lie; the main process hands each back, in any order, by writing its
+number into a slot of the arena's first page. A worker never waits for space: a payload that
+does not fit goes inline. Each payload goes into the first gap from the front that fits, so
+the pages the ring touches stay close to what is actually in flight.
 
 Modules: ``_payload`` (the payload format and the pickler), ``_arena`` (the rings), ``_codec``
 (packets, the encoder, :func:`decode`); this one: the loader's settings and the arenas'

@@ -68,28 +68,48 @@ class _Inline(Packet):
 
 
 class _InArena(Packet):
-    """A payload waiting in a worker's arena at ``[offset, offset + total)``."""
+    """A payload waiting in a worker's arena at ``[offset, offset + total)``.
 
-    __slots__ = ("arena", "offset", "sequence", "sizes")
+    In the main process the packet owns the payload's space until it is decoded; a packet
+    dropped undecoded (a loader shutting down, a discarded prefetch) hands it back then.
+    """
 
-    def __init__(self, arena: int, offset: int, sequence: int, sizes: tuple[int, ...]) -> None:
+    __slots__ = ("arena", "offset", "owned", "sequence", "sizes")
+
+    def __init__(
+        self, arena: int, offset: int, sequence: int, sizes: tuple[int, ...], owned: bool = False
+    ) -> None:
         self.arena = arena
         self.offset = offset
         self.sequence = sequence
         self.sizes = sizes
+        self.owned = owned  # True only for the copy the main process received
 
     def __reduce__(self) -> Any:
-        return _InArena, (self.arena, self.offset, self.sequence, self.sizes)
+        return _InArena, (self.arena, self.offset, self.sequence, self.sizes, True)
+
+    def __del__(self) -> None:
+        if self.owned:
+            arena = find_arena(self.arena)
+            if arena is not None:
+                arena.hand_back(self.sequence, 0)
 
     def _decode(self, *, pin: bool) -> Any:
         arena = find_arena(self.arena)
-        if arena is None:
+        if arena is None or not self.owned:
             raise RuntimeError(
                 f"a batch arrived for shared-memory arena {self.arena}, which is closed: its "
                 "worker was stopped before the batch was read"
+                if arena is None
+                else "this batch was already decoded"
             )
+        self.owned = False
         _, total = offsets(self.sizes)
         payload = _pinned_buffer(total) if pin else None
+        if payload is None and arena.can_view(total):
+            # Read in place: no copy, and no page of the main process's own is touched until
+            # the user reads the tensors.
+            return unpack(arena.view(self.offset, self.sequence, total), self.sizes)
         if payload is None:
             payload = np.empty(total, dtype=np.uint8)
         arena.take(self.offset, self.sequence, payload)
