@@ -50,7 +50,14 @@ from .transport import (
 )
 from .validation import require_bool, require_int
 from .worker import WorkerConfig, active_worker
-from .worker_process import CheckpointSettings, Position, RunPlan, WorkerSideDataset
+from .worker_process import (
+    CheckpointSettings,
+    Position,
+    PositionBook,
+    RunPlan,
+    Snapshot,
+    WorkerSideDataset,
+)
 
 __all__ = ["BasicDataLoader", "SavableDataLoader"]
 
@@ -199,7 +206,7 @@ class _LoaderIterator:
         began, decode_s = clock(), 0.0  # for loader.stats()
         while True:
             try:
-                worker, index, is_end, sample = loader._pull()
+                worker, index, is_end, sample, slot, snapshots = loader._pull()
                 if decoding and not is_end:
                     decoding_began = clock()
                     sample = decode(sample)
@@ -223,6 +230,8 @@ class _LoaderIterator:
                 failure = loader._worker_error(error)
                 loader._fail(failure)
                 raise failure from error
+            if loader._books:
+                loader._books[worker].receive(index, slot, snapshots)
             progress.last_index[worker] = index
             progress.next_worker = (worker + 1) % workers
             if is_end:
@@ -345,6 +354,9 @@ class SavableDataLoader(DataLoader):
         self._failure: WorkerError | None = None
         self._request_ids = itertools.count()
         self._parent_channels: list[Connection] = []
+        # Per logical worker, what its items brought: snapshots and which partition made each
+        # item (see worker_process). A save is computed from these, with no round trip.
+        self._books: list[PositionBook] = []
         # Set by integrations whose trainer fetches ahead of training (see state_dict()).
         self.held_back_source: Callable[[], int] | None = None
         self._metrics = _make_metrics(self, stall)
@@ -393,7 +405,7 @@ class SavableDataLoader(DataLoader):
         self._inner = None
 
     def _pull(self) -> Any:
-        """The next raw item of the current epoch: (worker, index, is_end, payload)."""
+        """The next raw item of the current epoch (a ``WorkerItem``)."""
         inner = self._inner
         if inner is None:
             if self.num_workers > 0 and self._iterator is None:
@@ -449,7 +461,24 @@ class SavableDataLoader(DataLoader):
         pairs = [context.Pipe(duplex=True) for _ in range(self.num_workers)]
         self._parent_channels = [parent for parent, _ in pairs]
         self._worker_side.channels = [child for _, child in pairs]
+        self._books = [self._starting_book(logical) for logical in range(self.num_workers)]
         self._open_transport()
+
+    def _starting_book(self, logical: int) -> PositionBook:
+        """A book for logical worker ``logical`` about to start: its pending position first."""
+        settings = self._worker_side.settings
+        book = PositionBook(settings.capacity, settings.in_flight)
+        entries, following = self._pending_position(logical)
+        book.add(
+            -1,
+            Snapshot(
+                tuple(checkpoint for checkpoint, _, _ in entries),
+                tuple(skip for _, skip, _ in entries),
+                tuple(done for _, _, done in entries),
+                following,
+            ),
+        )
+        return book
 
     def _open_transport(self) -> None:
         if self._transport is not None:
@@ -463,6 +492,7 @@ class SavableDataLoader(DataLoader):
         for channel in self._parent_channels:
             channel.close()
         self._parent_channels = []
+        self._books = []
         self._worker_side.channels = None
         if self._transport is not None:
             self._transport.close()
@@ -560,17 +590,11 @@ class SavableDataLoader(DataLoader):
             if runner is None or not runner.started:
                 return [self._pending_position(0)]
             return [runner.position_at(mark.last_index[0])]
-        if self._iterator is None:
+        if self._iterator is None or not self._books:
             return [self._pending_position(w) for w in range(count)]
-        request = next(self._request_ids)
-        for logical in range(count):
-            physical = (logical - side.offset) % count
-            self._parent_channels[physical].send(
-                ("get_checkpoint", request, mark.last_index[logical])
-            )
         return [
-            self._await_reply((logical - side.offset) % count, logical, request)
-            for logical in range(count)
+            self._books[w].position_at(mark.last_index[w], epoch_ended=mark.done[w])
+            for w in range(count)
         ]
 
     def _pending_position(self, logical: int) -> Position:
@@ -602,7 +626,7 @@ class SavableDataLoader(DataLoader):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise WorkerError(
-                    f"worker {logical} did not answer a checkpoint request within "
+                    f"worker {logical} did not answer a request within "
                     f"{self._reply_timeout:.0f} s (worker_reply_timeout)",
                     worker_id=logical,
                 )
@@ -617,7 +641,7 @@ class SavableDataLoader(DataLoader):
                     continue
                 if status != "ok":
                     raise WorkerError(
-                        f"worker {logical} failed to answer a checkpoint request:\n{payload}",
+                        f"worker {logical} failed to answer a request:\n{payload}",
                         worker_id=logical,
                         original_traceback=payload,
                     )
@@ -626,7 +650,7 @@ class SavableDataLoader(DataLoader):
             if physical < len(workers) and not workers[physical].is_alive():
                 raise WorkerError(
                     f"worker {logical} (pid {workers[physical].pid}) died with exit code "
-                    f"{workers[physical].exitcode} before answering a checkpoint request",
+                    f"{workers[physical].exitcode} before answering a request",
                     worker_id=logical,
                 )
 

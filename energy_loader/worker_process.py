@@ -10,13 +10,14 @@ Torch's DataLoader workers iterate a :class:`WorkerSideDataset`. In each worker 
    epoch, and numbers every item it yields (``index`` counts up for the life of the worker
    process; an epoch's last item is an end marker, so the main process knows this worker is
    done);
-3. keeps a :class:`PositionBook`: rolling checkpoints of all its partitions, each taken by the
-   iterating thread right after an item is made, every ``every_n`` items (and every
-   ``every_sec`` seconds), plus which partition made each recent item;
-4. runs a :class:`CommandServer` thread that answers ``get_checkpoint(last_index)`` with, per
-   partition, the newest checkpoint not after ``last_index`` and the number of that
-   partition's items to replay from it. The thread only reads the book under a short lock, so
-   it answers while the iterating thread is busy making a sample;
+3. takes rolling checkpoints (:class:`Snapshot`: the state of all its partitions) right after
+   an item is made, every ``every_n`` items (and every ``every_sec`` seconds), and when a
+   partition ends its epoch or a new epoch begins, and sends each one *with the next item*,
+   together with which partition made that item. The main process keeps them in a
+   :class:`PositionBook` per worker, so a save is answered there, from what was delivered,
+   without a round trip to a worker that is busy making a sample;
+4. runs a :class:`CommandServer` thread that answers the main process's requests for its
+   counters (``loader.stats()``);
 5. encodes every sample with the batch codec (:mod:`energy_loader.transport`) when the loader
    uses it, so that what torch's result queue carries is a small packet, not tensors.
 
@@ -31,7 +32,6 @@ from __future__ import annotations
 import collections
 import gc
 import os
-import sys
 import threading
 import time
 import traceback
@@ -61,10 +61,6 @@ __all__ = [
     "WorkerSideDataset",
 ]
 
-# How often the iterating thread offers the GIL to the command thread, in worker processes
-# only. The default 5 ms would put a 5 ms floor under save latency while a sample is computed.
-_WORKER_SWITCH_INTERVAL = 0.0005
-
 
 @attrs.frozen
 class CheckpointSettings:
@@ -78,9 +74,10 @@ class CheckpointSettings:
     gc_freeze: bool
 
 
-# An item travelling from a worker to the main process:
-# (logical worker id, item index, is end marker, sample or None)
-WorkerItem = tuple[int, int, bool, Any]
+# An item travelling from a worker to the main process: (logical worker id, item index, is end
+# marker, sample or None, the worker's slot that made it or -1, the snapshots taken since the
+# previous item as ((index, Snapshot), ...) or None).
+WorkerItem = tuple[int, int, bool, Any, int, Any]
 
 
 class CheckpointRing:
@@ -159,17 +156,21 @@ Position = tuple[list[tuple[dict[str, Any], int, bool]], int]
 class PositionBook(CheckpointRing):
     """A worker's :class:`Snapshot` ring plus which partition made each recent item.
 
-    The iterating thread appends ``(index, slot)`` for every item; entries older than the
-    oldest snapshot are dropped with it. It also takes a snapshot whenever a partition ends
-    its epoch and when a new epoch begins, so a partition's ``done`` flag always comes from a
-    snapshot taken after its end (its state then says so). :meth:`position_at` turns "the
-    newest snapshot at or before ``last_index``" plus the items after it into each
-    partition's checkpoint and replay count.
+    Kept by the main process for each worker (fed by :meth:`receive` with what comes with the
+    items), and by the in-process runner when the loader has no workers. ``events`` holds
+    ``(index, slot)`` for every item; entries older than the oldest snapshot are dropped with
+    it. A snapshot is also taken whenever a partition ends its epoch and when a new epoch
+    begins, so a partition's ``done`` flag always comes from a snapshot taken after its end
+    (its state then says so). :meth:`position_at` turns "the newest snapshot at or before
+    ``last_index``" plus the items after it into each partition's checkpoint and replay count.
     """
 
     def __init__(self, capacity: int, in_flight: int) -> None:
         super().__init__(capacity, in_flight)
         self.events: collections.deque[tuple[int, int]] = collections.deque()
+        # The index of the worker's last end marker: snapshots at or before it belong to an
+        # epoch the worker has finished (main-process books only).
+        self.boundary = -2
 
     def _dropped_through(self, oldest: int) -> None:
         events = self.events
@@ -181,8 +182,26 @@ class PositionBook(CheckpointRing):
             self._entries.clear()
             self.events.clear()
 
-    def position_at(self, last_index: int) -> Position:
-        """Each partition's (checkpoint, skip, done) and the next slot after ``last_index``."""
+    def receive(self, index: int, slot: int, snapshots: Any) -> None:
+        """Record a worker's item ``index`` (made by ``slot``; -1 for an end marker) and the
+        snapshots that came with it."""
+        if snapshots:
+            for taken_at, snapshot in snapshots:
+                self.add(taken_at, snapshot)
+        if slot >= 0:
+            self.events.append((index, slot))
+        else:
+            self.boundary = index
+
+    def position_at(self, last_index: int, *, epoch_ended: bool = True) -> Position:
+        """Each partition's (checkpoint, skip, done) and the next slot after ``last_index``.
+
+        ``epoch_ended=False``: the worker has not ended the rank's current epoch. If the
+        newest snapshot is then one of an epoch it *has* ended (its next epoch's first
+        snapshot comes with its first item of that epoch), every partition continues from
+        its end into the current epoch: none is done in it yet, and the round-robin starts
+        over, as a new epoch does.
+        """
         with self._lock:
             index, snapshot = self._find(last_index)
             events = [e for e in self.events if index < e[0] <= last_index]
@@ -191,6 +210,8 @@ class PositionBook(CheckpointRing):
         for _, slot in events:
             skips[slot] += 1
             following = (slot + 1) % count
+        if not epoch_ended and index <= self.boundary:
+            return [(s, k, False) for s, k in zip(snapshot.states, skips)], 0
         return [(s, k, d) for s, k, d in zip(snapshot.states, skips, snapshot.done)], following
 
 
@@ -198,15 +219,10 @@ class CommandServer(threading.Thread):
     """Answers the main process's requests on one worker's command channel."""
 
     def __init__(
-        self,
-        channel: Connection,
-        book: PositionBook,
-        worker_id: int,
-        counters: WorkerCounters | None = None,
+        self, channel: Connection, worker_id: int, counters: WorkerCounters | None = None
     ) -> None:
         super().__init__(name=f"energy_loader-commands-{worker_id}", daemon=True)
         self._channel = channel
-        self._book = book
         self._counters = counters
 
     def run(self) -> None:
@@ -226,8 +242,6 @@ class CommandServer(threading.Thread):
                 return
 
     def handle(self, command: str, argument: Any) -> Any:
-        if command == "get_checkpoint":
-            return self._book.position_at(int(argument))
         if command == "ping":
             return os.getpid()
         if command == "stats" and self._counters is not None:
@@ -293,7 +307,11 @@ class _Runner:
             None if restores is None else [restores[slot.partition] for slot in self.slots]
         )
         self.restored_done = assignment.done
-        if get_worker_info() is not None:
+        in_worker = get_worker_info() is not None
+        # In a worker process the snapshots travel with the items to the main process, which
+        # keeps the book; in the main process (no workers) the runner keeps it.
+        self.outbox: list[tuple[int, Snapshot]] | None = [] if in_worker and owner.savable else None
+        if in_worker:
             set_process_worker(self.slots[0].pipeline.context)
             if self.settings.gc_freeze:
                 # No collection first: walking torch's heap in every new worker costs
@@ -318,10 +336,7 @@ class _Runner:
         # Items leave the worker encoded by the batch codec, when the loader uses it.
         self.encode = None if owner.transport is None else owner.transport.encoder(physical_id)
         if owner.channels is not None:
-            sys.setswitchinterval(_WORKER_SWITCH_INTERVAL)
-            CommandServer(
-                owner.channels[physical_id], self.book, self.logical_id, self.counters
-            ).start()
+            CommandServer(owner.channels[physical_id], self.logical_id, self.counters).start()
 
     def snapshot(self) -> Snapshot:
         """Every partition's state now (iterating thread only, between items)."""
@@ -346,10 +361,25 @@ class _Runner:
 
     def _checkpoint(self, *, optional: bool = False) -> None:
         began = clock()
-        if self.book.add(self.index, self.snapshot(), optional=optional):
+        outbox = self.outbox
+        if outbox is not None:
+            outbox.append((self.index, self.snapshot()))
+            kept = True
+        else:
+            kept = self.book.add(self.index, self.snapshot(), optional=optional)
+        if kept:
             self.last_checkpoint_index = self.index
             self.last_checkpoint_time = time.monotonic()
         self.counters.checkpoint_s += clock() - began
+
+    def _shipped_snapshots(self) -> tuple[tuple[int, Snapshot], ...] | None:
+        """The snapshots taken since the last item left, to travel with the next one."""
+        outbox = self.outbox
+        if not outbox:
+            return None
+        snapshots = tuple(outbox)
+        outbox.clear()
+        return snapshots
 
     def _start(self) -> None:
         """Restore (or reset) every partition and replay its items; opens their iterators."""
@@ -447,13 +477,16 @@ class _Runner:
         # of the throughput; k * every_n made restores 1.5x slower). A partition then advances
         # about every_n / 2 of its own items between snapshots, the worker k/2 * every_n.
         every_n = settings.every_n * max(1, len(self.slots) // 2)
-        events, counters = self.book.events, self.counters
+        counters = self.counters
+        # Without workers the runner keeps the book; with them the main process does.
+        events = self.book.events if self.outbox is None else None
         began = clock()  # busy from here to each yield; idle while torch holds the generator
         sample: Any
         while (step := self.next_pair()) is not None:
             position, (key, sample) = step
             self.index += 1
-            events.append((self.index, position))
+            if events is not None:
+                events.append((self.index, position))
             if self.index - self.last_checkpoint_index >= every_n:
                 self._checkpoint()
             elif (
@@ -470,12 +503,15 @@ class _Runner:
                 counters.encode_s += clock() - encoding
             counters.items += 1
             counters.produce_s += clock() - began
-            yield (logical, self.index, False, sample) if savable else sample
+            if savable:
+                yield (logical, self.index, False, sample, position, self._shipped_snapshots())
+            else:
+                yield sample
             began = clock()
         if savable:
             self.index += 1
             self._checkpoint()
-            yield (logical, self.index, True, None)
+            yield (logical, self.index, True, None, -1, self._shipped_snapshots())
 
 
 class WorkerSideDataset(IterableDataset[Any]):

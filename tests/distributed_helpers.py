@@ -320,7 +320,7 @@ def bad_inputs(rank: int, world_size: int, workdir: Path) -> None:
 
 
 def _save_with_dead_worker(rank: int) -> Any:
-    """save_state_global while rank 1's worker is dead: no hang, both ranks learn of it."""
+    """save_state_global while rank 1's worker is dead: no hang; the save needs no worker."""
     loader = make_loader(1)
     iterator = iter(loader)
     next(iterator)

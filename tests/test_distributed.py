@@ -243,7 +243,9 @@ EXPECTED_BAD = {
     "dst_outside_group": "ValueError",
     "dst_negative": "ValueError",
     "dst_not_int": "TypeError",
-    "dead_worker": "WorkerError",
+    # The position is computed from what was delivered, which the main process holds: a
+    # worker that died since cannot take it away, so both ranks save (and no rank hangs).
+    "dead_worker": "ok",
 }
 
 
@@ -263,7 +265,6 @@ def test_bad_input_raises_on_every_rank_and_nobody_hangs(
         assert "ShuffleBufferDataset.size: saved 99, now 8" in report["full_list_one_rank_bad"][1]
         assert "holds 1 rank states" in report["scatter_too_short"][1]
         assert "num_partitions=4" in report["scatter_other_layout"][1]
-    assert "data-parallel rank(s) [1]" in reports[0]["dead_worker"][1]
 
 
 @pytest.mark.timeout(120)

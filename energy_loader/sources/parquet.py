@@ -375,8 +375,7 @@ class ParquetSource(StridedSource):
                 time.sleep(min(0.05 * 2**attempt, 1.0))
         if isinstance(last, pyarrow.ArrowInvalid) or not remote:
             raise SourceDataError(
-                f"{path}, row group {index} (samples ({number}, {index}, *)): cannot decode: "
-                f"{last}"
+                f"{path}, row group {index} (samples ({number}, {index}, *)): cannot decode: {last}"
             ) from None
         raise DownloadError(
             f"cannot read {path}, row group {index} after {attempts} attempts: "

@@ -20,8 +20,9 @@ batch of a few small tensors that costs far more than the bytes. The codec repla
   no read-only warning). An arena payload is read in place: its tensors are views of the
   ring, and its space goes back to the worker when the last of them is freed. (It is copied
   out instead, and its space handed back at once, into pinned memory when torch's pin-memory
-  thread asks, or while half the ring is held by batches the user keeps.) Decoded tensors are contiguous; shape, dtype, values and the
-  attributes of plain tensors (a ``__restore_key__``) are kept.
+  thread asks, or while half the ring is held by batches the user keeps.) Decoded tensors
+  are contiguous; shape, dtype, values and the attributes of plain tensors (a
+  ``__restore_key__``) are kept.
 
 Arenas are anonymous memory files (``os.memfd_create``): nothing is ever created in
 ``/dev/shm``, and the kernel frees an arena once the last process that maps it exits or closes

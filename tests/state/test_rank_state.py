@@ -126,4 +126,3 @@ def test_another_partition_count_is_a_mismatch_naming_both() -> None:
         el.StateMismatchError, match=r"saved with num_partitions=1 .* this loader runs num_partit"
     ):
         loader.restore_state_rank(state)
-
