@@ -3,9 +3,10 @@
 :class:`SavableDataLoader` is a ``torch.utils.data.DataLoader`` whose workers run a
 :class:`~energy_loader.worker_process.WorkerSideDataset`. The main process records, per
 (logical) worker, the index of the last item the user received, whether that worker ended the
-current epoch, and which worker is due next. ``save_state_rank()`` asks every worker, over its
-command channel, for its newest checkpoint not after that item; the command threads answer
-while the workers compute, so saving never waits for a sample. ``restore_state_rank()`` hands
+current epoch, and which worker is due next. Each worker's rolling checkpoints arrive with
+its items and are kept in a :class:`~energy_loader.worker_process.PositionBook` per worker, so
+``save_state_rank()`` computes every worker's newest checkpoint not after that item, and the
+items to replay from it, without a message to any worker. ``restore_state_rank()`` hands
 each worker its checkpoint and replay count and rotates the workers so the one that was due
 next is first. With ``num_workers=0`` the pipeline runs in the main process and its state is
 read directly (nothing to replay).
