@@ -499,7 +499,7 @@ class _Runner:
             if encode is not None:
                 encoding = clock()
                 sample = encode(sample)
-                counters.bytes += sum(sample.sizes)
+                counters.bytes += sample.nbytes
                 counters.encode_s += clock() - encoding
             counters.items += 1
             counters.produce_s += clock() - began

@@ -8,6 +8,7 @@ import os
 import pickle
 import re
 import signal
+import threading
 import time
 import warnings
 from multiprocessing.reduction import ForkingPickler
@@ -30,9 +31,11 @@ from energy_loader.transport import (
     Arena,
     Encoder,
     Packet,
+    batch_tensor,
     decode,
     validate_transport_settings,
 )
+from energy_loader.transport._reserved import collate_into
 from tests.helpers import indices, reference_pipeline
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -561,3 +564,390 @@ def test_tensor_samples_keep_their_restore_key_attribute_through_the_codec() -> 
     got = list(el.SavableDataLoader(el.IndexedSource.from_fn(6, tensor_sample), num_workers=2))
     assert [el.restore_key_of(t) for t in got] == [el.restore_key_of(t) for t in in_process]
     assert all(el.restore_key_of(t) is not None for t in got)
+
+
+# -- collating into the arena ------------------------------------------------------------
+
+
+@pytest.fixture
+def collating() -> Any:
+    """``collating(ring, min_bytes)``: this process collates into ``ring``, as a worker does."""
+
+    def start(ring: Arena, min_bytes: int = 0) -> None:
+        collate_into(ring, min_bytes)
+
+    yield start
+    collate_into(None, 0)
+
+
+def _offset(ring: Arena, tensor: torch.Tensor) -> int:
+    return tensor.data_ptr() - (np.frombuffer(ring._map, dtype=np.uint8).ctypes.data + 4096)
+
+
+def _next_free_offset(ring: Arena, size: int = 64) -> int:
+    """Where the ring would place a new region now (and give it back at once)."""
+    gc.collect()
+    probe = ring.reserve_tensor((size,), torch.uint8)
+    assert probe is not None
+    offset = _offset(ring, probe)
+    del probe
+    gc.collect()
+    return offset
+
+
+def test_batch_tensor_is_ordinary_memory_outside_a_worker_and_checks_its_arguments() -> None:
+    tensor = batch_tensor((2, 3), torch.int16)
+    assert tensor.shape == (2, 3) and tensor.dtype == torch.int16 and tensor.is_contiguous()
+    with pytest.raises(TypeError, match=r"`dtype` must be a torch\.dtype"):
+        batch_tensor((2,), np.float32)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="negative sizes"):
+        batch_tensor((2, -1), torch.float32)
+
+
+def test_a_collated_tensor_is_sent_by_reference_and_read_in_place(collating: Any) -> None:
+    ring = Arena(1 << 20)
+    try:
+        collating(ring)
+        batch = batch_tensor((4, 1000), torch.float32)
+        assert _in_ring(ring, batch)
+        torch.stack([torch.full((1000,), float(i)) for i in range(4)], out=batch)
+        batch.__restore_key__ = ("batch", 1)
+        item = {"x": batch, "flat": batch.view(-1), "row": batch[1], "again": batch}
+        encoder = Encoder(1 << 40, ring)  # the payload itself inline: only references in the ring
+        packet = _through_queue(encoder.encode(item))
+        address, nbytes = batch.data_ptr(), batch.nbytes
+        del item, batch
+        decoded = decode(packet)
+        del packet
+        # No copy: the main process reads the very bytes the collate wrote.
+        assert decoded["x"].data_ptr() == decoded["flat"].data_ptr() == address
+        assert decoded["again"] is decoded["x"]  # one object, pickled once
+        assert decoded["x"].__restore_key__ == ("batch", 1)
+        assert not _in_ring(ring, decoded["row"])  # a slice travels as a copy
+        assert torch.equal(decoded["row"], torch.ones(1000))
+        assert [float(v) for v in decoded["x"][:, 0]] == [0.0, 1.0, 2.0, 3.0]
+        assert ring.held_bytes == nbytes  # two tensors, one region: one view, one hand-back
+        # (a) the worker's references are gone, but the main process still reads it in place.
+        assert _next_free_offset(ring) >= nbytes
+        decoded["x"] += 1
+        assert float(decoded["flat"][-1]) == 4.0
+        del decoded
+        gc.collect()
+        assert ring.held_bytes == 0 and _handed_back(ring, 1)
+        assert _next_free_offset(ring) == 0
+    finally:
+        ring.close()
+
+
+def test_a_sent_region_stays_reserved_while_the_worker_keeps_the_tensor(collating: Any) -> None:
+    ring = Arena(1 << 20)
+    try:
+        collating(ring)
+        kept = batch_tensor((5000,), torch.uint8).fill_(7)
+        encoder = Encoder(1 << 40, ring)
+        decoded = decode(_through_queue(encoder.encode(kept)))
+        del decoded
+        gc.collect()  # handed back by the main process, still referenced by the worker
+        assert _handed_back(ring, 1) and _next_free_offset(ring) >= 5000
+        # Sent once: a second item carrying it gets a copy, not a second reference.
+        again = decode(_through_queue(encoder.encode(kept)))
+        assert not _in_ring(ring, again) and torch.equal(again, kept)
+        del kept
+        assert _next_free_offset(ring) == 0
+    finally:
+        ring.close()
+
+
+def test_an_unsent_reservation_is_freed_when_the_worker_drops_it(collating: Any) -> None:
+    ring = Arena(1 << 20)
+    try:
+        collating(ring)
+        # (b) a map replaced the batch, a filter dropped it: the region comes back.
+        dropped = batch_tensor((3, 1000), torch.float64)
+        assert _offset(ring, dropped) == 0
+        view = dropped[1:]
+        del dropped
+        assert _next_free_offset(ring) > 0  # a view keeps it
+        del view
+        assert _next_free_offset(ring) == 0
+        # Freed in another thread (a finalizer may run anywhere): still comes back.
+        elsewhere = [batch_tensor((3, 1000), torch.float64)]
+        thread = threading.Thread(target=elsewhere.clear)
+        thread.start()
+        thread.join()
+        assert _next_free_offset(ring) == 0
+    finally:
+        ring.close()
+
+
+def test_a_packet_with_references_dropped_undecoded_hands_them_all_back(collating: Any) -> None:
+    ring = Arena(1 << 20)
+    try:
+        collating(ring)
+        item = [batch_tensor((1000,), torch.int32).zero_() for _ in range(3)]
+        packet = _through_queue(Encoder(0, ring).encode(item))  # the payload in the ring too
+        del item
+        assert _next_free_offset(ring) > 0
+        del packet  # (c) a loader stopped with it in flight
+        assert all(_handed_back(ring, n) for n in (1, 2, 3, 4))
+        assert _next_free_offset(ring) == 0 and ring.held_bytes == 0
+    finally:
+        ring.close()
+
+
+def test_pinned_decode_copies_references_out_and_hands_them_back_at_once(
+    collating: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ring = Arena(1 << 20)
+    try:
+        collating(ring)
+        batch = batch_tensor((2, 1000), torch.float32).fill_(3.0)
+        packet = _through_queue(Encoder(1 << 40, ring).encode({"x": batch}))
+        del batch
+        # (d) Without an accelerator nothing can be pinned: the decode reads in place.
+        decoded = decode(packet.pin_memory())["x"]
+        assert _in_ring(ring, decoded) == (not torch.accelerator.is_available())
+        del decoded
+        gc.collect()
+        # With one, the reference is copied into the pinned buffer and handed back at once
+        # (stood in for here by ordinary memory, so that the path runs on any machine).
+        monkeypatch.setattr(
+            "energy_loader.transport._reserved.pinned_buffer",
+            lambda size: np.empty(size, dtype=np.uint8),
+        )
+        batch = batch_tensor((2, 1000), torch.float32).fill_(5.0)
+        packet = _through_queue(Encoder(1 << 40, ring).encode({"x": batch}))
+        del batch
+        decoded = decode(packet.pin_memory())["x"]
+        assert not _in_ring(ring, decoded) and float(decoded.sum()) == 10_000.0
+        assert _handed_back(ring, 2) and ring.held_bytes == 0
+        assert _next_free_offset(ring) == 0
+    finally:
+        ring.close()
+
+
+def test_a_full_arena_gives_ordinary_memory_and_the_batch_still_arrives(collating: Any) -> None:
+    ring = Arena(4096)
+    try:
+        collating(ring, 100)
+        first = batch_tensor((3000,), torch.uint8).fill_(1)
+        second = batch_tensor((3000,), torch.uint8).fill_(2)  # (e) no room: never waits
+        assert _in_ring(ring, first) and not _in_ring(ring, second)
+        decoded = decode(_through_queue(Encoder(1 << 40, ring).encode([first, second])))
+        assert decoded[0].tolist() == [1] * 3000 and decoded[1].tolist() == [2] * 3000
+        assert _handed_back(ring, 1)  # (more than half the ring: copied out at once)
+        assert not _in_ring(ring, batch_tensor((10,), torch.uint8))  # below min_bytes
+    finally:
+        ring.close()
+
+
+def test_references_are_copied_once_half_the_ring_is_held(collating: Any) -> None:
+    ring = Arena(1 << 16)
+    try:
+        collating(ring)
+        encoder = Encoder(1 << 40, ring)
+        kept = decode(_through_queue(encoder.encode(batch_tensor((5000,), torch.float32))))
+        batch = batch_tensor((5000,), torch.float32).fill_(2.0)  # 20 KB more would pass half
+        copied = decode(_through_queue(encoder.encode(batch)))
+        del batch
+        # (f) the second is copied out and handed back at once.
+        assert _in_ring(ring, kept) and not _in_ring(ring, copied)
+        assert _handed_back(ring, 2) and not _handed_back(ring, 1)
+        assert float(copied.sum()) == 10_000.0
+        del kept
+        gc.collect()
+        assert _handed_back(ring, 1) and ring.held_bytes == 0
+    finally:
+        ring.close()
+
+
+def test_payload_numbers_never_share_a_slot_with_one_in_use() -> None:
+    ring = Arena(1 << 20)
+    try:
+        first = ring.reserve(64)  # payload 1, kept
+        assert first is not None
+        for _ in range(511):
+            _take(ring, ring.reserve(64), 64)
+        late = ring.reserve(64)  # number 513 would share slot 1 with the kept payload
+        _take(ring, late, 64)
+        _take(ring, first, 64)  # had they shared it, the late hand-back would be lost
+        assert late is not None and late[1] % 512 != 1
+        assert ring.reserve(1 << 20) is not None  # every region came back
+    finally:
+        ring.close()
+
+
+REAL_DTYPES = [torch.bool, torch.uint8, torch.int64, torch.float16, torch.bfloat16, torch.float32]
+SAMPLE_DTYPES = [*REAL_DTYPES, torch.complex64]
+
+
+@st.composite
+def sample_lists(draw: st.DrawFn) -> list[Any]:
+    """Samples of one structure: tensors or arrays of one shape, various layouts and dtypes."""
+    count = draw(st.integers(1, 4))
+    shape = tuple(draw(st.lists(st.integers(0, 5), max_size=3)))
+    kind = draw(st.sampled_from(["tensor", "array", "mixed-dtypes", "grad", "dict"]))
+    layout = draw(st.sampled_from(LAYOUTS))
+    dtype = draw(st.sampled_from(SAMPLE_DTYPES))
+    seeds = [draw(st.integers(0, 2**16)) for _ in range(count)]
+    values = [_values(shape, seed) for seed in seeds]
+    if kind == "array":
+        numpy_dtype = draw(st.sampled_from(ARRAY_DTYPES))
+        return [_relayout(v.astype(numpy_dtype), layout) for v in values]
+    tensors = [_relayout(torch.from_numpy(v).to(dtype), layout) for v in values]
+    if kind == "mixed-dtypes":
+        return [torch.from_numpy(v).to(draw(st.sampled_from(REAL_DTYPES))) for v in values]
+    if kind == "grad":
+        return [torch.from_numpy(v).requires_grad_() for v in values]
+    if kind == "dict":
+        return [{"x": t, "n": i, "y": (t, float(i))} for i, t in enumerate(tensors)]
+    return tensors
+
+
+@settings(max_examples=150, deadline=None)
+@given(samples=sample_lists())
+def test_default_collate_gives_the_same_batches_when_collating_into_the_arena(
+    samples: list[Any],
+) -> None:
+    ring = Arena(1 << 20)
+    try:
+        expected = el.default_collate(samples)
+        collate_into(ring, 0)
+        got = el.default_collate(samples)
+        assert first_difference(expected, got) is None, first_difference(expected, got)
+        _check_same_batch_kinds(expected, got)
+        del got
+    finally:
+        collate_into(None, 0)
+        ring.close()
+
+
+def _check_same_batch_kinds(expected: Any, got: Any) -> None:
+    assert type(got) is type(expected)
+    if isinstance(expected, torch.Tensor):
+        assert got.dtype == expected.dtype and got.shape == expected.shape
+        assert got.requires_grad == expected.requires_grad
+    elif isinstance(expected, dict):
+        for key in expected:
+            _check_same_batch_kinds(expected[key], got[key])
+    elif isinstance(expected, (list, tuple)):
+        for a, b in zip(expected, got):
+            _check_same_batch_kinds(a, b)
+
+
+@attrs.frozen
+class BigImages:
+    """Sample ``i``: a 12 KiB image, so that a batch of 4 (48 KiB) passes the inline threshold."""
+
+    def __call__(self, index: int) -> dict[str, Any]:
+        row = (torch.arange(64, dtype=torch.int32) + index).to(torch.uint8)
+        return {"index": index, "image": row.expand(3, 64, 64).contiguous()}
+
+
+def recollate(batch: dict[str, Any]) -> dict[str, Any]:
+    """Replace the batch's image by a new one, collated again (the old one dies unsent)."""
+    return {"index": batch["index"], "image": el.default_collate(list(batch["image"]))}
+
+
+def even_batches(batch: dict[str, Any]) -> bool:
+    return int(batch["index"][0]) % 2 == 0
+
+
+def big_image_pipeline(length: int = 160, *, drop: bool = False) -> el.SavableDataset:
+    source = el.IndexedSource.from_fn(length, BigImages(), shuffle=True, seed=1)
+    batches: el.SavableDataset = el.BatchDataset(source, batch_size=4)
+    if drop:
+        batches = el.FilterDataset(el.MapDataset(batches, recollate), even_batches)
+    return batches
+
+
+def _main_arenas(loader: Any) -> list[Arena]:
+    return list(loader._transport._arenas)
+
+
+def _in_some_ring(arenas: list[Arena], tensor: torch.Tensor) -> bool:
+    return any(_in_ring(ring, tensor) for ring in arenas)
+
+
+def _reference(pipeline: el.SavableDataset) -> list[Any]:
+    return list(el.SavableDataLoader(pipeline, num_workers=2, transport_codec=False))
+
+
+@pytest.mark.timeout(60)
+def test_workers_collate_large_batches_into_the_arena_and_they_arrive_without_a_copy() -> None:
+    reference = _reference(big_image_pipeline())
+    loader = el.SavableDataLoader(big_image_pipeline(), num_workers=2)  # default settings
+    got, in_place = [], []
+    for batch in loader:
+        # The payload (a small pickle stream) went inline: a tensor in the ring was written
+        # there by the worker's collate and is read where it lies.
+        in_place.append(_in_some_ring(_main_arenas(loader), batch["image"]))
+        got.append(batch)
+    assert all(in_place)
+    assert first_difference(reference, got) is None
+    kept = got[:3]  # (a) kept while the workers went on: never overwritten
+    del got, batch
+    assert first_difference(reference[:3], kept) is None
+    arenas = _main_arenas(loader)
+    assert sum(ring.held_bytes for ring in arenas) == 3 * 4 * 3 * 64 * 64
+    del kept
+    gc.collect()
+    assert sum(ring.held_bytes for ring in arenas) == 0
+    loader.reset_state()
+
+
+@pytest.mark.timeout(60)
+def test_batches_a_worker_replaces_or_drops_give_their_space_back() -> None:
+    # (b) Each batch is collated, collated again by a map (the first dies unsent), and half
+    # are filtered out. Each arena holds 8 batches: were any of those regions lost, the ring
+    # would fill within a few batches and the rest would arrive as copies.
+    reference = _reference(big_image_pipeline(drop=True))
+    loader = el.SavableDataLoader(
+        big_image_pipeline(drop=True), num_workers=2, transport_arena_bytes=8 * 49_152
+    )
+    in_place, got = [], []
+    for batch in loader:
+        in_place.append(_in_some_ring(_main_arenas(loader), batch["image"]))
+        got.append(indices(batch))
+        del batch
+    assert got == [indices(b) for b in reference] and 10 <= len(got) <= 30
+    assert all(in_place), in_place
+    loader.reset_state()
+
+
+@pytest.mark.timeout(60)
+def test_a_user_keeping_every_batch_gets_copies_past_half_the_ring_and_no_stall() -> None:
+    # (f) with the workers: half of each 8-batch arena is held, then the main process copies.
+    reference = _reference(big_image_pipeline())
+    loader = el.SavableDataLoader(
+        big_image_pipeline(), num_workers=2, transport_arena_bytes=8 * 49_152
+    )
+    got = list(loader)
+    in_place = [_in_some_ring(_main_arenas(loader), b["image"]) for b in got]
+    assert any(in_place) and not all(in_place)
+    assert first_difference(reference, got) is None
+    loader.reset_state()
+
+
+@pytest.mark.timeout(60)
+def test_an_arena_too_small_for_a_batch_falls_back_to_ordinary_memory() -> None:
+    # (e) 4 KiB arenas: no batch fits, every one is collated into ordinary memory.
+    reference = _reference(big_image_pipeline())
+    loader = el.SavableDataLoader(big_image_pipeline(), num_workers=2, transport_arena_bytes=4096)
+    got = list(loader)
+    assert not any(_in_some_ring(_main_arenas(loader), b["image"]) for b in got)
+    assert first_difference(reference, got) is None
+    loader.reset_state()
+
+
+@pytest.mark.timeout(120)
+def test_collated_batches_resume_exactly_and_survive_a_restore_while_held() -> None:
+    check_resume(big_image_pipeline, num_workers=2, stop_points=[0, 7, 23])
+    loader = el.SavableDataLoader(big_image_pipeline(), num_workers=2)
+    iterator = iter(loader)
+    held = [next(iterator) for _ in range(3)]
+    loader.restore_state_rank(loader.save_state_rank())  # (g) the arenas close under them
+    assert first_difference(_reference(big_image_pipeline())[:3], held) is None
+    rest = list(loader)
+    assert len(held) + len(rest) == 40
+    loader.reset_state()

@@ -15,6 +15,11 @@ batch of a few small tensors that costs far more than the bytes. The codec repla
   small :class:`Packet`, through torch's result queue.
 - A larger one is copied into the worker's :class:`Arena`, a ring of shared memory that lives
   as long as the worker, and only its position travels in the packet.
+- A collate function can fill a large tensor straight in the worker's arena: ask
+  :func:`batch_tensor` for it (``torch.stack(samples, out=batch_tensor(shape, dtype))``, which
+  :func:`~energy_loader.default_collate` does). The encoder then sends the tensor by
+  reference (its position in the ring), not by copy: the worker copies none of its bytes and
+  never holds a private copy of the batch.
 - In the main process :func:`decode` rebuilds the item: tensors with ``torch.frombuffer`` and
   arrays with ``numpy.frombuffer`` as views of the payload (no copy; the memory is writable, so
   no read-only warning). An arena payload is read in place: its tensors are views of the
@@ -35,10 +40,13 @@ The ring is single-producer/single-consumer: the worker numbers its payloads and
 where the ones in use lie; the main process hands each back, in any order, by writing its
 number into a slot of the arena's first page. A worker never waits for space: a payload that
 does not fit goes inline. Each payload goes into the first gap from the front that fits, so
-the pages the ring touches stay close to what is actually in flight.
+the pages the ring touches stay close to what is actually in flight. A region reserved for
+a tensor is freed once the worker no longer references it and, if it was sent, the main
+process has handed it back.
 
 Modules: ``_payload`` (the payload format and the pickler), ``_arena`` (the rings), ``_codec``
-(packets, the encoder, :func:`decode`); this one: the loader's settings and the arenas'
+(packets, the encoder, :func:`decode`), ``_reserved`` (:func:`batch_tensor` and tensors sent
+by reference); this one: the loader's settings and the arenas'
 lifecycle (:class:`Transport` in the main process, :class:`WorkerTransport` in the workers).
 """
 
@@ -50,6 +58,7 @@ from typing import Any
 from ..validation import require_bool
 from ._arena import HAVE_MEMFD, MIN_ARENA_BYTES, Arena, close_all_but
 from ._codec import Encoder, Packet, decode
+from ._reserved import batch_tensor, collate_into
 
 __all__ = [
     "DEFAULT_ARENA_BYTES",
@@ -59,6 +68,7 @@ __all__ = [
     "Packet",
     "Transport",
     "WorkerTransport",
+    "batch_tensor",
     "decode",
     "validate_transport_settings",
 ]
@@ -105,10 +115,12 @@ class WorkerTransport:
         """The encode function of physical worker ``worker_id``, in that worker's process.
 
         Closes every other arena this process inherited or received (a forked worker maps
-        its siblings' arenas, and those of any other loader, until it lets them go).
+        its siblings' arenas, and those of any other loader, until it lets them go), and
+        points :func:`batch_tensor` at the worker's own.
         """
         own = self.arenas[worker_id] if worker_id < len(self.arenas) else None
         close_all_but(own)
+        collate_into(own, self.inline_bytes)
         return Encoder(self.inline_bytes, own).encode
 
 

@@ -9,8 +9,10 @@ command pipe travels too).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
+import math
 import mmap
 import os
 import threading
@@ -19,11 +21,20 @@ from collections.abc import Sequence
 from multiprocessing import reduction
 from typing import Any
 
+import attrs
 import numpy as np
+import torch
 
 from ._payload import ALIGN, fill
 
-__all__ = ["HAVE_MEMFD", "MIN_ARENA_BYTES", "Arena", "close_all_but", "find_arena"]
+__all__ = [
+    "HAVE_MEMFD",
+    "MIN_ARENA_BYTES",
+    "Arena",
+    "Reservation",
+    "close_all_but",
+    "find_arena",
+]
 
 HAVE_MEMFD = hasattr(os, "memfd_create")
 MIN_ARENA_BYTES = mmap.PAGESIZE
@@ -55,6 +66,14 @@ class Arena:
     keeps many batches does not fill the ring, the main process reads in place only while
     less than half of it is held that way, and copies otherwise; a worker whose ring is full
     sends its payloads inline, and never waits.
+
+    A worker may also reserve space for a tensor it is about to fill (:meth:`reserve_tensor`,
+    the collate-into hook): the tensor is a view of the ring, and when the encoder meets it,
+    it sends its position instead of its bytes. Such a region is freed once the worker's
+    last reference to it is gone *and*, if it was sent, the main process has handed it back:
+    a worker that keeps a sent batch never sees it overwritten. Worker references die in any
+    thread (finalizers, the garbage collector), so their finalizers only append to a queue
+    that the reserving thread drains.
     """
 
     def __init__(self, size: int, *, fd: int | None = None, ident: int | None = None) -> None:
@@ -73,6 +92,12 @@ class Arena:
         # Worker side: payloads in use, by offset: offset -> (size, number).
         self._in_use: dict[int, tuple[int, int]] = {}
         self._sequence = 0
+        # Worker side: reserved tensors the worker still references, by payload number and
+        # by address; numbers whose last reference died, queued by their finalizers.
+        self._reserved: dict[int, Reservation] = {}
+        self._reserved_at: dict[int, Reservation] = {}
+        self._released: collections.deque[int] = collections.deque()
+        self._reserving = threading.Lock()
         # Main side: bytes held by payloads read in place.
         self._lock = threading.Lock()
         self.held_bytes = 0
@@ -101,12 +126,12 @@ class Arena:
 
     def reserve(self, size: int) -> tuple[int, int] | None:
         """Room for ``size`` bytes: (offset in the ring, payload number), or None if full."""
+        with self._reserving:
+            return self._reserve(size)
+
+    def _reserve(self, size: int) -> tuple[int, int] | None:
         in_use = self._in_use
-        if in_use:
-            slots = self._slots()
-            for offset, (_, number) in list(in_use.items()):
-                if slots[number % _SLOTS] == number:
-                    del in_use[offset]
+        self._collect()
         size = -(-size // ALIGN) * ALIGN  # payloads start 64-byte aligned
         if size > self.size or len(in_use) >= _SLOTS - 1:
             return None
@@ -118,9 +143,84 @@ class Arena:
         else:
             if self.size - cursor < size:
                 return None
-        self._sequence += 1
-        in_use[cursor] = (size, self._sequence)
-        return cursor, self._sequence
+        number = self._next_number()
+        in_use[cursor] = (size, number)
+        return cursor, number
+
+    def _collect(self) -> None:
+        """Forget the regions that are free again (reserving thread, under the lock)."""
+        in_use, reserved, released = self._in_use, self._reserved, self._released
+        while released:
+            reservation = reserved.pop(released.popleft())
+            del self._reserved_at[reservation.address]
+            if not reservation.sent:  # the main process never saw it
+                del in_use[reservation.offset]
+        if in_use:
+            slots = self._slots()
+            for offset, (_, number) in list(in_use.items()):
+                if slots[number % _SLOTS] == number and number not in reserved:
+                    del in_use[offset]
+
+    def _next_number(self) -> int:
+        """The next payload number whose slot no payload in use shares.
+
+        A slot holds one number at a time: two payloads in flight on one slot could hide
+        one's hand-back behind the other's (a batch kept for long, with 512 after it).
+        """
+        taken = {number % _SLOTS for _, number in self._in_use.values()}
+        number = self._sequence + 1
+        while number % _SLOTS in taken:
+            number += 1
+        self._sequence = number
+        return number
+
+    def reserve_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """An uninitialised tensor in a fresh region of the ring, or None if full.
+
+        The region belongs to the worker until the encoder sends the tensor by reference
+        (:meth:`reservation_of`, :meth:`mark_sent`); it is freed when its last reference in
+        this process dies and, if it was sent, the main process has handed it back.
+        """
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return None  # nothing to share; a region of its own would be a wasted slot
+        with self._reserving:
+            slot = self._reserve(nbytes)
+            if slot is None:
+                return None
+            offset, number = slot
+            region = np.frombuffer(
+                self._map, dtype=np.uint8, count=nbytes, offset=_HEADER_BYTES + offset
+            )
+            reservation = Reservation(offset, number, nbytes, region.ctypes.data)
+            self._reserved[number] = reservation
+            self._reserved_at[reservation.address] = reservation
+        # Views of the tensor keep ``region`` alive through the tensor's storage.
+        weakref.finalize(region, self._released.append, number)
+        return torch.from_numpy(region).view(dtype).view(shape)
+
+    @property
+    def has_reservations(self) -> bool:
+        """Whether this worker references any reserved tensor (a cheap test per tensor)."""
+        return bool(self._reserved_at)
+
+    def reservation_of(self, tensor: torch.Tensor) -> Reservation | None:
+        """The unsent reservation ``tensor`` covers exactly (contiguous, every byte), if any."""
+        reservation = self._reserved_at.get(tensor.data_ptr())
+        if (
+            reservation is None
+            or reservation.sent
+            or tensor.nbytes != reservation.nbytes
+            or not tensor.is_contiguous()
+            or tensor.is_conj()
+            or tensor.is_neg()
+        ):
+            return None
+        return reservation
+
+    def mark_sent(self, reservation: Reservation) -> None:
+        """The main process now owns a reference: free the region only once it hands it back."""
+        reservation.sent = True
 
     def write(self, offset: int, parts: Sequence[memoryview], starts: Sequence[int]) -> None:
         """Copy a payload's parts (at their ``starts``) into the ring at ``offset``."""
@@ -160,6 +260,17 @@ class Arena:
             self.held_bytes -= held
             if not self.closed:
                 self._slots()[sequence % _SLOTS] = sequence  # one aligned 8-byte store
+
+
+@attrs.define
+class Reservation:
+    """A region of a worker's ring reserved for a tensor (worker side)."""
+
+    offset: int
+    number: int
+    nbytes: int
+    address: int  # of its first byte in this process, the tensor's ``data_ptr()``
+    sent: bool = False
 
 
 def _release(mapping: mmap.mmap, fd: int) -> None:

@@ -1,8 +1,10 @@
 """The two ends of the codec: :class:`Encoder` in the worker, :func:`decode` in the main process.
 
 An encoded item is a :class:`Packet`: the payload itself (inline, a writable ``bytearray``)
-or where it waits in the worker's arena. Torch's result queue carries packets like any other
-item; torch's pin-memory thread calls their :meth:`Packet.pin_memory`.
+or where it waits in the worker's arena; an item whose tensors were collated into the arena
+(:func:`~energy_loader.transport.batch_tensor`) refers to them by position, and its packet
+lists them. Torch's result queue carries packets like any other item; torch's pin-memory
+thread calls their :meth:`Packet.pin_memory`.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ import pickle
 from typing import Any
 
 import numpy as np
-import torch
 
 from ._arena import Arena, find_arena
-from ._payload import Pickler, fill, offsets, unpack
+from ._payload import Pickler, fill, offsets, pinned_buffer, unpack
+from ._reserved import Adoption, ReferenceReducer
 
 __all__ = ["Encoder", "Packet", "decode"]
 
@@ -42,6 +44,11 @@ class Packet(abc.ABC):
     def _decode(self, *, pin: bool) -> Any:
         """Rebuild the item (into pinned memory when ``pin``)."""
 
+    @property
+    def nbytes(self) -> int:
+        """The item's encoded size: its payload and the arena regions it refers to."""
+        return 0
+
 
 class _Inline(Packet):
     """A payload carried in the packet itself."""
@@ -55,10 +62,14 @@ class _Inline(Packet):
     def __reduce__(self) -> Any:
         return _Inline, (self.data, self.sizes)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes)
+
     def _decode(self, *, pin: bool) -> Any:
         data: Any = self.data
         if pin:
-            pinned = _pinned_buffer(len(data))
+            pinned = pinned_buffer(len(data))
             if pinned is not None:
                 # numpy's stubs declare the buffer protocol only on Python 3.12+
                 with memoryview(pinned) as target:  # type: ignore[arg-type]
@@ -88,6 +99,10 @@ class _InArena(Packet):
     def __reduce__(self) -> Any:
         return _InArena, (self.arena, self.offset, self.sequence, self.sizes, True)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes)
+
     def __del__(self) -> None:
         if self.owned:
             arena = find_arena(self.arena)
@@ -105,7 +120,7 @@ class _InArena(Packet):
             )
         self.owned = False
         _, total = offsets(self.sizes)
-        payload = _pinned_buffer(total) if pin else None
+        payload = pinned_buffer(total) if pin else None
         if payload is None and arena.can_view(total):
             # Read in place: no copy, and no page of the main process's own is touched until
             # the user reads the tensors.
@@ -114,6 +129,62 @@ class _InArena(Packet):
             payload = np.empty(total, dtype=np.uint8)
         arena.take(self.offset, self.sequence, payload)
         return unpack(payload, self.sizes)
+
+
+class _Referencing(Packet):
+    """An item whose payload (``inner``) refers to regions of its worker's arena by position.
+
+    In the main process the packet owns those regions until it is decoded: the decode adopts
+    each (a view of the ring, or a copy), and a packet dropped undecoded hands them all back.
+    """
+
+    __slots__ = ("arena", "inner", "numbers", "owned", "referenced_bytes")
+
+    def __init__(
+        self,
+        inner: Packet,
+        arena: int,
+        numbers: tuple[int, ...],
+        referenced_bytes: int,
+        owned: bool = False,
+    ) -> None:
+        self.inner = inner
+        self.arena = arena
+        self.numbers = numbers
+        self.referenced_bytes = referenced_bytes
+        self.owned = owned  # True only for the copy the main process received
+
+    def __reduce__(self) -> Any:
+        arguments = (self.inner, self.arena, self.numbers, self.referenced_bytes, True)
+        return _Referencing, arguments
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes + self.referenced_bytes
+
+    def __del__(self) -> None:
+        if self.owned:
+            arena = find_arena(self.arena)
+            if arena is not None:
+                for number in self.numbers:
+                    arena.hand_back(number, 0)
+
+    def _decode(self, *, pin: bool) -> Any:
+        arena = find_arena(self.arena)
+        if arena is None or not self.owned:
+            raise RuntimeError(
+                f"a batch arrived referring to shared-memory arena {self.arena}, which is "
+                "closed: its worker was stopped before the batch was read"
+                if arena is None
+                else "this batch was already decoded"
+            )
+        self.owned = False
+        adoption = Adoption(arena, pin=pin)
+        try:
+            with adoption.active():
+                return self.inner._decode(pin=pin)
+        finally:
+            adoption.hand_back_unread(self.numbers)
 
 
 class _Decoded(Packet):
@@ -129,13 +200,6 @@ class _Decoded(Packet):
 
     def pin_memory(self, device: Any = None) -> Packet:
         return self
-
-
-def _pinned_buffer(size: int) -> np.ndarray | None:
-    """``size`` bytes of pinned memory as a numpy array, or None without an accelerator."""
-    if not torch.accelerator.is_available():
-        return None
-    return torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
 
 
 def decode(item: Any) -> Any:
@@ -156,10 +220,30 @@ class Encoder:
         self._arena = arena
         self._stream = io.BytesIO()
         self._buffers: list[pickle.PickleBuffer] = []
-        self._pickler = Pickler(self._stream, self._buffers)
+        self._references = None if arena is None else ReferenceReducer(arena)
+        self._pickler = Pickler(self._stream, self._buffers, self._references)
 
     def encode(self, item: Any) -> Packet:
-        """Pickle ``item``; inline below the threshold, else into the arena if it has room."""
+        """Pickle ``item``; tensors collated into the arena by reference, the rest by value."""
+        references = self._references
+        try:
+            packet = self._encode_payload(item)
+            if references is None or not references.adopted:
+                return packet
+            # Pickled: the main process will own these regions (and hand them back).
+            adopted = references.adopted.values()
+            for reservation in adopted:
+                references.arena.mark_sent(reservation)
+            referenced = sum(reservation.nbytes for reservation in adopted)
+            return _Referencing(
+                packet, references.arena.ident, tuple(references.adopted), referenced
+            )
+        finally:
+            if references is not None:
+                references.adopted.clear()
+
+    def _encode_payload(self, item: Any) -> Packet:
+        """The payload: inline below the threshold, else into the arena if it has room."""
         stream, buffers, pickler = self._stream, self._buffers, self._pickler
         try:
             pickler.dump(item)

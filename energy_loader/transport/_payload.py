@@ -14,14 +14,23 @@ from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing import reduction
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["ALIGN", "Pickler", "fill", "offsets", "unpack"]
+__all__ = [
+    "ALIGN",
+    "DTYPE_NAMES",
+    "Pickler",
+    "fill",
+    "offsets",
+    "pinned_buffer",
+    "rebuild_tensor",
+    "unpack",
+]
 
 ALIGN = 64
 
@@ -52,7 +61,7 @@ def unpack(payload: Any, sizes: Sequence[int]) -> Any:
 
 
 # Dtypes travel by name (a memoized string, cheaper to pickle than a torch.dtype).
-_DTYPE_NAMES = {
+DTYPE_NAMES = {
     value: name
     for name, value in vars(torch).items()
     if isinstance(value, torch.dtype) and not name.startswith("_")
@@ -69,7 +78,14 @@ _NUMPY_DTYPES = frozenset([
 _NO_BYTES = np.empty(0, dtype=np.uint8)
 
 
-def _rebuild_tensor(buffer: memoryview, dtype: str, shape: tuple[int, ...]) -> Any:
+def pinned_buffer(size: int) -> np.ndarray | None:
+    """``size`` bytes of pinned memory as a numpy array, or None without an accelerator."""
+    if not torch.accelerator.is_available():
+        return None
+    return torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
+
+
+def rebuild_tensor(buffer: Any, dtype: str, shape: tuple[int, ...]) -> Any:
     if buffer.nbytes == 0:
         return torch.empty(shape, dtype=getattr(torch, dtype))
     flat = torch.frombuffer(buffer, dtype=getattr(torch, dtype))
@@ -79,13 +95,20 @@ def _rebuild_tensor(buffer: memoryview, dtype: str, shape: tuple[int, ...]) -> A
 def _rebuild_tensor_with_attributes(
     buffer: memoryview, dtype: str, shape: tuple[int, ...], attributes: dict[str, Any]
 ) -> Any:
-    tensor = _rebuild_tensor(buffer, dtype, shape)
+    tensor = rebuild_tensor(buffer, dtype, shape)
     tensor.__dict__.update(attributes)
     return tensor
 
 
-def _reduce_tensor(tensor: torch.Tensor) -> Any:
-    """Plain dense CPU tensors as an out-of-band buffer; others keep torch's reduction."""
+#: A pickler hook for tensors sent by reference: a reduction, or None to send the bytes.
+ByReference = Callable[[torch.Tensor], Any]
+
+
+def _reduce_tensor(tensor: torch.Tensor, by_reference: ByReference | None) -> Any:
+    """Plain dense CPU tensors as an out-of-band buffer; others keep torch's reduction.
+
+    ``by_reference`` may claim a plain tensor first (one collated into the worker's arena).
+    """
     if (
         tensor.device.type != "cpu"
         or tensor.layout is not torch.strided
@@ -94,9 +117,13 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
         or tensor.is_nested
     ):
         return NotImplemented
+    if by_reference is not None:
+        reference = by_reference(tensor)
+        if reference is not None:
+            return reference
     data = tensor.resolve_conj().resolve_neg().contiguous()
     dtype = tensor.dtype
-    name = _DTYPE_NAMES.get(dtype)
+    name = DTYPE_NAMES.get(dtype)
     if name is None:
         return NotImplemented
     if data.numel() == 0:
@@ -110,7 +137,7 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
     attributes = tensor.__dict__
     if attributes:
         return _rebuild_tensor_with_attributes, (*arguments, dict(attributes))
-    return _rebuild_tensor, arguments
+    return rebuild_tensor, arguments
 
 
 def _reduce_array(array: np.ndarray) -> Any:
@@ -124,9 +151,15 @@ def _reduce_array(array: np.ndarray) -> Any:
 class Pickler(pickle.Pickler):
     """Protocol 5 with out-of-band tensors/arrays and torch's queue reductions for the rest."""
 
-    def __init__(self, file: io.BytesIO, buffers: list[pickle.PickleBuffer]) -> None:
+    def __init__(
+        self,
+        file: io.BytesIO,
+        buffers: list[pickle.PickleBuffer],
+        by_reference: ByReference | None = None,
+    ) -> None:
         super().__init__(file, protocol=5, buffer_callback=buffers.append)
         self._file = file
+        self._by_reference = by_reference
 
     def dump(self, obj: Any) -> None:
         # The queue's reductions as of now: a library that user code imports late (and that
@@ -137,7 +170,7 @@ class Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         kind = type(obj)
         if kind is torch.Tensor:
-            return _reduce_tensor(obj)
+            return _reduce_tensor(obj, self._by_reference)
         if kind is np.ndarray:
             return _reduce_array(obj)
         return NotImplemented

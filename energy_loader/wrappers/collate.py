@@ -5,6 +5,11 @@ written for one works with the other: numbers and numpy arrays become tensors, s
 lists, dicts, named tuples and sequences are collated per entry. Where torch raises, it keeps
 the samples as a list instead, so variable-length data (token lists, ragged tensors, images
 of different sizes) batches without a custom ``collate_fn``.
+
+Stacked tensors are made with :func:`energy_loader.transport.batch_tensor`: in a loader worker
+a large batch is stacked straight into the worker's shared-memory arena and reaches the main
+process without a copy (elsewhere it is ordinary memory), the way torch's own collate stacks
+into shared memory inside a DataLoader worker.
 """
 
 from __future__ import annotations
@@ -17,11 +22,27 @@ import numpy as np
 import torch
 
 from ..dataset import RESTORE_KEY
+from ..transport import batch_tensor
 
 __all__ = ["default_collate"]
 
 # numpy dtype kinds torch cannot hold: bytes, str, object, void (structured), datetimes.
 _NON_NUMERIC_KINDS = frozenset("SUOVMm")
+
+
+def _torch_dtypes_of_numpy() -> dict[np.dtype[Any], torch.dtype]:
+    """The (native byte order) numpy dtypes ``torch.from_numpy`` takes, and what it makes."""
+    found = {}
+    for kind in np.sctypeDict.values():
+        dtype = np.dtype(kind)
+        try:
+            found[dtype] = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+        except (TypeError, ValueError):
+            continue
+    return found
+
+
+_TORCH_DTYPES = _torch_dtypes_of_numpy()
 
 
 def default_collate(samples: Sequence[Any]) -> Any:
@@ -85,8 +106,24 @@ def _collate_tensors(samples: list[Any]) -> Any:
         isinstance(s, torch.Tensor) and s.layout == torch.strided and s.shape == first.shape
         for s in samples
     ):
-        return torch.stack(samples)
+        return _stack_tensors(samples)
     return samples
+
+
+def _stack_tensors(samples: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(samples)``, into :func:`batch_tensor` memory where that gives the same.
+
+    Only plain CPU tensors of one dtype that track no gradient: ``out=`` would refuse to
+    promote dtypes or record autograd, and subclasses return their own type from stack.
+    """
+    first = samples[0]
+    dtype = first.dtype
+    plain = all(
+        type(s) is torch.Tensor and s.dtype == dtype and s.device.type == "cpu" for s in samples
+    )
+    if not plain or any(s.requires_grad for s in samples):
+        return torch.stack(samples)
+    return torch.stack(samples, out=batch_tensor((len(samples), *first.shape), dtype))
 
 
 def _collate_arrays(samples: list[Any]) -> Any:
@@ -97,12 +134,22 @@ def _collate_arrays(samples: list[Any]) -> Any:
         isinstance(s, np.ndarray) and s.shape == first.shape and s.dtype == first.dtype
         for s in samples
     ):
-        # One copy into a fresh (writable, contiguous) array, shared with the tensor.
-        return torch.from_numpy(np.stack(samples))
+        return _stack_arrays(samples)
     if all(isinstance(s, np.ndarray) and s.shape == first.shape for s in samples):
         # Mixed dtypes: torch.stack promotes them, as torch's collate does.
         return _attempt(lambda batch: torch.stack([torch.as_tensor(s) for s in batch]), samples)
     return samples
+
+
+def _stack_arrays(samples: list[np.ndarray]) -> torch.Tensor:
+    """Arrays of one shape and dtype stacked into one fresh (writable, contiguous) tensor."""
+    first = samples[0]
+    dtype = _TORCH_DTYPES.get(first.dtype)
+    if dtype is None:  # e.g. non-native byte order: torch's own verdict, as before
+        return torch.from_numpy(np.stack(samples))
+    batch = batch_tensor((len(samples), *first.shape), dtype)
+    np.stack(samples, out=batch.numpy())
+    return batch
 
 
 def _attempt(make_tensor: Callable[[list[Any]], torch.Tensor], samples: list[Any]) -> Any:

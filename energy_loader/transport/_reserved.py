@@ -1,0 +1,194 @@
+"""Collating straight into a worker's arena, and sending such tensors by reference.
+
+A large batch made by ``torch.stack`` lands in private heap memory, which the encoder then
+copies into the arena: one copy too many, and glibc keeps such multi-megabyte blocks in the
+worker's heap once its dynamic mmap threshold has risen past them (tens of MiB of resident
+memory per worker on 5 MB batches). Torch's own collate avoids both by stacking straight into
+shared memory. :func:`batch_tensor` is that hook for the codec: in a loader worker whose
+transport has an arena, a tensor of at least the inline threshold is a fresh region of the
+ring, and the encoder sends its position instead of its bytes.
+
+- Worker side: :class:`ReferenceReducer` is the pickler's hook. A tensor that exactly covers
+  an unsent reservation (contiguous, every byte) becomes ``(arena, offset, number, nbytes,
+  dtype, shape)`` in the stream; anything else in the ring (a slice, a second send of the same
+  region) is copied like any tensor. The encoder marks the reservations an item carried as
+  sent once the item is pickled.
+- Main side: :class:`Adoption` is the decode of one packet that carries references. The
+  rebuild function asks it for each region: a view of the ring (handed back when its last
+  tensor dies, :meth:`Arena.view`), or, while half the ring is held or into pinned memory,
+  a copy (handed back at once). Two references to one region in an item share one
+  view and one hand-back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from ._arena import Arena, Reservation
+from ._payload import DTYPE_NAMES, pinned_buffer, rebuild_tensor
+
+__all__ = ["Adoption", "ReferenceReducer", "batch_tensor", "collate_into"]
+
+
+@attrs.frozen
+class _CollateTarget:
+    arena: Arena
+    min_bytes: int
+
+
+# This process's arena for batch_tensor: set in a loader worker by its transport, else None.
+_TARGET: _CollateTarget | None = None
+
+
+def collate_into(arena: Arena | None, min_bytes: int) -> None:
+    """Let :func:`batch_tensor` reserve tensors of ``min_bytes`` or more in ``arena``.
+
+    Called by the worker's transport when the worker starts; ``None`` turns the hook off.
+    """
+    global _TARGET
+    _TARGET = None if arena is None else _CollateTarget(arena, min_bytes)
+
+
+def batch_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor to collate a batch into, e.g. ``torch.stack(xs, out=...)``.
+
+    In a loader worker whose transport has a shared-memory arena (``transport_codec=True``,
+    ``transport_arena_bytes > 0``, Linux), a tensor of at least ``transport_inline_bytes``
+    is placed in the worker's arena: filled there, it reaches the main process without a
+    single copy (the main process reads it in place), and the worker never holds a private
+    copy of the batch. Anywhere else (the main process, torch's transport, a small tensor,
+    an arena with no room) it is a plain ``torch.empty(shape, dtype=dtype)``; it never waits.
+
+    Fill it completely and send it as it is (or any tensor covering all of it); slices of it
+    travel as copies. If the worker keeps it after sending it, the main process's batch and
+    the worker's tensor share memory, as with torch's own shared-memory collate.
+    """
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"`dtype` must be a torch.dtype (got {type(dtype).__name__}: {dtype!r})")
+    size = torch.Size(shape)
+    if any(n < 0 for n in size):
+        raise ValueError(f"`shape` must not have negative sizes (got {tuple(size)})")
+    target = _TARGET
+    if target is not None and math.prod(size) * dtype.itemsize >= target.min_bytes:
+        tensor = target.arena.reserve_tensor(tuple(size), dtype)
+        if tensor is not None:
+            return tensor
+    return torch.empty(size, dtype=dtype)
+
+
+class ReferenceReducer:
+    """Worker side, the pickler's hook: reserved tensors by reference, not by copy.
+
+    ``adopted`` collects the reservations the item being pickled refers to; the encoder marks
+    them sent once the item is pickled, and clears it.
+    """
+
+    def __init__(self, arena: Arena) -> None:
+        self.arena = arena
+        self.adopted: dict[int, Reservation] = {}
+
+    def __call__(self, tensor: torch.Tensor) -> Any:
+        """``tensor``'s reduction by reference, or None if it is not a whole reservation."""
+        arena = self.arena
+        if not arena.has_reservations:
+            return None
+        reservation = arena.reservation_of(tensor)
+        name = DTYPE_NAMES.get(tensor.dtype)
+        if reservation is None or name is None:
+            return None
+        self.adopted[reservation.number] = reservation
+        where = (arena.ident, reservation.offset, reservation.number, reservation.nbytes)
+        attributes = tensor.__dict__
+        if attributes:
+            return _rebuild_reserved_with_attributes, (
+                *where,
+                name,
+                tuple(tensor.shape),
+                dict(attributes),
+            )
+        return _rebuild_reserved, (*where, name, tuple(tensor.shape))
+
+
+class Adoption:
+    """Main side: the regions one packet refers to, while it is decoded (one thread)."""
+
+    def __init__(self, arena: Arena, *, pin: bool) -> None:
+        self.arena = arena
+        self.pin = pin
+        self._payloads: dict[int, np.ndarray] = {}
+
+    def payload(self, offset: int, number: int, nbytes: int) -> np.ndarray:
+        """Region ``number`` as bytes: the same array for every reference in the item."""
+        payload = self._payloads.get(number)
+        if payload is None:
+            payload = self._adopt(offset, number, nbytes)
+            self._payloads[number] = payload
+        return payload
+
+    def _adopt(self, offset: int, number: int, nbytes: int) -> np.ndarray:
+        arena = self.arena
+        copy = pinned_buffer(nbytes) if self.pin else None
+        if copy is None and arena.can_view(nbytes):
+            return arena.view(offset, number, nbytes)  # handed back with its last tensor
+        if copy is None:
+            copy = np.empty(nbytes, dtype=np.uint8)
+        arena.take(offset, number, copy)  # handed back now
+        return copy
+
+    def hand_back_unread(self, numbers: Sequence[int]) -> None:
+        """Hand back the regions the packet carried but its decode never reached."""
+        for number in numbers:
+            if number not in self._payloads:
+                self.arena.hand_back(number, 0)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Make this the adoption the rebuild functions use in this thread."""
+        previous = getattr(_DECODING, "adoption", None)
+        _DECODING.adoption = self
+        try:
+            yield
+        finally:
+            _DECODING.adoption = previous
+
+
+_DECODING = threading.local()
+
+
+def _current_adoption(arena: int) -> Adoption:
+    adoption: Adoption | None = getattr(_DECODING, "adoption", None)
+    if adoption is None or adoption.arena.ident != arena:
+        raise RuntimeError(
+            "a tensor collated into a worker's arena can only be rebuilt by decoding the packet "
+            "that carried it"
+        )
+    return adoption
+
+
+def _rebuild_reserved(
+    arena: int, offset: int, number: int, nbytes: int, dtype: str, shape: tuple[int, ...]
+) -> torch.Tensor:
+    payload = _current_adoption(arena).payload(offset, number, nbytes)
+    return rebuild_tensor(payload, dtype, shape)
+
+
+def _rebuild_reserved_with_attributes(
+    arena: int,
+    offset: int,
+    number: int,
+    nbytes: int,
+    dtype: str,
+    shape: tuple[int, ...],
+    attributes: dict[str, Any],
+) -> torch.Tensor:
+    tensor = _rebuild_reserved(arena, offset, number, nbytes, dtype, shape)
+    tensor.__dict__.update(attributes)
+    return tensor
