@@ -411,7 +411,8 @@ class SavableDataLoader(DataLoader):
         if inner is None:
             if self.num_workers > 0 and self._iterator is None:
                 self._open_channels()
-            inner = self._inner = DataLoader.__iter__(self)
+            with self._worker_side.iterated_by_owner():
+                inner = self._inner = DataLoader.__iter__(self)
         return next(inner)
 
     def _canonical_plan(self, start: int) -> RunPlan:
@@ -946,7 +947,8 @@ class BasicDataLoader(SavableDataLoader):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         if self.num_workers > 0 and self._iterator is None:
             self._open_transport()
-        inner = DataLoader.__iter__(self)
+        with self._worker_side.iterated_by_owner():
+            inner = DataLoader.__iter__(self)
         return inner if self._transport is None else map(decode, inner)
 
     def save_state_rank(self, *, held_back: int = 0) -> dict[str, Any]:

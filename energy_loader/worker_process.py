@@ -30,6 +30,7 @@ have been.
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import os
 import threading
@@ -541,6 +542,9 @@ class WorkerSideDataset(IterableDataset[Any]):
         self.offset = 0
         self._runner: _Runner | None = None
         self._runner_pid = -1
+        # True only while the owning loader makes torch's iterator (and so in the workers it
+        # starts): anything else iterating this dataset is a DataLoader built around it.
+        self.owner_iterating = False
 
     def runner(self) -> _Runner:
         """This process's runner, created on first use in each process."""
@@ -559,7 +563,26 @@ class WorkerSideDataset(IterableDataset[Any]):
         """Forget the in-process runner (the main process's, when ``num_workers == 0``)."""
         self._runner = None
 
+    @contextlib.contextmanager
+    def iterated_by_owner(self) -> Iterator[None]:
+        """Around the owning loader's ``DataLoader.__iter__``: the iteration it starts (in
+        this process or in the workers it forks or spawns) is the loader's own."""
+        self.owner_iterating = True
+        try:
+            yield
+        finally:
+            self.owner_iterating = False
+
     def __iter__(self) -> Iterator[Any]:
+        if not self.owner_iterating:
+            raise TypeError(
+                "a DataLoader other than its SavableDataLoader is iterating the loader's "
+                "internal dataset (did accelerator.prepare(loader) or a framework rebuild the "
+                "loader from loader.dataset?). Its items are worker messages, not your "
+                "batches, and its position would not be saved. With Hugging Face Accelerate "
+                "use energy_loader.integrations.accelerate.prepare_loader(accelerator, "
+                "loader) instead of accelerator.prepare(loader); see docs/integrations.md"
+            )
         return self.runner().run_epoch(self.savable)
 
     def __getstate__(self) -> dict[str, Any]:

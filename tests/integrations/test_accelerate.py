@@ -89,6 +89,22 @@ def test_save_state_mid_epoch_and_load_state_resume_exactly(tmp_path: Path, work
     assert torch.equal(resumed_weight, final_weight)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_iterating_what_accelerator_prepare_made_of_the_loader_is_a_clear_error(
+    workers: int,
+) -> None:
+    accelerator = Accelerator(cpu=True)
+    loader = el.SavableDataLoader(_pipeline(), num_workers=workers)
+    prepared = accelerator.prepare(loader)
+    with pytest.raises(
+        TypeError, match=r"use energy_loader\.integrations\.accelerate\.prepare_loader"
+    ):
+        next(iter(prepared))
+    # The loader itself is untouched and still works.
+    assert next(iter(loader)) is not None
+    loader.close()
+
+
 def test_prepare_loader_refuses_what_would_break_the_loader() -> None:
     accelerator = Accelerator(cpu=True)
     loader = el.SavableDataLoader(_pipeline())
