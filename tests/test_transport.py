@@ -712,7 +712,7 @@ def test_pinned_decode_copies_references_out_and_hands_them_back_at_once(
         # With one, the reference is copied into the pinned buffer and handed back at once
         # (stood in for here by ordinary memory, so that the path runs on any machine).
         monkeypatch.setattr(
-            "energy_loader.transport._reserved.pinned_buffer",
+            "energy_loader.transport._arena.pinned_buffer",
             lambda size: np.empty(size, dtype=np.uint8),
         )
         batch = batch_tensor((2, 1000), torch.float32).fill_(5.0)

@@ -25,7 +25,7 @@ import attrs
 import numpy as np
 import torch
 
-from ._payload import ALIGN, fill
+from ._payload import ALIGN, fill, pinned_buffer
 
 __all__ = [
     "HAVE_MEMFD",
@@ -236,6 +236,21 @@ class Arena:
         with memoryview(self._map) as whole, memoryview(out) as target:  # type: ignore[arg-type]
             target[:] = whole[start : start + out.nbytes]
         self.hand_back(sequence, 0)
+
+    def read(self, offset: int, sequence: int, size: int, *, pin: bool) -> np.ndarray:
+        """Payload ``sequence`` (``size`` bytes at ``offset``) as a ``uint8`` array to decode.
+
+        Read in place (:meth:`view`: no copy, and no page of this process's own is touched
+        until the user reads the tensors) unless it is wanted in pinned memory or half the
+        ring is already held that way; then copied out (:meth:`take`) and handed back at once.
+        """
+        copy = pinned_buffer(size) if pin else None
+        if copy is None and self.can_view(size):
+            return self.view(offset, sequence, size)
+        if copy is None:
+            copy = np.empty(size, dtype=np.uint8)
+        self.take(offset, sequence, copy)
+        return copy
 
     def can_view(self, size: int) -> bool:
         """Whether a payload of ``size`` bytes may be read in place (see the class notes)."""

@@ -12,9 +12,8 @@ from __future__ import annotations
 import abc
 import io
 import pickle
+from collections.abc import Sequence
 from typing import Any
-
-import numpy as np
 
 from ._arena import Arena, find_arena
 from ._payload import Pickler, fill, offsets, pinned_buffer, unpack
@@ -78,14 +77,46 @@ class _Inline(Packet):
         return unpack(data, self.sizes)
 
 
-class _InArena(Packet):
-    """A payload waiting in a worker's arena at ``[offset, offset + total)``.
+class _ArenaPacket(Packet):
+    """A packet that, in the main process, owns regions of its worker's arena until decoded.
 
-    In the main process the packet owns the payload's space until it is decoded; a packet
-    dropped undecoded (a loader shutting down, a discarded prefetch) hands it back then.
+    Only the copy the main process received owns them (``owned``); dropped undecoded (a
+    loader shutting down, a discarded prefetch) it hands them all back.
     """
 
-    __slots__ = ("arena", "offset", "owned", "sequence", "sizes")
+    __slots__ = ("arena", "owned")
+    arena: int
+    owned: bool
+
+    def _regions(self) -> Sequence[int]:
+        """The numbers of the arena regions this packet owns."""
+        raise NotImplementedError
+
+    def __del__(self) -> None:
+        if self.owned:
+            arena = find_arena(self.arena)
+            if arena is not None:
+                for number in self._regions():
+                    arena.hand_back(number, 0)
+
+    def _claim(self) -> Arena:
+        """The arena, now that the decode takes the regions over (once)."""
+        arena = find_arena(self.arena)
+        if arena is None or not self.owned:
+            raise RuntimeError(
+                f"a batch arrived for shared-memory arena {self.arena}, which is closed: its "
+                "worker was stopped before the batch was read"
+                if arena is None
+                else "this batch was already decoded"
+            )
+        self.owned = False
+        return arena
+
+
+class _InArena(_ArenaPacket):
+    """A payload waiting in a worker's arena at ``[offset, offset + total)``."""
+
+    __slots__ = ("offset", "sequence", "sizes")
 
     def __init__(
         self, arena: int, offset: int, sequence: int, sizes: tuple[int, ...], owned: bool = False
@@ -103,42 +134,23 @@ class _InArena(Packet):
     def nbytes(self) -> int:
         return sum(self.sizes)
 
-    def __del__(self) -> None:
-        if self.owned:
-            arena = find_arena(self.arena)
-            if arena is not None:
-                arena.hand_back(self.sequence, 0)
+    def _regions(self) -> Sequence[int]:
+        return (self.sequence,)
 
     def _decode(self, *, pin: bool) -> Any:
-        arena = find_arena(self.arena)
-        if arena is None or not self.owned:
-            raise RuntimeError(
-                f"a batch arrived for shared-memory arena {self.arena}, which is closed: its "
-                "worker was stopped before the batch was read"
-                if arena is None
-                else "this batch was already decoded"
-            )
-        self.owned = False
+        arena = self._claim()
         _, total = offsets(self.sizes)
-        payload = pinned_buffer(total) if pin else None
-        if payload is None and arena.can_view(total):
-            # Read in place: no copy, and no page of the main process's own is touched until
-            # the user reads the tensors.
-            return unpack(arena.view(self.offset, self.sequence, total), self.sizes)
-        if payload is None:
-            payload = np.empty(total, dtype=np.uint8)
-        arena.take(self.offset, self.sequence, payload)
-        return unpack(payload, self.sizes)
+        return unpack(arena.read(self.offset, self.sequence, total, pin=pin), self.sizes)
 
 
-class _Referencing(Packet):
+class _Referencing(_ArenaPacket):
     """An item whose payload (``inner``) refers to regions of its worker's arena by position.
 
     In the main process the packet owns those regions until it is decoded: the decode adopts
     each (a view of the ring, or a copy), and a packet dropped undecoded hands them all back.
     """
 
-    __slots__ = ("arena", "inner", "numbers", "owned", "referenced_bytes")
+    __slots__ = ("inner", "numbers", "referenced_bytes")
 
     def __init__(
         self,
@@ -162,24 +174,11 @@ class _Referencing(Packet):
     def nbytes(self) -> int:
         return self.inner.nbytes + self.referenced_bytes
 
-    def __del__(self) -> None:
-        if self.owned:
-            arena = find_arena(self.arena)
-            if arena is not None:
-                for number in self.numbers:
-                    arena.hand_back(number, 0)
+    def _regions(self) -> Sequence[int]:
+        return self.numbers
 
     def _decode(self, *, pin: bool) -> Any:
-        arena = find_arena(self.arena)
-        if arena is None or not self.owned:
-            raise RuntimeError(
-                f"a batch arrived referring to shared-memory arena {self.arena}, which is "
-                "closed: its worker was stopped before the batch was read"
-                if arena is None
-                else "this batch was already decoded"
-            )
-        self.owned = False
-        adoption = Adoption(arena, pin=pin)
+        adoption = Adoption(self._claim(), pin=pin)
         try:
             with adoption.active():
                 return self.inner._decode(pin=pin)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ._arena import Arena, Reservation
-from ._payload import DTYPE_NAMES, pinned_buffer, rebuild_tensor
+from ._payload import DTYPE_NAMES, rebuild_tensor
 
 __all__ = ["Adoption", "ReferenceReducer", "batch_tensor", "collate_into"]
 
@@ -129,19 +129,9 @@ class Adoption:
         """Region ``number`` as bytes: the same array for every reference in the item."""
         payload = self._payloads.get(number)
         if payload is None:
-            payload = self._adopt(offset, number, nbytes)
+            payload = self.arena.read(offset, number, nbytes, pin=self.pin)
             self._payloads[number] = payload
         return payload
-
-    def _adopt(self, offset: int, number: int, nbytes: int) -> np.ndarray:
-        arena = self.arena
-        copy = pinned_buffer(nbytes) if self.pin else None
-        if copy is None and arena.can_view(nbytes):
-            return arena.view(offset, number, nbytes)  # handed back with its last tensor
-        if copy is None:
-            copy = np.empty(nbytes, dtype=np.uint8)
-        arena.take(offset, number, copy)  # handed back now
-        return copy
 
     def hand_back_unread(self, numbers: Sequence[int]) -> None:
         """Hand back the regions the packet carried but its decode never reached."""
