@@ -319,25 +319,29 @@ class _Runner:
                 # hundreds of milliseconds of start-up; freezing what exists is what matters.
                 gc.freeze()
         # Until the partitions are restored and have replayed, the answer to "where do you
-        # stand" is what the worker was started with: their checkpoints and replay counts.
+        # stand" is what the runner was started with: their checkpoints and replay counts. In
+        # a worker process the main process's book starts from the same (see the loader).
+        if self.outbox is None:
+            self.book.add(-1, self._starting_snapshot())
+        # Items leave the worker encoded by the batch codec, when the loader uses it.
+        self.encode = None if owner.transport is None else owner.transport.encoder(physical_id)
+        if owner.channels is not None:
+            CommandServer(owner.channels[physical_id], self.logical_id, self.counters).start()
+
+    def _starting_snapshot(self) -> Snapshot:
+        """The partitions as the runner was started: fresh, or their restore states."""
         if self.restores is None:
             states = []
             for slot in self.slots:
                 slot.pipeline.reset_state()
                 states.append(slot.pipeline.save_state())
-            initial = Snapshot(tuple(states), (0,) * len(states), (False,) * len(states), 0)
-        else:
-            initial = Snapshot(
-                tuple(r.checkpoint for r in self.restores),
-                tuple(r.skip for r in self.restores),
-                tuple(r.done for r in self.restores),
-                self.next,
-            )
-        self.book.add(-1, initial)
-        # Items leave the worker encoded by the batch codec, when the loader uses it.
-        self.encode = None if owner.transport is None else owner.transport.encoder(physical_id)
-        if owner.channels is not None:
-            CommandServer(owner.channels[physical_id], self.logical_id, self.counters).start()
+            return Snapshot(tuple(states), (0,) * len(states), (False,) * len(states), 0)
+        return Snapshot(
+            tuple(r.checkpoint for r in self.restores),
+            tuple(r.skip for r in self.restores),
+            tuple(r.done for r in self.restores),
+            self.next,
+        )
 
     def snapshot(self) -> Snapshot:
         """Every partition's state now (iterating thread only, between items)."""
