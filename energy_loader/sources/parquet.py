@@ -95,11 +95,6 @@ class _ParquetOrder:
         slots = np.searchsorted(self.group_starts, at, side="right") - 1
         return self.groups[slots], at - self.group_starts[slots]
 
-    def locate(self, position: int) -> tuple[int, int]:
-        """``(row group, row)`` of global ``position``."""
-        groups, rows = self.groups_and_rows(*self.order.keys(np.array([position])))
-        return int(groups[0]), int(rows[0])
-
     def blocks(self, position: int, stride: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """``(row groups, rows)`` arrays of positions ``position, position + stride, ...``, a
         block at a time (see :meth:`EpochOrder.blocks`)."""
