@@ -19,7 +19,15 @@ __all__ = [
     "StateFormatError",
     "StateMismatchError",
     "WorkerError",
+    "first_line",
 ]
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message ("" if it has none): what a one-line report of
+    it (a command's exit message, a wrapping error) shows."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
 
 
 class EnergyLoaderError(Exception):

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .errors import StateFormatError
+from .errors import StateFormatError, first_line
 from .state.checkpoint import CHECKPOINT_FORMAT, load_checkpoint
 from .state.rank_state import (
     PARTITION_KEY_PREFIX,
@@ -233,8 +233,7 @@ def main(argv: list[str]) -> int:
         print(f"inspect: {path}: no such file", file=sys.stderr)
         return 2
     except Exception as error:
-        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        print(f"inspect: {path}: {type(error).__name__}: {message}", file=sys.stderr)
+        print(f"inspect: {path}: {type(error).__name__}: {first_line(error)}", file=sys.stderr)
         return 2
     if as_json:
         print("\n".join(blocks))

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .dataset import SavableDataset
-from .errors import StateFormatError
+from .errors import StateFormatError, first_line
 
 __all__ = ["build_loader", "load_builder", "main", "parse_steps", "read_states", "replay"]
 
@@ -184,8 +184,7 @@ def main(argv: list[str]) -> int:
         print(f"replay: no such file: {error.filename or error}", file=sys.stderr)
         return 2
     except Exception as error:
-        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        print(f"replay: {type(error).__name__}: {message}", file=sys.stderr)
+        print(f"replay: {type(error).__name__}: {first_line(error)}", file=sys.stderr)
         return 2
     for row in rows:
         if args.json:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..errors import StateFormatError
+from ..errors import StateFormatError, first_line
 from .atomic import write_atomically
 from .plain import StateReader, check_plain
 
@@ -82,12 +82,9 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     except FileNotFoundError:
         raise
     except Exception as error:
-        first_line = (
-            str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        )
         raise StateFormatError(
             f"{source} is not a readable checkpoint file (truncated, corrupted, or not written "
-            f"by energy_loader): {first_line}"
+            f"by energy_loader): {first_line(error) or type(error).__name__}"
         ) from error
     reader = StateReader(record, str(source))
     if not reader.has("format") or record["format"] != CHECKPOINT_FORMAT:
