@@ -119,9 +119,13 @@ def _stack_tensors(samples: list[torch.Tensor]) -> torch.Tensor:
     first = samples[0]
     dtype = first.dtype
     plain = all(
-        type(s) is torch.Tensor and s.dtype == dtype and s.device.type == "cpu" for s in samples
+        type(s) is torch.Tensor
+        and s.dtype == dtype
+        and s.device.type == "cpu"
+        and not s.requires_grad
+        for s in samples
     )
-    if not plain or any(s.requires_grad for s in samples):
+    if not plain:
         return torch.stack(samples)
     return torch.stack(samples, out=batch_tensor((len(samples), *first.shape), dtype))
 
