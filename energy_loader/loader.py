@@ -930,8 +930,9 @@ class SavableDataLoader(DataLoader):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+    def __del__(self, _suppress: Any = contextlib.suppress) -> None:
+        # Bound as a default: at interpreter exit this module's globals may already be None.
+        with _suppress(Exception):
             self._shutdown_workers()
 
 

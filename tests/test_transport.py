@@ -212,6 +212,25 @@ def test_tensordict_round_trips_when_installed(arena: Arena) -> None:
         assert torch.equal(decoded["nested", "b"], data["nested", "b"])
 
 
+class _LateRegistered:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def _rebuild_late_registered(value: int) -> tuple[str, int]:
+    return ("rebuilt by its reduction", value)
+
+
+def test_a_reduction_registered_after_the_first_item_is_honoured() -> None:
+    encoder = Encoder(1 << 40, None)
+    assert _round_trip([1, 2], encoder) == [1, 2]  # the pickler's table is built now
+    ForkingPickler.register(_LateRegistered, lambda obj: (_rebuild_late_registered, (obj.value,)))
+    try:
+        assert _round_trip([_LateRegistered(3)], encoder) == [("rebuilt by its reduction", 3)]
+    finally:
+        del ForkingPickler._extra_reducers[_LateRegistered]
+
+
 def test_pin_memory_hook_decodes_and_degrades_gracefully_without_an_accelerator(
     arena: Arena,
 ) -> None:

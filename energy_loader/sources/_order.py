@@ -10,7 +10,11 @@ files, windows of Parquet row groups): O(units) memory, O(log units) per lookup.
 Reader ``s`` of ``S`` reads global positions ``s, s + S, ...``; with ``S == P`` it reads span
 ``s`` front to back, one unit after another, so its reads stay local. :meth:`EpochOrder.walk`
 gives a reader its ``(unit, row)`` pairs computed a block at a time with numpy (~0.2 us a
-sample instead of ~5 us for a lookup and a Feistel evaluation per sample).
+sample instead of ~5 us for a lookup and a Feistel evaluation per sample). When shuffling, a
+unit's whole row permutation is computed at once, as an array, the first time a block needs it
+(units up to ``_MAX_ARRAY_ROWS`` samples; larger ones are evaluated per block): a reader goes
+through a unit front to back, and one numpy pass over 4000 rows costs what four passes over a
+block of 256 cost.
 """
 
 from __future__ import annotations
@@ -27,9 +31,14 @@ __all__ = ["EpochOrder"]
 
 _MAX_CACHED_PERMUTATIONS = 256
 
+#: Units with at most this many samples get their row permutation as an array (8 bytes a
+#: sample); at most ``_MAX_CACHED_ARRAYS`` such arrays are kept.
+_MAX_ARRAY_ROWS = 1 << 20
+_MAX_CACHED_ARRAYS = 16
+
 #: Positions :meth:`EpochOrder.walk` computes at once: enough to amortise numpy's per-call
 #: cost, few enough that a reader which stops early (a restore, a save) wastes little.
-_WALK_BLOCK = 256
+_WALK_BLOCK = 512
 
 
 class EpochOrder:
@@ -67,6 +76,7 @@ class EpochOrder:
         self._order_array = np.asarray(self.order, dtype=np.int64)
         self._starts_array = np.asarray(self.starts, dtype=np.int64)
         self._rows: dict[int, FeistelPermutation] = {}
+        self._row_arrays: dict[int, np.ndarray] = {}
 
     def locate(self, position: int) -> tuple[int, int]:
         """``(unit, offset in the unit's per-epoch order)`` of global ``position``."""
@@ -91,6 +101,19 @@ class EpochOrder:
             self._rows[unit] = permutation
         return permutation
 
+    def _shuffled_rows(self, unit: int, offsets: np.ndarray) -> np.ndarray:
+        """:meth:`row` of an ``int64`` array of offsets into ``unit``."""
+        if self.samples[unit] > _MAX_ARRAY_ROWS:
+            return self._permutation(unit).take(offsets.astype(np.uint64)).astype(np.int64)
+        rows = self._row_arrays.get(unit)
+        if rows is None:
+            if len(self._row_arrays) >= _MAX_CACHED_ARRAYS:
+                del self._row_arrays[next(iter(self._row_arrays))]  # the oldest
+            every = np.arange(self.samples[unit], dtype=np.uint64)
+            rows = self._permutation(unit).take(every).astype(np.int64)
+            self._row_arrays[unit] = rows
+        return rows[offsets]
+
     def keys(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(units, rows)`` of an ``int64`` array of global positions: :meth:`key`, vectorised."""
         partitions, total = self.partitions, self.total
@@ -99,11 +122,12 @@ class EpochOrder:
         slots = np.searchsorted(self._starts_array, q, side="right") - 1
         units = self._order_array[slots]
         rows = q - self._starts_array[slots]
-        if self.shuffle:
+        if self.shuffle and len(units):
+            if units[0] == units[-1] and (units == units[0]).all():  # the common case
+                return units, self._shuffled_rows(int(units[0]), rows)
             for unit in np.unique(units).tolist():
                 chosen = units == unit
-                offsets = rows[chosen].astype(np.uint64)
-                rows[chosen] = self._permutation(unit).take(offsets).astype(np.int64)
+                rows[chosen] = self._shuffled_rows(unit, rows[chosen])
         return units, rows
 
     def blocks(self, position: int, stride: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:

@@ -3,11 +3,12 @@ gives, position for position, what the one-position lookup gives."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from energy_loader.rng import stable_hash
-from energy_loader.sources import FeistelPermutation
+from energy_loader.sources import FeistelPermutation, _order
 from energy_loader.sources._order import EpochOrder
 
 
@@ -40,3 +41,13 @@ def test_rows_are_permuted_per_unit_with_the_documented_key():
         for row in range(size)
     ]
     assert walked == expected
+
+
+@pytest.mark.parametrize("array_rows", [0, 8, 1 << 20])
+def test_units_too_large_for_a_permutation_array_walk_the_same(monkeypatch, array_rows):
+    # Units above the size limit are permuted block by block; below it, through an array.
+    samples = [5, 9, 30, 3, 17]
+    expected = list(EpochOrder(samples, 3, True, 4).walk(1, 2))
+    monkeypatch.setattr(_order, "_MAX_ARRAY_ROWS", array_rows)
+    monkeypatch.setattr(_order, "_MAX_CACHED_ARRAYS", 2)
+    assert list(EpochOrder(samples, 3, True, 4).walk(1, 2)) == expected

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pyarrow as pa
@@ -16,6 +19,7 @@ from energy_loader.rng import stable_hash
 from energy_loader.sources import FeistelPermutation
 from energy_loader.sources._order import EpochOrder
 from energy_loader.testing import check_resume
+from energy_loader.worker import WorkerContext
 from tests.sources.helpers import assert_readers_interleave, keys_of
 
 
@@ -139,6 +143,132 @@ def test_resume_property(files, stop, window):
         lambda: ParquetSource(files, shuffle=True, seed=7, shuffle_window=window),
         stop_points=[stop],
     )
+
+
+FILE_SIZES = [10, 7, 13]  # the ``files`` fixture
+
+
+def written_row(key: tuple[int, int, int]) -> dict:
+    """The row ``write_files`` wrote at ``(file, row group, row)``, in row groups of 4."""
+    file, group, row = key
+    i = sum(FILE_SIZES[:file]) + 4 * group + row
+    return {"i": i, "text": f"row {i}", "values": [i, i + 1]}
+
+
+@given(
+    shuffle=st.booleans(),
+    window=st.integers(1, 5),
+    partitions=st.integers(1, 6),
+    readers=st.integers(1, 4),
+)
+def test_every_row_read_is_the_row_its_key_names(files, shuffle, window, partitions, readers):
+    # Readers of several spans (partitions != readers) read blocks that mix windows.
+    source = ParquetSource(
+        files, shuffle=shuffle, seed=3, shuffle_window=window, num_canonical_partitions=partitions
+    )
+    seen = []
+    for reader in range(readers):
+        source.bind(WorkerContext(partition=reader, num_partitions=readers))
+        source.reset_state()
+        for key, row in source.iter_keyed():
+            assert row == written_row(key), key
+            seen.append(key)
+    assert sorted(seen) == sorted(source.global_order(0, partitions))
+
+
+def test_files_whose_schemas_differ_keep_their_own_columns_and_types(tmp_path):
+    pq.write_table(
+        pa.table({"i": pa.array(range(6), pa.int64()), "text": [f"a{i}" for i in range(6)]}),
+        tmp_path / "a.parquet",
+        row_group_size=2,
+    )
+    pq.write_table(
+        pa.table(
+            {
+                "i": pa.array(range(6, 12), pa.int32()),
+                "text": [f"b{i}" for i in range(6, 12)],
+                "extra": [i / 2 for i in range(6, 12)],
+            }
+        ),
+        tmp_path / "b.parquet",
+        row_group_size=2,
+    )
+    written = [pq.read_table(tmp_path / name).to_pylist() for name in ("a.parquet", "b.parquet")]
+    # Windows of 6 row groups: each holds row groups of both files.
+    source = ParquetSource(tmp_path, shuffle=True, seed=1, shuffle_window=6)
+    rows = list(source)
+    assert len(rows) == 12
+    for row in rows:
+        file, group, number = row.pop(el.RESTORE_KEY)
+        assert row == written[file][2 * group + number]
+
+
+def damage_row_group(path: Path, group: int) -> None:
+    """Scramble every byte of row group ``group``'s column chunks, and nothing else."""
+    metadata = pq.ParquetFile(path).metadata.row_group(group)
+    data = bytearray(path.read_bytes())
+    for number in range(metadata.num_columns):
+        chunk = metadata.column(number)
+        start = chunk.dictionary_page_offset or chunk.data_page_offset
+        for offset in range(start, start + chunk.total_compressed_size):
+            data[offset] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_row_group_in_a_shuffled_window_stops_at_its_first_row(tmp_path):
+    write_files(tmp_path, [24])  # six row groups of 4 rows, windows of 3
+    path = tmp_path / "part-0.parquet"
+    good = path.read_bytes()
+
+    def make() -> el.SavableDataLoader:
+        return el.SavableDataLoader(ParquetSource(tmp_path, shuffle=True, seed=5, shuffle_window=3))
+
+    clean = [row[el.RESTORE_KEY] for row in make()]
+    first_needed: dict[int, int] = {}
+    for position, key in enumerate(clean):
+        first_needed.setdefault(key[1], position)
+    # The first window's last row group to be needed: rows of the window's other two row
+    # groups come before its first row and after it.
+    damaged_group = sorted(first_needed, key=first_needed.__getitem__)[2]
+    cut = first_needed[damaged_group]
+    damage_row_group(path, damaged_group)
+    loader = make()
+    keys, state = [], loader.save_state_rank()
+    with pytest.raises(SourceDataError, match=rf"part-0\.parquet, row group {damaged_group}"):
+        for row in loader:
+            keys.append(row[el.RESTORE_KEY])
+            state = loader.save_state_rank()
+    assert keys == clean[:cut] and 0 < cut < 12
+    path.write_bytes(good)  # repaired: the run continues from its last save
+    restored = make()
+    restored.restore_state_rank(state)
+    assert [row[el.RESTORE_KEY] for row in restored] == clean[cut:]
+
+
+def test_reading_in_a_worker_does_not_import_pandas(files):
+    # pyarrow imports pandas (a second of CPU) when handed numpy arrays it could wrap.
+    script = textwrap.dedent(
+        """
+        import sys
+        import energy_loader as el
+
+        def pandas_loaded(row):
+            return "pandas" in sys.modules
+
+        assert "pandas" not in sys.modules
+        source = el.ParquetSource(sys.argv[1], shuffle=True, seed=1)
+        loader = el.SavableDataLoader(source.map(pandas_loaded), num_workers=1)
+        print(sorted(set(loader)))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(files)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert result.stdout.strip() == "[False]"
 
 
 def test_a_corrupt_footer_is_named(tmp_path):
