@@ -69,7 +69,7 @@ def _take(table: Any, rows: np.ndarray) -> list[dict[str, Any]]:
     count, first = len(rows), int(rows[0])
     if int(rows[-1]) - first == count - 1 and (count == 1 or (np.diff(rows) == 1).all()):
         return table.slice(first, count).to_pylist()  # type: ignore[no-any-return]
-    # ``pa.array(numpy array)`` would import pandas (a second of CPU in every worker).
+    # ``pa.array(numpy array)`` would import pandas (~0.5 s of CPU in every worker).
     data = np.ascontiguousarray(rows, dtype=np.int64)
     indices = pa.Array.from_buffers(pa.int64(), count, [None, pa.py_buffer(data)])
     return table.take(indices).to_pylist()  # type: ignore[no-any-return]
@@ -387,7 +387,18 @@ class ParquetSource(StridedSource):
             return [], None
         if windows[0] == windows[-1] and (windows == windows[0]).all():  # the common case
             return self._window_rows(order.window_groups(int(windows[0])), rows)
-        # Several windows (readers of more than one span): each window's rows at once, put
+        starts = [0, *(np.flatnonzero(windows[1:] != windows[:-1]) + 1).tolist()]
+        if len(set(windows[starts].tolist())) == len(starts):
+            # A block across the end of a window (a reader of one span): run after run.
+            out: list[dict[str, Any]] = []
+            for start, stop in zip(starts, [*starts[1:], len(windows)]):
+                groups = order.window_groups(int(windows[start]))
+                samples, error = self._window_rows(groups, rows[start:stop])
+                out.extend(samples)
+                if error is not None:
+                    return out, error
+            return out, None
+        # Windows interleaved (a reader of several spans): each window's rows at once, put
         # back in block order; an error cuts the block at the first row it withholds.
         merged: list[Any] = [None] * len(windows)
         cut, first_error = len(windows), None

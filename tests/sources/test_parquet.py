@@ -246,7 +246,7 @@ def test_a_damaged_row_group_in_a_shuffled_window_stops_at_its_first_row(tmp_pat
 
 
 def test_reading_in_a_worker_does_not_import_pandas(files):
-    # pyarrow imports pandas (a second of CPU) when handed numpy arrays it could wrap.
+    # pyarrow imports pandas (~0.5 s of CPU) when handed numpy arrays it could wrap.
     script = textwrap.dedent(
         """
         import sys
