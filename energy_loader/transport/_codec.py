@@ -85,12 +85,14 @@ class _ArenaPacket(Packet):
     """
 
     __slots__ = ("arena", "owned")
-    arena: int
-    owned: bool
 
+    def __init__(self, arena: int, owned: bool) -> None:
+        self.arena = arena
+        self.owned = owned  # True only for the copy the main process received
+
+    @abc.abstractmethod
     def _regions(self) -> Sequence[int]:
         """The numbers of the arena regions this packet owns."""
-        raise NotImplementedError
 
     def __del__(self) -> None:
         if self.owned:
@@ -121,11 +123,10 @@ class _InArena(_ArenaPacket):
     def __init__(
         self, arena: int, offset: int, sequence: int, sizes: tuple[int, ...], owned: bool = False
     ) -> None:
-        self.arena = arena
+        super().__init__(arena, owned)
         self.offset = offset
         self.sequence = sequence
         self.sizes = sizes
-        self.owned = owned  # True only for the copy the main process received
 
     def __reduce__(self) -> Any:
         return _InArena, (self.arena, self.offset, self.sequence, self.sizes, True)
@@ -160,11 +161,10 @@ class _Referencing(_ArenaPacket):
         referenced_bytes: int,
         owned: bool = False,
     ) -> None:
+        super().__init__(arena, owned)
         self.inner = inner
-        self.arena = arena
         self.numbers = numbers
         self.referenced_bytes = referenced_bytes
-        self.owned = owned  # True only for the copy the main process received
 
     def __reduce__(self) -> Any:
         arguments = (self.inner, self.arena, self.numbers, self.referenced_bytes, True)
