@@ -470,16 +470,7 @@ class SavableDataLoader(DataLoader):
         """A book for logical worker ``logical`` about to start: its pending position first."""
         settings = self._worker_side.settings
         book = PositionBook(settings.capacity, settings.in_flight)
-        entries, following = self._pending_position(logical)
-        book.add(
-            -1,
-            Snapshot(
-                tuple(checkpoint for checkpoint, _, _ in entries),
-                tuple(skip for _, skip, _ in entries),
-                tuple(done for _, _, done in entries),
-                following,
-            ),
-        )
+        book.add(-1, Snapshot.at(*self._pending_position(logical)))
         return book
 
     def _open_transport(self) -> None:

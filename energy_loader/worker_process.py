@@ -36,7 +36,7 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -149,8 +149,18 @@ class Snapshot:
     done: tuple[bool, ...]
     next: int
 
+    @classmethod
+    def at(cls, entries: Sequence[tuple[dict[str, Any], int, bool]], following: int) -> Snapshot:
+        """The snapshot of a position: per partition (checkpoint, skip, done), then ``next``."""
+        return cls(
+            tuple(state for state, _, _ in entries),
+            tuple(skip for _, skip, _ in entries),
+            tuple(done for _, _, done in entries),
+            following,
+        )
 
-# A worker's answer to get_checkpoint: per partition (checkpoint, skip, done), then ``next``.
+
+# Where a worker stands: per partition (checkpoint, skip, done), then whose turn is next.
 Position = tuple[list[tuple[dict[str, Any], int, bool]], int]
 
 
@@ -336,12 +346,7 @@ class _Runner:
                 slot.pipeline.reset_state()
                 states.append(slot.pipeline.save_state())
             return Snapshot(tuple(states), (0,) * len(states), (False,) * len(states), 0)
-        return Snapshot(
-            tuple(r.checkpoint for r in self.restores),
-            tuple(r.skip for r in self.restores),
-            tuple(r.done for r in self.restores),
-            self.next,
-        )
+        return Snapshot.at([(r.checkpoint, r.skip, r.done) for r in self.restores], self.next)
 
     def snapshot(self) -> Snapshot:
         """Every partition's state now (iterating thread only, between items)."""
