@@ -29,6 +29,7 @@ import attrs
 import dill
 from torch.utils.data import DataLoader
 
+from .bundles import DEFAULT_ITEMS_PER_TRANSFER, Unbundler
 from .dataset import SavableDataset
 from .errors import StateFormatError, StateMismatchError, WorkerError
 from .metrics import LoaderMetrics, clock, poll_loader, resolve_stall_policy
@@ -272,7 +273,11 @@ class SavableDataLoader(DataLoader):
     Epochs. ``iter(loader)`` continues the current epoch if it has not ended (also after a
     ``break``: nothing in flight is lost), otherwise starts the next. Workers are persistent.
 
-    Transport. With workers and ``transport_codec=True`` (the default) each item crosses to
+    Transport. A worker sends up to ``items_per_transfer`` items in one trip through torch's
+    queues (fewer when they are large or slow to make; :mod:`energy_loader.bundles`); the
+    main process hands them out one at a time, in the order one item a trip would give. Torch
+    keeps ``prefetch_factor`` trips outstanding per worker. With workers and
+    ``transport_codec=True`` (the default) each item crosses to
     the main process through :mod:`energy_loader.transport` instead of torch's per-tensor
     shared memory: pickled in one payload with its tensors and arrays out of band, inline
     below ``transport_inline_bytes`` and through a per-worker shared-memory arena of
@@ -308,6 +313,7 @@ class SavableDataLoader(DataLoader):
         transport_codec: bool = True,
         transport_inline_bytes: int = DEFAULT_INLINE_BYTES,
         transport_arena_bytes: int = DEFAULT_ARENA_BYTES,
+        items_per_transfer: int = DEFAULT_ITEMS_PER_TRANSFER,
         num_partitions: int | None = None,
         stall_warning: Any = True,
     ) -> None:
@@ -334,6 +340,7 @@ class SavableDataLoader(DataLoader):
                 f"(got {worker_reply_timeout!r})"
             )
         validate_transport_settings(transport_codec, transport_inline_bytes, transport_arena_bytes)
+        require_int(items_per_transfer, "items_per_transfer", minimum=1)
         self._transport = (
             Transport(transport_inline_bytes, transport_arena_bytes)
             if transport_codec and workers
@@ -348,9 +355,10 @@ class SavableDataLoader(DataLoader):
         self._worker_side = WorkerSideDataset(
             dataset, config, settings, self._canonical_plan(0), savable=self._savable
         )
+        self._worker_side.items_per_transfer = items_per_transfer
         self._reply_timeout = float(worker_reply_timeout)
         self._progress = _Progress(max(1, workers))
-        self._inner: Iterator[Any] | None = None
+        self._inner: Iterator[Any] | Unbundler | None = None
         self._generation = 0
         self._failure: WorkerError | None = None
         self._request_ids = itertools.count()
@@ -412,7 +420,16 @@ class SavableDataLoader(DataLoader):
             if self.num_workers > 0 and self._iterator is None:
                 self._open_channels()
             with self._worker_side.iterated_by_owner():
-                inner = self._inner = DataLoader.__iter__(self)
+                torch_iterator = DataLoader.__iter__(self)
+            if self.num_workers == 0:
+                inner = torch_iterator
+            else:
+                side = self._worker_side
+                inner = Unbundler(torch_iterator, side.bundle_limits, side.items_per_transfer)
+            self._inner = inner
+        if isinstance(inner, Unbundler):
+            progress = self._progress
+            return inner.next_item(progress.next_worker, progress.done)
         return next(inner)
 
     def _canonical_plan(self, start: int) -> RunPlan:
@@ -464,6 +481,8 @@ class SavableDataLoader(DataLoader):
         self._parent_channels = [parent for parent, _ in pairs]
         self._worker_side.channels = [child for _, child in pairs]
         self._books = [self._starting_book(logical) for logical in range(self.num_workers)]
+        side = self._worker_side
+        side.bundle_limits = context.RawArray("i", [side.items_per_transfer] * self.num_workers)
         self._open_transport()
 
     def _starting_book(self, logical: int) -> PositionBook:

@@ -17,9 +17,10 @@ Two kinds of numbers, both plain floats and ints:
 
 ``stats()`` returns ``{"since_last": {...}, "total": {...}, "queue_depth": [...]}``: the
 same fields since the previous ``stats()`` call and since the loader was made, plus how many
-items torch has asked each worker for that the training loop has not received yet (a
-snapshot). :func:`flatten` turns it into ``{"since_last/wait_s_p50": ...}`` for a logger and
-:func:`tqdm_postfix` into a short dict for ``tqdm.set_postfix``.
+trips (bundles of items, :mod:`energy_loader.bundles`) torch has asked each worker for that
+have not reached the main process yet (a snapshot). :func:`flatten` turns it into
+``{"since_last/wait_s_p50": ...}`` for a logger and :func:`tqdm_postfix` into a short dict
+for ``tqdm.set_postfix``.
 
 Thread-safety: call ``stats()`` from the thread that iterates the loader.
 """
@@ -426,8 +427,8 @@ def poll_loader(loader: Any) -> tuple[list[dict[str, float] | None], list[int]]:
 
     Workers answer over their command channels (the command thread replies while the worker
     computes); with ``num_workers=0`` the main process's runner is read directly. A worker
-    that has not started reads as ``None``. The queue depth of a worker is the number of items
-    torch has asked it for that the training loop has not yet received.
+    that has not started reads as ``None``. The queue depth of a worker is the number of trips
+    (bundles) torch has asked it for that have not reached the main process yet.
     """
     workers = loader.num_workers
     if workers == 0:

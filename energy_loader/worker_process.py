@@ -19,7 +19,9 @@ Torch's DataLoader workers iterate a :class:`WorkerSideDataset`. In each worker 
 4. runs a :class:`CommandServer` thread that answers the main process's requests for its
    counters (``loader.stats()``);
 5. encodes every sample with the batch codec (:mod:`energy_loader.transport`) when the loader
-   uses it, so that what torch's result queue carries is a small packet, not tensors.
+   uses it, so that what torch's result queue carries is a small packet, not tensors;
+6. sends its items in bundles of several (:mod:`energy_loader.bundles`): one trip through
+   torch's queues for many cheap items.
 
 Physical worker ``p`` runs *logical* worker ``(p + offset) % num_workers``. Torch always
 starts its round-robin at physical worker 0, so a loader restored onto its own layout sets
@@ -44,6 +46,7 @@ import attrs
 import dill
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .bundles import bundle_bytes, bundle_items
 from .dataset import SavableDataset, attach_restore_key
 from .errors import StateMismatchError
 from .metrics import WorkerCounters, clock
@@ -548,6 +551,10 @@ class WorkerSideDataset(IterableDataset[Any]):
         self.savable = savable
         self.channels: list[Connection] | None = None
         self.transport: WorkerTransport | None = None
+        # Items travel in bundles of up to items_per_transfer (energy_loader.bundles); the
+        # main process's per-worker caps, in shared memory, while workers run.
+        self.items_per_transfer = 1
+        self.bundle_limits: Any = None
         self.offset = 0
         self._runner: _Runner | None = None
         self._runner_pid = -1
@@ -592,7 +599,20 @@ class WorkerSideDataset(IterableDataset[Any]):
                 "use energy_loader.integrations.accelerate.prepare_loader(accelerator, "
                 "loader) instead of accelerator.prepare(loader); see docs/integrations.md"
             )
-        return self.runner().run_epoch(self.savable)
+        runner = self.runner()
+        items = runner.run_epoch(self.savable)
+        info = get_worker_info()
+        if not self.savable or info is None:
+            return items
+        arenas = () if self.transport is None else self.transport.arenas
+        return bundle_items(
+            items,
+            self.bundle_limits,
+            runner.logical_id,
+            info.id,
+            self.items_per_transfer,
+            bundle_bytes(arenas[0].size if arenas else None),
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -1,8 +1,9 @@
 """The core property: restore-then-continue equals the uninterrupted run, sample by sample.
 
 Random pipelines (source, map with random draws, filter, shuffle buffers, batch, limit,
-repeat, gc, log), random worker counts and prefetch depths, random stop points (including the
-start, mid-epoch, right before and right after an epoch end, and inside the second epoch).
+repeat, gc, log), random worker counts, prefetch depths and items per transfer, random stop
+points (including the start, mid-epoch, right before and right after an epoch end, and inside
+the second epoch).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def test_resume_is_exact_with_workers(
     kwargs = {
         "prefetch_factor": prefetch,
         "checkpoint_every_n_samples": data.draw(st.integers(1, 6)),
+        "items_per_transfer": data.draw(st.sampled_from([1, 3, 16]), label="items_per_transfer"),
     }
     loader = SavableDataLoader(spec.build(), num_workers=workers, **kwargs)
     total = len(record_events(loader, 2)[0])

@@ -230,7 +230,8 @@ def test_a_shard_damaged_under_a_loader_is_a_worker_error_and_resume_stays_exact
     message = failure(loader)
     del loader
     gc.collect()
-    assert "SourceDataError" in message and "shard-003.tar has 3000 bytes" in message
+    # Which read trips over the cut depends on how far ahead the worker was.
+    assert "SourceDataError" in message and "shard-003.tar" in message
     shutil.copy(good, tmp_path / "d" / "shard-003.tar")
     restored = build()
     restored.restore_state_rank(state)
