@@ -33,6 +33,8 @@ import collections
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
+import torch
 from torch._utils import ExceptionWrapper
 
 from .metrics import clock
@@ -46,18 +48,37 @@ __all__ = [
     "Unbundler",
     "bundle_bytes",
     "bundle_items",
+    "payload_bytes",
 ]
 
 # The loader's default ``items_per_transfer`` (the reference workload and the Parquet reader,
 # docs/benchmarks.md, gain as much at 8 as at 16).
 DEFAULT_ITEMS_PER_TRANSFER = 16
-# A bundle is closed once its payloads reach this many bytes (bounds what is in flight: a
-# worker has at most prefetch_factor bundles queued and the main process two waiting).
-BUNDLE_BYTES = 8 * 1024 * 1024
+# A bundle is closed once its payloads reach this many bytes. Above ~1 MB an item's bytes
+# cost more to move than the trip, and larger bundles only add to what is in flight (a worker
+# has prefetch_factor bundles queued and the main process up to two waiting): at 8 MiB, two
+# 4.8 MB batches a trip took the large-tensor benchmark's memory from 1.01x to 1.06x.
+BUNDLE_BYTES = 1024 * 1024
 # ... or once making it took this long: torch's ~0.2 ms a transfer is then at most 2%.
 BUNDLE_SECONDS = 0.01
 # The slot of a failure item: its sample is the ExceptionWrapper of the pipeline's error.
 FAILED_SLOT = -2
+
+
+def payload_bytes(sample: Any, depth: int = 2) -> int:
+    """The bytes an item moves: a transport packet's payload, or (with torch's transport) its
+    tensors', arrays' and byte strings' sizes, looking two containers deep; 0 if unknown."""
+    if isinstance(sample, Packet):
+        return sample.nbytes
+    if isinstance(sample, (torch.Tensor, np.ndarray)):
+        return int(sample.nbytes)
+    if isinstance(sample, (bytes, bytearray)):
+        return len(sample)
+    if depth and isinstance(sample, dict):
+        return sum(payload_bytes(value, depth - 1) for value in sample.values())
+    if depth and isinstance(sample, (list, tuple)):
+        return sum(payload_bytes(value, depth - 1) for value in sample)
+    return 0
 
 
 def bundle_bytes(arena_bytes: int | None) -> int:
@@ -96,8 +117,7 @@ def bundle_items(
                 yield tuple(bundle)
             return
         bundle.append(item)
-        if isinstance(item[3], Packet):  # unencoded items (transport_codec=False): count only
-            nbytes += item[3].nbytes
+        nbytes += payload_bytes(item[3])
         if (
             item[2]
             or len(bundle) >= min(limit, limits[logical])

@@ -6,12 +6,22 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 import energy_loader as el
-from energy_loader.bundles import BUNDLE_SECONDS, FAILED_SLOT, Unbundler, bundle_items
+from energy_loader.bundles import (
+    BUNDLE_BYTES,
+    BUNDLE_SECONDS,
+    FAILED_SLOT,
+    Unbundler,
+    bundle_bytes,
+    bundle_items,
+    payload_bytes,
+)
 from energy_loader.testing import END, record_events
 from energy_loader.transport._codec import Encoder
 from tests.loader_helpers import fail_at_seven
@@ -33,10 +43,23 @@ def test_bundles_start_at_one_item_and_double_up_to_the_limit() -> None:
 
 
 def test_a_bundle_closes_at_its_byte_budget() -> None:
-    packet = Encoder(1 << 30, None).encode(bytes(3 * 1024 * 1024))
+    packet = Encoder(1 << 30, None).encode(bytes(int(BUNDLE_BYTES * 0.4)))
     sizes = [len(b) for b in bundle_items(_items(12, sample=packet), [16], 0, 0, 16)]
-    # 3 MiB payloads against an 8 MiB budget: a bundle closes with its third.
+    # Payloads of 0.4x the budget: a bundle closes with its third.
     assert sizes[:2] == [1, 2] and max(sizes) == 3
+
+
+def test_the_byte_budget_is_at_most_an_eighth_of_the_arena() -> None:
+    assert bundle_bytes(None) == BUNDLE_BYTES
+    assert bundle_bytes(64 * BUNDLE_BYTES) == BUNDLE_BYTES
+    assert bundle_bytes(2 * BUNDLE_BYTES) == BUNDLE_BYTES // 4
+
+
+def test_items_on_torchs_transport_count_their_tensors_arrays_and_bytes() -> None:
+    batch = {"image": torch.zeros(4, 3, 8, 8, dtype=torch.uint8), "raw": [b"abc", b"de"]}
+    assert payload_bytes(batch) == 4 * 3 * 8 * 8 + 5
+    assert payload_bytes([np.zeros(10, dtype=np.float32), "text", 7]) == 40
+    assert payload_bytes({"nested": {"deeper": [torch.zeros(100)]}}) == 0  # two levels only
 
 
 def test_a_bundle_closes_when_making_it_takes_too_long() -> None:
