@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
+import multiprocessing.util
 import os
 import threading
 import time
@@ -263,6 +264,26 @@ class CommandServer(threading.Thread):
         raise ValueError(f"unknown worker command {command!r}")
 
 
+def _exit_without_flushing_if_orphaned() -> None:
+    """Let this worker process exit at once if its main process has died.
+
+    Torch's worker notices a dead main process within seconds and returns, but on its way
+    out multiprocessing joins the result queue's feeder thread, which waits to write what
+    is left into the pipe. Nobody reads it any more, and a bundle of items can be larger
+    than the pipe's buffer: the orphan would wait forever, holding its memory and any
+    inherited stdout (a shell pipe or a parent's ``capture_output`` then never ends).
+    A finalizer with priority >= 0 runs before that join: if the parent is gone, it ends
+    the process there. A worker of a live loader exits as before.
+    """
+    parent = os.getppid()
+
+    def exit_if_orphaned() -> None:
+        if os.getppid() != parent:
+            os._exit(0)
+
+    multiprocessing.util.Finalize(None, exit_if_orphaned, exitpriority=10)
+
+
 @attrs.frozen
 class RunPlan:
     """What the workers of one rank run: partitions per logical worker, and restores.
@@ -327,6 +348,7 @@ class _Runner:
         self.outbox: list[tuple[int, Snapshot]] | None = [] if in_worker and owner.savable else None
         if in_worker:
             set_process_worker(self.slots[0].pipeline.context)
+            _exit_without_flushing_if_orphaned()
             if self.settings.gc_freeze:
                 # No collection first: walking torch's heap in every new worker costs
                 # hundreds of milliseconds of start-up; freezing what exists is what matters.
