@@ -60,6 +60,8 @@ def test_items_on_torchs_transport_count_their_tensors_arrays_and_bytes() -> Non
     assert payload_bytes(batch) == 4 * 3 * 8 * 8 + 5
     assert payload_bytes([np.zeros(10, dtype=np.float32), "text", 7]) == 40
     assert payload_bytes({"nested": {"deeper": [torch.zeros(100)]}}) == 0  # two levels only
+    # A long list is estimated from its first eight elements.
+    assert payload_bytes([b"x" * 10] * 8 + [b""] * 8) == 160
 
 
 def test_a_bundle_closes_when_making_it_takes_too_long() -> None:
