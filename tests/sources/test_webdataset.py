@@ -212,7 +212,10 @@ def test_a_shard_damaged_under_a_loader_is_a_worker_error_and_resume_stays_exact
     shutil.copy(tmp_path / "d" / "shard-003.tar", good)
 
     def build() -> el.SavableDataLoader:
-        return el.SavableDataLoader(WebDatasetSource(tmp_path / "d", decode=False), num_workers=2)
+        # One item a trip: the workers read at most prefetch_factor samples ahead, so the
+        # shard cut below is still unread when it is cut.
+        source = WebDatasetSource(tmp_path / "d", decode=False)
+        return el.SavableDataLoader(source, num_workers=2, items_per_transfer=1)
 
     full, _ = record_events(build(), 1)
     loader = build()
