@@ -154,16 +154,14 @@ class Unbundler:
         failure item's exception when its turn comes."""
         waiting = self._waiting
         count = len(waiting)
-        due = next(
-            (w for w in ((expected + step) % count for step in range(count)) if not done[w]), None
-        )
+        turns = [(expected + step) % count for step in range(count)]
+        due = next((w for w in turns if not done[w]), None)
         while due is None or not waiting[due]:
             try:
                 bundle = next(self._bundles)
             except StopIteration:
                 # Nothing more will come: whatever still waits goes out in round-robin order.
-                left = [(expected + step) % count for step in range(count)]
-                due = next((w for w in left if waiting[w]), None)
+                due = next((w for w in turns if waiting[w]), None)
                 if due is None:
                     raise
                 break

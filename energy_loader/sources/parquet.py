@@ -142,9 +142,8 @@ class _ParquetOrder:
     @property
     def windows(self) -> list[list[int]]:
         """The row groups of each window, in epoch order."""
-        return [
-            self.groups[i : i + self.width].tolist() for i in range(0, len(self.groups), self.width)
-        ]
+        count = -(-len(self.groups) // self.width)
+        return [list(self.window_groups(window)) for window in range(count)]
 
     def groups_and_rows(
         self, windows: np.ndarray, rows: np.ndarray
