@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from energy_loader.bench import main
+from energy_loader.cli.bench import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

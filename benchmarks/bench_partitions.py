@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parents[1]
 def _child(options: dict[str, Any]) -> dict[str, Any]:
     """One measurement in this process: throughput with saves, then restores and state size."""
     import energy_loader as el
-    from energy_loader.bench.workloads import PREFETCH, SAVE_EVERY, WORKERS, savable_pipeline
+    from energy_loader.cli.bench.workloads import PREFETCH, SAVE_EVERY, WORKERS, savable_pipeline
 
     samples = options["samples"]
     kwargs: dict[str, Any] = {"num_workers": WORKERS, "prefetch_factor": PREFETCH}
@@ -83,7 +83,7 @@ def _child(options: dict[str, Any]) -> dict[str, Any]:
 def _state_sizes(samples: int) -> dict[int, int]:
     """State size (JSON bytes) a quarter into the epoch against partitions per rank."""
     import energy_loader as el
-    from energy_loader.bench.workloads import savable_pipeline
+    from energy_loader.cli.bench.workloads import savable_pipeline
 
     sizes = {}
     for per_rank in (1, 2, 4, 8, 16):
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
-    from energy_loader.bench.workloads import WORKERS
+    from energy_loader.cli.bench.workloads import WORKERS
 
     variants: dict[str, tuple[Path, int | None]] = {
         "default": (HERE, None),

@@ -85,7 +85,7 @@ def make_data(root: Path, samples: int, rows_total: int) -> None:
             }
         )
         pq.write_table(table, root / "pq" / f"part-{number}.parquet", row_group_size=1000)
-    from energy_loader.index_shards import index_shards
+    from energy_loader.cli.index import index_shards
 
     index_shards(str(root / "wds"), progress=False)
 

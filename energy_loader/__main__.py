@@ -23,15 +23,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command == "demo":
-        from .demo import main as run
+        from .cli.demo import main as run
     elif command == "inspect":
-        from .inspect_state import main as run
+        from .cli.inspect import main as run
     elif command == "bench":
-        from .bench import main as run
+        from .cli.bench import main as run
     elif command == "index":
-        from .index_shards import main as run
+        from .cli.index import main as run
     elif command == "replay":
-        from .replay import main as run
+        from .cli.replay import main as run
     else:
         print(f"unknown command {command!r}\n\n{_USAGE}", file=sys.stderr)
         return 2

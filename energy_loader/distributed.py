@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from .errors import StateFormatError, StateMismatchError, WorkerError
-from .partitions import PartitionLayout
+from .loader.partitions import PartitionLayout
 from .process_groups import check_group_layout, data_parallel_layout, process_group_initialized
 from .state.checkpoint import load_checkpoint, save_checkpoint
 from .state.plain import StateReader

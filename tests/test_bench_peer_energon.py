@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("megatron.energon")
 
-from energy_loader.bench.peer_energon import energon_contender
+from energy_loader.cli.bench.peer_energon import energon_contender
 
 # energon always asks torch to pin memory; without an accelerator torch says so and skips it.
 pytestmark = pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")

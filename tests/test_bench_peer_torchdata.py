@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("torchdata.stateful_dataloader")
 
-from energy_loader.bench.peer_torchdata import torchdata_contender
-from energy_loader.bench.workloads import BATCH, WORKLOADS
+from energy_loader.cli.bench.peer_torchdata import torchdata_contender
+from energy_loader.cli.bench.workloads import BATCH, WORKLOADS
 
 
 def _indices(loader) -> list[list[int]]:

@@ -13,15 +13,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import energy_loader as el
-from energy_loader.bundles import (
+from energy_loader.loader.unbundler import Unbundler
+from energy_loader.workers.bundling import (
     BUNDLE_BYTES,
     BUNDLE_SECONDS,
-    FAILED_SLOT,
-    Unbundler,
     bundle_bytes,
     bundle_items,
     payload_bytes,
 )
+from energy_loader.workers.protocol import FAILED_SLOT, WorkerItem
 from energy_loader.testing import END, record_events
 from energy_loader.transport._codec import Encoder
 from tests.loader_helpers import fail_at_seven
@@ -29,11 +29,11 @@ from tests.loader_helpers import fail_at_seven
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
-def _items(count: int, *, worker: int = 0, sample: Any = None) -> Iterator[tuple[Any, ...]]:
+def _items(count: int, *, worker: int = 0, sample: Any = None) -> Iterator[WorkerItem]:
     """A worker's numbered items as the runner makes them, then its end marker."""
     for index in range(count):
-        yield (worker, index, False, index if sample is None else sample, 0, None)
-    yield (worker, count, True, None, -1, None)
+        yield WorkerItem(worker, index, False, index if sample is None else sample, 0, None)
+    yield WorkerItem(worker, count, True, None, -1, None)
 
 
 def test_bundles_start_at_one_item_and_double_up_to_the_limit() -> None:
@@ -80,16 +80,16 @@ def test_the_main_process_cap_limits_a_bundle() -> None:
 
 
 def test_an_error_closes_the_bundle_after_the_items_made_before_it() -> None:
-    def failing() -> Iterator[tuple[Any, ...]]:
+    def failing() -> Iterator[WorkerItem]:
         yield from list(_items(5))[:5]
         raise KeyError("row 5 is gone")
 
     bundles = list(bundle_items(failing(), [16], 0, 1, 16))
     items = [item for bundle in bundles for item in bundle]
-    assert [item[3] for item in items[:5]] == [0, 1, 2, 3, 4]
-    assert items[-1][4] == FAILED_SLOT and len(items) == 6
+    assert [item.sample for item in items[:5]] == [0, 1, 2, 3, 4]
+    assert items[-1].slot == FAILED_SLOT and len(items) == 6
     with pytest.raises(KeyError, match="in DataLoader worker process 1"):
-        items[-1][3].reraise()
+        items[-1].sample.reraise()
 
 
 def _round_robin(streams: list[list[tuple[Any, ...]]]) -> list[tuple[Any, ...]]:
@@ -138,8 +138,8 @@ def test_items_leave_in_round_robin_order_whatever_the_bundle_sizes(
         except StopIteration:
             break
         out.append(item)
-        expected = (item[0] + 1) % len(counts)
-        done[item[0]] = done[item[0]] or item[2]
+        expected = (item.worker + 1) % len(counts)
+        done[item.worker] = done[item.worker] or item.is_end
     assert out == _round_robin(streams)
 
 
@@ -151,7 +151,7 @@ def test_a_worker_whose_items_pile_up_gets_one_item_a_bundle_until_they_are_out(
     seen = set()
     for step in range(60):
         item = unbundler.next_item(step % 2, [False, False])
-        assert item[0] == step % 2
+        assert item.worker == step % 2
         seen.add(limits[0])
     # These arrivals ignore the cap (a real worker obeys it): the point is that it is set.
     assert seen == {16, 1}

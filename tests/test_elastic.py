@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 import energy_loader as el
-from energy_loader.partitions import PartitionLayout, resolve_num_partitions
+from energy_loader.loader.partitions import PartitionLayout, resolve_num_partitions
 from energy_loader.testing.compare import first_difference
 from energy_loader.testing.strategies import PipelineSpec, pipelines
 

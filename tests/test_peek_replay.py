@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import energy_loader as el
-from energy_loader.replay import build_loader, parse_steps, replay
+from energy_loader.cli.replay import build_loader, parse_steps, replay
 
 from .observe_pipelines import LENGTH, build
 

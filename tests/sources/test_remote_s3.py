@@ -28,7 +28,7 @@ from energy_loader import (
     SourceDataError,
     WebDatasetSource,
 )
-from energy_loader.index_shards import index_shards
+from energy_loader.cli.index import index_shards
 from energy_loader.testing import check_resume
 
 from .test_parquet import write_files

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import energy_loader as el
 from energy_loader import SourceDataError, WebDatasetSource, WorkerError
-from energy_loader.index_shards import main as index_main
+from energy_loader.cli.index import main as index_main
 from energy_loader.testing import check_resume
 from energy_loader.testing.resume import END, record_events
 from tests.sources.helpers import assert_readers_interleave, keys_of

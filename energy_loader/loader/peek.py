@@ -3,12 +3,12 @@
 The live loader is never touched. From a rank state (``save_state_rank()`` now, or one read
 from a checkpoint) this module plans the restore exactly as ``restore_state_rank`` would
 (:meth:`~energy_loader.SavableDataLoader.plan_restore`), builds one
-:class:`~energy_loader.worker_process._Runner` per logical worker *in this process* (no
+:class:`~energy_loader.workers.runner.Runner` per logical worker *in this process* (no
 worker processes, no command threads, no transport), lets each restore and replay its
 partitions as a restored worker does, and then takes items the way the loader receives them:
 
 - within a worker, its partitions round-robin, one item at a time, skipping ended ones (as
-  ``_Runner.run_epoch``);
+  ``Runner.run_epoch``);
 - across workers, torch's round-robin starting at the worker that was due next, skipping a
   worker once its epoch ended (its end marker takes its turn, then it is done).
 
@@ -30,12 +30,14 @@ import random
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .dataset import Key, require_int
-from .state.rank_state import PartitionState, RankState, WorkerSlots
-from .worker_process import RunPlan, WorkerSideDataset, _Runner
+from ..dataset import Key, require_int
+from ..state.rank_state import PartitionState, RankState, WorkerSlots
+from ..workers.protocol import RunPlan
+from ..workers.runner import Runner
+from ..workers.side import WorkerSideDataset
 
 if TYPE_CHECKING:
-    from .loader import SavableDataLoader
+    from .savable_loader import SavableDataLoader
 
 __all__ = ["future_items", "kept_rng_state", "peek_keys"]
 
@@ -61,7 +63,7 @@ def kept_rng_state() -> Iterator[None]:
         torch.set_rng_state(saved[2])
 
 
-def _worker_items(runner: _Runner) -> Iterator[tuple[Key, Any]]:
+def _worker_items(runner: Runner) -> Iterator[tuple[Key, Any]]:
     """One epoch of one simulated worker: ``(key, sample)`` in the order it yields them."""
     if not runner.prepare_epoch():
         return
@@ -69,7 +71,7 @@ def _worker_items(runner: _Runner) -> Iterator[tuple[Key, Any]]:
         yield step[1]
 
 
-def _ended_state(loader: SavableDataLoader, runners: list[_Runner], start: int) -> RankState:
+def _ended_state(loader: SavableDataLoader, runners: list[Runner], start: int) -> RankState:
     """The rank state the simulated workers stand at after their epoch ended."""
     config = loader.worker_config
     workers, partitions = [], []
@@ -116,7 +118,7 @@ def future_items(
             side.settings,
             RunPlan(loader.num_partitions, plan.workers, plan.restores),
         )
-        runners = [_Runner(owner, logical) for logical in range(len(plan.workers))]
+        runners = [Runner(owner, logical) for logical in range(len(plan.workers))]
         streams = [_worker_items(runner) for runner in runners]
         done = [False] * len(streams)
         turn, yielded = plan.next_worker, 0

@@ -176,8 +176,8 @@ def savable_pipeline(
     samples: int, seed: int = 0, workload: str = "reference", *, seed_per_sample: bool = True
 ) -> Any:
     """The workload as an energy_loader pipeline."""
-    from ..sources import IndexedSource
-    from ..wrappers import BatchDataset, MapDataset, ShuffleBufferDataset
+    from ...sources import IndexedSource
+    from ...wrappers import BatchDataset, MapDataset, ShuffleBufferDataset
 
     spec = WORKLOADS[workload]
     source = IndexedSource.from_fn(samples, spec.make, shuffle=True, seed=seed)

@@ -28,20 +28,17 @@ had completed the same number of steps.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
-from .dataset import SavableDataset
-from .errors import StateMismatchError
-from .state.rank_state import PartitionState, RankState, WorkerSlots
+from ..errors import StateMismatchError
+from ..state.rank_state import PartitionState, RankState, WorkerSlots
 
 __all__ = [
     "PartitionLayout",
     "RestorePlan",
-    "clone_pipeline",
     "plan_restore",
     "resolve_num_partitions",
 ]
@@ -129,37 +126,6 @@ class PartitionLayout:
         per_rank = self.num_partitions // self.world_size
         first = self.start + rank
         return tuple((first + i * self.world_size) % self.num_partitions for i in range(per_rank))
-
-
-def _holds_dataset(value: Any) -> bool:
-    if isinstance(value, SavableDataset):
-        return True
-    if isinstance(value, (list, tuple)):
-        return any(_holds_dataset(item) for item in value)
-    if isinstance(value, dict):
-        return any(_holds_dataset(item) for item in value.values())
-    return False
-
-
-def clone_pipeline(pipeline: SavableDataset) -> SavableDataset:
-    """A copy of the pipeline's recipe for another partition, sharing everything heavy.
-
-    Every dataset node is copied (its cursor dropped), and the containers that hold inner
-    datasets with it; everything else a node refers to (user functions, map-style datasets,
-    file lists, per-process caches) is shared, so ``k`` partitions in one process cost ``k``
-    small recipe objects, not ``k`` copies of the data.
-    """
-    memo: dict[int, Any] = {}
-    for dataset in pipeline.walk():
-        for name, value in vars(dataset).items():
-            if name == "_cursor":  # dropped by __getstate__ anyway: never copy its buffers
-                continue
-            if not _holds_dataset(value):
-                memo[id(value)] = value
-    clone = copy.deepcopy(pipeline, memo)
-    for dataset in clone.walk():
-        dataset._cursor = None
-    return clone
 
 
 @attrs.frozen

@@ -17,35 +17,30 @@ fill a bundle), and the main process may lower it (below). An item that costs mo
 pipeline closes the bundle with a failure item in its place, so the items made before it are
 delivered first and the error is raised exactly where torch would raise it.
 
-Main end (:class:`Unbundler`): items leave in the workers' round-robin order (the logical
-worker due next, skipping workers that ended their epoch), never in arrival order: bundle
-sizes depend on timing, the order of items must not. Every item is handed out in the order
-and with the position bookkeeping it would have had one per transfer, so states, restores
-and ``held_back`` saves are unchanged. A worker whose bundles run ahead of the others (its
-items are cheaper, so its bundles are fuller) would pile up in the main process; when one
-worker has more than ``2 * items_per_transfer`` items waiting there, its limit drops to one
-item a bundle until they are handed out (a shared array each worker reads per bundle).
+Main end (:mod:`energy_loader.loader.unbundler`): items are handed out in the workers'
+round-robin order, never in arrival order, each with the position bookkeeping it would have
+had one per transfer, so states, restores and ``held_back`` saves are unchanged. The main
+process may lower a worker's ``limit`` (a shared array the worker reads per bundle) when that
+worker's items pile up there.
 """
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 from torch._utils import ExceptionWrapper
 
-from .metrics import clock
-from .transport import Packet
+from ..metrics import clock
+from ..transport import Packet
+from .protocol import FAILED_SLOT, WorkerItem
 
 __all__ = [
     "BUNDLE_BYTES",
     "BUNDLE_SECONDS",
     "DEFAULT_ITEMS_PER_TRANSFER",
-    "FAILED_SLOT",
-    "Unbundler",
     "bundle_bytes",
     "bundle_items",
     "payload_bytes",
@@ -61,8 +56,6 @@ DEFAULT_ITEMS_PER_TRANSFER = 16
 BUNDLE_BYTES = 1024 * 1024
 # ... or once making it took this long: torch's ~0.2 ms a transfer is then at most 2%.
 BUNDLE_SECONDS = 0.01
-# The slot of a failure item: its sample is the ExceptionWrapper of the pipeline's error.
-FAILED_SLOT = -2
 
 
 def payload_bytes(sample: Any, depth: int = 2) -> int:
@@ -95,8 +88,8 @@ def bundle_items(
     physical: int,
     items_per_transfer: int,
     max_bytes: int = BUNDLE_BYTES,
-) -> Iterator[tuple[Any, ...]]:
-    """Group a worker's numbered items (``WorkerItem`` tuples) into bundles.
+) -> Iterator[tuple[WorkerItem, ...]]:
+    """Group a worker's numbered items (``WorkerItem``) into bundles.
 
     ``limits[logical]`` is the main process's current cap for this worker (see the module
     docstring); ``physical`` names the worker in a failure's message, as torch does;
@@ -111,7 +104,7 @@ def bundle_items(
             item = next(items, None)
         except Exception:
             failure = ExceptionWrapper(where=f"in DataLoader worker process {physical}")
-            bundle.append((logical, -1, False, failure, FAILED_SLOT, None))
+            bundle.append(WorkerItem(logical, -1, False, failure, FAILED_SLOT, None))
             yield tuple(bundle)
             return
         if item is None:
@@ -119,9 +112,9 @@ def bundle_items(
                 yield tuple(bundle)
             return
         bundle.append(item)
-        nbytes += payload_bytes(item[3])
+        nbytes += payload_bytes(item.sample)
         if (
-            item[2]
+            item.is_end
             or len(bundle) >= min(limit, limits[logical])
             or nbytes >= max_bytes
             or clock() - began >= BUNDLE_SECONDS
@@ -131,54 +124,3 @@ def bundle_items(
             nbytes = 0
             limit = min(2 * limit, items_per_transfer)
             began = clock()  # the generator was idle while torch held it
-
-
-class Unbundler:
-    """The main end: hands out bundled items one at a time in round-robin order.
-
-    ``bundles`` is torch's iterator over the workers' bundles; ``limits`` the shared array the
-    workers read their bundle cap from. Not thread-safe: the iterating thread only.
-    """
-
-    def __init__(self, bundles: Iterator[Any], limits: Any, items_per_transfer: int) -> None:
-        self._bundles = bundles
-        self._limits = limits
-        self._items_per_transfer = items_per_transfer
-        self._waiting: list[collections.deque[Any]] = [
-            collections.deque() for _ in range(len(limits))
-        ]
-
-    def next_item(self, expected: int, done: Sequence[bool]) -> Any:
-        """The next item of logical worker ``expected`` (or the next one due after it that
-        has not ended its epoch). Raises StopIteration when every worker is exhausted, and a
-        failure item's exception when its turn comes."""
-        waiting = self._waiting
-        count = len(waiting)
-        turns = [(expected + step) % count for step in range(count)]
-        due = next((w for w in turns if not done[w]), None)
-        while due is None or not waiting[due]:
-            try:
-                bundle = next(self._bundles)
-            except StopIteration:
-                # Nothing more will come: whatever still waits goes out in round-robin order.
-                due = next((w for w in turns if waiting[w]), None)
-                if due is None:
-                    raise
-                break
-            worker = bundle[0][0]
-            waiting[worker].extend(bundle)
-            self._regulate(worker)
-        item = waiting[due].popleft()
-        self._regulate(due)
-        if item[4] == FAILED_SLOT:
-            item[3].reraise()
-        return item
-
-    def _regulate(self, worker: int) -> None:
-        """One item a bundle for a worker whose items pile up here; back to the full size
-        once they are handed out."""
-        most = self._items_per_transfer
-        waiting = len(self._waiting[worker])
-        limit = 1 if waiting > 2 * most else most if waiting <= most else None
-        if limit is not None and self._limits[worker] != limit:
-            self._limits[worker] = limit

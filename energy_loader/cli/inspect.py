@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from .errors import StateFormatError, first_line
-from .state.checkpoint import CHECKPOINT_FORMAT, load_checkpoint
-from .state.rank_state import (
+from ..errors import StateFormatError, first_line
+from ..state.checkpoint import CHECKPOINT_FORMAT, load_checkpoint
+from ..state.rank_state import (
     PARTITION_KEY_PREFIX,
     RANK_STATE_FORMAT,
     RankState,

@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-from .errors import EnergyLoaderError
-from .sources._tar_index import INDEX_SUFFIX, build_index
-from .sources.webdataset import _BRACES, _is_url, _list_shards, expand_urls
-from .state.atomic import write_atomically
+from ..errors import EnergyLoaderError
+from ..sources._tar_index import INDEX_SUFFIX, build_index
+from ..sources.webdataset import _BRACES, _is_url, _list_shards, expand_urls
+from ..state.atomic import write_atomically
 
 __all__ = ["index_shards", "main"]
 

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .dataset import SavableDataset
-from .errors import StateFormatError, first_line
+from ..dataset import SavableDataset
+from ..errors import StateFormatError, first_line
 
 __all__ = ["build_loader", "load_builder", "main", "parse_steps", "read_states", "replay"]
 
@@ -71,7 +71,7 @@ def load_builder(spec: str) -> Callable[[], Any]:
 
 def read_states(paths: list[Path]) -> list[dict[str, Any]]:
     """Every rank state in the files (checkpoint, torch.save or JSON), one per rank."""
-    from .inspect_state import _find_states, _read
+    from .inspect import _find_states, _read
 
     by_rank: dict[int, dict[str, Any]] = {}
     for path in paths:
@@ -84,8 +84,8 @@ def read_states(paths: list[Path]) -> list[dict[str, Any]]:
 
 def build_loader(built: Any, state: dict[str, Any], rank: int, seed: int | None) -> Any:
     """A loader (never started) with the saved layout, for ``rank``, over the built pipeline."""
-    from .loader import SavableDataLoader
-    from .worker import WorkerConfig
+    from ..loader import SavableDataLoader
+    from ..worker import WorkerConfig
 
     if isinstance(built, SavableDataLoader):
         pipeline, config_seed = built._pipeline, built.worker_config.seed
@@ -118,8 +118,8 @@ def replay(
     loader: Any, states: list[dict[str, Any]], start: int, stop: int, *, samples: bool = False
 ) -> list[dict[str, Any]]:
     """Steps ``start`` to ``stop`` (excluded) after the saved position: key, and sample."""
-    from .peek import future_items, kept_rng_state
-    from .state.rank_state import RankState
+    from ..loader.peek import future_items, kept_rng_state
+    from ..state.rank_state import RankState
 
     decoded = [RankState.from_plain(state) for state in states]
     rows: list[dict[str, Any]] = []

@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .loader import SavableDataLoader
-from .sources import IndexedSource
-from .state.checkpoint import CheckpointDirectory
-from .wrappers import BatchDataset, MapDataset, ShuffleBufferDataset
+from ..loader import SavableDataLoader
+from ..sources import IndexedSource
+from ..state.checkpoint import CheckpointDirectory
+from ..wrappers import BatchDataset, MapDataset, ShuffleBufferDataset
 
 __all__ = ["main"]
 

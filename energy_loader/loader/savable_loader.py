@@ -29,13 +29,12 @@ import attrs
 import dill
 from torch.utils.data import DataLoader
 
-from .bundles import DEFAULT_ITEMS_PER_TRANSFER, Unbundler
-from .dataset import SavableDataset
-from .errors import StateFormatError, StateMismatchError, WorkerError
-from .metrics import LoaderMetrics, clock, poll_loader, resolve_stall_policy
-from .partitions import PartitionLayout, RestorePlan, plan_restore, resolve_num_partitions
-from .state.fingerprint import ConfigDifference, config_differences, describe_differences
-from .state.rank_state import (
+from ..dataset import SavableDataset
+from ..errors import StateFormatError, StateMismatchError, WorkerError
+from ..metrics import LoaderMetrics, clock, poll_loader, resolve_stall_policy
+from ..state.fingerprint import ConfigDifference, config_differences, describe_differences
+from ..state.positions import Position, PositionBook, Snapshot
+from ..state.rank_state import (
     PARTITION_KEY_PREFIX,
     PartitionState,
     RankState,
@@ -43,23 +42,20 @@ from .state.rank_state import (
     partition_entries,
     states_from_entries,
 )
-from .transport import (
+from ..transport import (
     DEFAULT_ARENA_BYTES,
     DEFAULT_INLINE_BYTES,
     Transport,
     decode,
     validate_transport_settings,
 )
-from .validation import require_bool, require_int
-from .worker import WorkerConfig, active_worker
-from .worker_process import (
-    CheckpointSettings,
-    Position,
-    PositionBook,
-    RunPlan,
-    Snapshot,
-    WorkerSideDataset,
-)
+from ..validation import require_bool, require_int
+from ..worker import WorkerConfig, active_worker
+from ..workers.bundling import DEFAULT_ITEMS_PER_TRANSFER
+from ..workers.protocol import CheckpointSettings, RunPlan
+from ..workers.side import WorkerSideDataset
+from .partitions import PartitionLayout, RestorePlan, plan_restore, resolve_num_partitions
+from .unbundler import Unbundler
 
 __all__ = ["BasicDataLoader", "SavableDataLoader"]
 
@@ -772,7 +768,7 @@ class SavableDataLoader(DataLoader):
 
         A collective: every rank of the data-parallel group must call it.
         """
-        from .distributed import save_state_global
+        from ..distributed import save_state_global
 
         return save_state_global(self, dst_rank)
 
@@ -786,7 +782,7 @@ class SavableDataLoader(DataLoader):
         when torch.distributed is initialised: a state that does not fit on any rank raises on
         every rank.
         """
-        from .distributed import restore_state_global
+        from ..distributed import restore_state_global
 
         restore_state_global(self, states, src_rank=src_rank)
 
@@ -902,8 +898,8 @@ class SavableDataLoader(DataLoader):
 
     def restore_sample(self, key: Any) -> Any:
         """Rebuild the sample (or batch) that carried ``key``."""
-        from .dataset import attach_restore_key
-        from .state.plain import to_key
+        from ..dataset import attach_restore_key
+        from ..state.plain import to_key
 
         key = to_key(key)
         with active_worker(self._worker_config.context(0)):

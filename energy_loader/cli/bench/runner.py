@@ -130,7 +130,7 @@ def _restore_run(
     contender: Contender, samples: int, repetitions: int, workload: str
 ) -> dict[str, Any]:
     """States at 10/50/90%, restore timings, state size, and one exact-resume check."""
-    from ..testing.compare import first_difference
+    from ...testing.compare import first_difference
 
     loader = contender.build(samples, workload)
     reference = [_indices(b) for b in loader]

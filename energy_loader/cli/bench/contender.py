@@ -112,7 +112,7 @@ def plain_contender() -> Contender:
 def _savable_loader(
     samples: int, workload: str, *, seed_per_sample: bool = True, **options: Any
 ) -> Any:
-    from ..loader import SavableDataLoader
+    from ...loader import SavableDataLoader
 
     return SavableDataLoader(
         savable_pipeline(samples, workload=workload, seed_per_sample=seed_per_sample),

@@ -1,0 +1,165 @@
+"""Where a worker stands: its rolling snapshots and the bookkeeping that reads a position off them.
+
+Both sides of the process boundary use these. A worker process takes a :class:`Snapshot` of its
+partitions every few items and sends them with its items; the main process files them in one
+:class:`PositionBook` per worker and reads each save off it (``position_at``), with no message
+to the worker. A loader without workers runs its runner in the main process, which keeps its
+own book. Nothing here talks to a process, a queue or a pipeline: it is pure bookkeeping over
+plain-data states.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+__all__ = ["CheckpointRing", "Position", "PositionBook", "Snapshot"]
+
+
+class CheckpointRing:
+    """The rolling checkpoints of one worker: ``(index, state)`` pairs, oldest first.
+
+    A checkpoint is dropped only when the next one is already at or before
+    ``newest_index - in_flight``: the main process has received at least that far, so the
+    next one covers every save it can still ask for. ``capacity`` bounds memory; optional
+    (time-based) checkpoints are not taken when the ring is full.
+    """
+
+    def __init__(self, capacity: int, in_flight: int) -> None:
+        self._entries: collections.deque[tuple[int, Any]] = collections.deque()
+        self._lock = threading.Lock()
+        self._capacity = capacity
+        self._in_flight = in_flight
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def add(self, index: int, state: Any, *, optional: bool = False) -> bool:
+        """Record the state after item ``index``; returns whether it was kept."""
+        with self._lock:
+            entries = self._entries
+            while len(entries) >= 2 and entries[1][0] <= index - self._in_flight:
+                entries.popleft()
+            self._dropped_through(entries[0][0] if entries else index)
+            if optional and len(entries) >= self._capacity:
+                return False
+            entries.append((index, state))
+            return True
+
+    def _dropped_through(self, oldest: int) -> None:
+        """Hook: every checkpoint before ``oldest`` is gone (called under the lock)."""
+
+    def find(self, last_index: int) -> tuple[Any, int]:
+        """The newest checkpoint at or before ``last_index`` and how many items follow it."""
+        with self._lock:
+            index, state = self._find(last_index)
+        return state, last_index - index
+
+    def _find(self, last_index: int) -> tuple[int, Any]:
+        for index, state in reversed(self._entries):
+            if index <= last_index:
+                return index, state
+        oldest = self._entries[0][0] if self._entries else None
+        raise RuntimeError(
+            f"no checkpoint at or before item {last_index} (oldest kept: {oldest}); "
+            "n_checkpoints is too small for the prefetch depth"
+        )
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+@attrs.frozen
+class Snapshot:
+    """One rolling checkpoint of a worker: every partition's state, in the worker's order.
+
+    ``skips`` are items of each partition still to be replayed on top of its state (nonzero
+    only for the snapshot a restored worker starts from), ``done`` which partitions had ended
+    their epoch, ``next`` whose turn came next.
+    """
+
+    states: tuple[dict[str, Any], ...]
+    skips: tuple[int, ...]
+    done: tuple[bool, ...]
+    next: int
+
+    @classmethod
+    def at(cls, entries: Sequence[tuple[dict[str, Any], int, bool]], following: int) -> Snapshot:
+        """The snapshot of a position: per partition (checkpoint, skip, done), then ``next``."""
+        return cls(
+            tuple(state for state, _, _ in entries),
+            tuple(skip for _, skip, _ in entries),
+            tuple(done for _, _, done in entries),
+            following,
+        )
+
+
+# Where a worker stands: per partition (checkpoint, skip, done), then whose turn is next.
+Position = tuple[list[tuple[dict[str, Any], int, bool]], int]
+
+
+class PositionBook(CheckpointRing):
+    """A worker's :class:`Snapshot` ring plus which partition made each recent item.
+
+    Kept by the main process for each worker (fed by :meth:`receive` with what comes with the
+    items), and by the in-process runner when the loader has no workers. ``events`` holds
+    ``(index, slot)`` for every item; entries older than the oldest snapshot are dropped with
+    it. A snapshot is also taken whenever a partition ends its epoch and when a new epoch
+    begins, so a partition's ``done`` flag always comes from a snapshot taken after its end
+    (its state then says so). :meth:`position_at` turns "the newest snapshot at or before
+    ``last_index``" plus the items after it into each partition's checkpoint and replay count.
+    """
+
+    def __init__(self, capacity: int, in_flight: int) -> None:
+        super().__init__(capacity, in_flight)
+        self.events: collections.deque[tuple[int, int]] = collections.deque()
+        # The index of the worker's last end marker: snapshots at or before it belong to an
+        # epoch the worker has finished (main-process books only).
+        self.boundary = -2
+
+    def _dropped_through(self, oldest: int) -> None:
+        events = self.events
+        while events and events[0][0] <= oldest:
+            events.popleft()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.events.clear()
+
+    def receive(self, index: int, slot: int, snapshots: Any) -> None:
+        """Record a worker's item ``index`` (made by ``slot``; -1 for an end marker) and the
+        snapshots that came with it."""
+        if snapshots:
+            for taken_at, snapshot in snapshots:
+                self.add(taken_at, snapshot)
+        if slot >= 0:
+            self.events.append((index, slot))
+        else:
+            self.boundary = index
+
+    def position_at(self, last_index: int, *, epoch_ended: bool = True) -> Position:
+        """Each partition's (checkpoint, skip, done) and the next slot after ``last_index``.
+
+        ``epoch_ended=False``: the worker has not ended the rank's current epoch. If the
+        newest snapshot is then one of an epoch it *has* ended (its next epoch's first
+        snapshot comes with its first item of that epoch), every partition continues from
+        its end into the current epoch: none is done in it yet, and the round-robin starts
+        over, as a new epoch does.
+        """
+        with self._lock:
+            index, snapshot = self._find(last_index)
+            events = [e for e in self.events if index < e[0] <= last_index]
+        skips, following = list(snapshot.skips), snapshot.next
+        count = len(skips)
+        for _, slot in events:
+            skips[slot] += 1
+            following = (slot + 1) % count
+        if not epoch_ended and index <= self.boundary:
+            return [(s, k, False) for s, k in zip(snapshot.states, skips)], 0
+        return [(s, k, d) for s, k, d in zip(snapshot.states, skips, snapshot.done)], following
