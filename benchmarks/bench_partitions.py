@@ -6,13 +6,15 @@ in fresh subprocesses, interleaved:
 
 - ``default``: ``num_partitions`` left at its default (one per worker);
 - ``P=4xRxW``: four partitions per worker (``num_partitions=8``);
-- ``baseline`` (with ``--baseline-tree DIR``): the same default loader from another checkout
-  of energy_loader (for example the commit before logical partitions), to show that the
-  default got no slower.
+- ``baseline`` and ``baseline P=4xRxW`` (with ``--baseline-tree DIR``): the same loaders from
+  another checkout of energy_loader (for example the commit before a change), to show side by
+  side what the change did.
 
 Reported per variant: samples/s and its ratio to ``default`` within each repetition (median
-over repetitions), the median and p95 of ``save_state_rank()``, restore-to-first-batch at
-10/50/90% of the epoch, and the state size as JSON. A last table gives the state size against
+over repetitions), the median and p95 of ``state_dict()`` (what trainers and
+``torch.distributed.checkpoint`` call) and of ``save_state_rank()``, both taken at every save
+point while the workers saturate the cores, restore-to-first-batch at 10/50/90% of the epoch,
+and the state size as JSON. A last table gives the state size against
 the number of partitions per rank. Example::
 
     python benchmarks/bench_partitions.py --repetitions 7 --baseline-tree /path/to/old/checkout
@@ -36,7 +38,21 @@ HERE = Path(__file__).resolve().parents[1]
 def _child(options: dict[str, Any]) -> dict[str, Any]:
     """One measurement in this process: throughput with saves, then restores and state size."""
     import energy_loader as el
-    from energy_loader.cli.bench.workloads import PREFETCH, SAVE_EVERY, WORKERS, savable_pipeline
+
+    try:
+        from energy_loader.cli.bench.workloads import (
+            PREFETCH,
+            SAVE_EVERY,
+            WORKERS,
+            savable_pipeline,
+        )
+    except ImportError:  # a baseline checkout from before the cli/ package
+        from energy_loader.bench.workloads import (  # type: ignore[no-redef]
+            PREFETCH,
+            SAVE_EVERY,
+            WORKERS,
+            savable_pipeline,
+        )
 
     samples = options["samples"]
     kwargs: dict[str, Any] = {"num_workers": WORKERS, "prefetch_factor": PREFETCH}
@@ -49,13 +65,16 @@ def _child(options: dict[str, Any]) -> dict[str, Any]:
     loader = build()
     iterator = iter(loader)
     first = next(iterator)  # workers started and warm
-    start, count, saves = time.perf_counter(), len(first["index"]), []
+    start, count, saves, state_dicts = time.perf_counter(), len(first["index"]), [], []
     states = {}
     batches = samples // 32
     for step, batch in enumerate(iterator, start=1):
         count += len(batch["index"])
         due = [f for f in (0.1, 0.5, 0.9) if f not in states and step >= f * batches]
         if step % SAVE_EVERY == 0 or due:
+            began = time.perf_counter()
+            loader.state_dict()
+            state_dicts.append(time.perf_counter() - began)
             began = time.perf_counter()
             state = loader.save_state_rank()
             saves.append(time.perf_counter() - began)
@@ -75,6 +94,7 @@ def _child(options: dict[str, Any]) -> dict[str, Any]:
     return {
         "samples_per_s": count / elapsed,
         "save_ms": [s * 1000 for s in saves],
+        "state_dict_ms": [s * 1000 for s in state_dicts],
         "restore_s": restores,
         "state_bytes": len(json.dumps(states.get(0.5, {}))),
     }
@@ -128,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         "--baseline-tree", type=Path, default=None, help="another energy_loader checkout"
     )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    parser.add_argument(
+        "--no-sizes", action="store_true", help="skip the state size by partitions table"
+    )
     args = parser.parse_args(argv)
     from energy_loader.cli.bench.workloads import WORKERS
 
@@ -137,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.baseline_tree is not None:
         variants["baseline"] = (args.baseline_tree.resolve(), None)
+        variants["baseline P=4xRxW"] = (args.baseline_tree.resolve(), 4 * WORKERS)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     for repetition in range(args.repetitions):
         order = list(variants)
@@ -147,14 +171,15 @@ def main(argv: list[str] | None = None) -> int:
             runs[name].append(_spawn(tree, {"samples": args.samples, "partitions": partitions}))
         print(f"repetition {repetition + 1}/{args.repetitions} done", file=sys.stderr)
     lines = [
-        "| variant | samples/s | x default (paired) | save med / p95 ms | restore s at 10/50/90% "
-        "| state (JSON) |",
-        "|---|---:|---:|---:|---|---:|",
+        "| variant | samples/s | x default (paired) | state_dict() med / p95 ms "
+        "| save_state_rank() med / p95 ms | restore s at 10/50/90% | state (JSON) |",
+        "|---|---:|---:|---:|---:|---|---:|",
     ]
     summary: dict[str, Any] = {}
     for name, results in runs.items():
         ratios = [r["samples_per_s"] / d["samples_per_s"] for r, d in zip(results, runs["default"])]
         saves = [s for r in results for s in r["save_ms"]]
+        state_dicts = [s for r in results for s in r["state_dict_ms"]]
         restores = {
             f: statistics.median(r["restore_s"][f] for r in results if f in r["restore_s"])
             for f in ("0.1", "0.5", "0.9")
@@ -162,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         row = {
             "samples_per_s": statistics.median(r["samples_per_s"] for r in results),
             "ratio": statistics.median(ratios),
+            "state_dict_median_ms": statistics.median(state_dicts),
+            "state_dict_p95_ms": _p95(state_dicts),
             "save_median_ms": statistics.median(saves),
             "save_p95_ms": _p95(saves),
             "restore_s": restores,
@@ -170,14 +197,20 @@ def main(argv: list[str] | None = None) -> int:
         summary[name] = row
         lines.append(
             f"| {name} | {row['samples_per_s']:,.0f} | {row['ratio']:.3f} | "
+            f"{row['state_dict_median_ms']:.2f} / {row['state_dict_p95_ms']:.2f} | "
             f"{row['save_median_ms']:.2f} / {row['save_p95_ms']:.2f} | "
             + " / ".join(f"{restores[f]:.3f}" for f in ("0.1", "0.5", "0.9"))
             + f" | {row['state_bytes']:,.0f} B |"
         )
-    sizes = _state_sizes(args.samples)
-    summary["state_bytes_by_partitions_per_rank"] = sizes
-    lines += ["", "| partitions per rank | state (JSON, a quarter into the epoch) |", "|---:|---:|"]
-    lines += [f"| {p} | {b:,} B |" for p, b in sizes.items()]
+    if not args.no_sizes:
+        sizes = _state_sizes(args.samples)
+        summary["state_bytes_by_partitions_per_rank"] = sizes
+        lines += [
+            "",
+            "| partitions per rank | state (JSON, a quarter into the epoch) |",
+            "|---:|---:|",
+        ]
+        lines += [f"| {p} | {b:,} B |" for p, b in sizes.items()]
     print("\n".join(lines))
     if args.out is not None:
         args.out.write_text(json.dumps(summary, indent=2))

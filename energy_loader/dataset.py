@@ -296,6 +296,8 @@ class SavableDataset(IterableDataset[Any], ABC):
             children[0].validate_key(key)
 
     # -- the fluent form: thin sugar over the wrapper classes ------------------------------
+    # The wrappers import this module (they are SavableDatasets), and every dataset carries
+    # these methods: so each imports its wrapper when called. That loop is the idea itself.
 
     def map(self, fn: Callable[[Any], Any], *, seed_per_sample: bool = True) -> SavableDataset:
         """``MapDataset(self, fn)``."""

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from .errors import StateFormatError, StateMismatchError, WorkerError
-from .loader.partitions import PartitionLayout
 from .process_groups import check_group_layout, data_parallel_layout, process_group_initialized
 from .state.checkpoint import load_checkpoint, save_checkpoint
 from .state.plain import StateReader
@@ -149,26 +148,30 @@ def data_parallel_ranks(loader: SavableDataLoader | WorkerConfig) -> list[int]:
 # -- argument checks ---------------------------------------------------------------------------
 
 
-def _config_of(loader: Any) -> WorkerConfig:
-    from .loader import SavableDataLoader
+def _is_loader(value: Any) -> bool:
+    """A loader of this library, told by its interface (this module never imports the loader:
+    the loader's collective methods call into it)."""
+    return isinstance(getattr(value, "worker_config", None), WorkerConfig) and hasattr(
+        value, "saves_state"
+    )
 
+
+def _config_of(loader: Any) -> WorkerConfig:
     if isinstance(loader, WorkerConfig):
         return loader
-    if isinstance(loader, SavableDataLoader):
-        return loader.worker_config
+    if _is_loader(loader):
+        return loader.worker_config  # type: ignore[no-any-return]
     raise TypeError(f"expected a SavableDataLoader or a WorkerConfig (got {type(loader).__name__})")
 
 
 def _require_loader(loader: Any) -> SavableDataLoader:
-    from .loader import BasicDataLoader, SavableDataLoader
-
-    if isinstance(loader, BasicDataLoader):
-        raise TypeError(
-            "`loader` is a BasicDataLoader, which saves no state; use SavableDataLoader"
-        )
-    if not isinstance(loader, SavableDataLoader):
+    if not _is_loader(loader):
         raise TypeError(f"`loader` must be a SavableDataLoader (got {type(loader).__name__})")
-    return loader
+    if not loader.saves_state:
+        raise TypeError(
+            f"`loader` is a {type(loader).__name__}, which saves no state; use SavableDataLoader"
+        )
+    return loader  # type: ignore[no-any-return]
 
 
 def _require_rank(value: Any, name: str) -> int:
@@ -384,7 +387,7 @@ def restore_state_global(
 
     The list is every rank's state of one save, in rank order, possibly of another world size
     or worker count with the same ``num_partitions``: each rank then takes the partitions it
-    now runs (see :mod:`energy_loader.partitions`). Every rank checks what it needs as
+    now runs (see :mod:`energy_loader.loader.partitions`). Every rank checks what it needs as
     ``restore_state_rank`` would, then the group agrees: if anything does not fit on any rank
     (an incomplete list, rank order, another pipeline or ``num_partitions``, a malformed state)
     every rank raises the same ``StateMismatchError``/``StateFormatError``/``TypeError``
@@ -503,12 +506,7 @@ def restore_state_rank_file(
     # The partitions this rank runs from the job's position, or from 0 if the epoch had ended.
     lockstep = first.start + first.world_size * first.delivered
     for position in (lockstep, 0):
-        layout = PartitionLayout(
-            loader.num_partitions,
-            config.world_size,
-            loader.num_workers,
-            position % loader.num_partitions,
-        )
+        layout = loader.planner.layout(position % loader.num_partitions)
         for partition in layout.rank_partitions(config.rank):
             old_rank = (partition - first.start) % first.world_size
             if old_rank not in states:

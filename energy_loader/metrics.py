@@ -420,35 +420,3 @@ def tqdm_postfix(stats: dict[str, Any], section: str = "since_last") -> dict[str
         "p90": f"{1000 * part['wait_s_p90']:.1f}ms",
         "busy": f"{100 * part['busy_fraction_mean']:.0f}%",
     }
-
-
-def poll_loader(loader: Any) -> tuple[list[dict[str, float] | None], list[int]]:
-    """Each logical worker's counters and queue depth, read from a live loader.
-
-    Workers answer over their command channels (the command thread replies while the worker
-    computes); with ``num_workers=0`` the main process's runner is read directly. A worker
-    that has not started reads as ``None``. The queue depth of a worker is the number of trips
-    (bundles) torch has asked it for that have not reached the main process yet.
-    """
-    workers = loader.num_workers
-    if workers == 0:
-        runner = loader._worker_side.local_runner
-        return [None if runner is None else runner.counters.read()], [0]
-    iterator = loader._iterator
-    channels = loader._parent_channels
-    if iterator is None or not channels or loader._failure is not None:
-        return [None] * workers, [0] * workers
-    offset = loader._worker_side.offset
-    request = next(loader._request_ids)
-    for channel in channels:
-        channel.send(("stats", request, None))
-    readings: list[dict[str, float] | None] = [None] * workers
-    for physical in range(workers):
-        logical = (physical + offset) % workers
-        readings[logical] = loader._await_reply(physical, logical, request)
-    depths = [0] * workers
-    received = getattr(iterator, "_rcvd_idx", 0)
-    for task, info in list(getattr(iterator, "_task_info", {}).items()):
-        if task >= received and info:
-            depths[(info[0] + offset) % workers] += 1
-    return readings, depths

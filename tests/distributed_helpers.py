@@ -35,6 +35,7 @@ import torch.distributed as dist
 import energy_loader as el
 from energy_loader import distributed as eld
 from energy_loader.testing.resume import END, compare_events, record_events
+from energy_loader.torch_internals import worker_processes
 from tests.helpers import indices, reference_pipeline
 
 # A collective that waits longer than this raises in the rank instead of hanging the test.
@@ -325,7 +326,7 @@ def _save_with_dead_worker(rank: int) -> Any:
     iterator = iter(loader)
     next(iterator)
     if rank == 1:
-        worker = loader._live_workers()[0]
+        worker = worker_processes(loader)[0]
         try:
             os.kill(worker.pid, signal.SIGKILL)
             worker.join(10)

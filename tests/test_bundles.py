@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 import energy_loader as el
 from energy_loader.loader.unbundler import Unbundler
+from energy_loader.testing import END, record_events
+from energy_loader.transport._codec import Encoder
 from energy_loader.workers.bundling import (
     BUNDLE_BYTES,
     BUNDLE_SECONDS,
@@ -22,8 +24,6 @@ from energy_loader.workers.bundling import (
     payload_bytes,
 )
 from energy_loader.workers.protocol import FAILED_SLOT, WorkerItem
-from energy_loader.testing import END, record_events
-from energy_loader.transport._codec import Encoder
 from tests.loader_helpers import fail_at_seven
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")

@@ -11,9 +11,9 @@ import time
 import pytest
 
 import energy_loader as el
+from energy_loader.state.positions import CheckpointRing
 from energy_loader.testing import check_resume
 from energy_loader.testing.strategies import AddNoise, MakeSample
-from energy_loader.state.positions import CheckpointRing
 from tests.helpers import indices, reference_pipeline
 from tests.loader_helpers import CountReads, fail_at_seven, slow_sample, where_am_i
 

@@ -8,8 +8,8 @@ import time
 import pytest
 
 import energy_loader as el
-from energy_loader.metrics import StallPolicy, flatten, resolve_stall_policy, tqdm_postfix
 from energy_loader.loader.stall import StallWarner, diagnose
+from energy_loader.metrics import StallPolicy, flatten, resolve_stall_policy, tqdm_postfix
 
 from .observe_pipelines import make, sleep_20ms
 

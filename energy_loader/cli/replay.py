@@ -1,7 +1,7 @@
 """``python -m energy_loader replay``: the restore keys (or samples) of any steps of a saved job.
 
 Imports the user's function that builds the pipeline (or a loader), builds a loader with the
-saved layout for the chosen rank, and runs :func:`energy_loader.peek.future_items` from the
+saved layout for the chosen rank, and runs :func:`energy_loader.loader.peek.future_items` from the
 saved states: no worker processes, nothing iterated from the epoch start, only the replayed
 and the requested items are made. Step 0 is the first item the rank yields after the saved
 position; steps run on across epoch ends as the training loop's next ``iter()`` would.
@@ -88,8 +88,8 @@ def build_loader(built: Any, state: dict[str, Any], rank: int, seed: int | None)
     from ..worker import WorkerConfig
 
     if isinstance(built, SavableDataLoader):
-        pipeline, config_seed = built._pipeline, built.worker_config.seed
-        built._shutdown_workers()
+        pipeline, config_seed = built.pipeline, built.worker_config.seed
+        built.close()
     elif isinstance(built, SavableDataset):
         pipeline, config_seed = built, 0
     else:
@@ -124,7 +124,9 @@ def replay(
     decoded = [RankState.from_plain(state) for state in states]
     rows: list[dict[str, Any]] = []
     with kept_rng_state():
-        for step, (key, _) in enumerate(future_items(loader, decoded)):
+        for step, (key, _) in enumerate(
+            future_items(loader.planner, loader.checkpoint_settings, decoded)
+        ):
             if step >= stop:
                 break
             if step >= start:

@@ -28,18 +28,14 @@ had completed the same number of steps.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
-from ..errors import StateMismatchError
-from ..state.rank_state import PartitionState, RankState, WorkerSlots
+from ..state.rank_state import WorkerSlots
 
 __all__ = [
     "PartitionLayout",
-    "RestorePlan",
-    "plan_restore",
     "resolve_num_partitions",
 ]
 
@@ -126,143 +122,3 @@ class PartitionLayout:
         per_rank = self.num_partitions // self.world_size
         first = self.start + rank
         return tuple((first + i * self.world_size) % self.num_partitions for i in range(per_rank))
-
-
-@attrs.frozen
-class RestorePlan:
-    """How one rank continues from saved states: its workers' partitions and their states.
-
-    ``offset`` rotates torch's round-robin so that the worker due next comes first (only when
-    restoring onto the layout that saved the state; elsewhere the partition assignment itself
-    starts from the job's position and ``offset`` is 0).
-    """
-
-    workers: tuple[WorkerSlots, ...]
-    restores: dict[int, PartitionState]
-    epoch: int
-    in_epoch: bool
-    epoch_ended: bool
-    delivered: int
-    start: int
-    next_worker: int
-    offset: int
-
-
-def _describe(numbers: Any) -> str:
-    numbers = sorted(numbers)
-    return str(numbers) if len(numbers) <= 12 else f"{numbers[:12]} ... ({len(numbers)} in all)"
-
-
-def _check_common(states: Sequence[RankState], num_partitions: int) -> RankState:
-    """The saved states agree with each other and with ``num_partitions``; returns the first."""
-    if not states:
-        raise StateMismatchError("no rank state to restore from")
-    first = states[0]
-    for state in states:
-        if state.num_partitions != num_partitions:
-            raise StateMismatchError(
-                f"the state was saved with num_partitions={state.num_partitions} "
-                f"(world_size={state.world_size} x {max(1, state.num_workers)} workers x "
-                f"{state.num_partitions // (state.world_size * max(1, state.num_workers))} per "
-                f"worker); this loader runs num_partitions={num_partitions}. Pass "
-                f"num_partitions={state.num_partitions} to the loader to continue that stream"
-            )
-        for name in ("world_size", "num_workers", "epoch"):
-            if getattr(state, name) != getattr(first, name):
-                raise StateMismatchError(
-                    f"the rank states disagree: rank {first.rank} has {name}="
-                    f"{getattr(first, name)}, rank {state.rank} has {getattr(state, name)}; "
-                    "pass the states of one save of one job"
-                )
-    ranks = [state.rank for state in states]
-    if len(set(ranks)) != len(ranks):
-        raise StateMismatchError(f"the rank states list a rank twice: ranks {ranks}")
-    return first
-
-
-def plan_restore(
-    states: Sequence[RankState],
-    *,
-    rank: int,
-    world_size: int,
-    num_workers: int,
-    num_partitions: int,
-    scale: int = 1,
-) -> RestorePlan:
-    """Plan rank ``rank`` of the layout ``(world_size, num_workers)`` from saved rank states.
-
-    ``states`` are some or all ranks' states of one save. On the layout that saved them a
-    rank needs only its own state and continues exactly, the tail of an epoch included. On
-    another layout the job's position ``B`` is the saved assignment's start plus
-    ``world_size x`` the items the lowest given rank delivered (every rank's count, in the
-    lockstep of synchronous data-parallel training), and the rank takes the partitions its
-    steps reach from ``B`` on. Replay counts are multiplied by
-    ``scale`` (a smaller batch size). Raises ``StateMismatchError`` naming what differs or
-    which partitions no given state holds.
-    """
-    first = _check_common(states, num_partitions)
-    own = next((s for s in states if s.rank == rank), None)
-    same_layout = first.world_size == world_size and first.num_workers == num_workers
-    if own is not None and same_layout and not own.epoch_ended:
-        restores = {p.partition: attrs.evolve(p, skip=p.skip * scale) for p in own.partitions}
-        return RestorePlan(
-            workers=own.workers,
-            restores=restores,
-            epoch=own.epoch,
-            in_epoch=own.in_epoch,
-            epoch_ended=False,
-            delivered=own.delivered,
-            start=own.start,
-            next_worker=own.next_worker,
-            offset=0 if num_workers == 0 else own.next_worker,
-        )
-    basis = min(states, key=lambda s: s.rank)
-    ended = (
-        own.epoch_ended if own is not None and same_layout else all(s.epoch_ended for s in states)
-    )
-    available: dict[int, tuple[PartitionState, bool]] = {}
-    for state in states:
-        for entry in state.partitions:
-            available[entry.partition] = (entry, state.epoch_ended)
-    if ended:
-        # A new epoch starts from the canonical assignment, unless this rank does not hold
-        # those partitions (a rank-level rotation from an earlier restore onto another world
-        # size): then its ranks keep the partitions they run, and only workers are reset.
-        position = 0
-        canonical = PartitionLayout(num_partitions, world_size, num_workers).rank_partitions(rank)
-        if first.world_size == world_size and any(p not in available for p in canonical):
-            position = basis.start % world_size
-    else:
-        # The ranks of a synchronous job deliver in lockstep: every rank's count is the
-        # lowest rank's, whichever states (all, or the ones a rank file restore read) are given.
-        position = basis.start + first.world_size * basis.delivered
-    layout = PartitionLayout(num_partitions, world_size, num_workers, position % num_partitions)
-    needed = layout.rank_partitions(rank)
-    missing = [p for p in needed if p not in available]
-    if missing:
-        holders = sorted({s.rank for s in states})
-        raise StateMismatchError(
-            f"rank {rank} of world_size={world_size} x num_workers={num_workers} runs partitions "
-            f"{_describe(needed)} from global position {position}, but the given state(s) of "
-            f"rank(s) {holders} (saved on world_size={first.world_size} x num_workers="
-            f"{first.num_workers}) hold only partitions {_describe(available)}; missing "
-            f"{_describe(missing)}. Restoring onto another layout needs every rank's state: "
-            "restore_state_global(states), restore_state_rank_file, or a "
-            "torch.distributed.checkpoint load into a fresh loader"
-        )
-    restores = {}
-    for p in needed:
-        entry, rank_ended = available[p]
-        done = False if ended else (entry.done or rank_ended)
-        restores[p] = attrs.evolve(entry, skip=entry.skip * scale, done=done)
-    return RestorePlan(
-        workers=layout.worker_slots(rank),
-        restores=restores,
-        epoch=first.epoch,
-        in_epoch=any(s.in_epoch for s in states) and not ended,
-        epoch_ended=ended,
-        delivered=0,
-        start=layout.start,
-        next_worker=0,
-        offset=0,
-    )

@@ -2,7 +2,7 @@
 
 The live loader is never touched. From a rank state (``save_state_rank()`` now, or one read
 from a checkpoint) this module plans the restore exactly as ``restore_state_rank`` would
-(:meth:`~energy_loader.SavableDataLoader.plan_restore`), builds one
+(:class:`~energy_loader.loader.planner.Planner`), builds one
 :class:`~energy_loader.workers.runner.Runner` per logical worker *in this process* (no
 worker processes, no command threads, no transport), lets each restore and replay its
 partitions as a restored worker does, and then takes items the way the loader receives them:
@@ -31,10 +31,11 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..dataset import Key, require_int
-from ..state.rank_state import PartitionState, RankState, WorkerSlots
-from ..workers.protocol import RunPlan
+from ..state.rank_state import RankState
+from ..workers.protocol import CheckpointSettings, RunPlan
 from ..workers.runner import Runner
 from ..workers.side import WorkerSideDataset
+from .planner import Planner
 
 if TYPE_CHECKING:
     from .savable_loader import SavableDataLoader
@@ -71,52 +72,28 @@ def _worker_items(runner: Runner) -> Iterator[tuple[Key, Any]]:
         yield step[1]
 
 
-def _ended_state(loader: SavableDataLoader, runners: list[Runner], start: int) -> RankState:
-    """The rank state the simulated workers stand at after their epoch ended."""
-    config = loader.worker_config
-    workers, partitions = [], []
-    for runner in runners:
-        snapshot = runner.snapshot()
-        workers.append(WorkerSlots(tuple(s.partition for s in runner.slots), 0, True))
-        for slot, checkpoint in zip(runner.slots, snapshot.states):
-            partitions.append(PartitionState(slot.partition, checkpoint, 0, True))
-    return RankState(
-        rank=config.rank,
-        world_size=config.world_size,
-        num_workers=loader.num_workers,
-        num_partitions=loader.num_partitions,
-        config=loader._config_cache,
-        epoch=0,
-        in_epoch=False,
-        epoch_ended=True,
-        delivered=0,
-        start=start,
-        next_worker=0,
-        workers=tuple(workers),
-        partitions=tuple(partitions),
-    )
-
-
 def future_items(
-    loader: SavableDataLoader, states: Sequence[RankState]
+    planner: Planner, settings: CheckpointSettings, states: Sequence[RankState]
 ) -> Iterator[tuple[Key, Any]]:
-    """``(key, sample)`` of every item ``loader`` yields after a restore from ``states``.
+    """``(key, sample)`` of every item a loader yields after a restore from ``states``.
+
+    ``planner`` is the loader's (``loader.planner``), ``settings`` its workers' checkpoint
+    settings.
 
     ``states`` are one save's rank states (this rank's, or all ranks'). Runs on across epoch
     ends; stops only when two epochs in a row yield nothing. Raises what
     ``restore_state_rank`` raises for states that do not fit the loader. Wrap the iteration in
     :func:`kept_rng_state` to leave the global RNGs as they were.
     """
-    side = loader._worker_side
     empty_epochs = 0
     current = list(states)
     while empty_epochs < 2:
-        plan = loader.plan_restore(current)
+        plan = planner.plan_restore(current)
         owner = WorkerSideDataset(
-            loader._pipeline,
-            loader.worker_config,
-            side.settings,
-            RunPlan(loader.num_partitions, plan.workers, plan.restores),
+            planner.pipeline,
+            planner.config,
+            settings,
+            RunPlan(planner.num_partitions, plan.workers, plan.restores),
         )
         runners = [Runner(owner, logical) for logical in range(len(plan.workers))]
         streams = [_worker_items(runner) for runner in runners]
@@ -132,20 +109,24 @@ def future_items(
                     yield pair  # type: ignore[misc]
             turn = (turn + 1) % len(streams)
         empty_epochs = 0 if yielded else empty_epochs + 1
-        current = [_ended_state(loader, runners, plan.start)]
+        ended = [
+            (tuple(slot.partition for slot in runner.slots), runner.snapshot().states)
+            for runner in runners
+        ]
+        current = [planner.ended_rank_state(ended, plan.start)]
 
 
 def peek_keys(loader: SavableDataLoader, n: int) -> list[Key]:
     """The restore keys of the next ``n`` items ``loader`` yields (see the module docstring)."""
     require_int(n, "n", minimum=0)
-    if not getattr(loader, "_savable", False):
+    if not getattr(loader, "saves_state", False):
         raise TypeError("peek_keys needs a SavableDataLoader (BasicDataLoader keeps no state)")
     keys: list[Key] = []
     if n == 0:
         return keys
     state = RankState.from_plain(loader.save_state_rank())
     with kept_rng_state():
-        for key, _ in future_items(loader, [state]):
+        for key, _ in future_items(loader.planner, loader.checkpoint_settings, [state]):
             keys.append(key)
             if len(keys) == n:
                 break

@@ -139,9 +139,10 @@ class RankState:
         """This rank's partitions by number."""
         return {p.partition: p for p in self.partitions}
 
-    def to_plain(self) -> dict[str, Any]:
-        """The state as plain data with its format name and version."""
-        return {
+    def to_plain(self, *, with_partitions: bool = True) -> dict[str, Any]:
+        """The state as plain data with its format name and version (without the
+        ``partitions`` list when ``with_partitions`` is false)."""
+        plain = {
             "format": RANK_STATE_FORMAT,
             "version": RANK_STATE_VERSION,
             "rank": self.rank,
@@ -156,8 +157,10 @@ class RankState:
             "start": self.start,
             "next_worker": self.next_worker,
             "workers": [w.to_plain() for w in self.workers],
-            "partitions": [p.to_plain() for p in self.partitions],
         }
+        if with_partitions:
+            plain["partitions"] = [p.to_plain() for p in self.partitions]
+        return plain
 
     @classmethod
     def from_plain(cls, data: Any) -> RankState:
@@ -277,16 +280,22 @@ def partition_key(partition: int) -> str:
 
 
 def partition_entries(states: list[RankState]) -> dict[str, str]:
-    """Every partition of ``states`` as a JSON leaf holding it and its rank's position."""
+    """Every partition of ``states`` as a JSON leaf holding it and its rank's position.
+
+    Each leaf is ``{"rank_state": <the rank state without its partitions>, "partition":
+    <one partition>}`` as compact JSON. The header is encoded once per rank and spliced into
+    each leaf (the same text ``json.dumps`` of the whole leaf gives): ``state_dict()`` is on
+    the training loop's path.
+    """
     import json
 
+    encode = json.JSONEncoder(separators=(",", ":")).encode
     out = {}
     for state in states:
-        header = state.to_plain()
-        del header["partitions"]
+        header = state.to_plain(with_partitions=False)
+        prefix = '{"rank_state":' + encode(header) + ',"partition":'
         for entry in state.partitions:
-            leaf = {"rank_state": header, "partition": entry.to_plain()}
-            out[partition_key(entry.partition)] = json.dumps(leaf, separators=(",", ":"))
+            out[partition_key(entry.partition)] = prefix + encode(entry.to_plain()) + "}"
     return out
 
 

@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch._utils import ExceptionWrapper
 
 from ..metrics import clock
+from ..torch_internals import ExceptionWrapper
 from ..transport import Packet
 from .protocol import FAILED_SLOT, WorkerItem
 

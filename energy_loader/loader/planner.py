@@ -1,0 +1,409 @@
+"""Save and restore planning for one rank: pure (no processes, no queues, no files).
+
+A save is a :class:`~energy_loader.state.rank_state.RankState` built from what the main process
+knows (:mod:`energy_loader.loader.progress`) and where each worker stands
+(:mod:`energy_loader.state.positions`); a restore is a :class:`RestorePlan` computed from some
+or all ranks' saved states by :func:`plan_restore`, after :class:`Planner` checked that they
+belong to this pipeline. The loader, ``peek``/``replay`` and :mod:`energy_loader.distributed`
+all plan through a :class:`Planner`, so the rules live here once:
+
+- On the layout that saved them a rank needs only its own state and continues exactly.
+- On another layout (see :mod:`energy_loader.loader.partitions`) the job's position is the
+  saved assignment's start plus the items the ranks consumed, and each rank takes the
+  partitions its steps reach from there.
+- A smaller batch size that divides the saved one is accepted when the batch is the outermost
+  stage that keeps state; replay counts are scaled.
+
+The pipeline is bound to a partition's context only for the duration of a call, and left bound
+to the loader's rank context (worker 0) afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from ..dataset import SavableDataset
+from ..errors import StateFormatError, StateMismatchError
+from ..state.fingerprint import ConfigDifference, config_differences, describe_differences
+from ..state.positions import Position
+from ..state.rank_state import PartitionState, RankState, WorkerSlots
+from ..worker import WorkerConfig
+from ..workers.protocol import RunPlan
+from .partitions import PartitionLayout
+
+__all__ = ["Planner", "RestorePlan", "plan_restore"]
+
+_PASS_THROUGH_TYPES = ("MapDataset", "FilterDataset", "GcDataset")
+
+
+class Planner:
+    """Plans saves and restores of one rank's loader over ``pipeline`` (see the module doc).
+
+    Holds the pipeline's configuration, computed once: it is part of every saved state and
+    compared with every restored one.
+    """
+
+    def __init__(self, pipeline: SavableDataset, config: WorkerConfig, num_partitions: int) -> None:
+        self.pipeline = pipeline
+        self.config = config
+        self.num_partitions = num_partitions
+        pipeline.bind(config.context(0))
+        self.pipeline_config = pipeline.config()
+        pipeline.reset_state()
+
+    # -- layouts -------------------------------------------------------------------------------
+
+    def layout(self, start: int = 0) -> PartitionLayout:
+        config = self.config
+        return PartitionLayout(self.num_partitions, config.world_size, config.num_workers, start)
+
+    def canonical_plan(self, start: int = 0) -> RunPlan:
+        """What this rank's workers run at the start of an epoch whose assignment starts at
+        global position ``start``: every partition fresh."""
+        return RunPlan(self.num_partitions, self.layout(start).worker_slots(self.config.rank))
+
+    def is_canonical(self, plan: RunPlan, offset: int, start: int) -> bool:
+        """Workers unrotated and running the partitions a new epoch gives them."""
+        canonical = self.canonical_plan(start % self.config.world_size).workers
+        return offset == 0 and all(
+            a.partitions == b.partitions for a, b in zip(plan.workers, canonical)
+        )
+
+    def rank_length(self) -> int:
+        """Items per epoch for this rank: the sum over the partitions it runs (raises
+        ``TypeError`` when a stage's length is unknown)."""
+        config, pipeline = self.config, self.pipeline
+        total = 0
+        try:
+            for partition in self.layout().rank_partitions(config.rank):
+                pipeline.bind(config.partition_context(partition, self.num_partitions))
+                total += len(pipeline)  # type: ignore[arg-type]
+        finally:
+            pipeline.bind(config.context(0))
+        return total
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def fresh_checkpoint(self, partition: int) -> dict[str, Any]:
+        """Partition ``partition``'s state before its first item."""
+        pipeline, config = self.pipeline, self.config
+        try:
+            pipeline.bind(config.partition_context(partition, self.num_partitions))
+            pipeline.reset_state()
+            return pipeline.save_state()
+        finally:
+            pipeline.bind(config.context(0))
+
+    def pending_position(self, plan: RunPlan, logical: int) -> Position:
+        """Where logical worker ``logical`` of ``plan`` stands before it starts: its restore
+        states, or fresh."""
+        slots = plan.workers[logical]
+        entries = []
+        for partition in slots.partitions:
+            restore = None if plan.restores is None else plan.restores[partition]
+            if restore is not None:
+                entries.append((restore.checkpoint, restore.skip, restore.done))
+            else:
+                entries.append((self.fresh_checkpoint(partition), 0, False))
+        return entries, slots.next
+
+    def rank_state(
+        self,
+        plan: RunPlan,
+        positions: Sequence[Position],
+        *,
+        epoch: int,
+        in_epoch: bool,
+        epoch_ended: bool,
+        delivered: int,
+        start: int,
+        next_worker: int,
+        done: Sequence[bool],
+    ) -> RankState:
+        """This rank's state from each logical worker's position."""
+        workers, partitions = [], []
+        for logical, (entries, following) in enumerate(positions):
+            slots = plan.workers[logical]
+            workers.append(WorkerSlots(slots.partitions, following, done[logical]))
+            for partition, (checkpoint, skip, ended) in zip(slots.partitions, entries):
+                partitions.append(PartitionState(partition, checkpoint, skip, ended))
+        return self._rank_state(
+            self.config.rank,
+            workers=tuple(workers),
+            partitions=tuple(partitions),
+            epoch=epoch,
+            in_epoch=in_epoch,
+            epoch_ended=epoch_ended,
+            delivered=delivered,
+            start=start,
+            next_worker=next_worker,
+        )
+
+    def fresh_rank_state(self, rank: int) -> RankState:
+        """What rank ``rank`` of this layout saves before it starts: every partition fresh."""
+        workers = self.layout().worker_slots(rank)
+        partitions = tuple(
+            PartitionState(p, self.fresh_checkpoint(p)) for w in workers for p in w.partitions
+        )
+        return self._rank_state(
+            rank,
+            workers=workers,
+            partitions=partitions,
+            epoch=0,
+            in_epoch=False,
+            epoch_ended=False,
+            delivered=0,
+            start=0,
+            next_worker=0,
+        )
+
+    def ended_rank_state(
+        self, workers: Sequence[tuple[tuple[int, ...], Sequence[dict[str, Any]]]], start: int
+    ) -> RankState:
+        """The state of this rank right after its epoch ended, from each worker's partitions
+        and their states (for ``peek``, which runs the workers in this process)."""
+        slots, partitions = [], []
+        for numbers, states in workers:
+            slots.append(WorkerSlots(tuple(numbers), 0, True))
+            for partition, checkpoint in zip(numbers, states):
+                partitions.append(PartitionState(partition, checkpoint, 0, True))
+        return self._rank_state(
+            self.config.rank,
+            workers=tuple(slots),
+            partitions=tuple(partitions),
+            epoch=0,
+            in_epoch=False,
+            epoch_ended=True,
+            delivered=0,
+            start=start,
+            next_worker=0,
+        )
+
+    def _rank_state(self, rank: int, **fields: Any) -> RankState:
+        config = self.config
+        return RankState(
+            rank=rank,
+            world_size=config.world_size,
+            num_workers=config.num_workers,
+            num_partitions=self.num_partitions,
+            config=self.pipeline_config,
+            **fields,
+        )
+
+    # -- restoring -------------------------------------------------------------------------------
+
+    def plan_restore(self, states: list[RankState]) -> RestorePlan:
+        """Check ``states`` against this pipeline and plan this rank's restore.
+
+        Raises ``StateMismatchError`` for another pipeline or partitioning, and
+        ``StateFormatError`` for a checkpoint the pipeline cannot read (every partition's
+        checkpoint is decoded here, in the main process, so errors surface before any worker
+        starts).
+        """
+        scale = 1
+        for state in states:
+            scale = self._replay_scale(state)
+        config = self.config
+        plan = plan_restore(
+            states,
+            rank=config.rank,
+            world_size=config.world_size,
+            num_workers=config.num_workers,
+            num_partitions=self.num_partitions,
+            scale=scale,
+        )
+        self._validate_checkpoints(plan.restores)
+        return plan
+
+    def _replay_scale(self, state: RankState) -> int:
+        """Raise ``StateMismatchError`` unless the pipeline fits; returns the replay scale."""
+        differences = config_differences(state.config, self.pipeline_config)
+        scale = _batch_size_scale(differences, self.pipeline_config)
+        if scale is None:
+            raise StateMismatchError(
+                "the state belongs to a different pipeline: " + describe_differences(differences)
+            )
+        return scale
+
+    def _validate_checkpoints(self, restores: dict[int, PartitionState]) -> None:
+        pipeline, config = self.pipeline, self.config
+        try:
+            for partition, entry in restores.items():
+                pipeline.bind(config.partition_context(partition, self.num_partitions))
+                try:
+                    pipeline.restore_state(entry.checkpoint)
+                except StateFormatError as error:
+                    raise StateFormatError(f"partition {partition} checkpoint: {error}") from None
+        finally:
+            pipeline.reset_state()
+            pipeline.bind(config.context(0))
+
+
+def _batch_size_scale(differences: list[ConfigDifference], config: dict[str, Any]) -> int | None:
+    """1 when nothing differs; the saved/now batch-size ratio when only that differs.
+
+    A smaller batch size that divides the saved one is accepted when the batch is the
+    outermost stage that keeps state (only pass-through wrappers above it), so a replay of
+    ``k`` saved batches is a replay of ``k * ratio`` new ones.
+    """
+    if not differences:
+        return 1
+    if len(differences) != 1:
+        return None
+    (difference,) = differences
+    if not difference.field or difference.field[-1] != "batch_size":
+        return None
+    saved, now = difference.saved, difference.now
+    if not (isinstance(saved, int) and isinstance(now, int)) or now <= 0 or saved % now:
+        return None
+    node = config
+    for name in difference.field[:-1]:
+        if node.get("type") not in _PASS_THROUGH_TYPES or name != "inner":
+            return None
+        node = node[name]
+    if node.get("type") != "BatchDataset":
+        return None
+    return saved // now
+
+
+@attrs.frozen
+class RestorePlan:
+    """How one rank continues from saved states: its workers' partitions and their states.
+
+    ``offset`` rotates torch's round-robin so that the worker due next comes first (only when
+    restoring onto the layout that saved the state; elsewhere the partition assignment itself
+    starts from the job's position and ``offset`` is 0).
+    """
+
+    workers: tuple[WorkerSlots, ...]
+    restores: dict[int, PartitionState]
+    epoch: int
+    in_epoch: bool
+    epoch_ended: bool
+    delivered: int
+    start: int
+    next_worker: int
+    offset: int
+
+
+def _describe(numbers: Any) -> str:
+    numbers = sorted(numbers)
+    return str(numbers) if len(numbers) <= 12 else f"{numbers[:12]} ... ({len(numbers)} in all)"
+
+
+def _check_common(states: Sequence[RankState], num_partitions: int) -> RankState:
+    """The saved states agree with each other and with ``num_partitions``; returns the first."""
+    if not states:
+        raise StateMismatchError("no rank state to restore from")
+    first = states[0]
+    for state in states:
+        if state.num_partitions != num_partitions:
+            raise StateMismatchError(
+                f"the state was saved with num_partitions={state.num_partitions} "
+                f"(world_size={state.world_size} x {max(1, state.num_workers)} workers x "
+                f"{state.num_partitions // (state.world_size * max(1, state.num_workers))} per "
+                f"worker); this loader runs num_partitions={num_partitions}. Pass "
+                f"num_partitions={state.num_partitions} to the loader to continue that stream"
+            )
+        for name in ("world_size", "num_workers", "epoch"):
+            if getattr(state, name) != getattr(first, name):
+                raise StateMismatchError(
+                    f"the rank states disagree: rank {first.rank} has {name}="
+                    f"{getattr(first, name)}, rank {state.rank} has {getattr(state, name)}; "
+                    "pass the states of one save of one job"
+                )
+    ranks = [state.rank for state in states]
+    if len(set(ranks)) != len(ranks):
+        raise StateMismatchError(f"the rank states list a rank twice: ranks {ranks}")
+    return first
+
+
+def plan_restore(
+    states: Sequence[RankState],
+    *,
+    rank: int,
+    world_size: int,
+    num_workers: int,
+    num_partitions: int,
+    scale: int = 1,
+) -> RestorePlan:
+    """Plan rank ``rank`` of the layout ``(world_size, num_workers)`` from saved rank states.
+
+    ``states`` are some or all ranks' states of one save. On the layout that saved them a
+    rank needs only its own state and continues exactly, the tail of an epoch included. On
+    another layout the job's position ``B`` is the saved assignment's start plus
+    ``world_size x`` the items the lowest given rank delivered (every rank's count, in the
+    lockstep of synchronous data-parallel training), and the rank takes the partitions its
+    steps reach from ``B`` on. Replay counts are multiplied by
+    ``scale`` (a smaller batch size). Raises ``StateMismatchError`` naming what differs or
+    which partitions no given state holds.
+    """
+    first = _check_common(states, num_partitions)
+    own = next((s for s in states if s.rank == rank), None)
+    same_layout = first.world_size == world_size and first.num_workers == num_workers
+    if own is not None and same_layout and not own.epoch_ended:
+        restores = {p.partition: attrs.evolve(p, skip=p.skip * scale) for p in own.partitions}
+        return RestorePlan(
+            workers=own.workers,
+            restores=restores,
+            epoch=own.epoch,
+            in_epoch=own.in_epoch,
+            epoch_ended=False,
+            delivered=own.delivered,
+            start=own.start,
+            next_worker=own.next_worker,
+            offset=0 if num_workers == 0 else own.next_worker,
+        )
+    basis = min(states, key=lambda s: s.rank)
+    ended = (
+        own.epoch_ended if own is not None and same_layout else all(s.epoch_ended for s in states)
+    )
+    available: dict[int, tuple[PartitionState, bool]] = {}
+    for state in states:
+        for entry in state.partitions:
+            available[entry.partition] = (entry, state.epoch_ended)
+    if ended:
+        # A new epoch starts from the canonical assignment, unless this rank does not hold
+        # those partitions (a rank-level rotation from an earlier restore onto another world
+        # size): then its ranks keep the partitions they run, and only workers are reset.
+        position = 0
+        canonical = PartitionLayout(num_partitions, world_size, num_workers).rank_partitions(rank)
+        if first.world_size == world_size and any(p not in available for p in canonical):
+            position = basis.start % world_size
+    else:
+        # The ranks of a synchronous job deliver in lockstep: every rank's count is the
+        # lowest rank's, whichever states (all, or the ones a rank file restore read) are given.
+        position = basis.start + first.world_size * basis.delivered
+    layout = PartitionLayout(num_partitions, world_size, num_workers, position % num_partitions)
+    needed = layout.rank_partitions(rank)
+    missing = [p for p in needed if p not in available]
+    if missing:
+        holders = sorted({s.rank for s in states})
+        raise StateMismatchError(
+            f"rank {rank} of world_size={world_size} x num_workers={num_workers} runs partitions "
+            f"{_describe(needed)} from global position {position}, but the given state(s) of "
+            f"rank(s) {holders} (saved on world_size={first.world_size} x num_workers="
+            f"{first.num_workers}) hold only partitions {_describe(available)}; missing "
+            f"{_describe(missing)}. Restoring onto another layout needs every rank's state: "
+            "restore_state_global(states), restore_state_rank_file, or a "
+            "torch.distributed.checkpoint load into a fresh loader"
+        )
+    restores = {}
+    for p in needed:
+        entry, rank_ended = available[p]
+        done = False if ended else (entry.done or rank_ended)
+        restores[p] = attrs.evolve(entry, skip=entry.skip * scale, done=done)
+    return RestorePlan(
+        workers=layout.worker_slots(rank),
+        restores=restores,
+        epoch=first.epoch,
+        in_epoch=any(s.in_epoch for s in states) and not ended,
+        epoch_ended=ended,
+        delivered=0,
+        start=layout.start,
+        next_worker=0,
+        offset=0,
+    )

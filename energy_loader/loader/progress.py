@@ -1,0 +1,115 @@
+"""What the main process knows of one rank's epoch: per worker, the last item handed out.
+
+:class:`Progress` is the main-process bookkeeping a save is computed from (with the workers'
+snapshots, :mod:`energy_loader.state.positions`): for each logical worker the number of the
+last item the user received and whether it ended the epoch, which worker is due next, and the
+epoch's counters. :class:`Mark` is that position right after one item, kept for the last few
+items so a save can reach back (``held_back``). Not thread-safe: the iterating thread only.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING
+
+import attrs
+
+if TYPE_CHECKING:
+    from .planner import RestorePlan
+
+__all__ = ["MAX_HELD_BACK", "Mark", "Progress"]
+
+# How many delivered items a save may hold back (``save_state_rank(held_back=n)``): the rolling
+# checkpoints keep that many more items per worker.
+MAX_HELD_BACK = 2
+
+
+@attrs.frozen
+class Mark:
+    """Where the rank stood right after handing out one item (for held-back saves)."""
+
+    last_index: tuple[int, ...]
+    done: tuple[bool, ...]
+    next_worker: int
+    delivered: int
+
+
+class Progress:
+    """What the main process knows about each logical worker's stream and the epoch."""
+
+    def __init__(self, workers: int) -> None:
+        self.last_index = [-1] * workers
+        self.done = [False] * workers
+        self.next_worker = 0
+        self.epoch = 0
+        self.in_epoch = False
+        self.epoch_ended = False
+        self.delivered = 0
+        self.start = 0
+        # The position after each of the last items handed out, and before the first one.
+        self.marks: collections.deque[Mark] = collections.deque(maxlen=MAX_HELD_BACK + 1)
+        self.marks.append(self.mark())
+
+    @classmethod
+    def from_plan(cls, plan: RestorePlan) -> Progress:
+        """The progress a restored loader starts from (nothing handed out since)."""
+        progress = cls(len(plan.workers))
+        progress.done = [w.done for w in plan.workers]
+        progress.next_worker = plan.next_worker
+        progress.epoch = plan.epoch
+        progress.in_epoch = plan.in_epoch
+        progress.epoch_ended = plan.epoch_ended
+        progress.delivered = plan.delivered
+        progress.start = plan.start
+        progress.marks.clear()
+        progress.marks.append(progress.mark())
+        return progress
+
+    def start_epoch(self, start: int) -> None:
+        """The next epoch begins, its partition assignment starting at ``start``."""
+        self.epoch += 1
+        self.done = [False] * len(self.done)
+        self.epoch_ended = False
+        self.next_worker = 0
+        self.delivered = 0
+        self.start = start
+        self.marks.clear()
+        self.marks.append(self.mark())
+
+    def end_epoch(self) -> None:
+        """Every item of the epoch has been handed out and the end reported."""
+        self.in_epoch = False
+        self.epoch_ended = True
+        self.next_worker = 0
+
+    def handed_out(self, worker: int, index: int, is_end: bool) -> None:
+        """Record logical worker ``worker``'s item ``index`` (or its end marker) as received."""
+        self.last_index[worker] = index
+        self.next_worker = (worker + 1) % len(self.done)
+        if is_end:
+            self.done[worker] = True
+            return
+        self.delivered += 1
+        self.marks.append(self.mark())
+
+    @property
+    def fresh(self) -> bool:
+        """Nothing was iterated, ended or restored yet (restores are the caller's to check)."""
+        return self.epoch == 0 and not self.in_epoch and not self.epoch_ended
+
+    def mark(self) -> Mark:
+        return Mark(tuple(self.last_index), tuple(self.done), self.next_worker, self.delivered)
+
+    def held_back(self, count: int) -> Mark:
+        """Where the rank stood ``count`` items before the last one it handed out."""
+        if count == 0:
+            return self.mark()
+        if count > MAX_HELD_BACK:
+            raise ValueError(f"`held_back` must be at most {MAX_HELD_BACK} (got {count})")
+        if count >= len(self.marks):
+            raise ValueError(
+                f"held_back={count}: only {len(self.marks) - 1} item(s) were handed out since "
+                "this epoch began or the loader was restored, so there is no position that "
+                "many items back"
+            )
+        return self.marks[-1 - count]
