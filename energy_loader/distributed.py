@@ -505,8 +505,9 @@ def restore_state_rank_file(
     config = loader.worker_config
     # The partitions this rank runs from the job's position, or from 0 if the epoch had ended.
     lockstep = first.start + first.world_size * first.delivered
+    planner = loader.planner_for([first])  # the saved partition count, if the loader adopts it
     for position in (lockstep, 0):
-        layout = loader.planner.layout(position % loader.num_partitions)
+        layout = planner.layout(position % planner.num_partitions)
         for partition in layout.rank_partitions(config.rank):
             old_rank = (partition - first.start) % first.world_size
             if old_rank not in states:

@@ -182,7 +182,7 @@ class WorkerConfig:
 
         With the default ``num_partitions`` (one partition per worker of every rank) worker
         ``w`` of rank ``r`` runs partition ``r + w * world_size`` of
-        ``world_size * max(1, num_workers)`` (see :mod:`energy_loader.partitions`).
+        ``world_size * max(1, num_workers)`` (see :mod:`energy_loader.loader.partitions`).
         """
         workers = max(1, self.num_workers)
         if not 0 <= worker_id < workers:
@@ -213,7 +213,7 @@ class WorkerContext:
     """Where one copy of the pipeline runs: plain numbers, cheap to send to a worker.
 
     A copy of the pipeline is one *logical partition* ``partition`` of ``num_partitions``
-    (see :mod:`energy_loader.partitions`): sources read shard ``partition`` of
+    (see :mod:`energy_loader.loader.partitions`): sources read shard ``partition`` of
     ``num_partitions`` and random components seed their streams from it, so what a partition
     yields does not depend on which rank or worker runs it. ``rank``, ``world_size``,
     ``worker_id`` and ``num_workers`` say who runs it now (``num_workers`` is at least 1:

@@ -124,7 +124,11 @@ def _rank_main(
 
 
 def make_loader(
-    num_workers: int, *, length: int = 64, config: el.WorkerConfig | None = None
+    num_workers: int,
+    *,
+    length: int = 64,
+    config: el.WorkerConfig | None = None,
+    num_partitions: int | None = None,
 ) -> el.SavableDataLoader:
     """A small reference pipeline (map -> shuffle buffer -> batch) on this rank."""
     config = config or el.WorkerConfig.from_process_group(num_workers=num_workers, seed=3)
@@ -133,6 +137,7 @@ def make_loader(
         worker_config=config,
         multiprocessing_context="fork",
         checkpoint_every_n_samples=2,
+        num_partitions=num_partitions,
     )
 
 
@@ -292,15 +297,19 @@ def bad_inputs(rank: int, world_size: int, workdir: Path) -> None:
     one_bad = copy.deepcopy(good)
     one_bad[1]["config"]["inner"]["size"] = 99
     target = make_loader(1)
+    # Given its own num_partitions, a loader refuses states saved with another count (one
+    # given none adopts it: "adopted" below).
+    pinned = make_loader(1, num_partitions=world_size)
 
-    def scatter(states: Any, src: int = 0) -> None:
-        target.restore_state_global(states if rank == src else None, src_rank=src)
+    def scatter(states: Any, src: int = 0, loader: Any = target) -> None:
+        loader.restore_state_global(states if rank == src else None, src_rank=src)
 
     cases: dict[str, Callable[[], Any]] = {
         "full_list_too_long": lambda: target.restore_state_global(good + good[:1]),
         "scatter_too_short": lambda: scatter(good[:1]),
-        "full_list_other_layout": lambda: target.restore_state_global(other_layout),
-        "scatter_other_layout": lambda: scatter(other_layout),
+        "full_list_other_layout": lambda: pinned.restore_state_global(other_layout),
+        "scatter_other_layout": lambda: scatter(other_layout, loader=pinned),
+        "other_layout_adopted": lambda: make_loader(1).restore_state_global(other_layout),
         "full_list_swapped": lambda: target.restore_state_global(good[::-1]),
         "full_list_one_rank_bad": lambda: target.restore_state_global(one_bad),
         "scatter_one_rank_bad": lambda: scatter(one_bad, src=1),

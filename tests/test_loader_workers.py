@@ -203,12 +203,19 @@ def test_restore_while_iterating_restarts_workers_and_invalidates_the_old_iterat
 
 def test_another_worker_count_restores_with_the_same_partitions() -> None:
     state = el.SavableDataLoader(reference_pipeline(50, 4, 4), num_workers=2).save_state_rank()
+    # A loader pinned to another count refuses, and its advice works when followed.
+    pinned = el.SavableDataLoader(reference_pipeline(50, 4, 4), num_workers=1, num_partitions=1)
     with pytest.raises(el.StateMismatchError, match="Pass num_partitions=2 to the loader"):
-        el.SavableDataLoader(reference_pipeline(50, 4, 4), num_workers=1).restore_state_rank(state)
-    loader = el.SavableDataLoader(reference_pipeline(50, 4, 4), num_workers=1, num_partitions=2)
-    loader.restore_state_rank(state)
+        pinned.restore_state_rank(state)
     twin = el.SavableDataLoader(reference_pipeline(50, 4, 4), num_workers=2)
-    assert [indices(b) for b in loader] == [indices(b) for b in twin]
+    expected = [indices(b) for b in twin]
+    for partitions in (2, None):  # as advised, or unset: the saved count is adopted
+        loader = el.SavableDataLoader(
+            reference_pipeline(50, 4, 4), num_workers=1, num_partitions=partitions
+        )
+        loader.restore_state_rank(state)
+        assert loader.num_partitions == 2
+        assert [indices(b) for b in loader] == expected
 
 
 @pytest.mark.timeout(60)

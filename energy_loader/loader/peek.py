@@ -9,8 +9,9 @@ partitions as a restored worker does, and then takes items the way the loader re
 
 - within a worker, its partitions round-robin, one item at a time, skipping ended ones (as
   ``Runner.run_epoch``);
-- across workers, torch's round-robin starting at the worker that was due next, skipping a
-  worker once its epoch ended (its end marker takes its turn, then it is done).
+- across workers, the loader's order starting at the worker that was due next: the owner of
+  the rank's next partition (:func:`~energy_loader.loader.partitions.next_worker`; torch's
+  round-robin when the workers divide the partitions), skipping a worker once its epoch ended.
 
 At the end of an epoch it saves the simulated workers' states as an ended rank state and
 plans again, exactly as the loader's next ``iter()`` does, so keys run on into the next epoch.
@@ -35,6 +36,7 @@ from ..state.rank_state import RankState
 from ..workers.protocol import CheckpointSettings, RunPlan
 from ..workers.runner import Runner
 from ..workers.side import WorkerSideDataset
+from .partitions import next_worker
 from .planner import Planner
 
 if TYPE_CHECKING:
@@ -64,12 +66,13 @@ def kept_rng_state() -> Iterator[None]:
         torch.set_rng_state(saved[2])
 
 
-def _worker_items(runner: Runner) -> Iterator[tuple[Key, Any]]:
-    """One epoch of one simulated worker: ``(key, sample)`` in the order it yields them."""
+def _worker_items(runner: Runner) -> Iterator[tuple[int, tuple[Key, Any]]]:
+    """One epoch of one simulated worker: ``(slot, (key, sample))`` in the order it yields
+    them."""
     if not runner.prepare_epoch():
         return
     while (step := runner.next_pair(snapshot_ends=False)) is not None:
-        yield step[1]
+        yield step
 
 
 def future_items(
@@ -97,17 +100,22 @@ def future_items(
         )
         runners = [Runner(owner, logical) for logical in range(len(plan.workers))]
         streams = [_worker_items(runner) for runner in runners]
-        done = [False] * len(streams)
+        count = len(streams)
+        per_rank = sum(len(w.partitions) for w in plan.workers)
+        done = [False] * count
         turn, yielded = plan.next_worker, 0
         while not all(done):
-            if not done[turn]:
-                pair = next(streams[turn], _END)
-                if pair is _END:
-                    done[turn] = True
-                else:
-                    yielded += 1
-                    yield pair  # type: ignore[misc]
-            turn = (turn + 1) % len(streams)
+            # As the loader's Unbundler: the worker due, or the next one that has not ended.
+            due = next(w for w in ((turn + i) % count for i in range(count)) if not done[w])
+            step: Any = next(streams[due], _END)
+            if step is _END:
+                done[due] = True
+                turn = (due + 1) % count
+                continue
+            slot, pair = step
+            yielded += 1
+            yield pair
+            turn = next_worker(due, slot, per_rank, count)
         empty_epochs = 0 if yielded else empty_epochs + 1
         ended = [
             (tuple(slot.partition for slot in runner.slots), runner.snapshot().states)
@@ -126,7 +134,9 @@ def peek_keys(loader: SavableDataLoader, n: int) -> list[Key]:
         return keys
     state = RankState.from_plain(loader.save_state_rank())
     with kept_rng_state():
-        for key, _ in future_items(loader.planner, loader.checkpoint_settings, [state]):
+        for key, _ in future_items(
+            loader.planner_for([state]), loader.checkpoint_settings, [state]
+        ):
             keys.append(key)
             if len(keys) == n:
                 break

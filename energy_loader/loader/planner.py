@@ -32,7 +32,7 @@ from ..state.positions import Position
 from ..state.rank_state import PartitionState, RankState, WorkerSlots
 from ..worker import WorkerConfig
 from ..workers.protocol import RunPlan
-from .partitions import PartitionLayout
+from .partitions import PartitionLayout, world_sizes_for
 
 __all__ = ["Planner", "RestorePlan", "plan_restore"]
 
@@ -294,19 +294,25 @@ def _describe(numbers: Any) -> str:
     return str(numbers) if len(numbers) <= 12 else f"{numbers[:12]} ... ({len(numbers)} in all)"
 
 
-def _check_common(states: Sequence[RankState], num_partitions: int) -> RankState:
+def _check_common(states: Sequence[RankState], num_partitions: int, world_size: int) -> RankState:
     """The saved states agree with each other and with ``num_partitions``; returns the first."""
     if not states:
         raise StateMismatchError("no rank state to restore from")
     first = states[0]
     for state in states:
         if state.num_partitions != num_partitions:
+            saved = state.num_partitions
+            advice = (
+                f"Pass num_partitions={saved} to the loader, or leave num_partitions unset (a "
+                "loader given none adopts the saved count), to continue that stream"
+                if saved % world_size == 0
+                else f"{saved} partitions run on a world size in {world_sizes_for(saved)}, "
+                f"not on world_size={world_size}"
+            )
             raise StateMismatchError(
-                f"the state was saved with num_partitions={state.num_partitions} "
-                f"(world_size={state.world_size} x {max(1, state.num_workers)} workers x "
-                f"{state.num_partitions // (state.world_size * max(1, state.num_workers))} per "
-                f"worker); this loader runs num_partitions={num_partitions}. Pass "
-                f"num_partitions={state.num_partitions} to the loader to continue that stream"
+                f"the state was saved with num_partitions={saved} (on world_size="
+                f"{state.world_size} x num_workers={state.num_workers}); this loader runs "
+                f"num_partitions={num_partitions}. {advice}"
             )
         for name in ("world_size", "num_workers", "epoch"):
             if getattr(state, name) != getattr(first, name):
@@ -341,7 +347,7 @@ def plan_restore(
     ``scale`` (a smaller batch size). Raises ``StateMismatchError`` naming what differs or
     which partitions no given state holds.
     """
-    first = _check_common(states, num_partitions)
+    first = _check_common(states, num_partitions, world_size)
     own = next((s for s in states if s.rank == rank), None)
     same_layout = first.world_size == world_size and first.num_workers == num_workers
     if own is not None and same_layout and not own.epoch_ended:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from .partitions import next_worker
+
 if TYPE_CHECKING:
     from .planner import RestorePlan
 
@@ -37,7 +39,9 @@ class Mark:
 class Progress:
     """What the main process knows about each logical worker's stream and the epoch."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, per_rank: int) -> None:
+        # The rank's partitions, split over the workers (see partitions.next_worker).
+        self.per_rank = per_rank
         self.last_index = [-1] * workers
         self.done = [False] * workers
         self.next_worker = 0
@@ -53,7 +57,7 @@ class Progress:
     @classmethod
     def from_plan(cls, plan: RestorePlan) -> Progress:
         """The progress a restored loader starts from (nothing handed out since)."""
-        progress = cls(len(plan.workers))
+        progress = cls(len(plan.workers), sum(len(w.partitions) for w in plan.workers))
         progress.done = [w.done for w in plan.workers]
         progress.next_worker = plan.next_worker
         progress.epoch = plan.epoch
@@ -82,13 +86,15 @@ class Progress:
         self.epoch_ended = True
         self.next_worker = 0
 
-    def handed_out(self, worker: int, index: int, is_end: bool) -> None:
-        """Record logical worker ``worker``'s item ``index`` (or its end marker) as received."""
+    def handed_out(self, worker: int, index: int, slot: int, is_end: bool) -> None:
+        """Record logical worker ``worker``'s item ``index`` (made by its ``slot``), or its end
+        marker, as received."""
         self.last_index[worker] = index
-        self.next_worker = (worker + 1) % len(self.done)
         if is_end:
+            self.next_worker = (worker + 1) % len(self.done)
             self.done[worker] = True
             return
+        self.next_worker = next_worker(worker, slot, self.per_rank, len(self.done))
         self.delivered += 1
         self.marks.append(self.mark())
 

@@ -16,14 +16,15 @@ main process and its state is read directly (nothing to replay).
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from torch.utils.data import DataLoader
 
 from ..dataset import SavableDataset, attach_restore_key
-from ..errors import WorkerError
+from ..errors import StateMismatchError, WorkerError
 from ..metrics import LoaderMetrics, clock, resolve_stall_policy
 from ..state.plain import to_key
 from ..state.positions import Position
@@ -50,7 +51,7 @@ from .arguments import (
     resolve_worker_config,
 )
 from .fleet import WorkerFleet
-from .partitions import resolve_num_partitions
+from .partitions import idle_workers_warning, resolve_num_partitions, world_sizes_for
 from .planner import Planner, RestorePlan
 from .progress import Mark, Progress
 from .protocols import RankStateProtocols
@@ -204,13 +205,16 @@ class SavableDataLoader(RankStateProtocols, DataLoader):
         if mp_context is not None and mp_context.get_start_method() != "fork":
             check_serializable(dataset)
         self._worker_config = config
+        # Without a num_partitions of its own the loader continues whatever count it restores.
+        self._adopts_partitions = num_partitions is None
+        _warn_if_idle(partitions, config)
         self._planner = planner = Planner(dataset, config, partitions)
         self._worker_side = side = WorkerSideDataset(
             dataset, config, settings, planner.canonical_plan(), savable=self.saves_state
         )
         side.items_per_transfer = items_per_transfer
         self._fleet = WorkerFleet(self, side, workers, mp_context, self._transport, reply_timeout)
-        self._progress = Progress(max(1, workers))
+        self._progress = Progress(max(1, workers), partitions // config.world_size)
         self._inner: Iterator[Any] | Unbundler | None = None
         self._generation = 0
         self._failure: WorkerError | None = None
@@ -277,7 +281,7 @@ class SavableDataLoader(RankStateProtocols, DataLoader):
                 self._fail(failure)
                 raise failure from error
             self._fleet.receive(item)
-            progress.handed_out(item.worker, item.number, item.is_end)
+            progress.handed_out(item.worker, item.number, item.slot, item.is_end)
             if item.is_end:
                 continue
             self._metrics.item(began, decode_s)
@@ -426,7 +430,12 @@ class SavableDataLoader(RankStateProtocols, DataLoader):
 
     def restore_from_states(self, states: list[RankState]) -> None:
         """Restore this rank from some or all ranks' decoded states of one save."""
-        self._restore(self._planner.plan_restore(states))
+        planner = self.planner_for(states)
+        plan = planner.plan_restore(states)
+        if planner is not self._planner:
+            _warn_if_idle(planner.num_partitions, self._worker_config)
+            self._planner = planner
+        self._restore(plan)
 
     def plan_restore(self, states: list[RankState]) -> RestorePlan:
         """Check ``states`` against this loader and plan its restore (changes nothing).
@@ -434,7 +443,30 @@ class SavableDataLoader(RankStateProtocols, DataLoader):
         Raises ``StateMismatchError`` for another pipeline or partitioning, and
         ``StateFormatError`` for a checkpoint the pipeline cannot read.
         """
-        return self._planner.plan_restore(states)
+        return self.planner_for(states).plan_restore(states)
+
+    def planner_for(self, states: Sequence[RankState]) -> Planner:
+        """The planner a restore from ``states`` uses (changes nothing).
+
+        This loader's own, unless it was given no ``num_partitions`` and the states were saved
+        with another count: then one for theirs, so the saved stream continues on any number
+        of workers (the count is adopted when the restore happens). Raises
+        ``StateMismatchError`` when this world size cannot run the saved partitions.
+        """
+        planner = self._planner
+        if not self._adopts_partitions or not states:
+            return planner
+        saved = states[0].num_partitions
+        if saved == planner.num_partitions:
+            return planner
+        world_size = self._worker_config.world_size
+        if saved % world_size:
+            raise StateMismatchError(
+                f"the state was saved with num_partitions={saved}, which world_size="
+                f"{world_size} cannot run (every rank runs the same number of partitions): "
+                f"{saved} partitions run on a world size in {world_sizes_for(saved)}"
+            )
+        return Planner(planner.pipeline, self._worker_config, saved)
 
     def _restore(self, plan: RestorePlan) -> None:
         self._shutdown_workers()
@@ -452,7 +484,7 @@ class SavableDataLoader(RankStateProtocols, DataLoader):
         side.plan = self._planner.canonical_plan()
         side.offset = 0
         side.drop_runner()
-        self._progress = Progress(max(1, self.num_workers))
+        self._progress = Progress(max(1, self.num_workers), self._planner.layout().per_rank)
         self._new_generation()
 
     def _new_generation(self) -> None:
@@ -576,6 +608,12 @@ class BasicDataLoader(SavableDataLoader):
 
     def restore_state_rank(self, state: dict[str, Any]) -> None:
         raise TypeError("BasicDataLoader does not restore state; use SavableDataLoader")
+
+
+def _warn_if_idle(num_partitions: int, config: WorkerConfig) -> None:
+    message = idle_workers_warning(num_partitions, config.world_size, config.num_workers)
+    if message is not None:
+        warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def _make_metrics(loader: SavableDataLoader, stall: Any) -> LoaderMetrics:

@@ -15,7 +15,8 @@ Layout (format version 2)::
       "start": 0,                 # global position (mod P) the current assignment started at
       "next_worker": 1,           # the worker whose item the user receives next
       "workers": [                # one per worker (one entry when num_workers == 0)
-        {"partitions": [0, 2],    # the partitions it runs, in round-robin order
+        {"partitions": [0, 2],    # the partitions it runs, in round-robin order (may be
+                                  # empty: a worker beyond P / world_size idles)
          "next": 1,               # the position in that list whose item comes next
          "done": false},          # this worker already ended the current epoch
         ...
@@ -101,10 +102,8 @@ class WorkerSlots:
             _int(value, f"{reader.path}.partitions[{i}]")
             for i, value in enumerate(reader.list("partitions"))
         )
-        if not partitions:
-            raise StateFormatError(f"{reader.path}.partitions must not be empty")
         following = reader.int("next")
-        if following >= len(partitions):
+        if following >= max(1, len(partitions)):
             raise StateFormatError(
                 f"{reader.path}.next {following} is not below its {len(partitions)} partitions"
             )
@@ -188,11 +187,10 @@ class RankState:
         if rank >= world_size:
             raise StateFormatError(f"state.rank {rank} is not below state.world_size {world_size}")
         num_partitions = reader.int("num_partitions", minimum=1)
-        copies = world_size * max(1, num_workers)
-        if num_partitions % copies:
+        if num_partitions % world_size:
             raise StateFormatError(
-                f"state.num_partitions {num_partitions} is not a multiple of world_size x "
-                f"workers = {copies}"
+                f"state.num_partitions {num_partitions} is not a multiple of state.world_size "
+                f"{world_size}"
             )
         workers = tuple(
             WorkerSlots.from_reader(StateReader(w, f"state.workers[{i}]"))
@@ -261,11 +259,13 @@ def _check_partitions(
         raise StateFormatError(
             f"state.partitions {sorted(listed)} and the workers' partitions {sorted(held)} differ"
         )
-    sizes = {len(w.partitions) for w in workers}
-    if len(sizes) != 1:
+    # Worker w runs every W-th of the rank's partitions from its w-th (partitions.py).
+    sizes = [len(w.partitions) for w in workers]
+    expected = [len(range(w, per_rank, len(workers))) for w in range(len(workers))]
+    if sizes != expected:
         raise StateFormatError(
-            "state.workers run different numbers of partitions: "
-            f"{[len(w.partitions) for w in workers]}"
+            f"state.workers run {sizes} partitions; {len(workers)} worker(s) sharing "
+            f"{per_rank} run {expected}"
         )
 
 

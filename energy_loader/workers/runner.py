@@ -134,7 +134,10 @@ class Runner:
         # keeps the book; in the main process (no workers) the runner keeps it.
         self.outbox: list[tuple[int, Snapshot]] | None = [] if in_worker and owner.savable else None
         if in_worker:
-            set_process_worker(self.slots[0].pipeline.context)
+            # A worker beyond the rank's partitions idles: it still needs a context.
+            set_process_worker(
+                self.slots[0].pipeline.context if self.slots else config.context(self.logical_id)
+            )
             exit_without_flushing_if_orphaned()
             if self.settings.gc_freeze:
                 # No collection first: walking torch's heap in every new worker costs

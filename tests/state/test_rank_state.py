@@ -61,7 +61,7 @@ def test_state_size_does_not_grow_with_dataset_size() -> None:
             r"state.partitions\[0\].skip must be an integer",
         ),
         (lambda s: s["partitions"][0].update(partition=3), "names partitions \\[3\\] of only 1"),
-        (lambda s: s["workers"][0].update(partitions=[]), "must not be empty"),
+        (lambda s: s["workers"][0].update(partitions=[]), r"state.workers\[\*\].partitions has 0"),
         (lambda s: s.update(num_partitions=0), "num_partitions must be >= 1"),
         (lambda s: s.update(next_worker=5), "next_worker 5 is not below"),
         (
@@ -119,10 +119,18 @@ def test_larger_or_non_dividing_batch_size_raises_mismatch() -> None:
 
 def test_another_partition_count_is_a_mismatch_naming_both() -> None:
     state = _mid_epoch_state(buffer=10, length=2000)
-    loader = el.SavableDataLoader(
-        reference_pipeline(2000, 10, 32), worker_config=el.WorkerConfig(rank=1, world_size=2)
-    )
+    config = el.WorkerConfig(rank=1, world_size=2)
+    loader = el.SavableDataLoader(reference_pipeline(2000, 10, 32), worker_config=config)
+    # Given no num_partitions the loader would adopt the saved count, which 2 ranks cannot run.
     with pytest.raises(
-        el.StateMismatchError, match=r"saved with num_partitions=1 .* this loader runs num_partit"
+        el.StateMismatchError, match=r"num_partitions=1, which world_size=2 cannot run"
     ):
         loader.restore_state_rank(state)
+    pinned = el.SavableDataLoader(
+        reference_pipeline(2000, 10, 32), worker_config=config, num_partitions=2
+    )
+    with pytest.raises(
+        el.StateMismatchError,
+        match=r"saved with num_partitions=1 .* this loader runs num_partitions=2\. 1 partitions",
+    ):
+        pinned.restore_state_rank(state)
