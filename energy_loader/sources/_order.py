@@ -8,7 +8,9 @@ files, windows of Parquet row groups): O(units) memory, O(log units) per lookup.
 3. Global position ``g`` is sample ``g // P`` of span ``g % P``.
 
 Reader ``s`` of ``S`` reads global positions ``s, s + S, ...``; with ``S == P`` it reads span
-``s`` front to back, one unit after another, so its reads stay local. :meth:`EpochOrder.walk`
+``s`` front to back, one unit after another, so its reads stay local. A source that reads
+contiguous ranges of Q itself (the chunked folder: a partition reads its span, or a ring range
+around it) uses :func:`span` and :meth:`EpochOrder.walk_range`. :meth:`EpochOrder.walk`
 gives a reader its ``(unit, row)`` pairs computed a block at a time with numpy (~0.2 us a
 sample instead of ~5 us for a lookup and a Feistel evaluation per sample). When shuffling, a
 unit's whole row permutation is computed at once, as an array, the first time a block needs it
@@ -27,18 +29,27 @@ import numpy as np
 from ..rng import stable_hash
 from .permutation import FeistelPermutation
 
-__all__ = ["EpochOrder"]
+__all__ = ["EpochOrder", "span"]
 
 _MAX_CACHED_PERMUTATIONS = 256
 
 #: Units with at most this many samples get their row permutation as an array (8 bytes a
-#: sample); at most ``_MAX_CACHED_ARRAYS`` such arrays are kept.
+#: sample); at most ``_MAX_CACHED_ARRAYS`` such arrays are kept (``row_arrays`` of
+#: :class:`EpochOrder`: a reader that never goes back to a unit needs one).
 _MAX_ARRAY_ROWS = 1 << 20
 _MAX_CACHED_ARRAYS = 16
 
 #: Positions :meth:`EpochOrder.walk` computes at once: enough to amortise numpy's per-call
 #: cost, few enough that a reader which stops early (a restore, a save) wastes little.
 _WALK_BLOCK = 512
+
+
+def span(total: int, partitions: int, partition: int) -> tuple[int, int]:
+    """``[start, stop)`` of span ``partition`` when Q of ``total`` samples is cut into
+    ``partitions`` (step 2 above: the first ``total % partitions`` spans hold one more)."""
+    quotient, remainder = divmod(total, partitions)
+    start = partition * quotient + min(partition, remainder)
+    return start, start + quotient + (partition < remainder)
 
 
 class EpochOrder:
@@ -56,11 +67,13 @@ class EpochOrder:
         partitions: int,
         *,
         shuffle_units: bool = True,
+        row_arrays: int = _MAX_CACHED_ARRAYS,
     ) -> None:
         self.samples = list(samples)
         self.total = sum(self.samples)
         self.partitions = partitions
         self.seed = seed
+        self.row_arrays = row_arrays
         self.shuffle = shuffle
         units = len(self.samples)
         if shuffle and shuffle_units and units > 1:
@@ -107,7 +120,7 @@ class EpochOrder:
             return self._permutation(unit).take(offsets.astype(np.uint64)).astype(np.int64)
         rows = self._row_arrays.get(unit)
         if rows is None:
-            if len(self._row_arrays) >= _MAX_CACHED_ARRAYS:
+            if len(self._row_arrays) >= self.row_arrays:
                 del self._row_arrays[next(iter(self._row_arrays))]  # the oldest
             every = np.arange(self.samples[unit], dtype=np.uint64)
             rows = self._permutation(unit).take(every).astype(np.int64)
@@ -119,6 +132,10 @@ class EpochOrder:
         partitions, total = self.partitions, self.total
         span, step = positions % partitions, positions // partitions
         q = span * (total // partitions) + np.minimum(span, total % partitions) + step
+        return self.sequence_keys(q)
+
+    def sequence_keys(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(units, rows)`` of an ``int64`` array of positions in Q (``0 <= q < total``)."""
         slots = np.searchsorted(self._starts_array, q, side="right") - 1
         units = self._order_array[slots]
         rows = q - self._starts_array[slots]
@@ -143,6 +160,16 @@ class EpochOrder:
         """``(unit, row)`` of positions ``position, position + stride, ...`` to the epoch's end."""
         for units, rows in self.blocks(position, stride):
             yield from zip(units.tolist(), rows.tolist())
+
+    def walk_range(self, start: int, stop: int) -> Iterator[tuple[int, int]]:
+        """``(unit, row)`` of Q positions ``start, ..., stop - 1`` taken modulo ``total`` (Q as a
+        ring: a range may run past its end into its start), a block at a time."""
+        total = self.total
+        while start < stop:
+            end = min(stop, start + _WALK_BLOCK)
+            units, rows = self.sequence_keys(np.arange(start, end, dtype=np.int64) % total)
+            yield from zip(units.tolist(), rows.tolist())
+            start = end
 
     def key(self, position: int) -> tuple[int, int]:
         """``(unit, row)`` of global ``position``."""

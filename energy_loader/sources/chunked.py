@@ -13,32 +13,37 @@ A column file's sample ``i`` is ``{name: column[i]}``, copied out of the chunk (
 by a shuffle buffer does not pin its whole chunk in memory). :func:`write_chunked_folder` makes
 such a folder from any iterable of samples.
 
-Partitions. Files are dealt to the loader's logical partitions (one per worker of every rank
-by default; see :mod:`energy_loader.partitions`) round-robin in metadata order: file ``i``
-belongs to partition ``i % P`` in every epoch, so a partition, and the worker that runs it,
-only ever reads whole files of its own, loading one at a time and freeing it before the next.
-A partition's epoch is the concatenation of its files (in a per-epoch order when shuffling,
-each in a per-epoch row order). Every partition yields the same number of samples, its
-*quota*, set by ``balance``, so every rank yields the same number of batches:
+Order and partitions. Every epoch has one order Q of the folder's N samples: the files in a
+per-epoch order, each file's rows in a per-epoch order (Feistel permutations keyed by
+``seed``, this source's position in the pipeline, the epoch and the file; metadata order
+without ``shuffle``). Q is cut into the loader's P logical partitions (one per worker of every
+rank by default; see :mod:`energy_loader.loader.partitions`) as contiguous ranges of
+``N // P`` or ``N // P + 1`` samples (the first ``N % P`` ranges hold one more), so any file
+sizes split. Partition ``p`` reads its range front to back, loading the files it crosses one
+at a time and freeing each before the next: at most one chunk in memory per partition. A file
+that straddles a range boundary is loaded by both neighbours (each reads its part), so an
+epoch loads at most ``F + P - 1`` chunk files for F files. What a partition reads depends only
+on (``seed``, epoch, P), never on ranks or workers: a state restores exactly onto any layout
+that divides the same P.
 
-- ``"exact"``: every partition must hold the same number of samples, else a
-  ``SourceDataError`` names the partitions, their counts and their files;
-- ``"oversample"``: the quota is the largest partition's count; smaller partitions wrap around
-  to the start of their own epoch order;
-- ``"undersample"``: the quota is the smallest partition's count; larger ones stop early.
+Ranks. Rank ``r`` of R runs partitions ``r, r + R, ...``: it reads ranges, not whole files.
+``balance`` decides how the ranks stay level:
 
-Order. With ``shuffle=True`` a rank's file order and every file's row order are Feistel
-permutations keyed by (``seed``, this source's position in the pipeline, epoch, partition or
-file):
-deterministic, different every epoch, O(1) memory per file.
+- ``"exact"``: every partition reads its range. When R divides N (always with one rank) every
+  rank gets ``N / R`` samples and its partitions the same counts as every other rank's, so
+  every rank yields the same number of batches; otherwise ``SourceDataError`` names the ranks,
+  their counts and the files;
+- ``"oversample"``: every partition reads ``ceil(N / P)`` samples; a shorter range runs on into
+  the next sample of Q (the last partition's into Q's first): fewer than P repeats an epoch;
+- ``"undersample"``: every partition reads ``N // P`` samples; the longer ranges leave out
+  their last sample: fewer than P samples left out an epoch.
 
-State: ``{"phase", "epoch", "position"}``; ``position`` is the partition's next position in
-its epoch stream. Restore key: ``(file_index, row)`` in metadata order.
+State: ``{"phase", "epoch", "position"}``; ``position`` is how many samples of its range the
+partition has read this epoch. Restore key: ``(file_index, row)`` in metadata order.
 """
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import os
@@ -58,7 +63,7 @@ from ..state.atomic import write_atomically
 from ..state.plain import StateReader
 from ..validation import require_bool, require_int
 from ..worker import WorkerContext
-from .permutation import FeistelPermutation
+from ._order import EpochOrder, span
 
 __all__ = ["ChunkedFolderSource", "loaded_chunk_count", "write_chunked_folder"]
 
@@ -228,21 +233,12 @@ def read_metadata(folder: Path) -> tuple[tuple[str, ...], tuple[int, ...]]:
 
 
 @attrs.frozen
-class _Layout:
-    """Which part of the data one partition reads in every epoch."""
+class _Range:
+    """What one partition reads in every epoch: ``count`` samples of the epoch order Q from
+    position ``start`` on, Q taken as a ring (a range may run past its end into its start)."""
 
-    files: tuple[int, ...]  # this partition's files, metadata order
-    total: int  # samples in those files
-    start: int  # the range of the partition's stream it yields: [start, stop)
-    stop: int
-
-
-@attrs.frozen
-class _EpochPlan:
-    """A partition's stream in one epoch: its files in order and where each starts."""
-
-    files: tuple[int, ...]
-    starts: tuple[int, ...]
+    start: int
+    count: int
 
 
 class _ChunkedCursor(EpochCursor):
@@ -252,34 +248,26 @@ class _ChunkedCursor(EpochCursor):
         super().__init__(dataset)
         self.position = 0
         self._chunk: _Chunk | None = None
-        self._rows: FeistelPermutation | None = None
-        self._plan: tuple[int, _EpochPlan] | None = None
+        self._order: tuple[int, EpochOrder] | None = None
 
     def begin_epoch(self) -> None:
-        self.position = self.dataset.layout().start
+        self.position = 0
 
-    def plan(self, layout: _Layout) -> _EpochPlan:
-        if self._plan is None or self._plan[0] != self.epoch:
-            self._plan = (self.epoch, self.dataset.epoch_plan(layout, self.epoch))
-        return self._plan[1]
+    def order(self) -> EpochOrder:
+        if self._order is None or self._order[0] != self.epoch:
+            self._order = (self.epoch, self.dataset.epoch_order(self.epoch))
+        return self._order[1]
 
     def resume(self) -> Iterator[tuple[Key, Any]]:
         source = self.dataset
-        layout = source.layout()
-        plan = self.plan(layout)
+        part = source.layout()
         seq_len = source.seq_len
-        while self.position < layout.stop:
-            local = self.position % layout.total
-            slot = bisect.bisect_right(plan.starts, local) - 1
-            file_index = plan.files[slot]
+        walk = self.order().walk_range(part.start + self.position, part.start + part.count)
+        for file_index, row in walk:
             chunk = self._chunk
             if chunk is None or chunk.index != file_index:
                 self._chunk = chunk = None  # free the old chunk before loading the next
-                chunk = source.load_chunk(file_index)
-                self._chunk = chunk
-                self._rows = source.row_order(file_index, self.epoch)
-            offset = local - plan.starts[slot]
-            row = self._rows[offset] if self._rows is not None else offset
+                chunk = self._chunk = source.load_chunk(file_index)
             sample = chunk.sample(row, seq_len)
             self.position += 1
             yield (file_index, row), sample
@@ -291,24 +279,26 @@ class _ChunkedCursor(EpochCursor):
     def load_fields(self, reader: StateReader) -> None:
         self.position = reader.int("position")
         if self.phase == "running":
-            layout = self.dataset.layout()
-            if not layout.start <= self.position <= layout.stop:
+            count = self.dataset.layout().count
+            if not 0 <= self.position <= count:
                 context = self.dataset.context
                 raise StateFormatError(
-                    f"{reader.path}.position {self.position} is outside the range "
-                    f"[{layout.start}, {layout.stop}] of partition {context.partition} of "
-                    f"{context.num_partitions} of this folder"
+                    f"{reader.path}.position {self.position} is outside the range [0, {count}] "
+                    f"of partition {context.partition} of {context.num_partitions} of this folder"
                 )
 
 
 class ChunkedFolderSource(SavableDataset):
-    """Stream a folder of chunk files, one file in memory at a time, sharded over partitions.
+    """Stream a folder of chunk files in ranges over the loader's partitions, one file in memory
+    per partition at a time.
 
-    See the module documentation for the folder layout, how files and samples are spread over
-    the loader's partitions (``balance``), and the shuffle. ``seq_len`` cuts every tensor or
-    array of a sample that has at least one dimension to its last ``seq_len`` positions (along
-    its first dimension). Raises ``FileNotFoundError`` for a missing folder, metadata or chunk
-    file and ``SourceDataError`` for inconsistent metadata, both naming the file. Example::
+    See the module documentation for the folder layout, the per-epoch order and how it is cut
+    into one contiguous range per partition, and how ``balance`` keeps the ranks level.
+    ``seq_len`` cuts every tensor or array of a sample that has at least one dimension to its
+    last ``seq_len`` positions (along its first dimension). Raises ``FileNotFoundError`` for a
+    missing folder, metadata or chunk file and ``SourceDataError`` for inconsistent metadata,
+    both naming the file, and for ``balance="exact"`` on ranks that would get different
+    numbers of samples. Example::
 
         write_chunked_folder("data/", samples, samples_per_file=1000)
         source = ChunkedFolderSource("data/", shuffle=True, seed=1234, balance="oversample")
@@ -343,72 +333,72 @@ class ChunkedFolderSource(SavableDataset):
 
     # -- layout and order --------------------------------------------------------------------
 
-    def layout(self, context: WorkerContext | None = None) -> _Layout:
-        """The files of this copy's partition and its range (raises for ``exact``)."""
+    def layout(self, context: WorkerContext | None = None) -> _Range:
+        """The range of the epoch order this copy's partition reads (raises for ``exact``
+        when the ranks of ``context``'s layout would get different numbers of samples)."""
         context = context if context is not None else self.context
-        parts, part = context.num_partitions, context.partition
-        totals = [sum(self.counts[p::parts]) for p in range(parts)]
+        parts = context.num_partitions
+        start, stop = span(self.total, parts, context.partition)
+        quotient, remainder = divmod(self.total, parts)
         if self.balance == "exact":
-            if len(set(totals)) > 1:
-                raise SourceDataError(self._imbalance_message(totals))
-            quota = totals[0]
+            if remainder:
+                self._check_ranks(context)
+            count = stop - start
         elif self.balance == "oversample":
-            quota = max(totals)
-            empty = [p for p, total in enumerate(totals) if total == 0]
-            if empty and quota:
-                raise SourceDataError(
-                    f"balance='oversample' cannot wrap partitions {empty} of {parts} around: "
-                    f"they get no files of {self.path} ({len(self.files)} files); use fewer "
-                    "ranks, workers or num_partitions, or more files"
-                )
+            count = quotient + (remainder > 0)
         else:
-            quota = min(totals)
-        return _Layout(
-            files=tuple(range(part, len(self.files), parts)),
-            total=totals[part],
-            start=0,
-            stop=quota,
+            count = quotient
+        return _Range(start=start, count=count)
+
+    def _check_ranks(self, context: WorkerContext) -> None:
+        """Raise unless every rank's partitions add up to the same number of samples."""
+        parts, ranks = context.num_partitions, context.world_size
+        quotient, remainder = divmod(self.total, parts)
+        spans = [span(self.total, parts, p) for p in range(parts)]
+        per_rank = [sum(stop - start for start, stop in spans[r::ranks]) for r in range(ranks)]
+        if len(set(per_rank)) == 1:
+            return
+        shown = ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(per_rank[:8]))
+        if ranks > 8:
+            shown += f", ... ({ranks} ranks)"
+        over = (quotient + 1) * parts - self.total
+        raise SourceDataError(
+            f"balance='exact' needs every rank to get the same number of samples, but the "
+            f"{self.total} samples of {self.path} ({self._describe_files()}), cut into "
+            f"{parts} partitions of {quotient + 1} or {quotient} consecutive samples, give "
+            f"world_size={ranks} ranks different counts: {shown}. Use balance='oversample' "
+            f"(every partition reads {quotient + 1} samples, {over} more than the folder "
+            f"holds, an epoch) or balance='undersample' (every partition reads {quotient}, "
+            f"{remainder} fewer than the folder holds), or a folder whose number of samples is "
+            f"a multiple of {ranks}"
         )
 
-    def _imbalance_message(self, totals: list[int]) -> str:
-        parts = len(totals)
-        lines = []
-        for part, total in enumerate(totals):
-            names = self.files[part::parts]
-            shown = ", ".join(names[:4]) + (f", ... ({len(names)} files)" if len(names) > 4 else "")
-            lines.append(f"partition {part}: {total} samples in [{shown}]")
-        common = max(set(totals), key=totals.count)
-        odd = [part for part, total in enumerate(totals) if total != common]
-        return (
-            f"balance='exact' needs every partition (one per worker of every rank, unless "
-            f"num_partitions says otherwise) to get the same number of samples from "
-            f"{self.path}, but with files dealt round-robin to {parts} partitions, partitions "
-            f"{odd} differ from the others ({common} samples): " + "; ".join(lines) + ". Use "
-            "balance='oversample' (smaller partitions wrap around) or balance='undersample' "
-            "(all stop at the smallest), or re-chunk the data into a multiple of "
-            f"{parts} equal files"
+    def _describe_files(self) -> str:
+        """``"14 files: 13 of 37 samples (chunk-00000.pt, ...), 1 of 19 (chunk-00013.pt)"``."""
+        groups: dict[int, list[str]] = {}
+        for name, count in zip(self.files, self.counts):
+            groups.setdefault(count, []).append(name)
+        parts = []
+        for number, (count, names) in enumerate(groups.items()):
+            if number == 4:
+                parts.append(f"... ({len(groups)} sizes)")
+                break
+            listed = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            unit = " samples" if not parts else ""
+            parts.append(f"{len(names)} of {count}{unit} ({listed})")
+        return f"{len(self.files)} files: " + ", ".join(parts)
+
+    def epoch_order(self, epoch: int) -> EpochOrder:
+        """The order Q of ``epoch``: the files in a per-epoch order, each file's rows in a
+        per-epoch order (file order throughout without ``shuffle``). Memory: O(files), plus
+        8 bytes a row of the file being read when shuffling."""
+        return EpochOrder(
+            self.counts,
+            stable_hash(self.seed, self.stream_salt(), epoch),
+            self.shuffle,
+            self.context.num_partitions,
+            row_arrays=1,  # a range reads each file once: keep only its row order
         )
-
-    def epoch_plan(self, layout: _Layout, epoch: int) -> _EpochPlan:
-        """The order of this rank's files in ``epoch`` and where each starts in its stream."""
-        files = layout.files
-        if self.shuffle and len(files) > 1:
-            order = FeistelPermutation(
-                len(files), stable_hash(self.seed, self.stream_salt(), epoch, "files", files[0])
-            )
-            files = tuple(files[order[i]] for i in range(len(files)))
-        starts, running = [], 0
-        for file_index in files:
-            starts.append(running)
-            running += self.counts[file_index]
-        return _EpochPlan(files=files, starts=tuple(starts))
-
-    def row_order(self, file_index: int, epoch: int) -> FeistelPermutation | None:
-        """The row order of one file in ``epoch`` (``None``: file order)."""
-        if not self.shuffle:
-            return None
-        key = stable_hash(self.seed, self.stream_salt(), epoch, "rows", file_index)
-        return FeistelPermutation(self.counts[file_index], key)
 
     def load_chunk(self, file_index: int) -> _Chunk:
         """Load one chunk file (validated against the metadata)."""
@@ -451,9 +441,8 @@ class ChunkedFolderSource(SavableDataset):
         }
 
     def __len__(self) -> int:
-        """Samples per epoch of this copy's worker (its share of the rank's quota)."""
-        layout = self.layout()
-        return layout.stop - layout.start
+        """Samples per epoch of this copy's partition."""
+        return self.layout().count
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

@@ -5,14 +5,13 @@ from __future__ import annotations
 import gc
 import json
 import tempfile
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import energy_loader as el
@@ -55,6 +54,10 @@ def epoch_of(
 
 def ids(samples: list[Any]) -> list[int]:
     return [int(s["i"]) for s in samples]
+
+
+def batch_ids(batches: list[Any]) -> list[int]:
+    return [i for batch in batches for i in batch["i"].tolist()]
 
 
 # -- writing and reading ------------------------------------------------------------------------
@@ -138,80 +141,223 @@ def test_batches_are_carved_across_file_boundaries(tmp_path):
 
 # -- ranks, workers and balance --------------------------------------------------------------
 
-
-@pytest.mark.parametrize("balance", ["oversample", "undersample"])
-def test_every_reader_gets_its_quota(tmp_path, balance):
-    write_files(tmp_path, [5, 3, 4, 6, 2, 5, 1])  # 3 partitions hold 5+6+1, 3+2 and 4+5 samples
-    source = ChunkedFolderSource(tmp_path, shuffle=True, seed=1, balance=balance)
-    quota = 12 if balance == "oversample" else 5
-    per_rank = {}
-    for rank in range(3):
-        context = WorkerContext(partition=rank, num_partitions=3)
-        keys = epoch_of(source, context)
-        assert len(keys) == len(source) == quota
-        assert {file for file, _ in keys} <= set(range(rank, 7, 3))  # whole files, round-robin
-        per_rank[rank] = keys
-    if balance == "oversample":
-        # Ranks with fewer samples wrap around; together the ranks still see every sample.
-        assert set().union(*map(set, per_rank.values())) == {
-            (f, r) for f, n in enumerate([5, 3, 4, 6, 2, 5, 1]) for r in range(n)
-        }
-        assert sorted(Counter(per_rank[1]).values()) == [2, 2, 2, 3, 3]  # 5 samples wrap to 12
-    else:
-        assert all(len(set(keys)) == 5 for keys in per_rank.values())
+SIZES = [5, 3, 4, 6, 2, 5, 1]  # 26 samples: three partitions read ranges of 9, 9 and 8
 
 
-def test_exact_balance_names_the_partitions_and_files(tmp_path):
-    write_files(tmp_path, [4, 4, 4, 3])
+def test_partitions_read_contiguous_ranges_of_one_epoch_order(tmp_path):
+    write_files(tmp_path, SIZES)
+    contexts = [WorkerContext(partition=p, num_partitions=3) for p in range(3)]
+    # Without shuffle the order is the metadata order: partition 1 starts in file 2 (5 + 3 + 1).
+    everything = [(f, r) for f, n in enumerate(SIZES) for r in range(n)]
+    plain = ChunkedFolderSource(tmp_path)
+    assert [epoch_of(plain, c) for c in contexts] == [
+        everything[0:9],
+        everything[9:18],
+        everything[18:26],
+    ]
+    for balance, counts in [
+        ("exact", [9, 9, 8]),
+        ("oversample", [9] * 3),
+        ("undersample", [8] * 3),
+    ]:
+        source = ChunkedFolderSource(tmp_path, shuffle=True, seed=1, balance=balance)
+        whole = epoch_of(source)  # one partition reads the whole epoch order
+        assert sorted(whole) == everything and whole != everything
+        ring = whole + whole
+        for context, start, count in zip(contexts, [0, 9, 18], counts):
+            # oversample: the 8-sample range runs on into the order's first sample;
+            # undersample: the 9-sample ranges leave out their last.
+            assert epoch_of(source, context) == ring[start : start + count]
+            assert len(source) == count
+
+
+@settings(max_examples=12)
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=9),
+    ranks=st.integers(1, 4),
+    per_rank=st.integers(1, 4),
+)
+def test_balance_levels_ranks_and_partitions(tmp_path_factory, sizes, ranks, per_rank):
+    folder = write_files(Path(tempfile.mkdtemp(dir=tmp_path_factory.getbasetemp())), sizes)
+    total, parts = sum(sizes), ranks * per_rank
+
+    def counts(balance: str, rank: int) -> list[int]:
+        """What each partition of ``rank`` reads an epoch."""
+        source = ChunkedFolderSource(folder, balance=balance)
+        lengths = []
+        for partition in range(rank, parts, ranks):
+            context = WorkerContext(
+                rank=rank, world_size=ranks, partition=partition, num_partitions=parts
+            )
+            source.bind(context)
+            lengths.append(len(source))
+        return lengths
+
+    for rank in range(ranks):
+        assert counts("oversample", rank) == [-(-total // parts)] * per_rank
+        assert counts("undersample", rank) == [total // parts] * per_rank
+    if total % ranks:
+        with pytest.raises(SourceDataError, match="needs every rank to get the same number"):
+            counts("exact", 0)
+        return
+    # Every rank gets total / ranks samples in partitions of the same sizes, so any batching
+    # gives every rank the same number of steps.
+    exact = [sorted(counts("exact", rank)) for rank in range(ranks)]
+    assert all(sum(c) == total // ranks and c == exact[0] for c in exact)
+    assert max(exact[0]) - min(exact[0]) <= 1
+
+
+def test_exact_balance_names_the_ranks_counts_and_files(tmp_path):
+    write_chunked_folder(tmp_path, map(sample, range(500)), samples_per_file=37)
     source = ChunkedFolderSource(tmp_path)
-    source.bind(WorkerContext(partition=0, num_partitions=2))
+    source.bind(WorkerContext(rank=1, world_size=3, partition=1, num_partitions=3))
     with pytest.raises(SourceDataError) as raised:
         list(source.iter_keyed())
     message = str(raised.value)
-    assert "partitions [1] differ" in message
-    assert "partition 0: 8 samples in [part0.pt, part2.pt]" in message
-    assert "partition 1: 7 samples in [part1.pt, part3.pt]" in message
-    assert "balance='oversample'" in message
-    source.bind(WorkerContext(partition=0, num_partitions=4))
-    with pytest.raises(SourceDataError, match="partitions \\[3\\] differ"):
-        len(source)
+    assert "world_size=3 ranks different counts: rank 0: 167, rank 1: 167, rank 2: 166" in message
+    assert "14 files: 13 of 37 samples (chunk-00000.pt, chunk-00001.pt, chunk-00002.pt, " in message
+    assert "1 of 19 (chunk-00013.pt))" in message
+    assert "balance='oversample' (every partition reads 167 samples, 1 more" in message
+    assert "balance='undersample' (every partition reads 166, 2 fewer" in message
+    assert "a multiple of 3" in message
+    # ... and the loader says so when it is built, on every rank.
+    config = el.WorkerConfig(rank=0, world_size=3)
+    with pytest.raises(SourceDataError, match="rank 2: 166"):
+        len(el.SavableDataLoader(source, worker_config=config))
 
 
 def test_every_rank_yields_the_same_number_of_batches(tmp_path):
-    write_files(tmp_path, [9, 2, 7, 7, 3])
-    counts = []
-    for rank in range(2):
-        config = el.WorkerConfig(rank=rank, world_size=2, num_workers=2)
-        source = ChunkedFolderSource(tmp_path, shuffle=True, seed=2, balance="undersample")
-        loader = el.SavableDataLoader(el.BatchDataset(source, 3), worker_config=config)
-        batches = list(loader)
+    write_files(tmp_path, [9, 2, 7, 7, 3, 1])  # 29 samples: ranges of 8, 7, 7 and 7
+    for balance, per_partition in [("oversample", 8), ("undersample", 7)]:
+        counts = []
+        for rank in range(2):
+            config = el.WorkerConfig(rank=rank, world_size=2, num_workers=2)
+            source = ChunkedFolderSource(tmp_path, shuffle=True, seed=2, balance=balance)
+            loader = el.SavableDataLoader(el.BatchDataset(source, 3), worker_config=config)
+            batches = list(loader)
+            assert len(batches) == len(loader)
+            assert len(batch_ids(batches)) == 2 * per_partition
+            counts.append(len(batches))
+            loader.reset_state()  # stops the persistent workers now
+        assert counts == [6, 6]  # 2 partitions of 3 batches on each rank
+
+
+# -- the folder of issue #25 with real workers and ranks --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def folder_500(tmp_path_factory) -> Path:
+    """500 samples, 37 a file: 13 files of 37 and a last one of 19."""
+    folder = tmp_path_factory.mktemp("chunked500")
+    write_chunked_folder(folder, map(sample, range(500)), samples_per_file=37)
+    return folder
+
+
+def chunks_in_memory(item: dict[str, Any]) -> dict[str, Any]:
+    """The sample plus how many chunks its process holds while the source hands it out."""
+    return {**item, "chunks": torch.tensor(loaded_chunk_count())}
+
+
+def pipeline_500(folder: Path, *, probe: bool = False) -> el.SavableDataset:
+    source: el.SavableDataset = ChunkedFolderSource(folder, shuffle=True, seed=4)
+    if probe:
+        source = el.MapDataset(source, chunks_in_memory, seed_per_sample=False)
+    return el.BatchDataset(source, 10)
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "num_partitions"), [(0, None), (1, None), (2, None), (3, None), (2, 4)]
+)
+@pytest.mark.timeout(240)
+def test_any_file_sizes_with_any_workers(
+    folder_500, num_workers, num_partitions, no_leftover_processes
+):
+    gc.collect()
+    baseline = loaded_chunk_count()  # what a forked worker inherits
+    loader = el.SavableDataLoader(
+        pipeline_500(folder_500, probe=True),
+        num_workers=num_workers,
+        num_partitions=num_partitions,
+    )
+    epochs = [list(loader) for _ in range(2)]
+    loader.reset_state()
+    for batches in epochs:
         assert len(batches) == len(loader)
-        counts.append(len(batches))
-    # 4 partitions get files 0+4, 1, 2 and 3 (12, 2, 7, 7 samples): quota 2, one batch each.
-    assert counts[0] == counts[1] == 2
+        assert sorted(batch_ids(batches)) == list(range(500))  # every sample once an epoch
+    assert batch_ids(epochs[0]) != batch_ids(epochs[1])
+    # One chunk per partition: a worker running two partitions holds two, never more.
+    per_worker = (num_partitions or max(1, num_workers)) // max(1, num_workers)
+    most = max(int(batch["chunks"].max()) for batches in epochs for batch in batches)
+    assert most - baseline == per_worker
+    length = len(loader)
+    report = check_resume(
+        lambda: pipeline_500(folder_500),
+        num_workers=num_workers,
+        epochs=2,
+        # Mid-epoch, both sides of the first epoch's end, and in the second epoch.
+        stop_points=None if num_workers == 0 else [length // 3, length, length + 9],
+        loader_kwargs={"num_partitions": num_partitions},
+    )
+    assert report.state_bytes < 3000
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_split_any_file_sizes(folder_500, no_leftover_processes):
+    # 2 ranks x 3 workers: six ranges of 84, 84, 83, 83, 83 and 83 samples.
+    configs = [el.WorkerConfig(rank=rank, world_size=2, num_workers=3) for rank in range(2)]
+    gc.collect()
+    baseline = loaded_chunk_count()
+    per_rank = []
+    for config in configs:
+        loader = el.SavableDataLoader(pipeline_500(folder_500, probe=True), worker_config=config)
+        batches = list(loader)
+        loader.reset_state()
+        assert len(batches) == len(loader) == 27  # 84 + 83 + 83 samples in batches of 10
+        assert max(int(batch["chunks"].max()) for batch in batches) - baseline == 1
+        per_rank.append(batch_ids(batches))
+    assert sorted(per_rank[0] + per_rank[1]) == list(range(500))
+    check_resume(
+        lambda: el.SavableDataLoader(pipeline_500(folder_500), worker_config=configs[1]),
+        epochs=2,
+        stop_points=[8, 27, 40],
+    )
+
+
+@pytest.mark.timeout(240)
+def test_a_state_restores_onto_another_layout_of_the_same_partitions(
+    folder_500, no_leftover_processes
+):
+    # Six ranges of 84 or 83 samples make 9 batches each: no partition ends before another,
+    # so the job's stream G is the same on every layout of num_partitions=6.
+    reference = el.SavableDataLoader(pipeline_500(folder_500), num_partitions=6)
+    expected = [batch["i"].tolist() for batch in reference]
+    saved = [
+        el.SavableDataLoader(
+            pipeline_500(folder_500),
+            worker_config=el.WorkerConfig(rank=rank, world_size=2, num_workers=1),
+            num_partitions=6,
+        )
+        for rank in range(2)
+    ]
+    iterators = [iter(loader) for loader in saved]
+    head = [next(iterator)["i"].tolist() for _ in range(10) for iterator in iterators]
+    states = [json.loads(json.dumps(loader.save_state_rank())) for loader in saved]
+    for loader in saved:
+        loader.reset_state()
+    restored = el.SavableDataLoader(pipeline_500(folder_500), num_workers=2, num_partitions=6)
+    restored.restore_state_global(states)
+    tail = [batch["i"].tolist() for batch in restored]
+    restored.reset_state()
+    assert head + tail == expected
+    assert sorted(i for batch in expected for i in batch) == list(range(500))
 
 
 # -- resume -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("num_workers", [0, 1, 2])
-@pytest.mark.timeout(120)
-def test_resume_is_exact_with_workers(tmp_path, num_workers, no_leftover_processes):
-    write_files(tmp_path, [5, 4, 6, 7, 4, 4])  # files 0+2+4 and 1+3+5: 15 samples each
-    report = check_resume(
-        lambda: el.BatchDataset(ChunkedFolderSource(tmp_path, shuffle=True, seed=9), 3),
-        num_workers=num_workers,
-        epochs=2,
-        # A loader with workers takes ~0.5 s to start: fewer stop points, together covering
-        # mid-epoch, both sides of the epoch end and the second epoch.
-        stop_points={0: None, 1: [7, 12], 2: [3, 8]}[num_workers],
-    )
-    assert report.state_bytes < 1500
-
-
 @pytest.mark.timeout(120)
 def test_resume_is_exact_on_a_rank_that_wraps_around(tmp_path):
-    write_files(tmp_path, [5, 4, 6, 1, 5, 2])  # 3 ranks x 2 workers: partitions of 5,4,6,1,5,2
+    write_files(tmp_path, [5, 4, 6, 1, 5, 2])  # 23 samples, 3 ranks x 2 workers: ranges of 4 or 3
     config = el.WorkerConfig(rank=2, world_size=3, num_workers=2)
     check_resume(
         lambda: el.SavableDataLoader(
@@ -219,26 +365,25 @@ def test_resume_is_exact_on_a_rank_that_wraps_around(tmp_path):
             worker_config=config,
         ),
         epochs=2,
-        # Rank 2 runs partitions 2 and 5 (6 and 2 samples, both wrap to the quota of 6): 12
-        # items; stop mid-epoch and on both sides of its end.
-        stop_points=[4, 12, 13],
+        # Rank 2 runs partitions 2 and 5 (4 and 3 samples; the 3 run on into the epoch's first
+        # sample): 8 items; stop mid-epoch and on both sides of its end.
+        stop_points=[3, 8, 9],
     )
 
 
 @settings(max_examples=8)
 @given(
-    # At least one file per partition (ranks x workers <= 4): with oversample, a partition
-    # without files is an error by design.
-    sizes=st.lists(st.integers(1, 6), min_size=4, max_size=7),
+    sizes=st.lists(st.integers(1, 6), min_size=1, max_size=7),
     seed=st.integers(0, 2**31),
     shuffle=st.booleans(),
-    balance=st.sampled_from(["oversample", "undersample"]),
+    balance=st.sampled_from(["exact", "oversample", "undersample"]),
     ranks=st.integers(1, 2),
     workers=st.integers(0, 2),
     data=st.data(),
 )
 @pytest.mark.timeout(300)
 def test_resume_property(tmp_path_factory, sizes, seed, shuffle, balance, ranks, workers, data):
+    assume(balance != "exact" or sum(sizes) % ranks == 0)
     folder = write_files(Path(tempfile.mkdtemp(dir=tmp_path_factory.getbasetemp())), sizes)
     rank = data.draw(st.integers(0, ranks - 1), label="rank")
     config = el.WorkerConfig(rank=rank, world_size=ranks, num_workers=workers)
@@ -256,12 +401,12 @@ def test_resume_property(tmp_path_factory, sizes, seed, shuffle, balance, ranks,
 def test_a_position_outside_the_partition_is_refused(tmp_path):
     write_files(tmp_path, [4, 4, 4, 4, 4, 4])
     source = ChunkedFolderSource(tmp_path)
-    source.bind(WorkerContext(partition=0, num_partitions=3))  # files 0 and 3: range [0, 8)
+    source.bind(WorkerContext(partition=0, num_partitions=3))  # the first 8 samples
     source.restore_state({"phase": "running", "epoch": 0, "position": 3})
     with pytest.raises(StateFormatError, match=r"position 9 is outside the range \[0, 8\]"):
         source.restore_state({"phase": "running", "epoch": 0, "position": 9})
     source.restore_state({"phase": "running", "epoch": 0, "position": 7})
-    assert [key for key, _ in source.iter_keyed()] == [(3, 3)]
+    assert [key for key, _ in source.iter_keyed()] == [(1, 3)]
 
 
 # -- memory ---------------------------------------------------------------------------------------
