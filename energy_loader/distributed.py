@@ -246,13 +246,17 @@ def _agree(group: _Group, action: str, problem: BaseException | None) -> None:
 # -- gather ----------------------------------------------------------------------------------------
 
 
-def save_state_global(loader: SavableDataLoader, dst_rank: int) -> list[dict[str, Any]] | None:
+def save_state_global(
+    loader: SavableDataLoader, dst_rank: int, *, held_back: int = 0
+) -> list[dict[str, Any]] | None:
     """Gather every data-parallel rank's state to ``dst_rank``: a list there, ``None`` elsewhere.
 
     A collective over the loader's data-parallel group: every rank of it calls this with the
     same ``dst_rank``, a *global* rank that must belong to the group (``ValueError`` on every
     rank otherwise, before anything is exchanged). Entry ``i`` of the list is the
-    ``save_state_rank()`` of data-parallel rank ``i``: plain data, ready for ``json.dump`` or
+    ``save_state_rank(held_back=held_back)`` of data-parallel rank ``i`` (``held_back``: the
+    items each rank has fetched but not yet trained on, as Lightning's prefetch leaves them;
+    each rank passes its own count): plain data, ready for ``json.dump`` or
     ``torch.save``, and what :func:`restore_state_global` takes. Each state travels to
     ``dst_rank`` once, pickled by ``gather_object``; cost and memory on ``dst_rank`` grow with
     the number of ranks (see docs/distributed.md; beyond a few hundred ranks prefer
@@ -279,7 +283,7 @@ def save_state_global(loader: SavableDataLoader, dst_rank: int) -> list[dict[str
     problem: BaseException | None = None
     try:
         _check_layout(loader.worker_config, group)
-        payload: dict[str, Any] | _Refusal = loader.save_state_rank()
+        payload: dict[str, Any] | _Refusal = loader.save_state_rank(held_back=held_back)
     except Exception as error:
         problem, payload = error, _Refusal.of(error)
     gathered: list[Any] | None = [None] * group.size if group.rank == dst_position else None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import importlib
 import json
 import multiprocessing
 import os
@@ -55,12 +56,22 @@ def free_port() -> int:
 
 
 def launch(
-    program: Callable[..., None], world_size: int, workdir: Path, *, timeout: float, **kwargs: Any
+    program: Callable[..., None],
+    world_size: int,
+    workdir: Path,
+    *,
+    timeout: float,
+    exitcode: int = 0,
+    torchrun_env: bool = False,
+    **kwargs: Any,
 ) -> None:
     """Run ``program(rank, world_size, workdir, **kwargs)`` on ``world_size`` gloo ranks.
 
-    Raises ``AssertionError`` with every failing rank's traceback if a rank fails, or if the
-    ranks are not done within ``timeout`` seconds (they are killed then).
+    ``program`` is a module-level function of an importable module (this one, or a test
+    helper module). ``exitcode`` is how every rank must end: 0, or e.g. ``-signal.SIGKILL``
+    for a program that kills its own process (a preemption). Raises ``AssertionError`` with
+    every failing rank's traceback if a rank ends otherwise, or if the ranks are not done
+    within ``timeout`` seconds (they are killed then).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     context = multiprocessing.get_context(START_METHOD)
@@ -70,7 +81,8 @@ def launch(
     processes = [
         context.Process(
             target=_rank_main,
-            args=(program.__name__, rank, world_size, port, str(workdir), kwargs),
+            args=(program.__module__, program.__name__, rank, world_size, port, str(workdir)),
+            kwargs={"torchrun_env": torchrun_env, "program_kwargs": kwargs},
             name=f"rank-{rank}",
         )
         for rank in range(world_size)
@@ -82,7 +94,11 @@ def launch(
         for process in processes:
             process.join(max(0.0, deadline - time.monotonic()))
         hung = [p.name for p in processes if p.is_alive()]
-        failed = [p.name for p in processes if not p.is_alive() and p.exitcode != 0]
+        failed = [
+            f"{p.name} (exit code {p.exitcode})"
+            for p in processes
+            if not p.is_alive() and p.exitcode != exitcode
+        ]
     finally:
         for process in processes:
             if process.is_alive():
@@ -100,11 +116,30 @@ def _error_report(workdir: Path, rank: int) -> str:
 
 
 def _rank_main(
-    name: str, rank: int, world_size: int, port: int, workdir: str, kwargs: dict[str, Any]
+    module: str,
+    name: str,
+    rank: int,
+    world_size: int,
+    port: int,
+    workdir: str,
+    *,
+    torchrun_env: bool,
+    program_kwargs: dict[str, Any],
 ) -> None:
     """Entry point of a spawned rank: join the group, run the program, report errors."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if torchrun_env:
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            NODE_RANK="0",
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
     try:
+        program = getattr(importlib.import_module(module), name)
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
@@ -112,7 +147,7 @@ def _rank_main(
             world_size=world_size,
             timeout=PG_TIMEOUT,
         )
-        globals()[name](rank, world_size, Path(workdir), **kwargs)
+        program(rank, world_size, Path(workdir), **program_kwargs)
         dist.destroy_process_group()
     except BaseException:
         (Path(workdir) / f"error_rank{rank}.txt").write_text(traceback.format_exc())

@@ -17,18 +17,25 @@ and saves nothing of its position. :func:`prepare_loader` is the replacement::
         accelerator.save_state(checkpoint_dir)        # saves the loader's position too
 
 The loader keeps sharding by rank itself (each rank reads its own part of the data, as
-without Accelerate). Its state travels through Accelerate's own extension point,
-``register_for_checkpointing``: ``save_state`` gathers every rank's loader state to the main
-process (a collective: Accelerate calls it on every rank) and writes the list into
-``custom_checkpoint_<i>.pkl``; ``load_state`` reads that list on every rank (the checkpoint
-directory must be visible to all ranks, as Accelerate's own custom state requires) and
-restores each rank's part, also on a different number of ranks when the loader's partitions
-allow it. Register in the same order on resume: Accelerate matches custom states by index.
+without Accelerate). Its state is saved by every rank into the checkpoint directory, one file
+per data-parallel rank (``energy_loader_rank_00001_of_00004.pt``, written atomically by
+:func:`~energy_loader.distributed.save_state_rank_file`), from a hook that
+``accelerator.save_state`` runs on every process that calls it; ``accelerator.load_state``
+runs the matching hook, and each rank reads its own file back
+(:func:`~energy_loader.distributed.restore_state_rank_file`) -- or, on another number of
+ranks whose layout divides the loader's ``num_partitions``, the files of the ranks that ran
+the partitions it now runs (then every rank must see every file). Per-rank files rather than
+Accelerate's ``register_for_checkpointing``: that writes the main process's state only, so the
+states would have to be gathered first -- a collective inside ``save_state`` that hangs the
+main process when only it calls ``save_state``, and that leaves every node but the first
+without the list under ``ProjectConfiguration(save_on_each_node=True)``. A file per rank needs
+no collective, costs each rank one small write, and is how the Hugging Face ``Trainer``
+integration saves too.
 """
 
 from __future__ import annotations
 
-import json
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,13 +49,16 @@ except ImportError as error:  # pragma: no cover - the dev extra installs accele
     ) from error
 from torch.utils.data import DataLoader
 
-from ..errors import StateFormatError
+from ..distributed import restore_state_rank_file, save_state_rank_file
 from ..loader import SavableDataLoader
 
-__all__ = ["AcceleratedLoader", "prepare_loader"]
+__all__ = ["STATE_PREFIX", "AcceleratedLoader", "prepare_loader"]
 
-STATE_FORMAT = "energy_loader.accelerate"
-STATE_VERSION = 1
+# The name the state files start with: ``energy_loader_rank_00000_of_00002.pt``.
+STATE_PREFIX = "energy_loader"
+
+# The state-file prefixes already taken on each accelerator (two loaders must not share one).
+_PREFIXES: weakref.WeakKeyDictionary[Accelerator, set[str]] = weakref.WeakKeyDictionary()
 
 
 class AcceleratedLoader:
@@ -56,16 +66,26 @@ class AcceleratedLoader:
 
     Made by :func:`prepare_loader`. Iterating it iterates the loader and moves every tensor
     of a batch to the device (restore keys and other plain values are left as they are).
-    ``state_dict()`` / ``load_state_dict()`` hold *all ranks'* loader states, for
-    ``accelerator.save_state`` / ``load_state``; both are collectives when torch.distributed
-    is initialised. ``accelerator.prepare`` returns it unchanged (it is not a ``DataLoader``).
-    Not thread-safe, like the loader.
+    Its position is saved by ``accelerator.save_state`` (one file per rank, named by
+    ``state_prefix``) and restored by ``accelerator.load_state``; the loader itself is
+    ``.loader`` (e.g. for a ``torch.distributed.checkpoint`` save). It has no
+    ``state_dict()``: ``accelerator.register_for_checkpointing`` would keep the main
+    process's state only. ``accelerator.prepare`` returns it unchanged (it is not a
+    ``DataLoader``). Not thread-safe, like the loader.
     """
 
-    def __init__(self, accelerator: Accelerator, loader: SavableDataLoader, *, non_blocking: bool):
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        loader: SavableDataLoader,
+        *,
+        non_blocking: bool,
+        state_prefix: str | None,
+    ) -> None:
         self.accelerator = accelerator
         self.loader = loader
         self.non_blocking = non_blocking
+        self.state_prefix = state_prefix
 
     def __iter__(self) -> Iterator[Any]:
         device, non_blocking = self.accelerator.device, self.non_blocking
@@ -85,31 +105,15 @@ class AcceleratedLoader:
             "load_state instead)"
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        """Every rank's loader state (on the main process; ``None`` elsewhere), as JSON."""
-        states = self.loader.save_state_global(dst_rank=0)
-        ranks = None if states is None else [json.dumps(s, separators=(",", ":")) for s in states]
-        return {"format": STATE_FORMAT, "version": STATE_VERSION, "ranks": ranks}
+    def _save(self, models: Any, weights: Any, output_dir: str) -> None:
+        """``save_state``'s pre-hook: write this rank's state file into ``output_dir``."""
+        if self.state_prefix is not None:
+            save_state_rank_file(self.loader, output_dir, self.state_prefix)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore this rank's part of a state from :meth:`state_dict` (every rank calls it)."""
-        if (
-            not isinstance(state, dict)
-            or state.get("format") != STATE_FORMAT
-            or not isinstance(state.get("ranks"), list)
-        ):
-            raise StateFormatError(
-                "not an energy_loader Accelerate loader state (expected a dict with format "
-                f"{STATE_FORMAT!r} and the list of rank states; got "
-                f"{type(state).__name__}{sorted(state) if isinstance(state, dict) else ''}); "
-                "was it saved by a different object registered at this position?"
-            )
-        if state.get("version") != STATE_VERSION:
-            raise StateFormatError(
-                f"energy_loader Accelerate loader state version {state.get('version')!r} is not "
-                f"supported (this version reads {STATE_VERSION})"
-            )
-        self.loader.restore_state_global([json.loads(s) for s in state["ranks"]])
+    def _load(self, models: Any, input_dir: str) -> None:
+        """``load_state``'s pre-hook: restore this rank from the state files in ``input_dir``."""
+        if self.state_prefix is not None:
+            restore_state_rank_file(self.loader, input_dir, self.state_prefix)
 
     def __repr__(self) -> str:
         return f"AcceleratedLoader(device={self.accelerator.device}, loader={self.loader!r})"
@@ -120,14 +124,17 @@ def prepare_loader(
     loader: SavableDataLoader,
     *,
     register_for_checkpointing: bool = True,
+    state_prefix: str = STATE_PREFIX,
     non_blocking: bool | None = None,
 ) -> AcceleratedLoader:
     """Use ``loader`` with ``accelerator``: call this instead of ``accelerator.prepare(loader)``.
 
     Returns an :class:`AcceleratedLoader` that yields the loader's batches on
-    ``accelerator.device`` and, with ``register_for_checkpointing=True`` (the default), is
-    registered with ``accelerator.register_for_checkpointing`` so that
-    ``accelerator.save_state`` / ``load_state`` save and restore the loader's exact position.
+    ``accelerator.device``. With ``register_for_checkpointing=True`` (the default)
+    ``accelerator.save_state(dir)`` also writes each rank's loader position into ``dir``
+    (``<state_prefix>_rank_00001_of_00004.pt``, from every process that calls ``save_state``)
+    and ``accelerator.load_state(dir)`` restores it, exactly. A second loader prepared with
+    the same accelerator needs its own ``state_prefix`` (``ValueError`` otherwise).
     ``non_blocking`` defaults to the accelerator's ``DataLoaderConfiguration.non_blocking``
     (useful with ``pin_memory=True`` on a GPU).
 
@@ -171,7 +178,24 @@ def prepare_loader(
             "torch.distributed, which the loader reads), or pass worker_config="
             "WorkerConfig.from_process_group(...)"
         )
-    prepared = AcceleratedLoader(accelerator, loader, non_blocking=non_blocking)
-    if register_for_checkpointing:
-        accelerator.register_for_checkpointing(prepared)
+    if not isinstance(state_prefix, str) or not state_prefix or "/" in state_prefix:
+        raise ValueError(
+            "`state_prefix` must be a non-empty file name prefix without path separators "
+            f"(got {state_prefix!r})"
+        )
+    if not register_for_checkpointing:
+        return AcceleratedLoader(accelerator, loader, non_blocking=non_blocking, state_prefix=None)
+    taken = _PREFIXES.setdefault(accelerator, set())
+    if state_prefix in taken:
+        raise ValueError(
+            f"a loader prepared with this accelerator already saves its state files as "
+            f"{state_prefix!r}; pass another `state_prefix` (e.g. state_prefix="
+            f"'{state_prefix}_eval') so the two loaders' files do not overwrite each other"
+        )
+    prepared = AcceleratedLoader(
+        accelerator, loader, non_blocking=non_blocking, state_prefix=state_prefix
+    )
+    taken.add(state_prefix)
+    accelerator.register_save_state_pre_hook(prepared._save)
+    accelerator.register_load_state_pre_hook(prepared._load)
     return prepared

@@ -24,6 +24,20 @@ Example::
     trainer = pl.Trainer(max_epochs=2, callbacks=[SavableLoaderCallback(), checkpointing])
     trainer.fit(model, train_dataloaders=loader, ckpt_path=last_checkpoint_or_none)
 
+Several ranks (``strategy="ddp"``). Lightning builds the checkpoint on every rank but writes
+rank 0's only, so by itself it would store rank 0's loader position and hand it to every rank
+on resume. When the loader runs on several ranks, the callback gathers every rank's state to
+rank 0 as the checkpoint is made (:func:`energy_loader.distributed.save_state_global`, a
+collective: Lightning makes checkpoints on all ranks at once) and stores them, one entry per
+logical partition, where Lightning keeps the loader's state. On ``fit(ckpt_path=...)`` each
+rank's loader takes its own partitions from them -- on the same number of ranks, or on
+another one whose layout divides the loader's ``num_partitions``. Gathered into the checkpoint
+rather than written beside it: the checkpoint stays one file that ``ModelCheckpoint`` can
+rotate, copy to ``last.ckpt`` or delete without leaving stale loader files behind.
+Keep ``use_distributed_sampler`` as it is: Lightning gives a ``DistributedSampler`` only to
+loaders over map-style datasets, and leaves a ``SavableDataLoader`` (an iterable dataset
+inside, sharded by rank by the loader itself) as it is.
+
 It also refuses a resume that Lightning did not pass the loader's state to: in Lightning
 2.x, reading ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` with
 ``max_epochs`` set builds the train dataloader before the checkpoint is read, and the saved
@@ -37,9 +51,12 @@ from __future__ import annotations
 
 import functools
 import weakref
+from typing import Any
 
+from ..distributed import process_group_initialized, save_state_global
 from ..errors import EnergyLoaderError
 from ..loader import SavableDataLoader
+from ..state.rank_state import RankState, partition_entries
 
 try:  # the unified package, if the user has it; otherwise the standalone one
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -70,6 +87,14 @@ def _held_back(trainer_ref: weakref.ref[Trainer]) -> int:
     return 0 if trainer is None else held_back_batches(trainer)
 
 
+def _runs_on_several_ranks(loader: Any) -> bool:
+    return (
+        isinstance(loader, SavableDataLoader)
+        and loader.worker_config.world_size > 1
+        and process_group_initialized()
+    )
+
+
 class SavableLoaderCallback(Callback):
     """Makes Lightning checkpoints of a :class:`~energy_loader.SavableDataLoader` resume exactly.
 
@@ -77,7 +102,9 @@ class SavableLoaderCallback(Callback):
     reloaded by ``reload_dataloaders_every_n_epochs`` are covered) it sets
     ``held_back_source`` on every ``SavableDataLoader`` among the train dataloaders, and
     clears it at teardown. Other loaders are left alone. With several train dataloaders each
-    fetched batch holds one item of each loader.
+    fetched batch holds one item of each loader. On several ranks, every checkpoint gets all
+    ranks' loader states (:meth:`on_save_checkpoint`); the callback must then be in the
+    callbacks of every rank, as Lightning requires of callbacks anyway.
     """
 
     def __init__(self, *, check_resume: bool = True) -> None:
@@ -118,6 +145,43 @@ class SavableLoaderCallback(Callback):
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._attach(trainer)
+
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Put every rank's loader state into the checkpoint (rank 0's is the one written).
+
+        Lightning has already stored each loader's ``state_dict()`` of *this* rank under
+        ``loops.fit_loop.state_dict.combined_loader``; for every ``SavableDataLoader`` that runs
+        on several ranks this gathers all ranks' states to rank 0 (a collective over the
+        loader's data-parallel group) and replaces rank 0's entry with theirs, one leaf per
+        logical partition, as ``state_dict()`` lays them out.
+        """
+        loaders = self._stateful_train_loaders(trainer)
+        fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        saved = fit_state.get("combined_loader")
+        if not isinstance(saved, list) or len(saved) != len(loaders):
+            return  # nothing of the train loaders in this checkpoint
+        held_back = held_back_batches(trainer)
+        for index, loader in enumerate(loaders):
+            if not _runs_on_several_ranks(loader):
+                continue
+            states = save_state_global(loader, 0, held_back=held_back)
+            if states is not None:
+                saved[index] = partition_entries([RankState.from_plain(s) for s in states])
+
+    @staticmethod
+    def _stateful_train_loaders(trainer: Trainer) -> list[Any]:
+        """The train loaders whose states Lightning saves, in its order (``_Stateful`` ones)."""
+        combined = getattr(trainer.fit_loop, "_combined_loader", None)
+        if combined is None:
+            return []
+        return [
+            loader
+            for loader in combined.flattened
+            if callable(getattr(loader, "state_dict", None))
+            and callable(getattr(loader, "load_state_dict", None))
+        ]
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         for loader in self._loaders:

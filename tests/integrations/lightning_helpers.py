@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -109,3 +111,110 @@ def run(
 
 def weights(model: TinyModel) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
+
+
+# -- several ranks: Trainer(strategy="ddp") in processes started by tests/distributed_helpers -----
+
+DDP_SAMPLES = 48  # 24 batches an epoch: 12 on each of 2 ranks
+
+
+def jitter(sample: dict[str, Any]) -> dict[str, Any]:
+    """An augmentation that draws from torch's global RNG (seeded per sample by the loader)."""
+    return {**sample, "x": sample["x"] + 0.01 * torch.rand(1)}
+
+
+def finite(sample: dict[str, Any]) -> bool:
+    """Drops broken samples (none here): the filter leaves the loader without ``len()``, so
+    Lightning fetches one batch ahead and holds it when it saves."""
+    return bool(torch.isfinite(sample["x"]).all())
+
+
+def build_ddp_loader(num_workers: int) -> el.SavableDataLoader:
+    """Augmented, filtered batches of this rank: 12 a rank and epoch, no ``len()``."""
+    source = el.IndexedSource.from_fn(DDP_SAMPLES, make_sample, shuffle=True, seed=3)
+    pipeline = el.FilterDataset(el.MapDataset(source, jitter), finite)
+    return el.SavableDataLoader(
+        el.BatchDataset(pipeline, batch_size=BATCH),
+        num_workers=num_workers,
+        multiprocessing_context="fork",
+    )
+
+
+class RecordingModel(TinyModel):
+    """Also records each batch's augmented inputs."""
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.seen[-1] = (*self.seen[-1], batch["x"].flatten().tolist())
+        return loss
+
+
+class Preemption(pl.Callback):
+    """Writes what the model trained on so far, then SIGKILLs this process after ``step``."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            torch.save({"seen": pl_module.seen}, self.path)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fit_two_epochs(
+    loader: el.SavableDataLoader,
+    workdir: Path,
+    *,
+    devices: int,
+    save_at: int | None = None,
+    kill: Preemption | None = None,
+    resume: bool = False,
+) -> RecordingModel:
+    """Two epochs of DDP (on ``devices`` ranks) with checkpoints in ``workdir/ckpt``."""
+    callbacks: list[pl.Callback] = [SavableLoaderCallback()]
+    if save_at is not None:
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(dirpath=workdir / "ckpt", every_n_train_steps=save_at)
+        )
+    if kill is not None:
+        callbacks.append(kill)
+    checkpoint = str(next((workdir / "ckpt").glob("*.ckpt"))) if resume else None
+    model = RecordingModel()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        max_epochs=2,
+        callbacks=callbacks,
+        enable_checkpointing=save_at is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        num_sanity_val_steps=0,
+        deterministic=True,
+    )
+    try:
+        trainer.fit(model, train_dataloaders=loader, ckpt_path=checkpoint)
+        # Lightning left the self-sharding loader alone (use_distributed_sampler is on).
+        assert trainer.train_dataloader is loader
+    finally:
+        loader.close()
+    return model
+
+
+def train_then_preempt(
+    rank: int, world_size: int, workdir: Path, *, num_workers: int, save_at: int, kill_at: int
+) -> None:
+    """Rank program: an uninterrupted fit (``full_rank<r>.pt``), then a fit that checkpoints
+    after step ``save_at`` and is SIGKILLed after step ``kill_at`` (``head_rank<r>.pt``)."""
+    full = fit_two_epochs(build_ddp_loader(num_workers), workdir, devices=world_size)
+    torch.save({"seen": full.seen, "weights": weights(full)}, workdir / f"full_rank{rank}.pt")
+    kill = Preemption(kill_at, workdir / f"head_rank{rank}.pt")
+    loader = build_ddp_loader(num_workers)
+    fit_two_epochs(loader, workdir, devices=world_size, save_at=save_at, kill=kill)
+
+
+def resume_after_preemption(rank: int, world_size: int, workdir: Path, *, num_workers: int) -> None:
+    """Rank program: a fresh process resumes with ``fit(ckpt_path=...)`` (``tail_rank<r>.pt``)."""
+    model = fit_two_epochs(build_ddp_loader(num_workers), workdir, devices=world_size, resume=True)
+    torch.save({"seen": model.seen, "weights": weights(model)}, workdir / f"tail_rank{rank}.pt")

@@ -1,7 +1,15 @@
-"""Hugging Face Accelerate: prepare_loader, save_state/load_state mid-epoch, clear errors."""
+"""Hugging Face Accelerate: prepare_loader, save_state/load_state mid-epoch, clear errors.
+
+The multi-process tests run the loop of tests/integrations/accelerate_helpers.py on two gloo
+ranks (tests/distributed_helpers.launch): an uninterrupted run, then a run that saves and is
+SIGKILLed a few steps later on every rank, then fresh processes that resume from the
+checkpoint; every rank must train on exactly the batches (and augmentations) of the
+uninterrupted run and end with the same weight.
+"""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -11,80 +19,20 @@ from accelerate import Accelerator
 
 import energy_loader as el
 from energy_loader.integrations.accelerate import AcceleratedLoader, prepare_loader
-from energy_loader.testing.strategies import AddNoise, MakeSample
-from tests.integrations.conftest import stop_workers
+from tests import distributed_helpers as dh
 
-EPOCHS = 2
+from .accelerate_helpers import pipeline, resume_on_ranks, train, train_on_ranks
 
-
-def _pipeline() -> el.SavableDataset:
-    source = el.IndexedSource.from_fn(45, MakeSample(), shuffle=True, seed=11)
-    return el.BatchDataset(el.ShuffleBufferDataset(el.MapDataset(source, AddNoise()), 6), 4)
-
-
-class Progress:
-    """The training loop's own counters, saved beside the loader (as a user would)."""
-
-    def __init__(self) -> None:
-        self.step, self.epoch = 0, 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "epoch": self.epoch}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.step, self.epoch = state["step"], state["epoch"]
-
-
-def _train(
-    workers: int, checkpoint: Path | None = None, *, save_at: int = -1, stop_at: int = -1
-) -> tuple[list[Any], torch.Tensor]:
-    """Train a linear model; save at ``save_at``, crash after ``stop_at``, resume if told."""
-    torch.manual_seed(0)
-    accelerator = Accelerator(cpu=True)
-    savable = el.SavableDataLoader(_pipeline(), num_workers=workers)
-    try:
-        return _loop(accelerator, savable, checkpoint, save_at=save_at, stop_at=stop_at)
-    finally:
-        stop_workers(savable)
-
-
-def _loop(
-    accelerator: Accelerator, savable: el.SavableDataLoader, checkpoint: Path | None, *,
-    save_at: int, stop_at: int,
-) -> tuple[list[Any], torch.Tensor]:  # fmt: skip
-    model = torch.nn.Linear(1, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    loader = prepare_loader(accelerator, savable)
-    progress = Progress()
-    accelerator.register_for_checkpointing(progress)
-    if checkpoint is not None and save_at < 0:
-        accelerator.load_state(str(checkpoint))
-    seen: list[Any] = []
-    while progress.epoch < EPOCHS:
-        for batch in loader:
-            assert batch["x"].device == accelerator.device
-            loss = model(batch["noise"].float().unsqueeze(1)).pow(2).mean()
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            seen.append((progress.epoch, batch["index"].tolist(), batch[el.RESTORE_KEY]))
-            progress.step += 1
-            if progress.step - 1 == save_at:
-                accelerator.save_state(str(checkpoint))
-            if progress.step - 1 == stop_at:
-                return seen, model.weight.detach().clone()
-        progress.epoch += 1
-    return seen, model.weight.detach().clone()
+SAVE_AT = 2  # the step (0-based) after which the killed run saves; it is killed 2 steps later
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_save_state_mid_epoch_and_load_state_resume_exactly(tmp_path: Path, workers: int) -> None:
-    reference, final_weight = _train(workers)
-    assert len(reference) == 2 * len(el.SavableDataLoader(_pipeline(), num_workers=workers))
+    reference, final_weight = train(workers)
+    assert len(reference) == 2 * len(el.SavableDataLoader(pipeline(), num_workers=workers))
     save_at = len(reference) // 2 - 3  # mid-epoch of the first epoch, stop a few steps later
-    head, _ = _train(workers, tmp_path, save_at=save_at, stop_at=save_at + 3)
-    tail, resumed_weight = _train(workers, tmp_path)
+    head, _ = train(workers, tmp_path, save_at=save_at, stop_at=save_at + 3)
+    tail, resumed_weight = train(workers, tmp_path)
     assert head[: save_at + 1] + tail == reference
     assert torch.equal(resumed_weight, final_weight)
 
@@ -94,7 +42,7 @@ def test_iterating_what_accelerator_prepare_made_of_the_loader_is_a_clear_error(
     workers: int,
 ) -> None:
     accelerator = Accelerator(cpu=True)
-    loader = el.SavableDataLoader(_pipeline(), num_workers=workers)
+    loader = el.SavableDataLoader(pipeline(), num_workers=workers)
     prepared = accelerator.prepare(loader)
     with pytest.raises(
         TypeError, match=r"use energy_loader\.integrations\.accelerate\.prepare_loader"
@@ -107,7 +55,7 @@ def test_iterating_what_accelerator_prepare_made_of_the_loader_is_a_clear_error(
 
 def test_prepare_loader_refuses_what_would_break_the_loader() -> None:
     accelerator = Accelerator(cpu=True)
-    loader = el.SavableDataLoader(_pipeline())
+    loader = el.SavableDataLoader(pipeline())
     with pytest.raises(TypeError, match=r"what accelerator.prepare\(\) made of a Savable"):
         prepare_loader(accelerator, accelerator.prepare(loader))
     with pytest.raises(TypeError, match=r"`accelerator` must be an accelerate\.Accelerator"):
@@ -120,5 +68,58 @@ def test_prepare_loader_refuses_what_would_break_the_loader() -> None:
         prepare_loader(accelerator, prepared)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="skip_first_batches\\(\\) is not needed"):
         accelerator.skip_first_batches(prepared, 2)
-    with pytest.raises(el.StateFormatError, match="not an energy_loader Accelerate loader state"):
-        prepared.load_state_dict({"rank_state_json": "{}"})
+    with pytest.raises(ValueError, match="`state_prefix` must be a non-empty"):
+        prepare_loader(accelerator, loader, state_prefix="a/b")
+    saved = prepare_loader(accelerator, loader)
+    with pytest.raises(ValueError, match="already saves its state files as 'energy_loader'"):
+        prepare_loader(accelerator, el.SavableDataLoader(pipeline()))
+    # Accelerate's own registration would keep the main process's state only: refused.
+    with pytest.raises(ValueError, match="state_dict"):
+        accelerator.register_for_checkpointing(saved)
+
+
+# -- two processes -----------------------------------------------------------------------------
+
+
+def _read(workdir: Path, name: str, rank: int) -> dict[str, Any]:
+    return torch.load(workdir / f"{name}_rank{rank}.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two ranks with a worker each: uninterrupted; saved after step SAVE_AT and SIGKILLed two
+    steps later; resumed by fresh processes. The files each rank wrote are in the directory."""
+    workdir = tmp_path_factory.mktemp("accelerate_ranks")
+    launch = dict(timeout=150, torchrun_env=True, workers=1)
+    dh.launch(
+        train_on_ranks, 2, workdir, exitcode=-signal.SIGKILL, save_at=SAVE_AT,
+        kill_at=SAVE_AT + 2, **launch,
+    )  # fmt: skip
+    dh.launch(resume_on_ranks, 2, workdir, **launch)
+    return workdir
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_killed_mid_epoch_resume_every_rank_exactly(two_ranks: Path) -> None:
+    assert sorted(p.name for p in (two_ranks / "checkpoint").glob("energy_loader_*")) == [
+        "energy_loader_rank_00000_of_00002.pt",
+        "energy_loader_rank_00001_of_00002.pt",
+    ]
+    ranks = [{n: _read(two_ranks, n, r) for n in ("full", "head", "tail")} for r in range(2)]
+    for runs in ranks:
+        assert len(runs["full"]["seen"]) == 12  # 6 batches a rank and epoch, 2 epochs
+        assert len(runs["head"]["seen"]) == SAVE_AT + 3
+        assert runs["head"]["seen"][: SAVE_AT + 1] + runs["tail"]["seen"] == runs["full"]["seen"]
+        assert torch.equal(runs["tail"]["weight"], runs["full"]["weight"])
+    samples = [i for runs in ranks for _, batch, *_ in runs["full"]["seen"][:6] for i in batch]
+    assert sorted(samples) == list(range(48))  # the ranks read disjoint halves of an epoch
+
+
+@pytest.mark.timeout(300)
+def test_a_two_process_checkpoint_resumes_on_one_process(two_ranks: Path) -> None:
+    """Two ranks x one worker and one process x two workers run the same 2 partitions: the
+    one process continues the job's stream (rank 0's and rank 1's batches, step by step)."""
+    full = [_read(two_ranks, "full", r)["seen"] for r in range(2)]
+    stream = [step for pair in zip(*full, strict=True) for step in pair]
+    tail, _ = train(2, two_ranks / "checkpoint", length=48)
+    assert tail == stream[2 * (SAVE_AT + 1) :]

@@ -8,6 +8,7 @@ must be bit-identical.
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,20 @@ from energy_loader.integrations.lightning import (
     LoaderStateNotLoadedError,
     SavableLoaderCallback,
 )
+from tests import distributed_helpers as dh
 
-from .lightning_helpers import TinyModel, build_endless_loader, build_loader, run, weights
+from .lightning_helpers import (
+    DDP_SAMPLES,
+    TinyModel,
+    build_ddp_loader,
+    build_endless_loader,
+    build_loader,
+    fit_two_epochs,
+    resume_after_preemption,
+    run,
+    train_then_preempt,
+    weights,
+)
 
 # Lightning's advice for real runs (num_workers, logging) and its own deprecations.
 pytestmark = pytest.mark.filterwarnings(
@@ -196,3 +209,53 @@ def test_state_dict_saves_with_the_held_back_source() -> None:
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(TypeError, match="check_resume"):
         SavableLoaderCallback(check_resume="yes")  # type: ignore[arg-type]
+
+
+# -- several ranks: Trainer(strategy="ddp") on two gloo ranks ----------------------------------
+
+DDP_SAVE_AT, DDP_KILL_AT = 5, 7
+
+
+def _read(workdir: Path, name: str, rank: int) -> dict[str, Any]:
+    return torch.load(workdir / f"{name}_rank{rank}.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two ranks with a worker each: an uninterrupted run; a run checkpointed after step 5
+    (Lightning holds the prefetched batch 6 then) and SIGKILLed after step 7; a fresh
+    resume. The directory holds what each rank trained on and the checkpoint."""
+    workdir = tmp_path_factory.mktemp("lightning_ddp")
+    launch = dict(timeout=150, torchrun_env=True, num_workers=1)
+    dh.launch(
+        train_then_preempt, 2, workdir, exitcode=-signal.SIGKILL, save_at=DDP_SAVE_AT,
+        kill_at=DDP_KILL_AT, **launch,
+    )  # fmt: skip
+    dh.launch(resume_after_preemption, 2, workdir, **launch)
+    return workdir
+
+
+@pytest.mark.timeout(300)
+def test_ddp_ranks_killed_mid_epoch_resume_exactly(ddp_run: Path) -> None:
+    """Every rank: the batches (indices and augmented inputs) before the checkpoint plus the
+    resumed run's are the uninterrupted run's, across the epoch boundary; same weights."""
+    for rank in range(2):
+        full, head, tail = (_read(ddp_run, name, rank) for name in ("full", "head", "tail"))
+        assert [epoch for epoch, *_ in full["seen"]] == [0] * 12 + [1] * 12
+        assert len(head["seen"]) == DDP_KILL_AT
+        assert head["seen"][:DDP_SAVE_AT] + tail["seen"] == full["seen"]
+        for mine, theirs in zip(tail["weights"], full["weights"], strict=True):
+            assert torch.equal(mine, theirs)
+    epoch = [i for r in range(2) for _, batch, _ in _read(ddp_run, "full", r)["seen"][:12]
+             for i in batch]  # fmt: skip
+    assert sorted(epoch) == list(range(DDP_SAMPLES))  # each rank read its own half
+
+
+@pytest.mark.timeout(300)
+def test_a_ddp_checkpoint_resumes_on_one_device(ddp_run: Path) -> None:
+    """2 ranks x 1 worker and 1 rank x 2 workers run the same 2 partitions: one device
+    continues the job's stream (rank 0's and rank 1's batches, step by step)."""
+    full = [_read(ddp_run, "full", r)["seen"] for r in range(2)]
+    stream = [step for pair in zip(*full, strict=True) for step in pair]
+    model = fit_two_epochs(build_ddp_loader(2), ddp_run, devices=1, resume=True)
+    assert model.seen == stream[2 * DDP_SAVE_AT :]

@@ -1,0 +1,120 @@
+"""A training loop under Hugging Face Accelerate for the tests, on one process or on several
+(rank programs started by tests/distributed_helpers.launch)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+import energy_loader as el
+from energy_loader.integrations.accelerate import prepare_loader
+from energy_loader.testing.strategies import AddNoise, MakeSample
+from tests.integrations.conftest import stop_workers
+
+EPOCHS = 2
+
+
+def pipeline(length: int = 45) -> el.SavableDataset:
+    """map (augmentation from the global RNGs) -> shuffle buffer -> batches of 4."""
+    source = el.IndexedSource.from_fn(length, MakeSample(), shuffle=True, seed=11)
+    return el.BatchDataset(el.ShuffleBufferDataset(el.MapDataset(source, AddNoise()), 6), 4)
+
+
+class Progress:
+    """The training loop's own counters, saved beside the loader (as a user would)."""
+
+    def __init__(self) -> None:
+        self.step, self.epoch = 0, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.epoch = state["step"], state["epoch"]
+
+
+def train(
+    workers: int,
+    checkpoint: Path | None = None,
+    *,
+    save_at: int = -1,
+    stop_at: int = -1,
+    length: int = 45,
+    **loader_kwargs: Any,
+) -> tuple[list[Any], torch.Tensor]:
+    """Train a linear model; save at ``save_at``, stop after ``stop_at``, resume if told."""
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    savable = el.SavableDataLoader(pipeline(length), num_workers=workers, **loader_kwargs)
+    try:
+        return _loop(accelerator, savable, checkpoint, save_at=save_at, stop_at=stop_at)
+    finally:
+        stop_workers(savable)
+
+
+def _loop(
+    accelerator: Accelerator, savable: el.SavableDataLoader, checkpoint: Path | None, *,
+    save_at: int, stop_at: int,
+) -> tuple[list[Any], torch.Tensor]:  # fmt: skip
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    loader = prepare_loader(accelerator, savable)
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress)
+    if checkpoint is not None and save_at < 0:
+        accelerator.load_state(str(checkpoint))
+    seen: list[Any] = []
+    while progress.epoch < EPOCHS:
+        for batch in loader:
+            assert batch["x"].device.type == accelerator.device.type
+            loss = model(batch["noise"].float().unsqueeze(1)).pow(2).mean()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            seen.append((progress.epoch, batch["index"].tolist(), batch[el.RESTORE_KEY]))
+            seen[-1] += (batch["noise"].tolist(),)
+            progress.step += 1
+            if progress.step - 1 == save_at:
+                accelerator.save_state(str(checkpoint))
+            if progress.step - 1 == stop_at:
+                return seen, _weight(model)
+        progress.epoch += 1
+    return seen, _weight(model)
+
+
+def _weight(model: torch.nn.Module) -> torch.Tensor:
+    return getattr(model, "module", model).weight.detach().clone()
+
+
+# -- rank programs ---------------------------------------------------------------------------------
+
+
+def train_on_ranks(
+    rank: int, world_size: int, workdir: Path, *, workers: int, save_at: int, kill_at: int
+) -> None:
+    """An uninterrupted run, then a run that saves at ``save_at`` and is SIGKILLed after
+    ``kill_at`` (every rank at the same step); each writes what this rank trained on."""
+    seen, weight = train(workers, length=48, multiprocessing_context="fork")
+    torch.save({"seen": seen, "weight": weight}, workdir / f"full_rank{rank}.pt")
+    seen, _ = train(
+        workers,
+        workdir / "checkpoint",
+        save_at=save_at,
+        stop_at=kill_at,
+        length=48,
+        multiprocessing_context="fork",
+    )
+    torch.save({"seen": seen}, workdir / f"head_rank{rank}.pt")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def resume_on_ranks(rank: int, world_size: int, workdir: Path, *, workers: int) -> None:
+    """A fresh process per rank resumes from the checkpoint and trains to the end."""
+    seen, weight = train(workers, workdir / "checkpoint", length=48, multiprocessing_context="fork")
+    torch.save({"seen": seen, "weight": weight}, workdir / f"tail_rank{rank}.pt")
