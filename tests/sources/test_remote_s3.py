@@ -298,7 +298,9 @@ def _index_command(*args: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_index_command_indexes_an_s3_folder_on_a_given_endpoint(s3, wds_local, tmp_path):
+def test_index_command_indexes_an_s3_folder_on_a_given_endpoint(
+    s3, wds_local, tmp_path, monkeypatch
+):
     url = upload_shards(s3, wds_local, indexes=False)
     bucket_path = url.removeprefix("s3://")
     result = _index_command(url, "--endpoint-url", s3["endpoint"])
@@ -313,10 +315,16 @@ def test_index_command_indexes_an_s3_folder_on_a_given_endpoint(s3, wds_local, t
     assert [index["samples"] for index in indexes] == [6, 5, 7]  # as wds_local wrote them
     source = WebDatasetSource(url, cache_dir=tmp_path, storage_options=options(s3["endpoint"]))
     assert [s["json"]["i"] for s in source] == list(range(18))
-    # AWS_ENDPOINT_URL reaches the same server; --cache-dir keeps the remote untouched.
+    # AWS_ENDPOINT_URL reaches the same server, for the command (--cache-dir keeps the remote
+    # untouched) and for a source given no endpoint.
     again = _index_command(url, "--cache-dir", str(tmp_path / "c"), AWS_ENDPOINT_URL=s3["endpoint"])
     assert again.returncode == 0, again.stderr
     assert len(list((tmp_path / "c" / "indexes").glob("*.idx.json"))) == 3
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3["endpoint"])
+    plain = WebDatasetSource(
+        url, cache_dir=tmp_path / "e", storage_options={"skip_instance_cache": True}
+    )
+    assert [s["json"]["i"] for s in plain] == list(range(18))
 
 
 def test_index_command_on_an_unreachable_endpoint_is_one_line_and_exit_1(wds_local):
