@@ -33,6 +33,7 @@ from energy_loader import (
     WebDatasetSource,
 )
 from energy_loader.cli.index import index_shards
+from energy_loader.cli.index import main as index_main
 from energy_loader.testing import check_resume
 
 from .test_parquet import write_files
@@ -344,11 +345,14 @@ def test_index_command_on_an_unreachable_endpoint_is_one_line_and_exit_1(wds_loc
     assert result.stdout == ""
 
 
-def test_index_command_refuses_bad_storage_options_naming_the_option(wds_local):
+def test_index_command_refuses_bad_storage_options_naming_the_option(wds_local, capsys):
     for args, expected in [
         ([str(wds_local), "--endpoint-url", "http://127.0.0.1:1"], "for s3:// locations"),
         (["s3://bucket/x", "--endpoint-url", "127.0.0.1:1"], "http:// or https:// URL"),
         (["s3://bucket/x", "--storage-options", "[1]"], "must be a JSON object"),
+        (["s3://bucket/x", "--storage-options", "{x"], "must be a JSON object"),
     ]:
-        result = _index_command(*args)
-        assert result.returncode == 2 and expected in result.stderr, result.stderr
+        with pytest.raises(SystemExit) as exit_:
+            index_main(args)
+        assert exit_.value.code == 2
+        assert expected in capsys.readouterr().err
