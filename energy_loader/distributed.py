@@ -50,8 +50,10 @@ __all__ = [
     "data_parallel_layout",
     "data_parallel_ranks",
     "process_group_initialized",
+    "rank_state_files",
     "rank_state_key",
     "rank_state_path",
+    "read_rank_state_files",
     "restore_state_global",
     "restore_state_rank_file",
     "save_state_global",
@@ -435,6 +437,10 @@ def restore_state_global(
 # -- each rank its own state: DCP keys and per-rank files ------------------------------------------
 
 
+# The name save_state_rank_file gives a rank's file: PREFIX_rank_00003_of_00008.pt.
+_RANK_FILE = re.compile(r"(.+)_rank_(\d{5})_of_(\d{5})\.pt")
+
+
 def _rank_stem(config: WorkerConfig, prefix: str) -> str:
     if not isinstance(prefix, str) or not prefix or "/" in prefix or os.sep in prefix:
         raise ValueError(
@@ -491,16 +497,33 @@ def restore_state_rank_file(
     No collective. On the layout that saved them a rank reads its own file only. On another
     layout (another world size or ``num_workers``, the same ``num_partitions``) it reads the
     lowest rank's file to learn the job's position, then the files of the ranks that ran the
-    partitions it now runs. Every file is read with ``torch.load(weights_only=True)`` and its
-    checksum verified. No state files at all is a ``FileNotFoundError``; a damaged file a
-    ``StateFormatError``; files of two different saves, or a state that does not fit, a
-    ``StateMismatchError`` saying what differs.
+    partitions it now runs (:func:`read_rank_state_files`). Every file is read with
+    ``torch.load(weights_only=True)`` and its checksum verified. No state files at all is a
+    ``FileNotFoundError``; a damaged file a ``StateFormatError``; files of two different saves,
+    or a state that does not fit, a ``StateMismatchError`` saying what differs.
     """
     loader = _require_loader(loader)
+    loader.restore_from_states(read_rank_state_files(loader, directory, prefix))
+
+
+def read_rank_state_files(
+    loader: SavableDataLoader, directory: str | os.PathLike[str], prefix: str | None = "loader"
+) -> list[RankState]:
+    """The saved states ``loader``'s rank restores from, read from ``directory``'s rank files.
+
+    What :func:`restore_state_rank_file` restores from, without restoring: this rank's own file
+    when the world size is the one that saved them, else the lowest rank's file and those of
+    the ranks that ran the partitions this rank now runs. ``prefix=None`` takes the prefix the
+    files have (see :func:`rank_state_files`). Changes nothing; raises as
+    :func:`restore_state_rank_file` does.
+    """
+    loader = _require_loader(loader)
+    if prefix is None:
+        match = _RANK_FILE.fullmatch(rank_state_files(directory, None)[0].name)
+        prefix = match.group(1) if match else "loader"
     path = rank_state_path(directory, loader, prefix)
     if path.is_file():  # the same world size: this rank's own partitions, whatever the workers
-        loader.restore_from_states([RankState.from_plain(load_checkpoint(path))])
-        return
+        return [RankState.from_plain(load_checkpoint(path))]
     files = _rank_files(Path(directory), prefix)
     if not files:
         _raise_missing(path, prefix)
@@ -516,25 +539,66 @@ def restore_state_rank_file(
             old_rank = (partition - first.start) % first.world_size
             if old_rank not in states:
                 states[old_rank] = RankState.from_plain(load_checkpoint(files[old_rank]))
-    loader.restore_from_states([states[r] for r in sorted(states)])
+    return [states[r] for r in sorted(states)]
 
 
-def _rank_files(directory: Path, prefix: str) -> list[Path]:
-    """The state files of one save in ``directory``, in rank order (checked complete)."""
-    pattern = re.compile(re.escape(prefix) + r"_rank_(\d{5})_of_(\d{5})\.pt")
-    found: dict[int, dict[int, Path]] = {}
-    for candidate in directory.glob(f"{prefix}_rank_*_of_*.pt"):
-        match = pattern.fullmatch(candidate.name)
-        if match:
-            found.setdefault(int(match.group(2)), {})[int(match.group(1))] = candidate
+def rank_state_files(
+    directory: str | os.PathLike[str], prefix: str | None = "loader"
+) -> list[Path]:
+    """The state files of one :func:`save_state_rank_file` save in ``directory``, in rank order.
+
+    ``prefix=None`` takes whatever prefix the files were saved with (several prefixes are a
+    ``ValueError`` naming them). ``directory`` that is not a folder, or holds no such files, is
+    a ``FileNotFoundError`` naming the file names expected; files of several world sizes, or
+    an incomplete set, a ``StateMismatchError``. Nothing is read but the file names.
+    """
+    folder = Path(directory)
+    if not folder.is_dir():
+        what = "a file" if folder.exists() else "not there"
+        raise FileNotFoundError(f"{folder} is {what}, not a folder of per-rank state files")
+    files = _rank_files(folder, prefix)
+    if not files:
+        expected = f"{prefix or 'PREFIX'}_rank_NNNNN_of_NNNNN.pt"
+        others = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+        holds = (
+            "it is empty"
+            if not others
+            else f"it holds {len(others)} other entr{'y' if len(others) == 1 else 'ies'} "
+            f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
+        )
+        raise FileNotFoundError(
+            f"{folder} is a folder without per-rank state files: expected files named "
+            f"{expected} (e.g. {prefix or 'loader'}_rank_00000_of_00002.pt, what "
+            f"save_state_rank_file writes), but {holds}"
+        )
+    return files
+
+
+def _rank_files(directory: Path, prefix: str | None) -> list[Path]:
+    """The state files of one save in ``directory``, in rank order (checked complete).
+
+    ``prefix=None``: the files of whichever single prefix the directory holds.
+    """
+    found: dict[str, dict[int, dict[int, Path]]] = {}
+    for candidate in directory.glob(f"{'*' if prefix is None else prefix}_rank_*_of_*.pt"):
+        match = _RANK_FILE.fullmatch(candidate.name)
+        if match and (prefix is None or match.group(1) == prefix):
+            by_size = found.setdefault(match.group(1), {})
+            by_size.setdefault(int(match.group(3)), {})[int(match.group(2))] = candidate
     if not found:
         return []
     if len(found) > 1:
+        raise ValueError(
+            f"{directory} holds the per-rank state files of several prefixes {sorted(found)}; "
+            "name the prefix they were saved with"
+        )
+    (sizes,) = found.values()
+    if len(sizes) > 1:
         raise StateMismatchError(
-            f"{directory} holds state files of several world sizes {sorted(found)}; keep the "
+            f"{directory} holds state files of several world sizes {sorted(sizes)}; keep the "
             "files of one save in a directory"
         )
-    ((size, files),) = found.items()
+    ((size, files),) = sizes.items()
     missing = [r for r in range(size) if r not in files]
     if missing:
         raise StateMismatchError(

@@ -169,6 +169,31 @@ def test_rank_file_round_trip_and_errors(tmp_path: Path) -> None:
         eld.restore_state_rank_file(_loader(), path.parent)
 
 
+def test_rank_state_files_find_one_save_and_say_what_they_expected(tmp_path: Path) -> None:
+    folder = tmp_path / "ranks"
+    for rank in (1, 0):
+        eld.save_state_rank_file(_loader(rank=rank, world_size=2), folder, "data")
+    names = ["data_rank_00000_of_00002.pt", "data_rank_00001_of_00002.pt"]
+    assert [p.name for p in eld.rank_state_files(folder, "data")] == names
+    assert [p.name for p in eld.rank_state_files(folder, None)] == names  # the one prefix
+    restored = _loader(rank=1, world_size=2)
+    states = eld.read_rank_state_files(restored, folder, None)
+    assert [s.rank for s in states] == [1]  # the same layout reads the rank's own file only
+    with pytest.raises(FileNotFoundError, match=r"expected files named loader_rank_NNNNN_of"):
+        eld.rank_state_files(folder)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"PREFIX_rank_NNNNN_of_NNNNN\.pt .* it is empty"):
+        eld.rank_state_files(tmp_path / "empty", None)
+    with pytest.raises(FileNotFoundError, match="is a file, not a folder"):
+        eld.rank_state_files(folder / names[0])
+    eld.save_state_rank_file(_loader(), folder, "other")
+    with pytest.raises(ValueError, match=r"several prefixes \['data', 'other'\]"):
+        eld.rank_state_files(folder, None)
+    (folder / names[1]).unlink()
+    with pytest.raises(el.StateMismatchError, match=r"not those of ranks \[1\]"):
+        eld.rank_state_files(folder, "data")
+
+
 # -- real multi-process groups ---------------------------------------------------------------------
 
 

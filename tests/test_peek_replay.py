@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import energy_loader as el
-from energy_loader.cli.replay import build_loader, parse_steps, replay
+from energy_loader.cli.replay import build_loader, loader_and_states, parse_steps, replay
 
 from .observe_pipelines import LENGTH, build
 
@@ -69,6 +69,8 @@ def saved_run(request, tmp_path_factory):
     for rank, loader in enumerate(loaders):
         _, iterators[rank] = _take(loader, iterators[rank], SAVE)
     states = [loader.save_state_rank() for loader in loaders]
+    for loader in loaders:  # the same position, as per-rank files in one folder
+        el.save_state_rank_file(loader, out / "ranks")
     streams = []
     for rank, loader in enumerate(loaders):
         keys, _ = _take(loader, iterators[rank], AFTER)
@@ -83,7 +85,7 @@ def saved_run(request, tmp_path_factory):
             key = json.loads(line)["key"]
             if key not in keys:
                 keys.append(key)
-    return workers, states, streams, path, out / "log", logged
+    return workers, states, streams, path, out / "log", logged, out / "ranks"
 
 
 @contextlib.contextmanager
@@ -104,7 +106,7 @@ def _replay_loader(saved_run: Any, rank: int) -> el.SavableDataLoader:
 
 @given(rank=st.integers(0, RANKS - 1), start=st.integers(0, AFTER - 1), size=st.integers(1, 8))
 def test_replay_equals_the_run_for_any_window(saved_run, rank: int, start: int, size: int):
-    _, states, streams, _, _, _ = saved_run
+    _, states, streams, _, _, _, _ = saved_run
     stop = min(AFTER, start + size)
     loader = _replay_loader(saved_run, rank)
     rows = replay(loader, states, start, stop)
@@ -113,7 +115,7 @@ def test_replay_equals_the_run_for_any_window(saved_run, rank: int, start: int, 
 
 
 def test_restore_state_global_on_each_rank_yields_the_same(saved_run) -> None:
-    workers, states, streams, _, log_dir, _ = saved_run
+    workers, states, streams, _, log_dir, _, _ = saved_run
     with _logging_to(log_dir):
         loaders = _loaders(workers)
     for rank, loader in enumerate(loaders):
@@ -126,7 +128,7 @@ def test_restore_state_global_on_each_rank_yields_the_same(saved_run) -> None:
 def test_replay_agrees_with_the_sample_log(saved_run) -> None:
     # The log holds what the partitions produced, in each partition's order: every replayed
     # batch is there, and within a partition the replayed ones come in logged order.
-    _, states, streams, _, _, logged = saved_run
+    _, states, streams, _, _, logged, _ = saved_run
     for rank in range(RANKS):
         loader = _replay_loader(saved_run, rank)
         replayed = [_plain(r["key"]) for r in replay(loader, states, 0, AFTER)]
@@ -139,7 +141,7 @@ def test_replay_agrees_with_the_sample_log(saved_run) -> None:
 
 
 def test_replay_command_line(saved_run) -> None:
-    _, states, streams, path, log_dir, _ = saved_run
+    _, states, streams, path, log_dir, _, _ = saved_run
     env = {**os.environ, "PYTHONPATH": str(ROOT), "ENERGY_LOADER_TEST_LOG_DIR": str(log_dir)}
     result = subprocess.run(
         [
@@ -215,6 +217,64 @@ def test_replay_command_line(saved_run) -> None:
     assert summaries[0]["fraction_through"] == pytest.approx(SAVE / per_rank)
     assert summaries[1]["global_position"] == states[1]["start"] + RANKS * SAVE
     assert {"partition", "position", "skip", "done"} <= set(summaries[0]["partitions"][0])
+
+
+def _command(*args: str, log_dir: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ENERGY_LOADER_TEST_LOG_DIR": str(log_dir)}
+    return subprocess.run(
+        [sys.executable, "-m", "energy_loader", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def test_replay_on_a_folder_of_rank_files_reads_only_the_rank_it_replays(saved_run) -> None:
+    _, _, streams, _, log_dir, _, folder = saved_run
+    for rank in range(RANKS):
+        with _logging_to(log_dir):
+            loader, states = loader_and_states(build(), [folder], rank, SEED)
+        assert [s.rank for s in states] == [rank]
+        assert [_plain(r["key"]) for r in replay(loader, states, 0, AFTER)] == streams[rank]
+    result = _command(
+        "replay", "--pipeline", "tests.observe_pipelines:build", str(folder),
+        "--rank", "1", "--steps", "3:9", "--json", "--seed", str(SEED), log_dir=log_dir,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert [json.loads(line)["key"] for line in result.stdout.splitlines()] == streams[1][3:9]
+
+
+def test_inspect_on_a_folder_of_rank_files_shows_every_rank(saved_run) -> None:
+    _, states, _, _, log_dir, _, folder = saved_run
+    result = _command("inspect", str(folder), "--json", log_dir=log_dir)
+    assert result.returncode == 0, result.stderr
+    summaries = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [s["where"] for s in summaries] == [
+        "loader_rank_00000_of_00002.pt",
+        "loader_rank_00001_of_00002.pt",
+    ]
+    assert [s["rank"] for s in summaries] == [0, 1]
+    assert [s["delivered"] for s in summaries] == [SAVE, SAVE]
+    assert [s["epoch"] for s in summaries] == [s["epoch"] for s in states]
+    text = _command("inspect", str(folder), log_dir=log_dir)
+    assert text.returncode == 0, text.stderr
+    assert "loader_rank_00001_of_00002.pt:\nformat energy_loader.rank_state" in text.stdout
+    assert "rank 1 of 2," in text.stdout
+
+
+def test_a_folder_without_rank_files_is_one_line_naming_the_files_expected(tmp_path) -> None:
+    (tmp_path / "notes.txt").write_text("not a state")
+    for args in (
+        ["inspect", str(tmp_path)],
+        ["replay", "--pipeline", "tests.observe_pipelines:build", str(tmp_path)],
+    ):
+        result = _command(*args, log_dir=tmp_path / "log")
+        assert result.returncode == 2
+        (line,) = result.stderr.strip().splitlines()
+        assert f"{tmp_path} is a folder without per-rank state files" in line
+        assert "PREFIX_rank_NNNNN_of_NNNNN.pt" in line and "notes.txt" in line
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -1,11 +1,13 @@
 """``python -m energy_loader inspect PATH``: print a saved loader state as a readable tree.
 
 Reads a checkpoint file written by :func:`energy_loader.state.save_checkpoint` (or a
-:class:`~energy_loader.state.CheckpointDirectory`), a ``torch.save`` file, or a JSON file, and
-prints every loader state found inside (a rank state, the list ``save_state_global`` returns,
-or the partition leaves of ``loader.state_dict()``): format version, layout and partitions,
-epoch and position, each partition's position, and the pipeline config. Anything unreadable
-is a one-line error and exit code 2.
+:class:`~energy_loader.state.CheckpointDirectory`), a ``torch.save`` file, a JSON file, or a
+folder of per-rank files written by :func:`energy_loader.save_state_rank_file` (found as
+:func:`energy_loader.distributed.rank_state_files` finds them), and prints every loader state
+found inside (a rank state, the list ``save_state_global`` returns, or the partition leaves of
+``loader.state_dict()``): format version, layout and partitions, epoch and position, each
+partition's position, and the pipeline config. Anything unreadable is a one-line error that
+says what the path is, and exit code 2.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import Any
 
 import torch
 
-from ..errors import StateFormatError, first_line
+from ..distributed import rank_state_files
+from ..errors import EnergyLoaderError, StateFormatError, first_line
 from ..state.checkpoint import CHECKPOINT_FORMAT, load_checkpoint
 from ..state.rank_state import (
     PARTITION_KEY_PREFIX,
@@ -27,38 +30,81 @@ from ..state.rank_state import (
     states_from_entries,
 )
 
-__all__ = ["describe_rank_state", "main", "summarize_rank_state"]
+__all__ = ["describe_rank_state", "main", "read_path", "summarize_rank_state"]
 
 _HELP = """usage: python -m energy_loader inspect PATH [--json] [--pipeline MODULE:FUNCTION]
+                                       [--prefix PREFIX]
 
 Print every loader state saved in PATH: a checkpoint file (energy_loader's own, or any
 torch.save file) or a JSON file holding a rank state, the list of all ranks' states, or
-the partition entries of loader.state_dict(). For each rank it shows the layout (ranks,
-workers, logical partitions), the epoch and position, where each partition stands and
-the pipeline. Nothing in the file is executed. Exit code 2 if the file holds no
-readable loader state.
+the partition entries of loader.state_dict(); or a folder of per-rank files
+(PREFIX_rank_00000_of_00008.pt ..., what save_state_rank_file writes), all of them. For
+each rank it shows the layout (ranks, workers, logical partitions), the epoch and
+position, where each partition stands and the pipeline. Nothing in the file is executed.
+Exit code 2 if PATH holds no readable loader state.
 
   --json                      one JSON object per state found: layout, partitions, epoch,
                               items delivered, global position, per-partition positions
   --pipeline MODULE:FUNCTION  rebuild the pipeline (FUNCTION returns it, or a loader) to
-                              also show how far through the epoch each rank is"""
+                              also show how far through the epoch each rank is
+  --prefix PREFIX             in a folder, the prefix the rank files were saved with
+                              (default: the one prefix its rank files have)"""
 
 
 def _read(path: Path) -> Any:
+    if not path.is_file():
+        what = "neither a file nor a folder" if path.exists() else "no such file or folder"
+        raise FileNotFoundError(f"{path}: {what}")
     if path.suffix == ".json":
-        return json.loads(path.read_text())
+        try:
+            return json.loads(path.read_text())
+        except ValueError as error:
+            raise StateFormatError(
+                f"{path}: a file of {path.stat().st_size:,} bytes named .json that is not "
+                f"JSON ({first_line(error)})"
+            ) from error
     try:
         record = torch.load(path, weights_only=True, map_location="cpu")
-    except FileNotFoundError:
-        raise
     except Exception as error:
         raise StateFormatError(
-            "not a readable state file (not written by torch.save or JSON, truncated, or it "
-            "holds pickled objects, which are never loaded)"
+            f"{path}: a file of {path.stat().st_size:,} bytes that is not a readable state "
+            "file (not written by torch.save or JSON, truncated, or it holds pickled objects, "
+            "which are never loaded)"
         ) from error
     if isinstance(record, dict) and record.get("format") == CHECKPOINT_FORMAT:
         return load_checkpoint(path)
     return record
+
+
+def read_path(path: Path, prefix: str | None = None) -> list[tuple[str, Any]]:
+    """Every loader state in ``path``, with where it was found (plain data, not checked).
+
+    ``path`` is a state file (checkpoint, ``torch.save`` or JSON) or a folder of per-rank
+    files of one :func:`~energy_loader.save_state_rank_file` save (``prefix``: theirs, or the
+    one prefix the folder's rank files have), read in rank order. ``FileNotFoundError`` for a
+    missing path or a folder without rank files (naming the file names expected),
+    ``StateFormatError`` for a file that holds no loader state, naming the path.
+    """
+    if path.is_dir():
+        found: list[tuple[str, Any]] = []
+        for file in rank_state_files(path, prefix):
+            for where, state in _states_of(file):
+                found.append((file.name if where == _TOP else f"{file.name} {where}", state))
+        return found
+    return _states_of(path)
+
+
+def _states_of(path: Path) -> list[tuple[str, Any]]:
+    found = list(_find_states(_read(path)))
+    if not found:
+        raise StateFormatError(
+            f"{path}: a readable file of {path.stat().st_size:,} bytes, but no energy_loader "
+            "loader state inside"
+        )
+    return found
+
+
+_TOP = "(top level)"
 
 
 def _find_states(value: Any, where: str = "") -> Iterator[tuple[str, Any]]:
@@ -68,11 +114,11 @@ def _find_states(value: Any, where: str = "") -> Iterator[tuple[str, Any]]:
         and all(isinstance(k, str) and k.startswith(PARTITION_KEY_PREFIX) for k in value)
     ):  # what loader.state_dict() returns: partition leaves
         for state in states_from_entries(value):
-            yield f"{where or '(top level)'} rank {state.rank}", state.to_plain()
+            yield f"{where or _TOP} rank {state.rank}", state.to_plain()
         return
     if isinstance(value, dict):
         if value.get("format") == RANK_STATE_FORMAT:
-            yield where or "(top level)", value
+            yield where or _TOP, value
             return
         for name, item in value.items():
             yield from _find_states(item, f"{where}.{name}" if where else str(name))
@@ -197,7 +243,7 @@ def main(argv: list[str]) -> int:
     if not argv or any(a in ("-h", "--help") for a in argv):
         print(_HELP)
         return 0 if argv else 2
-    as_json, pipeline, paths = False, None, []
+    as_json, pipeline, prefix, paths = False, None, None, []
     rest = list(argv)
     while rest:
         arg = rest.pop(0)
@@ -205,6 +251,8 @@ def main(argv: list[str]) -> int:
             as_json = True
         elif arg == "--pipeline" and rest:
             pipeline = rest.pop(0)
+        elif arg == "--prefix" and rest:
+            prefix = rest.pop(0)
         elif arg.startswith("-"):
             print(f"inspect: unknown option {arg!r}\n\n{_HELP}", file=sys.stderr)
             return 2
@@ -215,9 +263,7 @@ def main(argv: list[str]) -> int:
         return 2
     path = Path(paths[0])
     try:
-        found = list(_find_states(_read(path)))
-        if not found:
-            raise StateFormatError("no energy_loader loader state inside")
+        found = read_path(path, prefix)
         lengths = [None if pipeline is None else _rank_length(pipeline, s) for _, s in found]
         if as_json:
             blocks = [
@@ -229,17 +275,22 @@ def main(argv: list[str]) -> int:
                 f"{where}:\n{describe_rank_state(state)}{_through(state, length)}"
                 for (where, state), length in zip(found, lengths)
             ]
-    except FileNotFoundError:
-        print(f"inspect: {path}: no such file", file=sys.stderr)
-        return 2
     except Exception as error:
-        print(f"inspect: {path}: {type(error).__name__}: {first_line(error)}", file=sys.stderr)
+        print(f"inspect: {one_line(error, path)}", file=sys.stderr)
         return 2
     if as_json:
         print("\n".join(blocks))
     else:
         print(f"{path}\n\n" + "\n\n".join(blocks))
     return 0
+
+
+def one_line(error: BaseException, path: Path | None = None) -> str:
+    """``error`` as one line for a command's exit message, naming ``path`` once if given."""
+    message = first_line(error)
+    if not isinstance(error, (EnergyLoaderError, FileNotFoundError)):
+        message = f"{type(error).__name__}: {message}"
+    return message if path is None or str(path) in message else f"{path}: {message}"
 
 
 def _through(state: dict[str, Any], length: int | None) -> str:

@@ -1,7 +1,9 @@
 """``python -m energy_loader replay``: the restore keys (or samples) of any steps of a saved job.
 
 Imports the user's function that builds the pipeline (or a loader), builds a loader with the
-saved layout for the chosen rank, and runs :func:`energy_loader.loader.peek.future_items` from the
+saved layout for the chosen rank, reads the states that rank needs (from state files, or from a
+folder of per-rank files the way :func:`energy_loader.restore_state_rank_file` picks them), and
+runs :func:`energy_loader.loader.peek.future_items` from the
 saved states: no worker processes, nothing iterated from the epoch start, only the replayed
 and the requested items are made. Step 0 is the first item the rank yields after the saved
 position; steps run on across epoch ends as the training loop's next ``iter()`` would.
@@ -19,9 +21,20 @@ from pathlib import Path
 from typing import Any
 
 from ..dataset import SavableDataset
-from ..errors import StateFormatError, first_line
+from ..distributed import rank_state_files, read_rank_state_files
+from ..state.checkpoint import load_checkpoint
+from ..state.rank_state import RankState
+from .inspect import one_line, read_path
 
-__all__ = ["build_loader", "load_builder", "main", "parse_steps", "read_states", "replay"]
+__all__ = [
+    "build_loader",
+    "load_builder",
+    "loader_and_states",
+    "main",
+    "parse_steps",
+    "read_states",
+    "replay",
+]
 
 _HELP = """Print the restore keys (or samples) of steps A to B of one rank of a saved job.
 
@@ -33,6 +46,7 @@ training run yielded (or will yield) after saving."""
 
 _EPILOG = """examples:
   python -m energy_loader replay --pipeline train:build_pipeline ckpt/step-500.pt
+  python -m energy_loader replay --pipeline train:build_pipeline ckpt/loader-states/ --rank 3
   python -m energy_loader replay --pipeline train:build_pipeline states.json --rank 1 \\
       --steps 10:20 --samples --json"""
 
@@ -71,15 +85,38 @@ def load_builder(spec: str) -> Callable[[], Any]:
 
 def read_states(paths: list[Path]) -> list[dict[str, Any]]:
     """Every rank state in the files (checkpoint, torch.save or JSON), one per rank."""
-    from .inspect import _find_states, _read
-
     by_rank: dict[int, dict[str, Any]] = {}
     for path in paths:
-        for _, state in _find_states(_read(path)):
+        if path.is_dir():
+            raise ValueError(
+                f"{path} is a folder: give a folder of per-rank files alone, or state files only"
+            )
+        for _, state in read_path(path):
             by_rank.setdefault(int(state["rank"]), state)
-    if not by_rank:
-        raise StateFormatError("no energy_loader loader state inside")
     return [by_rank[rank] for rank in sorted(by_rank)]
+
+
+def loader_and_states(
+    built: Any, paths: list[Path], rank: int, seed: int | None, prefix: str | None = None
+) -> tuple[Any, list[RankState]]:
+    """The replay loader for ``rank`` and the saved states it restores from.
+
+    ``paths`` are state files (all the states in them are used), or one folder of per-rank
+    files (``prefix``: theirs, or the one prefix its rank files have), from which only the
+    files ``rank`` needs are read, as :func:`energy_loader.restore_state_rank_file` picks them.
+    """
+    if len(paths) == 1 and paths[0].is_dir():
+        files = rank_state_files(paths[0], prefix)
+        if not 0 <= rank < len(files):
+            raise ValueError(
+                f"--rank must be in range({len(files)}) for the job saved in {paths[0]} "
+                f"(got {rank})"
+            )
+        loader = build_loader(built, load_checkpoint(files[rank]), rank, seed)
+        return loader, read_rank_state_files(loader, paths[0], prefix)
+    states = read_states(paths)
+    loader = build_loader(built, states[0], rank, seed)
+    return loader, [RankState.from_plain(state) for state in states]
 
 
 def build_loader(built: Any, state: dict[str, Any], rank: int, seed: int | None) -> Any:
@@ -115,13 +152,20 @@ def build_loader(built: Any, state: dict[str, Any], rank: int, seed: int | None)
 
 
 def replay(
-    loader: Any, states: list[dict[str, Any]], start: int, stop: int, *, samples: bool = False
+    loader: Any,
+    states: list[dict[str, Any]] | list[RankState],
+    start: int,
+    stop: int,
+    *,
+    samples: bool = False,
 ) -> list[dict[str, Any]]:
-    """Steps ``start`` to ``stop`` (excluded) after the saved position: key, and sample."""
-    from ..loader.peek import future_items, kept_rng_state
-    from ..state.rank_state import RankState
+    """Steps ``start`` to ``stop`` (excluded) after the saved position: key, and sample.
 
-    decoded = [RankState.from_plain(state) for state in states]
+    ``states``: the saved rank states (plain or decoded), this rank's or all ranks'.
+    """
+    from ..loader.peek import future_items, kept_rng_state
+
+    decoded = [s if isinstance(s, RankState) else RankState.from_plain(s) for s in states]
     rows: list[dict[str, Any]] = []
     with kept_rng_state():
         for step, (key, _) in enumerate(
@@ -161,8 +205,14 @@ def main(argv: list[str]) -> int:
         nargs="+",
         type=Path,
         metavar="CHECKPOINT",
-        help="a checkpoint file, a per-rank file (several may be given) or a JSON of all "
-        "ranks' states",
+        help="a checkpoint file, a per-rank file (several may be given), a JSON of all "
+        "ranks' states, or a folder of per-rank files (save_state_rank_file's), alone",
+    )
+    parser.add_argument(
+        "--prefix",
+        default=None,
+        help="in a folder, the prefix the rank files were saved with (default: the one "
+        "prefix its rank files have)",
     )
     parser.add_argument("--rank", type=int, default=0, help="the rank to replay (default 0)")
     parser.add_argument(
@@ -179,14 +229,16 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         start, stop = parse_steps(args.steps)
-        states = read_states(args.checkpoint)
-        loader = build_loader(load_builder(args.pipeline)(), states[0], args.rank, args.seed)
+        for path in args.checkpoint:
+            if not path.exists():
+                raise FileNotFoundError(f"{path}: no such file or folder")
+        built = load_builder(args.pipeline)()
+        loader, states = loader_and_states(
+            built, args.checkpoint, args.rank, args.seed, args.prefix
+        )
         rows = replay(loader, states, start, stop, samples=args.samples)
-    except FileNotFoundError as error:
-        print(f"replay: no such file: {error.filename or error}", file=sys.stderr)
-        return 2
     except Exception as error:
-        print(f"replay: {type(error).__name__}: {first_line(error)}", file=sys.stderr)
+        print(f"replay: {one_line(error)}", file=sys.stderr)
         return 2
     for row in rows:
         if args.json:

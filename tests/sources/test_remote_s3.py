@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import http.client
 import http.server
+import json
+import os
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -29,10 +33,13 @@ from energy_loader import (
     WebDatasetSource,
 )
 from energy_loader.cli.index import index_shards
+from energy_loader.cli.index import main as index_main
 from energy_loader.testing import check_resume
 
 from .test_parquet import write_files
 from .test_webdataset import write_shards
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -279,3 +286,73 @@ def test_parquet_on_s3(s3, tmp_path):
     shutil.rmtree(tmp_path / "pq")
     assert remote.restore_sample((1, 0, 2))["i"] == 11
     assert isinstance(el.restore_key_of(next(iter(remote))), tuple)
+
+
+def _index_command(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "energy_loader", "index", "--quiet", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+    )
+
+
+def test_index_command_indexes_an_s3_folder_on_a_given_endpoint(
+    s3, wds_local, tmp_path, monkeypatch
+):
+    url = upload_shards(s3, wds_local, indexes=False)
+    bucket_path = url.removeprefix("s3://")
+    result = _index_command(url, "--endpoint-url", s3["endpoint"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "indexed 3 shards (18 samples); 0 already had an index"
+    assert sorted(p.rsplit("/", 1)[1] for p in s3["fs"].glob(f"{bucket_path}/*.idx.json")) == [
+        f"shard-00{n}.tar.idx.json" for n in range(3)
+    ]
+    indexes = [
+        json.loads(s3["fs"].cat(f"{bucket_path}/shard-00{n}.tar.idx.json")) for n in range(3)
+    ]
+    assert [index["samples"] for index in indexes] == [6, 5, 7]  # as wds_local wrote them
+    source = WebDatasetSource(url, cache_dir=tmp_path, storage_options=options(s3["endpoint"]))
+    assert [s["json"]["i"] for s in source] == list(range(18))
+    # AWS_ENDPOINT_URL reaches the same server, for the command (--cache-dir keeps the remote
+    # untouched) and for a source given no endpoint.
+    again = _index_command(url, "--cache-dir", str(tmp_path / "c"), AWS_ENDPOINT_URL=s3["endpoint"])
+    assert again.returncode == 0, again.stderr
+    assert len(list((tmp_path / "c" / "indexes").glob("*.idx.json"))) == 3
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3["endpoint"])
+    plain = WebDatasetSource(
+        url, cache_dir=tmp_path / "e", storage_options={"skip_instance_cache": True}
+    )
+    assert [s["json"]["i"] for s in plain] == list(range(18))
+
+
+def test_index_command_on_an_unreachable_endpoint_is_one_line_and_exit_1(wds_local):
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    result = _index_command(
+        "s3://bucket/train",
+        "--endpoint-url",
+        endpoint,
+        "--storage-options",
+        '{"config_kwargs": {"retries": {"max_attempts": 1}}}',  # fail fast
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+    )
+    assert result.returncode == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"index: s3://bucket/train: cannot connect to the endpoint {endpoint}")
+    assert result.stdout == ""
+
+
+def test_index_command_refuses_bad_storage_options_naming_the_option(wds_local, capsys):
+    for args, expected in [
+        ([str(wds_local), "--endpoint-url", "http://127.0.0.1:1"], "for s3:// locations"),
+        (["s3://bucket/x", "--endpoint-url", "127.0.0.1:1"], "http:// or https:// URL"),
+        (["s3://bucket/x", "--storage-options", "[1]"], "must be a JSON object"),
+        (["s3://bucket/x", "--storage-options", "{x"], "must be a JSON object"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            index_main(args)
+        assert exit_.value.code == 2
+        assert expected in capsys.readouterr().err

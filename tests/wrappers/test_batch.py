@@ -64,6 +64,30 @@ def test_restore_with_a_smaller_batch_size_that_divides_the_saved_one(workers: i
     assert sorted(seen + rest_small) == list(range(200))
 
 
+@pytest.mark.parametrize(
+    ("partitions", "length", "partial", "full_with_drop_last"),
+    [(1, 125, 0, 125), (2, 126, 2, 124), (12, 132, 12, 120)],
+)
+def test_every_partition_batches_on_its_own(
+    partitions: int, length: int, partial: int, full_with_drop_last: int
+) -> None:
+    # 2,000 samples in batches of 16 (the numbers docs/wrappers.md quotes): P=12 gives 8
+    # partitions of 167 samples and 4 of 166, each 10 full batches and one of 7 or 6.
+    def loader(drop_last: bool) -> el.SavableDataLoader:
+        source = el.IndexedSource.from_fn(2000, MakeSample())
+        pipeline = el.BatchDataset(source, 16, drop_last=drop_last)
+        return el.SavableDataLoader(pipeline, num_partitions=partitions)
+
+    plain = loader(False)
+    sizes = [len(batch["index"]) for batch in plain]
+    assert len(plain) == len(sizes) == length
+    assert sum(size < 16 for size in sizes) == partial and sum(sizes) == 2000
+    dropping = loader(True)
+    sizes = [len(batch["index"]) for batch in dropping]
+    assert len(dropping) == len(sizes) == full_with_drop_last
+    assert set(sizes) == {16}
+
+
 def test_constructor_rejects_bad_arguments() -> None:
     source = el.IndexedSource.from_fn(3, MakeSample())
     with pytest.raises(ValueError, match="`batch_size` must be positive"):
