@@ -22,7 +22,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import energy_loader as el
-from energy_loader.cli.replay import build_loader, loader_and_states, parse_steps, replay
+from energy_loader.cli.pipelines import build_loader
+from energy_loader.cli.replay import loader_and_states, parse_steps, replay
 
 from .observe_pipelines import LENGTH, build
 

@@ -230,7 +230,7 @@ def summarize_rank_state(state: Any, length: int | None = None) -> dict[str, Any
 
 def _rank_length(spec: str, state: dict[str, Any]) -> int | None:
     """Items per epoch of the state's rank, from the user's pipeline (None if unknown)."""
-    from .replay import build_loader, load_builder
+    from .pipelines import build_loader, load_builder
 
     loader = build_loader(load_builder(spec)(), state, int(state["rank"]), None)
     try:

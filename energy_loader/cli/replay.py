@@ -12,19 +12,16 @@ position; steps run on across epoch ends as the training loop's next ``iter()`` 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..dataset import SavableDataset
 from ..distributed import rank_state_files, read_rank_state_files
 from ..state.checkpoint import load_checkpoint
 from ..state.rank_state import RankState
 from .inspect import one_line, read_path
+from .pipelines import build_loader, load_builder
 
 __all__ = [
     "build_loader",
@@ -67,22 +64,6 @@ def parse_steps(text: str) -> tuple[int, int]:
     return start, stop
 
 
-def load_builder(spec: str) -> Callable[[], Any]:
-    """The function named by ``module:function`` (the current directory is importable)."""
-    module_name, _, name = spec.partition(":")
-    if not module_name or not name:
-        raise ValueError(f"--pipeline must be module:function (got {spec!r})")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    module = importlib.import_module(module_name)
-    function = module
-    for part in name.split("."):
-        function = getattr(function, part)
-    if not callable(function):
-        raise TypeError(f"{spec} is not callable")
-    return function  # type: ignore[return-value]
-
-
 def read_states(paths: list[Path]) -> list[dict[str, Any]]:
     """Every rank state in the files (checkpoint, torch.save or JSON), one per rank."""
     by_rank: dict[int, dict[str, Any]] = {}
@@ -117,38 +98,6 @@ def loader_and_states(
     states = read_states(paths)
     loader = build_loader(built, states[0], rank, seed)
     return loader, [RankState.from_plain(state) for state in states]
-
-
-def build_loader(built: Any, state: dict[str, Any], rank: int, seed: int | None) -> Any:
-    """A loader (never started) with the saved layout, for ``rank``, over the built pipeline."""
-    from ..loader import SavableDataLoader
-    from ..worker import WorkerConfig
-
-    if isinstance(built, SavableDataLoader):
-        pipeline, config_seed = built.pipeline, built.worker_config.seed
-        built.close()
-    elif isinstance(built, SavableDataset):
-        pipeline, config_seed = built, 0
-    else:
-        raise TypeError(
-            "the --pipeline function must return a SavableDataset pipeline or a "
-            f"SavableDataLoader (got {type(built).__name__})"
-        )
-    world_size = int(state["world_size"])
-    if not 0 <= rank < world_size:
-        raise ValueError(f"--rank must be in range({world_size}) for this job (got {rank})")
-    config = WorkerConfig(
-        rank=rank,
-        world_size=world_size,
-        num_workers=int(state["num_workers"]),
-        seed=config_seed if seed is None else seed,
-    )
-    return SavableDataLoader(
-        pipeline,
-        worker_config=config,
-        num_partitions=int(state["num_partitions"]),
-        stall_warning=False,
-    )
 
 
 def replay(

@@ -1,0 +1,62 @@
+"""The user's pipeline, for the commands that rebuild a saved job: ``--pipeline module:function``
+imported, and a loader (never started) built with a saved layout for one rank."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ..dataset import SavableDataset
+
+__all__ = ["build_loader", "load_builder"]
+
+
+def load_builder(spec: str) -> Callable[[], Any]:
+    """The function named by ``module:function`` (the current directory is importable)."""
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise ValueError(f"--pipeline must be module:function (got {spec!r})")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    module = importlib.import_module(module_name)
+    function = module
+    for part in name.split("."):
+        function = getattr(function, part)
+    if not callable(function):
+        raise TypeError(f"{spec} is not callable")
+    return function  # type: ignore[return-value]
+
+
+def build_loader(built: Any, state: dict[str, Any], rank: int, seed: int | None) -> Any:
+    """A loader (never started) with the saved layout, for ``rank``, over the built pipeline."""
+    from ..loader import SavableDataLoader
+    from ..worker import WorkerConfig
+
+    if isinstance(built, SavableDataLoader):
+        pipeline, config_seed = built.pipeline, built.worker_config.seed
+        built.close()
+    elif isinstance(built, SavableDataset):
+        pipeline, config_seed = built, 0
+    else:
+        raise TypeError(
+            "the --pipeline function must return a SavableDataset pipeline or a "
+            f"SavableDataLoader (got {type(built).__name__})"
+        )
+    world_size = int(state["world_size"])
+    if not 0 <= rank < world_size:
+        raise ValueError(f"--rank must be in range({world_size}) for this job (got {rank})")
+    config = WorkerConfig(
+        rank=rank,
+        world_size=world_size,
+        num_workers=int(state["num_workers"]),
+        seed=config_seed if seed is None else seed,
+    )
+    return SavableDataLoader(
+        pipeline,
+        worker_config=config,
+        num_partitions=int(state["num_partitions"]),
+        stall_warning=False,
+    )
