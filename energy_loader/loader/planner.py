@@ -206,8 +206,15 @@ class Planner:
         scale = 1
         for state in states:
             scale = self._replay_scale(state)
+        plan = self.plan_own(states, scale=scale)
+        self._validate_checkpoints(plan.restores)
+        return plan
+
+    def plan_own(self, states: list[RankState], *, scale: int = 1) -> RestorePlan:
+        """Plan a restore from states this planner's loader saved itself (no checks: the
+        pipeline made them), e.g. to move the loader's own position at an epoch's start."""
         config = self.config
-        plan = plan_restore(
+        return plan_restore(
             states,
             rank=config.rank,
             world_size=config.world_size,
@@ -215,8 +222,6 @@ class Planner:
             num_partitions=self.num_partitions,
             scale=scale,
         )
-        self._validate_checkpoints(plan.restores)
-        return plan
 
     def _replay_scale(self, state: RankState) -> int:
         """Raise ``StateMismatchError`` unless the pipeline fits; returns the replay scale."""

@@ -248,7 +248,7 @@ class SavableDataLoader(RankStateProtocols, DataLoader):
             if not self._planner.is_canonical(side.plan, side.offset, progress.start):
                 # A restore rotated the workers or partitions: put every partition back where
                 # a new epoch expects it (only this rank's own partitions move).
-                self._restore(self._planner.plan_restore([self._save(0)]))
+                self._restore(self._planner.plan_own([self._save(0)]))
                 progress = self._progress
             progress.start_epoch(progress.start % self._worker_config.world_size)
             self._inner = None
@@ -559,7 +559,7 @@ class SavableDataLoader(RankStateProtocols, DataLoader):
         if not self._fleet.running or self._failure is not None:
             self._shutdown_workers()
             return
-        self._restore(self._planner.plan_restore([self._save(0)]))
+        self._restore(self._planner.plan_own([self._save(0)]))
 
     def _shutdown_workers(self) -> None:
         self._inner = None
