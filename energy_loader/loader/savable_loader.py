@@ -311,12 +311,15 @@ class SavableDataLoader(RankStateProtocols, DataLoader):
 
     @property
     def epoch(self) -> int:
-        """The epoch the loader is in: that of the item handed out last, or, once an epoch's
-        end was reported (a finished ``for`` loop), the epoch the next ``iter()`` starts
-        (0 before the first item).
+        """The epoch the loader is in (0 before the first item).
 
-        A loader restored from a state saved right after an epoch's last item moves on to the
-        next epoch with its first item, so read it after each item rather than before.
+        While an epoch runs, and after a ``break``, it is the epoch of the item handed out
+        last. Once the end of an epoch has been reported (a ``for`` loop over the loader ran to
+        its end), it is already the next epoch, the one the next ``iter()`` starts. A consumer
+        that takes every item without pulling the end (``zip``, ``islice``,
+        ``range(len(loader))``) sees the finished epoch until the first item of the next; so
+        does a loader restored from a state saved right after an epoch's last item. Read it
+        right after the item it should describe.
         """
         progress = self._progress
         return progress.epoch + (1 if progress.epoch_ended else 0)
