@@ -116,15 +116,21 @@ def _state_sizes(samples: int) -> dict[int, int]:
 
 
 def _spawn(tree: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """Run :func:`_child` (this file's) in a fresh process that imports energy_loader from
+    ``tree``: only ``tree`` is on the path, this file is loaded by its location."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     code = (
-        f"import json, sys; sys.path.insert(0, {str(HERE)!r}); "
-        "from benchmarks.bench_partitions import _child; "
-        "print(json.dumps(_child(json.loads(sys.argv[1]))))"
+        "import importlib.util, json, sys; "
+        f"spec = importlib.util.spec_from_file_location('bench_partitions', {__file__!r}); "
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+        "import energy_loader; assert energy_loader.__file__.startswith(sys.argv[2]), "
+        "energy_loader.__file__; "
+        "print(json.dumps(module._child(json.loads(sys.argv[1]))))"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(options)],
+        [sys.executable, "-c", code, json.dumps(options), str(tree)],
         env=env,
+        cwd=str(tree),
         capture_output=True,
         text=True,
         timeout=900,
