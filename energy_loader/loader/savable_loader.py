@@ -291,6 +291,8 @@ class SavableDataLoader(DataLoader):
     """
 
     _savable = True
+    # False for drop-in loaders over plain datasets, whose states have their own format.
+    savable_pipeline = True
 
     def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any) -> SavableDataLoader:
         # Any dataset that is not a savable pipeline runs as a drop-in for torch's DataLoader
@@ -349,7 +351,7 @@ class SavableDataLoader(DataLoader):
                 in_order=in_order,
             )
             dataset = apply_to_pipeline(dataset, torch_args)
-            if prefetch_factor is None and num_workers:
+            if prefetch_factor is None:  # torch's default with workers
                 prefetch_factor = 2
         require_bool(seed_per_sample, "seed_per_sample")  # drop-in loaders only
         config = _resolve_config(dataset, worker_config, num_workers)

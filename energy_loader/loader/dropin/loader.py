@@ -68,6 +68,7 @@ class DropInDataLoader(SavableDataLoader):
     """
 
     _savable = True
+    savable_pipeline = False
 
     def __init__(
         self,
@@ -180,7 +181,11 @@ class DropInDataLoader(SavableDataLoader):
 
     def __iter__(self) -> Any:
         """A new epoch, as torch's ``iter(loader)`` (the first after a restore continues it)."""
-        return self._engine.iterate()
+        iterator = self._engine.iterate()
+        # The iterator keeps the loader alive (as torch's keeps its workers): dropping the
+        # loader while iterating must not stop the workers under the iterator.
+        iterator.owner = self
+        return iterator
 
     def __len__(self) -> int:
         """torch's ``len(loader)``: batches per epoch (the sampler's length)."""
@@ -248,6 +253,8 @@ class DropInDataLoader(SavableDataLoader):
 
     def _own_state(self, states: list[Any]) -> Any:
         config = self._worker_config
+        if len(states) == 1:
+            return states[0]  # this rank's own entry; restore_state_rank checks whose
         if len(states) != config.world_size:
             raise StateMismatchError(
                 f"{len(states)} rank state(s) were saved, this job has world size "
@@ -255,10 +262,6 @@ class DropInDataLoader(SavableDataLoader):
                 "(elastic resume across world sizes needs a savable pipeline: docs/migration.md)"
             )
         return states[config.rank]
-
-    def decode_states(self, states: list[Any]) -> list[Any]:
-        """The rank states of one save, checked (for ``restore_state_global``)."""
-        return list(states)
 
     def state_dict(self, *, held_back: int | None = None) -> dict[str, Any]:
         """This rank's state (torch.distributed.checkpoint's Stateful protocol).

@@ -383,6 +383,7 @@ class _MapIterator:
         self._ready: collections.deque[Any] = collections.deque()
         self._failure: Any = None
         self._finished = False
+        self.owner: Any = None  # the loader, kept alive while this iterator is
 
     def __iter__(self) -> _MapIterator:
         return self
