@@ -420,13 +420,13 @@ def restore_state_global(
         _require_collective(group, "restore_state_global with a src_rank")
         src_position = group.position_of(src_rank, "src_rank")
         entries = _scattered_entries(states, group, src_position, src_rank)
-    decoded: list[RankState] = []
+    decoded: list[Any] = []
     if problem is None:
         try:
             if isinstance(entries, _Refusal):
                 raise _ERROR_CLASSES.get(entries.kind, RuntimeError)(entries.message)
             _check_layout(loader.worker_config, group)
-            decoded = _decode_all(entries)
+            decoded = _decode_all(entries) if loader.savable_pipeline else list(entries)
             loader.plan_restore(decoded)
         except Exception as error:
             problem = error

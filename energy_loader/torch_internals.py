@@ -13,6 +13,12 @@ checked in one file. What and why:
   queue depth in ``loader.stats()``.
 - ``torch._utils.ExceptionWrapper``: a worker's exception with its traceback, re-raised in the
   main process exactly as torch re-raises its own workers' errors.
+- ``torch.utils.data._utils.worker._worker_info``: inside a worker, ``get_worker_info()``
+  reports the dataset torch was given, which for a drop-in loader is its fetch wrapper. Users
+  configure *their* dataset through it (``get_worker_info().dataset``), and an iterable
+  dataset shards by ``get_worker_info().id``, which after a restore must name the logical
+  worker whose stream the process now continues. ``WorkerInfo`` refuses attribute changes
+  after construction, so its fields are replaced with ``object.__setattr__``.
 """
 
 from __future__ import annotations
@@ -21,12 +27,15 @@ from typing import Any
 
 from torch._utils import ExceptionWrapper
 from torch.utils.data import DataLoader
+from torch.utils.data import _utils as _data_utils
 
 __all__ = [
     "ExceptionWrapper",
     "has_iterator",
     "outstanding_tasks",
+    "set_worker_info",
     "shut_down_iterator",
+    "shut_down_workers_of",
     "worker_processes",
 ]
 
@@ -61,3 +70,20 @@ def outstanding_tasks(loader: DataLoader[Any]) -> list[int]:
         for task, info in list(getattr(iterator, "_task_info", {}).items())
         if task >= received and info
     ]
+
+
+def shut_down_workers_of(iterator: Any) -> None:
+    """Stop a torch DataLoader iterator's worker processes now (no-op without workers)."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
+def set_worker_info(**fields: Any) -> None:
+    """Replace fields (``dataset``, ``id``, ``num_workers``, ``seed``) of this worker's
+    ``get_worker_info()``; does nothing outside a worker process."""
+    info = _data_utils.worker._worker_info
+    if info is None:
+        return
+    for name, value in fields.items():
+        object.__setattr__(info, name, value)

@@ -259,8 +259,8 @@ def test_loader_arguments_are_validated() -> None:
         el.SavableDataLoader(pipeline, num_workers=-1)
     with pytest.raises(ValueError, match=r"disagrees with worker_config\.num_workers=2"):
         el.SavableDataLoader(pipeline, num_workers=1, worker_config=el.WorkerConfig(num_workers=2))
-    with pytest.raises(TypeError, match="the loader runs a SavableDataset"):
-        el.SavableDataLoader([1, 2, 3])
+    # Not a pipeline: a list is a map-style dataset, run as a drop-in for torch's DataLoader.
+    assert [b.tolist() for b in el.SavableDataLoader([1, 2, 3], batch_size=2)] == [[1, 2], [3]]
     with pytest.raises(ValueError, match="`multiprocessing_context` must be"):
         el.SavableDataLoader(pipeline, num_workers=1, multiprocessing_context="threads")
 

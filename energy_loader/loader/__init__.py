@@ -2,7 +2,10 @@
 
 - :mod:`~energy_loader.loader.savable_loader`: :class:`SavableDataLoader` (torch's
   ``DataLoader`` subclass users hold) and :class:`BasicDataLoader`;
-- :mod:`~energy_loader.loader.iterator`: the epoch stream ``iter(loader)`` returns;
+- :mod:`~energy_loader.loader.dropin`: ``DropInDataLoader``, what ``SavableDataLoader`` becomes
+  over a plain map-style or iterable dataset (torch's behaviour, exact resume);
+- :mod:`~energy_loader.loader.protocols`: ``state_dict``/``load_state_dict`` and gather/scatter;
+- :mod:`~energy_loader.loader.torch_args`: torch's batching arguments given with a pipeline;
 - :mod:`~energy_loader.loader.fleet`: the worker processes seen from here: channels, books,
   requests and replies, shutdown, error attribution;
 - :mod:`~energy_loader.loader.planner`: save and restore planning, pure (no process, no I/O);
@@ -16,6 +19,7 @@
 The worker-process side is :mod:`energy_loader.workers`; it never imports this package.
 """
 
+from .dropin import DropInDataLoader  # registers itself as SavableDataLoader.dropin_class
 from .savable_loader import BasicDataLoader, SavableDataLoader
 
-__all__ = ["BasicDataLoader", "SavableDataLoader"]
+__all__ = ["BasicDataLoader", "DropInDataLoader", "SavableDataLoader"]

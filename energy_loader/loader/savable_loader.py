@@ -18,8 +18,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar
 
 from torch.utils.data import DataLoader
 
@@ -38,7 +38,7 @@ from ..transport import (
     decode,
     validate_transport_settings,
 )
-from ..validation import require_int
+from ..validation import require_bool, require_int
 from ..worker import WorkerConfig, active_worker
 from ..workers.bundling import DEFAULT_ITEMS_PER_TRANSFER
 from ..workers.protocol import CheckpointSettings, RunPlan, WorkerItem
@@ -56,6 +56,7 @@ from .planner import Planner, RestorePlan
 from .progress import Mark, Progress
 from .protocols import RankStateProtocols
 from .stall import StallWarner
+from .torch_args import DEFAULT_BATCH_SIZE, PipelineTorchArgs, apply_to_pipeline
 from .unbundler import Unbundler
 
 __all__ = ["BasicDataLoader", "SavableDataLoader"]
@@ -157,21 +158,51 @@ class SavableDataLoader(RankStateProtocols, DataLoader):
 
     # Whether this loader keeps and saves state (BasicDataLoader does not).
     saves_state = True
+    # False for drop-in loaders over plain datasets, whose states have their own format.
+    savable_pipeline = True
+
+    # The loader class for datasets that are not savable pipelines; energy_loader.loader.dropin
+    # registers DropInDataLoader here when it is imported (the package imports it).
+    dropin_class: ClassVar[type[SavableDataLoader] | None] = None
+
+    def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any) -> SavableDataLoader:
+        # Any dataset that is not a savable pipeline runs as a drop-in for torch's DataLoader
+        # (energy_loader.loader.dropin): still a SavableDataLoader, with torch's behaviour.
+        if cls is SavableDataLoader and not isinstance(dataset, SavableDataset):
+            if SavableDataLoader.dropin_class is None:
+                raise TypeError(
+                    "the loader runs a SavableDataset pipeline; import energy_loader (not "
+                    "only energy_loader.loader.savable_loader) to run plain datasets"
+                )
+            return super().__new__(SavableDataLoader.dropin_class)
+        return super().__new__(cls)
 
     def __init__(
         self,
         dataset: SavableDataset,
-        *,
+        batch_size: int | None = DEFAULT_BATCH_SIZE,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
         num_workers: int = 0,
-        worker_config: WorkerConfig | None = None,
-        prefetch_factor: int | None = 2,
+        collate_fn: Callable[[Any], Any] | None = None,
         pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: str | Any = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        worker_config: WorkerConfig | None = None,
         checkpoint_every_n_samples: int = 16,
         checkpoint_every_sec: float | None = 1.0,
         n_checkpoints: int | None = None,
         gc_collect_every_n_steps: int | None = None,
         gc_freeze_at_start: bool = True,
-        multiprocessing_context: str | Any = None,
         worker_reply_timeout: float = 60.0,
         transport_codec: bool = True,
         transport_inline_bytes: int = DEFAULT_INLINE_BYTES,
@@ -179,7 +210,24 @@ class SavableDataLoader(RankStateProtocols, DataLoader):
         items_per_transfer: int = DEFAULT_ITEMS_PER_TRANSFER,
         num_partitions: int | None = None,
         stall_warning: Any = True,
+        seed_per_sample: bool = True,
     ) -> None:
+        if isinstance(dataset, SavableDataset):
+            # torch's batching arguments as their savable equivalent (or a clear refusal).
+            torch_args = PipelineTorchArgs(
+                batch_size=batch_size,
+                shuffle=shuffle,
+                sampler=sampler,
+                batch_sampler=batch_sampler,
+                collate_fn=collate_fn,
+                drop_last=drop_last,
+                generator=generator,
+                in_order=in_order,
+            )
+            dataset = apply_to_pipeline(dataset, torch_args)
+            if prefetch_factor is None:  # torch's default with workers
+                prefetch_factor = 2
+        require_bool(seed_per_sample, "seed_per_sample")  # drop-in loaders only
         config = resolve_worker_config(dataset, worker_config, num_workers)
         stall = resolve_stall_policy(stall_warning)
         workers = config.num_workers
@@ -228,6 +276,9 @@ class SavableDataLoader(RankStateProtocols, DataLoader):
             prefetch_factor=prefetch_factor if workers else None,
             persistent_workers=workers > 0,
             multiprocessing_context=mp_context,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            pin_memory_device=pin_memory_device,
         )
 
     # -- iteration -------------------------------------------------------------------------

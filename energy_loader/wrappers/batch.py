@@ -24,7 +24,7 @@ from ..dataset import (
 )
 from ..state.plain import StateReader
 from ..validation import require_bool, require_callable, require_int
-from .collate import default_collate
+from .collate import collate_keeping_tuples
 
 __all__ = ["BatchDataset"]
 
@@ -56,9 +56,11 @@ class _BatchCursor(WrapperCursor):
 class BatchDataset(BaseWrapperDataset):
     """Group ``batch_size`` consecutive samples into one batch.
 
-    ``collate_fn(list_of_samples)`` builds the batch; the default, :func:`default_collate`,
-    makes the batches ``torch.utils.data.default_collate`` makes (numbers and arrays become
-    tensors, strings stay lists) but keeps ragged data as lists instead of failing. The last
+    ``collate_fn(list_of_samples)`` builds the batch; the default,
+    :func:`~energy_loader.wrappers.collate.collate_keeping_tuples`, makes the batches
+    ``torch.utils.data.default_collate`` makes (numbers and arrays become tensors, strings stay
+    lists) but keeps ragged data as lists instead of failing, and the columns of tuple samples
+    in a tuple (torch gives a list) so that :class:`UnbatchDataset` can split them. The last
     batch of an epoch may be smaller unless ``drop_last=True``. Example::
 
         BatchDataset(ShuffleBufferDataset(source, size=1000), batch_size=32)
@@ -81,8 +83,8 @@ class BatchDataset(BaseWrapperDataset):
         self.drop_last = drop_last
 
     def collate(self, samples: Sequence[Any]) -> Any:
-        """Collate with the user's function or :func:`default_collate`."""
-        return (self.collate_fn or default_collate)(samples)
+        """Collate with the user's function or :func:`collate_keeping_tuples`."""
+        return (self.collate_fn or collate_keeping_tuples)(samples)
 
     def _new_cursor(self) -> EpochCursor:
         return _BatchCursor(self)

@@ -24,7 +24,7 @@ import torch
 from ..dataset import RESTORE_KEY
 from ..transport import batch_tensor
 
-__all__ = ["default_collate"]
+__all__ = ["collate_keeping_tuples", "default_collate"]
 
 # numpy dtype kinds torch cannot hold: bytes, str, object, void (structured), datetimes.
 _NON_NUMERIC_KINDS = frozenset("SUOVMm")
@@ -57,10 +57,12 @@ def default_collate(samples: Sequence[Any]) -> Any:
     - dicts (and other mappings) are collated per key, keeping the mapping's type; a
       ``__restore_key__`` entry is dropped, because the batch carries its own key (the tuple
       of its samples' keys);
-    - named tuples keep their type, collated per field; lists (and other sequences) of equal
-      length become a list of collated columns;
-    - plain tuples become a *tuple* of collated columns (torch gives a list): this keeps
-      columns apart from a list of items, which is how :class:`UnbatchDataset` splits them.
+    - named tuples keep their type, collated per field; lists, tuples (and other sequences)
+      of equal length become a list of collated columns, as torch gives them (a column of
+      strings of tuple samples stays the tuple torch leaves it). :class:`BatchDataset` and
+      :class:`GroupBatchDataset` collate with :func:`collate_keeping_tuples` instead, which
+      keeps tuple samples' columns in a tuple, apart from a list of items: that is how
+      :class:`UnbatchDataset` splits them.
 
     Where torch raises, the samples are kept as a list instead: tensors or arrays of
     different shapes (ragged), nested or sparse tensors, sequences of different lengths,
@@ -71,9 +73,22 @@ def default_collate(samples: Sequence[Any]) -> Any:
         # {"x": tensor([[1., 1.], [0., 0.]]), "y": tensor([1, 0])}
         default_collate([torch.ones(1), torch.ones(2)])  # [tensor([1.]), tensor([1., 1.])]
     """
-    if not samples:
+    return _collate(samples, False)
+
+
+def collate_keeping_tuples(samples: Sequence[Any]) -> Any:
+    """:func:`default_collate`, but tuple samples give a *tuple* of collated columns.
+
+    The default of :class:`BatchDataset` and :class:`GroupBatchDataset`: it keeps columns
+    apart from a list of items, which is how :class:`UnbatchDataset` splits a batch.
+    """
+    return _collate(samples, True)
+
+
+def _collate(given: Sequence[Any], tuples: bool) -> Any:
+    if not given:
         return []
-    samples = list(samples)
+    samples = list(given)
     first = samples[0]
     if isinstance(first, torch.Tensor):
         return _collate_tensors(samples)
@@ -86,15 +101,15 @@ def default_collate(samples: Sequence[Any]) -> Any:
     if isinstance(first, int):
         return _attempt(torch.tensor, samples)
     if isinstance(first, (str, bytes)):
-        return samples
+        return samples if tuples else given  # torch leaves the batch as it was given
     if isinstance(first, Mapping):
-        return _collate_mappings(samples)
+        return _collate_mappings(samples, tuples)
     if isinstance(first, tuple) and hasattr(first, "_fields"):
         if _same_lengths(samples) and all(type(s) is type(first) for s in samples):
-            return type(first)(*(default_collate(list(col)) for col in zip(*samples)))
+            return type(first)(*(_collate(col, tuples) for col in zip(*samples)))
         return samples
     if isinstance(first, Sequence):
-        return _collate_sequences(samples)
+        return _collate_sequences(samples, tuples)
     return samples
 
 
@@ -164,12 +179,12 @@ def _attempt(make_tensor: Callable[[list[Any]], torch.Tensor], samples: list[Any
         return samples
 
 
-def _collate_mappings(samples: list[Any]) -> Any:
+def _collate_mappings(samples: list[Any], tuples: bool) -> Any:
     first = samples[0]
     names = [name for name in first if name != RESTORE_KEY]
     if not all(isinstance(s, Mapping) and all(n in s for n in names) for s in samples):
         return samples
-    columns = {name: default_collate([s[name] for s in samples]) for name in names}
+    columns = {name: _collate([s[name] for s in samples], tuples) for name in names}
     if type(first) is dict:
         return columns
     try:
@@ -188,10 +203,10 @@ def _same_lengths(samples: list[Any]) -> bool:
     return all(isinstance(s, Sequence) and len(s) == size for s in samples)
 
 
-def _collate_sequences(samples: list[Any]) -> Any:
+def _collate_sequences(samples: list[Any], tuples: bool) -> Any:
     if not _same_lengths(samples):
         return samples
-    columns = [default_collate(list(col)) for col in zip(*samples)]
-    if isinstance(samples[0], tuple):
+    columns = [_collate(col, tuples) for col in zip(*samples)]
+    if tuples and isinstance(samples[0], tuple):
         return tuple(columns)
     return columns

@@ -37,7 +37,7 @@ from ..dataset import (
 from ..errors import StateFormatError
 from ..state.plain import StateReader, to_key
 from ..validation import require_bool, require_callable, require_int
-from .collate import default_collate
+from .collate import collate_keeping_tuples
 
 __all__ = ["GroupBatchDataset"]
 
@@ -197,8 +197,8 @@ class GroupBatchDataset(BaseWrapperDataset):
         return self.batch_sizes.get(group, self.batch_size)
 
     def collate(self, samples: Sequence[Any]) -> Any:
-        """Collate with the user's function or :func:`default_collate`."""
-        return (self.collate_fn or default_collate)(samples)
+        """Collate with the user's function or :func:`collate_keeping_tuples`."""
+        return (self.collate_fn or collate_keeping_tuples)(samples)
 
     def make_batch(self, bucket: list[tuple[Key, Any]]) -> tuple[Key, Any]:
         """``(restore key, batch)`` of a bucket, rebuilding samples restored as keys."""

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch.utils.data import default_collate as torch_collate
 
 import energy_loader as el
+from energy_loader.wrappers.collate import collate_keeping_tuples
 
 Pair = namedtuple("Pair", ["left", "right"])
 
@@ -108,8 +109,20 @@ def test_equals_torch_default_collate_where_torch_accepts(samples: list[Any]) ->
     _assert_same(el.default_collate(samples), torch_collate(samples))
 
 
-def test_tuple_samples_give_a_tuple_of_columns() -> None:
+def test_tuple_samples_give_a_list_of_columns_as_torch() -> None:
     batch = el.default_collate([(torch.ones(2), 1), (torch.zeros(2), 0)])
+    assert type(batch) is list and batch[1].tolist() == [1, 0]
+    assert type(torch_collate([(torch.ones(2), 1), (torch.zeros(2), 0)])) is list
+
+
+def test_a_string_column_of_tuple_samples_stays_a_tuple_as_torch() -> None:
+    samples = [("a", 1), ("b", 2)]
+    assert el.default_collate(samples)[0] == torch_collate(samples)[0] == ("a", "b")
+
+
+def test_batch_dataset_keeps_tuple_columns_in_a_tuple_for_unbatch() -> None:
+    samples = [(torch.ones(2), 1), (torch.zeros(2), 0)]
+    batch = collate_keeping_tuples(samples)
     assert type(batch) is tuple and batch[1].tolist() == [1, 0]
 
 

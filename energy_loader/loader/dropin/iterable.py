@@ -1,0 +1,171 @@
+"""The drop-in loader over an iterable dataset: the pipeline machinery, one copy per worker.
+
+torch runs one copy of an iterable dataset per worker, batches each copy's items in that
+worker (``batch_size``, ``collate_fn``, ``drop_last`` per worker) and hands the batches out
+round-robin over the workers, skipping those that ended. That is a savable pipeline with one
+logical partition per worker: ``BatchDataset(IterableSource(dataset))`` run by an internal
+:class:`~energy_loader.SavableDataLoader`, whose workers checkpoint the source every few
+items (:mod:`energy_loader.sources.iterable` says what it saves). A restore replays fewer
+than ``checkpoint_every_n_samples`` batches per worker from a ``Stateful`` dataset's own
+state, and the whole epoch so far from the start for any other dataset.
+
+Epochs follow the savable loader: ``iter(loader)`` after a ``break`` continues the epoch.
+The state restores on the same ``num_workers`` and world size (each worker's copy is one
+stream); another worker count is a ``StateMismatchError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ...dataset import RESTORE_KEY
+from ...errors import StateMismatchError
+from ...sources.iterable import IterableSource
+from ...wrappers.batch import BatchDataset
+from ...wrappers.map import MapDataset
+from .state import DROPIN_STATE_FORMAT, DROPIN_STATE_VERSION, check_config, read_header
+
+if TYPE_CHECKING:
+    from .loader import DropInDataLoader
+
+__all__ = ["IterableEngine", "IterableState"]
+
+
+class IterableState:
+    """An iterable drop-in loader's state: the inner pipeline's rank state, wrapped."""
+
+    def __init__(self, rank: int, world_size: int, config: dict[str, Any], pipeline: Any) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.config = config
+        self.pipeline = pipeline
+
+    def to_plain(self) -> dict[str, Any]:
+        return {
+            "format": DROPIN_STATE_FORMAT,
+            "version": DROPIN_STATE_VERSION,
+            "kind": "iterable",
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "config": self.config,
+            "pipeline": self.pipeline,
+        }
+
+    @classmethod
+    def from_plain(cls, state: Any) -> IterableState:
+        reader = read_header(state, "iterable")
+        return cls(
+            reader.int("rank"),
+            reader.int("world_size", minimum=1),
+            reader.raw("config"),
+            reader.raw("pipeline"),
+        )
+
+
+class _Stripped:
+    """The inner loader's batches without the restore keys a pipeline attaches to them."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.owner: Any = None  # the loader, kept alive while this iterator is
+
+    def __iter__(self) -> _Stripped:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._inner)
+        if isinstance(batch, dict):
+            batch.pop(RESTORE_KEY, None)
+        elif hasattr(batch, RESTORE_KEY):
+            with contextlib.suppress(AttributeError, TypeError):
+                delattr(batch, RESTORE_KEY)
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+
+class IterableEngine:
+    """Runs an iterable drop-in loader through an internal savable loader."""
+
+    def __init__(self, loader: DropInDataLoader, **options: Any) -> None:
+        from ..savable_loader import SavableDataLoader
+
+        seed_per_sample = options.pop("seed_per_sample")
+        source = IterableSource(
+            loader.dataset, worker_init_fn=loader.worker_init_fn, seed_per_epoch=seed_per_sample
+        )
+        collate: Any = loader.collate_fn
+        if collate is torch.utils.data.default_collate:
+            from ...wrappers.collate import default_collate
+
+            collate = default_collate
+        if loader.batch_size is None:
+            pipeline: Any = MapDataset(source, collate, seed_per_sample=False)
+        else:
+            pipeline = BatchDataset(
+                source, int(loader.batch_size), collate_fn=collate, drop_last=loader.drop_last
+            )
+        self.num_workers = loader.num_workers
+        self.inner = SavableDataLoader(
+            pipeline,
+            num_workers=loader.num_workers,
+            worker_config=loader.worker_config,
+            prefetch_factor=loader.prefetch_factor,
+            pin_memory=loader.pin_memory,
+            multiprocessing_context=loader.multiprocessing_context,
+            timeout=loader.timeout,
+            pin_memory_device=loader.pin_memory_device,
+            **options,
+        )
+        self.config = {
+            "dataset": type(loader.dataset).__name__,
+            "stateful": source.stateful,
+            "batch_size": None if loader.batch_size is None else int(loader.batch_size),
+            "drop_last": bool(loader.drop_last),
+            "num_workers": loader.num_workers,
+        }
+
+    def iterate(self) -> _Stripped:
+        return _Stripped(iter(self.inner))
+
+    @property
+    def epoch_number(self) -> int:
+        return self.inner.epoch
+
+    def save(self, rank: int, world_size: int, held_back: int) -> IterableState:
+        return IterableState(
+            rank, world_size, self.config, self.inner.save_state_rank(held_back=held_back)
+        )
+
+    def decode(self, state: Any) -> IterableState:
+        return IterableState.from_plain(state)
+
+    def check(self, state: IterableState) -> None:
+        saved = state.config
+        if isinstance(saved, dict) and saved.get("num_workers") != self.num_workers:
+            raise StateMismatchError(
+                f"the state was saved with num_workers={saved.get('num_workers')}, this loader "
+                f"has {self.num_workers}: an iterable dataset's copies are one per worker, so "
+                "it restores on the same num_workers (a savable pipeline restores on any)"
+            )
+        check_config(saved, self.config)
+        from ...state.rank_state import RankState
+
+        self.inner.plan_restore([RankState.from_plain(state.pipeline)])
+
+    def restore(self, state: IterableState) -> None:
+        self.check(state)
+        self.inner.restore_state_rank(state.pipeline)
+
+    def reset(self) -> None:
+        self.inner.reset_state()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def shutdown(self) -> None:
+        self.inner._shutdown_workers()

@@ -1,0 +1,334 @@
+"""DropInDataLoader: torch's DataLoader for any dataset, with exact save and restore.
+
+``SavableDataLoader(dataset, ...)`` returns one of these when ``dataset`` is not a savable
+pipeline, so changing ``DataLoader`` to ``SavableDataLoader`` is the whole migration. It is
+a ``SavableDataLoader`` (``isinstance`` holds) and a torch ``DataLoader`` initialised with
+the caller's own arguments: torch validates them, sets every attribute frameworks read and
+computes ``len()``. How it runs a map-style dataset: :mod:`.map_style`; an iterable one:
+:mod:`.iterable`.
+
+Not here: elastic resume across world sizes, shuffle buffers, packing, blends, replay of
+restore keys. Those need a savable pipeline (docs/migration.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset
+
+from ...dataset import SavableDataset
+from ...errors import StateMismatchError
+from ...transport import (
+    DEFAULT_ARENA_BYTES,
+    DEFAULT_INLINE_BYTES,
+    Transport,
+    validate_transport_settings,
+)
+from ...validation import require_bool, require_int
+from ...worker import WorkerConfig
+from ...workers.bundling import DEFAULT_ITEMS_PER_TRANSFER
+from ..savable_loader import SavableDataLoader
+from ..torch_args import DEFAULT_BATCH_SIZE
+from .map_style import MapEngine
+
+__all__ = ["DropInDataLoader"]
+
+
+class DropInDataLoader(SavableDataLoader):
+    """A torch ``DataLoader`` over any map-style or iterable dataset that saves its position.
+
+    Built by ``SavableDataLoader(dataset, ...)`` for a dataset that is not a savable pipeline
+    (construct it directly only to be explicit). Yields what ``torch.utils.data.DataLoader``
+    yields for the same arguments and generator (or global seed), for a deterministic
+    ``__getitem__``, for any ``num_workers``. Example::
+
+        loader = SavableDataLoader(my_dataset, batch_size=32, shuffle=True, num_workers=8)
+        for step, batch in enumerate(loader):
+            train_step(batch)
+            if step % 500 == 0:
+                torch.save({"data": loader.state_dict(), ...}, path)
+
+        loader = SavableDataLoader(my_dataset, batch_size=32, shuffle=True, num_workers=8)
+        loader.load_state_dict(torch.load(path, weights_only=True)["data"])
+
+    Options of its own (keyword-only, after torch's): ``seed_per_sample`` (default True:
+    python ``random``, numpy's and torch's global RNGs are seeded from (epoch seed, index)
+    before each ``__getitem__``, so random augmentation comes back identical after a restore;
+    False leaves workers seeded as torch seeds them, and a restored ``__getitem__`` then draws
+    other numbers), ``items_per_transfer`` (most batches a worker sends in one trip), the
+    ``transport_*`` options, ``worker_config`` (rank and world size; default from the
+    environment). The other options of :class:`SavableDataLoader` are accepted for a
+    one-word change and apply to iterable datasets (``checkpoint_every_n_samples``, ...).
+
+    Thread-safety: one thread iterates and saves. Epochs: every ``iter()`` starts a new epoch,
+    as with torch, except the first after a restore, which continues the saved one (docs/loader.md).
+    """
+
+    savable_pipeline = False
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = DEFAULT_BATCH_SIZE,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[Any], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: str | Any = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        worker_config: WorkerConfig | None = None,
+        checkpoint_every_n_samples: int = 16,
+        checkpoint_every_sec: float | None = 1.0,
+        n_checkpoints: int | None = None,
+        gc_collect_every_n_steps: int | None = None,
+        gc_freeze_at_start: bool = True,
+        worker_reply_timeout: float = 60.0,
+        transport_codec: bool = True,
+        transport_inline_bytes: int = DEFAULT_INLINE_BYTES,
+        transport_arena_bytes: int = DEFAULT_ARENA_BYTES,
+        items_per_transfer: int = DEFAULT_ITEMS_PER_TRANSFER,
+        num_partitions: int | None = None,
+        stall_warning: Any = True,
+        seed_per_sample: bool = True,
+    ) -> None:
+        if isinstance(dataset, SavableDataset):
+            raise TypeError(
+                "DropInDataLoader runs plain datasets; give a savable pipeline to SavableDataLoader"
+            )
+        DataLoader.__init__(
+            self,
+            dataset,
+            batch_size,
+            shuffle,
+            sampler,
+            batch_sampler,
+            num_workers,
+            collate_fn,
+            pin_memory,
+            drop_last,
+            timeout,
+            worker_init_fn,
+            multiprocessing_context,
+            generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+        require_bool(seed_per_sample, "seed_per_sample")
+        require_int(items_per_transfer, "items_per_transfer", minimum=1)
+        validate_transport_settings(transport_codec, transport_inline_bytes, transport_arena_bytes)
+        self.seed_per_sample = seed_per_sample
+        self.items_per_transfer = items_per_transfer
+        self.transport_codec = transport_codec
+        self.transport_inline_bytes = transport_inline_bytes
+        self.transport_arena_bytes = transport_arena_bytes
+        self.held_back_source: Callable[[], int] | None = None
+        self._worker_config = _resolve_worker_config(worker_config, num_workers)
+        if num_partitions not in (None, max(1, num_workers) * self._worker_config.world_size):
+            raise ValueError(
+                "`num_partitions` needs a savable pipeline (elastic resume across layouts); a "
+                "drop-in loader over a plain dataset runs one partition per worker: leave "
+                "num_partitions=None"
+            )
+        transport = (
+            Transport(transport_inline_bytes, transport_arena_bytes)
+            if transport_codec and num_workers
+            else None
+        )
+        self._iterable = isinstance(dataset, IterableDataset)
+        if self._iterable:
+            from .iterable import IterableEngine
+
+            self._engine: Any = IterableEngine(
+                self,
+                checkpoint_every_n_samples=checkpoint_every_n_samples,
+                checkpoint_every_sec=checkpoint_every_sec,
+                n_checkpoints=n_checkpoints,
+                gc_collect_every_n_steps=gc_collect_every_n_steps,
+                gc_freeze_at_start=gc_freeze_at_start,
+                worker_reply_timeout=worker_reply_timeout,
+                transport_codec=transport_codec,
+                transport_inline_bytes=transport_inline_bytes,
+                transport_arena_bytes=transport_arena_bytes,
+                items_per_transfer=items_per_transfer,
+                stall_warning=stall_warning,
+                seed_per_sample=seed_per_sample,
+            )
+        else:
+            self._engine = MapEngine(
+                self,
+                seed_per_sample=seed_per_sample,
+                items_per_transfer=items_per_transfer,
+                transport=transport,
+            )
+
+    # -- iteration -------------------------------------------------------------------------------
+
+    def __iter__(self) -> Any:
+        """A new epoch, as torch's ``iter(loader)`` (the first after a restore continues it)."""
+        iterator = self._engine.iterate()
+        # The iterator keeps the loader alive (as torch's keeps its workers): dropping the
+        # loader while iterating must not stop the workers under the iterator.
+        iterator.owner = self
+        return iterator
+
+    def __len__(self) -> int:
+        """torch's ``len(loader)``: batches per epoch (the sampler's length)."""
+        return DataLoader.__len__(self)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch (0-based) of the batch handed out last: ``iter()`` calls since the
+        first, counted across restores."""
+        return int(self._engine.epoch_number)
+
+    @property
+    def num_partitions(self) -> int:
+        """One partition per worker of every rank (a drop-in loader is not elastic)."""
+        return max(1, self.num_workers) * self._worker_config.world_size
+
+    @property
+    def worker_config(self) -> WorkerConfig:
+        """The rank/worker layout this loader runs with."""
+        return self._worker_config
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def save_state_rank(self, *, held_back: int = 0) -> dict[str, Any]:
+        """This rank's exact position as plain data (json-able when a stateful sampler's or
+        dataset's own state is; always ``torch.load(weights_only=True)``-able).
+
+        ``held_back=n`` (at most 2) saves the position ``n`` batches before the last one
+        handed out, for consumers that fetch ahead (Lightning).
+        """
+        require_int(held_back, "held_back", minimum=0)
+        if held_back > 2:
+            raise ValueError(f"`held_back` must be at most 2 (got {held_back})")
+        config = self._worker_config
+        return self._engine.save(config.rank, config.world_size, held_back).to_plain()
+
+    def restore_state_rank(self, state: dict[str, Any]) -> None:
+        """Continue exactly from ``state`` at the next ``iter()``, on any ``num_workers``.
+
+        Raises ``StateFormatError`` for something that is not a drop-in state and
+        ``StateMismatchError`` for a state of another dataset, sampler or batching, or of
+        another rank; the loader is then left as it was.
+        """
+        decoded = self._engine.decode(state)
+        config = self._worker_config
+        if decoded.world_size != config.world_size or decoded.rank != config.rank:
+            raise StateMismatchError(
+                f"the state was saved by rank {decoded.rank} of {decoded.world_size}; this loader "
+                f"is rank {config.rank} of {config.world_size}. A drop-in loader restores on "
+                "the same world size, each rank from its own state (elastic resume across world "
+                "sizes needs a savable pipeline: docs/migration.md)"
+            )
+        self._engine.restore(decoded)
+
+    def restore_from_states(self, states: list[Any]) -> None:
+        """Restore this rank from the list of every rank's states (its own entry)."""
+        self.restore_state_rank(self._own_state(states))
+
+    def plan_restore(self, states: list[Any]) -> Any:
+        """Check that this rank can restore from ``states`` (changes nothing)."""
+        own = self._own_state(states)
+        decoded = self._engine.decode(own)
+        self._engine.check(decoded)
+        return decoded
+
+    def _own_state(self, states: list[Any]) -> Any:
+        config = self._worker_config
+        if len(states) == 1:
+            return states[0]  # this rank's own entry; restore_state_rank checks whose
+        if len(states) != config.world_size:
+            raise StateMismatchError(
+                f"{len(states)} rank state(s) were saved, this job has world size "
+                f"{config.world_size}: a drop-in loader restores on the same world size "
+                "(elastic resume across world sizes needs a savable pipeline: docs/migration.md)"
+            )
+        return states[config.rank]
+
+    def state_dict(self, *, held_back: int | None = None) -> dict[str, Any]:
+        """This rank's state (torch.distributed.checkpoint's Stateful protocol).
+
+        ``held_back`` as in :meth:`save_state_rank`; left at None it is what an integration's
+        ``held_back_source`` says (Lightning), else 0.
+        """
+        if held_back is None:
+            held_back = 0 if self.held_back_source is None else self.held_back_source()
+        return self.save_state_rank(held_back=held_back)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`'s output."""
+        self.restore_state_rank(state_dict)
+
+    def reset_state(self) -> None:
+        """Forget all progress: the next ``iter()`` starts epoch 0 as a fresh loader would."""
+        self._engine.reset()
+
+    # -- the rest --------------------------------------------------------------------------------
+
+    def config(self) -> dict[str, Any]:
+        """The dataset, sampler and batching a state must match, plus the layout."""
+        config = self._worker_config
+        return {
+            "dropin": dict(self._engine.config),
+            "rank": config.rank,
+            "world_size": config.world_size,
+            "num_workers": self.num_workers,
+        }
+
+    def restore_sample(self, key: Any) -> Any:
+        raise TypeError(
+            "restore_sample needs a savable pipeline (samples with restore keys); a drop-in "
+            "loader's dataset is indexed directly: dataset[index]"
+        )
+
+    def peek_keys(self, n: int) -> list[Any]:
+        raise TypeError("peek_keys needs a savable pipeline (samples with restore keys)")
+
+    def stats(self) -> dict[str, Any]:
+        raise TypeError("stats() is available for savable pipelines only")
+
+    def close(self) -> None:
+        """Stop the worker processes now, keeping the position (the next ``iter()`` goes on)."""
+        self._engine.close()
+
+    def _shutdown_workers(self) -> None:
+        self._engine.shutdown()
+
+    def __del__(self, _suppress: Any = contextlib.suppress) -> None:
+        with _suppress(Exception):
+            self._engine.shutdown()
+
+
+def _resolve_worker_config(worker_config: Any, num_workers: int) -> WorkerConfig:
+    if worker_config is None:
+        return WorkerConfig.from_env(num_workers=num_workers)
+    if not isinstance(worker_config, WorkerConfig):
+        raise TypeError(
+            f"`worker_config` must be a WorkerConfig (got {type(worker_config).__name__})"
+        )
+    if num_workers != worker_config.num_workers:
+        raise ValueError(
+            f"num_workers={num_workers} disagrees with worker_config.num_workers="
+            f"{worker_config.num_workers}; pass the same number to both"
+        )
+    return worker_config
+
+
+SavableDataLoader.dropin_class = DropInDataLoader

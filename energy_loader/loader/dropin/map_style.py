@@ -1,0 +1,468 @@
+"""The drop-in loader over a map-style dataset: torch's batches, our transport, exact resume.
+
+How it runs. The loader is a torch ``DataLoader`` initialised with the user's own arguments
+(torch validated them and set every attribute). It iterates through an *internal* plain torch
+DataLoader, the engine, over a :class:`~energy_loader.workers.fetch.BatchFetcher`: the engine
+gets ``batch_size=None`` and a sampler of tasks (:class:`_TaskSampler`); each task is one or
+several consecutive units of the user's index sampler (a bundle: it starts at one unit per
+task each epoch and grows to ``items_per_transfer`` while units are small and quick to make),
+and the engine gets the user's generator, ``worker_init_fn``, ``persistent_workers``,
+``timeout``, ``pin_memory``, ``multiprocessing_context`` and ``prefetch_factor``, so base-seed
+draws, worker seeds and worker lifetimes are torch's. Batches come back encoded by the
+transport codec and are handed out one at a time, in the sampler's order (``in_order=False``
+is accepted, and ignored: a saved position is a count of batches handed out).
+
+What a save records (:class:`~energy_loader.loader.dropin.state.MapState`): the epoch, the
+batches handed out in it (not those prefetched), the epoch's seed, and how its index stream
+began (:mod:`energy_loader.loader.dropin.sampling`). A restore re-runs the sampler to that
+point on the first ``iter()`` and continues from there, on any ``num_workers``.
+
+Epochs. Like torch, every ``iter(loader)`` starts a new epoch, except the first after a
+restore, which continues the saved epoch -- or starts the next one when the saved epoch had
+no batches left (saved after its last batch).
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from ...errors import StateMismatchError
+from ...torch_internals import ExceptionWrapper, shut_down_workers_of
+from ...transport import Transport
+from ...workers.bundling import BUNDLE_SECONDS, bundle_bytes
+from ...workers.fetch import BatchFetcher, FetchResult, FetchTask, WorkerInit
+from .sampling import EpochStart, SamplerRng, epoch_seed, positioned_iterator, stateful_part
+from .state import MapState, check_config
+
+if TYPE_CHECKING:
+    from .loader import DropInDataLoader
+
+__all__ = ["MapEngine"]
+
+# How many handed-out units a held-back save may reach back (as SavableDataLoader).
+_MAX_HELD_BACK = 2
+
+
+_END = object()
+
+
+def _identity(item: Any) -> Any:
+    return item
+
+
+class _Epoch:
+    """Where the current epoch's index stream stands (main process)."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.start: EpochStart | None = None
+        self.pulled = 0  # units taken from the sampler
+        self.used = 0  # units handed out (or failed) to the user
+        self.exhausted = False
+        # A restored epoch: the positioned sampler iterator, and the loader's own generator
+        # states to put back at the first pull (after the engine drew its base seed).
+        self.resume: tuple[Iterator[Any], list[torch.Tensor]] | None = None
+        # A Stateful sampler's state_dict() after each unit pulled (by units pulled).
+        self.snapshots: dict[int, Any] = {}
+
+
+class _TaskSampler(Sampler[FetchTask]):
+    """The engine's sampler: each ``iter()`` opens the epoch's task stream."""
+
+    def __init__(self, engine: MapEngine) -> None:
+        self.engine = weakref.ref(engine)
+
+    def __iter__(self) -> Iterator[FetchTask]:
+        engine = self.engine()
+        if engine is None:
+            raise RuntimeError("the drop-in loader that owned this sampler is gone")
+        return engine.open_stream()
+
+
+class MapEngine:
+    """Runs and records a map-style drop-in loader (owned by the loader, one per loader)."""
+
+    def __init__(
+        self,
+        loader: DropInDataLoader,
+        *,
+        seed_per_sample: bool,
+        items_per_transfer: int,
+        transport: Transport | None,
+    ) -> None:
+        # No reference back to the loader (nor from the task sampler to this engine): a cycle
+        # would leave the workers to the cyclic garbage collector, where torch's shutdown
+        # waits seconds per worker.
+        self.num_workers = loader.num_workers
+        self.persistent_workers = loader.persistent_workers
+        self.length = _length_of(loader)
+        collate = loader.collate_fn
+        if collate is torch.utils.data.default_collate:
+            # The same batches (tuples excepted, see default_collate), stacked straight into
+            # the worker's shared-memory arena.
+            from ...wrappers.collate import default_collate
+
+            collate = default_collate
+        self.fetcher = BatchFetcher(
+            loader.dataset,
+            collate,
+            auto_collation=loader.batch_sampler is not None,
+            seed_per_sample=seed_per_sample,
+        )
+        self.index_sampler = index_sampler_of(loader)
+        self.rng = SamplerRng(loader.generator, self.index_sampler)
+        self.base_seed_generator = loader.generator or torch.default_generator
+        self.undo_base_seed: torch.Tensor | None = None
+        self.stateful = stateful_part(self.index_sampler)
+        self.items_per_transfer = items_per_transfer
+        self.max_bytes = bundle_bytes(None if transport is None else transport.arena_bytes)
+        self.bundle = 1
+        self.transport = transport if loader.num_workers > 0 else None
+        with warnings.catch_warnings():  # torch warned about num_workers once already
+            warnings.simplefilter("ignore")
+            self.torch_loader = DataLoader(
+                self.fetcher,
+                batch_size=None,
+                sampler=_TaskSampler(self),
+                num_workers=loader.num_workers,
+                collate_fn=_identity,
+                pin_memory=loader.pin_memory,
+                timeout=loader.timeout,
+                worker_init_fn=WorkerInit(loader.worker_init_fn),
+                multiprocessing_context=loader.multiprocessing_context,
+                generator=loader.generator,
+                prefetch_factor=loader.prefetch_factor,
+                persistent_workers=loader.persistent_workers,
+                pin_memory_device=loader.pin_memory_device,
+            )
+        self.epoch: _Epoch | None = None  # None: never iterated
+        self.pending: MapState | None = None  # a restore waiting for the next iter()
+        self.generation = 0
+        self.torch_iterator: Any = None
+        self.config = _config_of(loader)
+
+    # -- iteration -----------------------------------------------------------------------------
+
+    def iterate(self) -> _MapIterator:
+        """A new epoch (or the restored one): torch's ``iter(loader)``."""
+        self.generation += 1
+        pending, self.pending = self.pending, None
+        previous = self.epoch
+        epoch = _Epoch(0 if previous is None else previous.number + 1)
+        if pending is not None and pending.started:
+            epoch = self._resume(pending) or _Epoch(pending.epoch + 1)
+        self.epoch = epoch
+        self.bundle = 1
+        if not self.persistent_workers and self.torch_iterator is not None:
+            shut_down_workers_of(self.torch_iterator)
+            self.torch_iterator = None
+        if self.transport is not None and (
+            self.torch_iterator is None or not self.persistent_workers
+        ):
+            self.fetcher.transport = self.transport.open(self.num_workers)
+        # The interrupted run drew this epoch's base seed before it saved (or, with persistent
+        # workers, drew one only for its first epoch): a restored loader's first iterator
+        # must not draw another, so the generator goes on as in the uninterrupted run.
+        undo = (
+            pending is not None
+            and pending.started
+            and (epoch.resume is not None or self.persistent_workers)
+        )
+        self.undo_base_seed = self.base_seed_generator.get_state() if undo else None
+        self.torch_iterator = iter(self.torch_loader)
+        self._undo_base_seed()  # if no pull happened inside iter() (num_workers=0)
+        return _MapIterator(self, self.torch_iterator, self.generation)
+
+    def _resume(self, state: MapState) -> _Epoch | None:
+        """The saved epoch positioned after its used units, or None if none are left."""
+        from .state import decode_generator_states
+
+        states = None if state.rng is None else decode_generator_states(state.rng, "state.rng")
+        at_iter = (
+            None
+            if state.rng_at_iter is None
+            else decode_generator_states(state.rng_at_iter, "state.rng_at_iter")
+        )
+        start = EpochStart(
+            state.epoch,
+            states,
+            at_iter,
+            seed=state.epoch_seed,
+            encoded=(state.rng, state.rng_at_iter),
+        )
+        iterator, after = positioned_iterator(
+            self.index_sampler, self.rng, start, state.used, state.sampler_state
+        )
+        if iterator is None:
+            return None
+        epoch = _Epoch(state.epoch)
+        epoch.start = start
+        epoch.pulled = epoch.used = state.used
+        epoch.resume = (iterator, after)
+        if self.stateful is not None:
+            epoch.snapshots[state.used] = state.sampler_state
+        return epoch
+
+    def open_stream(self) -> Iterator[FetchTask]:
+        """The epoch's task stream (torch may open it twice; the one it pulls is used)."""
+        epoch = self.epoch
+        if epoch is None:
+            raise RuntimeError("the drop-in loader's task stream was opened outside iter()")
+        if epoch.resume is not None:
+            iterator, after = epoch.resume
+            return self._tasks(epoch, iterator, None, after)
+        rng = self.rng
+        before = rng.capture() if rng.draws else None
+        iterator = iter(self.index_sampler)
+        at_iter = None
+        if before is not None and any(not torch.equal(a, b) for a, b in zip(before, rng.capture())):
+            at_iter = before  # iter(sampler) itself drew random numbers
+        return self._tasks(epoch, iterator, at_iter, None)
+
+    def _tasks(
+        self,
+        epoch: _Epoch,
+        iterator: Iterator[Any],
+        at_iter: list[torch.Tensor] | None,
+        after: list[torch.Tensor] | None,
+    ) -> Iterator[FetchTask]:
+        self._undo_base_seed()
+        if after is not None:
+            self.rng.put_own(after)
+        elif epoch.start is None:
+            epoch.start = self.capture_start(epoch, at_iter)
+        seed = epoch.start.seed if epoch.start is not None else 0
+        stateful = self.stateful
+        if stateful is not None and epoch.pulled not in epoch.snapshots:
+            epoch.snapshots[epoch.pulled] = stateful.state_dict()
+        while True:
+            units = []
+            want = self.bundle
+            for _ in range(want):
+                unit = next(iterator, _END)
+                if unit is _END:
+                    break
+                units.append(unit)
+                epoch.pulled += 1
+                if stateful is not None:
+                    epoch.snapshots[epoch.pulled] = stateful.state_dict()
+            if units:
+                yield FetchTask(epoch.pulled - len(units), tuple(units), seed)
+            if len(units) < want:
+                epoch.exhausted = True
+                return
+
+    def _undo_base_seed(self) -> None:
+        """Put the base-seed generator back as it was before the internal iterator drew."""
+        state, self.undo_base_seed = self.undo_base_seed, None
+        if state is not None:
+            self.base_seed_generator.set_state(state)
+
+    def capture_start(self, epoch: _Epoch, at_iter: list[torch.Tensor] | None) -> EpochStart:
+        states = self.rng.capture()
+        seed = epoch_seed(epoch.number, states)
+        if not self.rng.draws:
+            return EpochStart(epoch.number, None, None, seed=seed)
+        return EpochStart(epoch.number, states, at_iter, seed=seed)
+
+    def received(self, result: FetchResult) -> None:
+        """Adapt the bundle size to what a task cost: grow while units are small and quick."""
+        if result.count == 0:
+            return
+        per_second = result.seconds / result.count
+        per_bytes = result.nbytes / result.count
+        target = self.items_per_transfer
+        if per_second > 0:
+            target = min(target, int(BUNDLE_SECONDS / per_second))
+        if per_bytes > 0:
+            target = min(target, int(self.max_bytes / per_bytes))
+        self.bundle = max(1, min(2 * self.bundle, target))
+
+    def handed(self, epoch: _Epoch) -> None:
+        epoch.used += 1
+        snapshots = epoch.snapshots
+        if snapshots:
+            for number in [n for n in snapshots if n < epoch.used - _MAX_HELD_BACK]:
+                del snapshots[number]
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def save(self, rank: int, world_size: int, held_back: int) -> MapState:
+        epoch = self.epoch
+        if self.pending is not None:
+            return self.pending
+        if epoch is None:
+            if held_back:
+                raise ValueError(f"held_back={held_back}: nothing was handed out yet")
+            return MapState(rank, world_size, self.config, False, 0, 0, 0, None, None, None)
+        used = epoch.used - held_back
+        if used < 0:
+            raise ValueError(
+                f"held_back={held_back}: only {epoch.used} batch(es) were handed out in this "
+                "epoch, so there is no position that many batches back"
+            )
+        if epoch.start is None:  # iter() made, nothing pulled yet: the stream starts now
+            epoch.start = self.capture_start(epoch, None)
+        rng, at_iter = epoch.start.encoded()
+        sampler_state = None
+        if self.stateful is not None:
+            if used not in epoch.snapshots:
+                raise ValueError(f"held_back={held_back} reaches further back than recorded")
+            sampler_state = epoch.snapshots[used]
+        return MapState(
+            rank,
+            world_size,
+            self.config,
+            True,
+            epoch.number,
+            used,
+            epoch.start.seed,
+            rng,
+            at_iter,
+            sampler_state,
+        )
+
+    def decode(self, state: Any) -> MapState:
+        return MapState.from_plain(state)
+
+    def check(self, state: MapState) -> None:
+        check_restorable(state, self)
+
+    def restore(self, state: MapState) -> None:
+        check_restorable(state, self)
+        self.shutdown()
+        self.pending = state
+        self.epoch = None
+        self.generation += 1
+
+    def reset(self) -> None:
+        self.shutdown()
+        self.pending = None
+        self.epoch = None
+        self.generation += 1
+
+    def close(self) -> None:
+        """Stop the workers, keeping the position: the next ``iter()`` continues the epoch."""
+        if self.epoch is None or self.torch_iterator is None:
+            self.shutdown()
+            return
+        self.restore(self.save(0, 1, 0))
+
+    def shutdown(self) -> None:
+        iterator = self.torch_iterator
+        self.torch_iterator = None
+        if iterator is not None:
+            shut_down_workers_of(iterator)
+        if self.transport is not None:
+            self.transport.close()
+        self.fetcher.transport = None
+
+    @property
+    def epoch_number(self) -> int:
+        """The epoch of the batch handed out last (0 before the first)."""
+        if self.epoch is None:
+            return 0 if self.pending is None else self.pending.epoch
+        return self.epoch.number
+
+
+class _MapIterator:
+    """What ``iter(loader)`` returns: batches one at a time, counted as handed out."""
+
+    def __init__(self, engine: MapEngine, torch_iterator: Any, generation: int) -> None:
+        self._engine = engine
+        self._torch_iterator = torch_iterator
+        self._generation = generation
+        self._epoch = engine.epoch
+        self._ready: collections.deque[Any] = collections.deque()
+        self._failure: Any = None
+        self._finished = False
+        self.owner: Any = None  # the loader, kept alive while this iterator is
+
+    def __iter__(self) -> _MapIterator:
+        return self
+
+    def __next__(self) -> Any:
+        engine = self._engine
+        if self._finished:
+            raise StopIteration
+        if self._generation != engine.generation:
+            raise RuntimeError(
+                "this iterator was replaced by a newer iter(loader) (each starts an epoch, as "
+                "with torch's DataLoader) or by a restore; iterate the newest one"
+            )
+        epoch = self._epoch
+        assert epoch is not None
+        while not self._ready:
+            if self._failure is not None:
+                failure, self._failure = self._failure, None
+                engine.handed(epoch)  # torch skips a failed batch too
+                if isinstance(failure, ExceptionWrapper):
+                    failure.reraise()
+                raise failure
+            try:
+                result = next(self._torch_iterator)
+            except StopIteration:
+                self._finished = True
+                raise
+            engine.received(result)
+            self._ready.extend(result.batches())
+            self._failure = result.failure
+        engine.handed(epoch)
+        return self._ready.popleft()
+
+    def __len__(self) -> int:
+        length = self._engine.length
+        if length is None:
+            raise TypeError("the sampler has no len()")
+        return length
+
+
+def _config_of(loader: DropInDataLoader) -> dict[str, Any]:
+    """What a state must agree with: dataset, sampler and batching (not the workers)."""
+    dataset = loader.dataset
+    try:
+        length: int | None = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        length = None
+    index_sampler = index_sampler_of(loader)
+    try:
+        units: int | None = len(index_sampler)
+    except TypeError:
+        units = None
+    return {
+        "dataset": type(dataset).__name__,
+        "dataset_length": length,
+        "sampler": type(index_sampler).__name__,
+        "batches_per_epoch": units,
+        "batch_size": None if loader.batch_size is None else int(loader.batch_size),
+        "drop_last": bool(loader.drop_last),
+    }
+
+
+def _length_of(loader: DataLoader) -> int | None:
+    try:
+        return len(index_sampler_of(loader))
+    except TypeError:
+        return None
+
+
+def index_sampler_of(loader: DataLoader) -> Any:
+    """What torch draws indices from: the batch sampler when batching, else the sampler."""
+    return loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+
+
+def check_restorable(state: MapState, engine: MapEngine) -> None:
+    """Raise ``StateMismatchError`` for a state this engine cannot continue."""
+    check_config(state.config, engine.config)
+    if state.started and state.rng is not None and len(state.rng) != len(engine.rng.generators):
+        raise StateMismatchError(
+            f"the state holds {len(state.rng)} generator state(s) of the sampler, this loader's "
+            f"sampler is driven by {len(engine.rng.generators)}: not the same sampler setup"
+        )

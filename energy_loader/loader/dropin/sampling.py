@@ -1,0 +1,194 @@
+"""The drop-in loader's index stream: the user's sampler, run in the main process, recorded.
+
+As in torch, the user's sampler (or batch sampler) runs in the main process and its units (a
+batch of indices, or one index without batching) go to the workers in order. This module
+records what a restore needs to make the same stream again, without loading a sample:
+
+- the *generators that drive the sampler*: the loader's ``generator`` (torch's
+  ``RandomSampler`` draws from it), any generator a sampler in the chain holds, and torch's
+  global generator when one of them draws from it. Their states are captured right before the
+  sampler's first pull of each epoch, and right before ``iter(sampler)`` too when that call
+  itself draws (a sampler whose ``__iter__`` is not a generator function). Samplers known not
+  to draw (sequential, distributed) capture nothing.
+- a sampler or batch sampler with ``state_dict()``/``load_state_dict()`` (torchdata's
+  ``Stateful``): its ``state_dict()`` after every unit pulled, until handed out.
+
+A restore puts those states in place, calls ``iter(sampler)``, pulls the first pull, skips
+the units already used (no sample is loaded) -- or loads the sampler's own state -- and then
+puts torch's global generator back as the training process left it. The loader's own
+generator is left where the uninterrupted run would have it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
+
+from ...errors import StateMismatchError
+from ...rng import fold_key, stable_hash
+
+__all__ = ["EpochStart", "SamplerRng", "epoch_seed", "positioned_iterator", "stateful_part"]
+
+
+def _chain(sampler: Any) -> Iterator[Any]:
+    """The sampler and the samplers it wraps (``.sampler``, ``.batch_sampler``), outermost first."""
+    seen: set[int] = set()
+    while sampler is not None and id(sampler) not in seen:
+        seen.add(id(sampler))
+        yield sampler
+        sampler = getattr(sampler, "sampler", None) or getattr(sampler, "batch_sampler", None)
+
+
+def stateful_part(index_sampler: Any) -> Any:
+    """The outermost sampler of the chain that has ``state_dict``/``load_state_dict``, or None."""
+    for sampler in _chain(index_sampler):
+        if callable(getattr(sampler, "state_dict", None)) and callable(
+            getattr(sampler, "load_state_dict", None)
+        ):
+            return sampler
+    return None
+
+
+def _draws_nothing(index_sampler: Any) -> bool:
+    """Samplers that draw no random numbers (their order is a function of their settings)."""
+    samplers = list(_chain(index_sampler))
+    return all(type(s) in (BatchSampler, SequentialSampler, DistributedSampler) for s in samplers)
+
+
+class SamplerRng:
+    """The generators that drive one loader's sampler: capture and put back their states."""
+
+    def __init__(self, loader_generator: torch.Generator | None, index_sampler: Any) -> None:
+        generators: list[torch.Generator] = []
+        uses_global = loader_generator is None
+        if loader_generator is not None:
+            generators.append(loader_generator)
+        for sampler in _chain(index_sampler):
+            if not hasattr(sampler, "generator"):
+                continue
+            generator = sampler.generator
+            if generator is None:
+                uses_global = True
+            elif isinstance(generator, torch.Generator) and all(
+                generator is not g for g in generators
+            ):
+                generators.append(generator)
+        self.draws = not _draws_nothing(index_sampler)
+        # torch's global generator, if used, comes first; it is put back after a restore.
+        self.uses_global = uses_global
+        self.generators = ([torch.default_generator] if uses_global else []) + generators
+
+    def capture(self) -> list[torch.Tensor]:
+        """Every generator's state now (copies)."""
+        return [generator.get_state() for generator in self.generators]
+
+    def put(self, states: list[torch.Tensor]) -> None:
+        if len(states) != len(self.generators):
+            raise StateMismatchError(
+                f"the state holds {len(states)} generator state(s) of the sampler, this loader's "
+                f"sampler is driven by {len(self.generators)}: not the same sampler setup"
+            )
+        for generator, state in zip(self.generators, states):
+            generator.set_state(state)
+
+    def put_own(self, states: list[torch.Tensor]) -> None:
+        """Put back every generator but torch's global one."""
+        skip = 1 if self.uses_global else 0
+        for generator, state in zip(self.generators[skip:], states[skip:]):
+            generator.set_state(state)
+
+
+class EpochStart:
+    """How one epoch's index stream began: generator states and the epoch's seed.
+
+    The base64 form of the states is built once, on the first save that needs it.
+    """
+
+    def __init__(
+        self,
+        epoch: int,
+        states: list[torch.Tensor] | None,
+        at_iter: list[torch.Tensor] | None,
+        *,
+        seed: int | None = None,
+        encoded: tuple[list[str] | None, list[str] | None] | None = None,
+    ) -> None:
+        self.epoch = epoch
+        self.states = states
+        self.at_iter = at_iter
+        self.seed = epoch_seed(epoch, states) if seed is None else seed
+        self._encoded = encoded
+
+    def encoded(self) -> tuple[list[str] | None, list[str] | None]:
+        if self._encoded is None:
+            from .state import encode_generator_states
+
+            self._encoded = (
+                None if self.states is None else encode_generator_states(self.states),
+                None if self.at_iter is None else encode_generator_states(self.at_iter),
+            )
+        return self._encoded
+
+
+def epoch_seed(epoch: int, states: list[torch.Tensor] | None) -> int:
+    """A function of the epoch and the generators' states (so of the user's seed)."""
+    value = stable_hash("dropin-epoch", epoch)
+    for state in states or ():
+        digest = hashlib.blake2b(state.numpy().tobytes(), digest_size=8).digest()
+        value = fold_key(value, int.from_bytes(digest, "little"))
+    return value
+
+
+def positioned_iterator(
+    index_sampler: Any,
+    rng: SamplerRng,
+    start: EpochStart,
+    used: int,
+    sampler_state: Any,
+) -> tuple[Iterator[Any] | None, list[torch.Tensor]]:
+    """Run the sampler of a saved epoch up to its ``used`` units, loading nothing.
+
+    Returns the iterator (next: unit ``used``; None if the epoch has no units left) and the
+    states of the loader's own generators afterwards (to put back once the internal
+    DataLoader has drawn its base seed). torch's global generator is left as it was. Raises
+    ``StateMismatchError`` if the sampler yields fewer units than the state says were used.
+    """
+    user_global = torch.default_generator.get_state() if rng.uses_global else None
+    try:
+        stateful = stateful_part(index_sampler)
+        if start.at_iter is not None:
+            rng.put(start.at_iter)
+        elif start.states is not None:
+            rng.put(start.states)
+        if stateful is not None and sampler_state is not None:
+            stateful.load_state_dict(sampler_state)
+        iterator = iter(index_sampler)
+        if start.at_iter is not None and start.states is not None:
+            rng.put(start.states)
+        if stateful is None or sampler_state is None:
+            for done in range(used):
+                if next(iterator, _END) is _END:
+                    raise StateMismatchError(
+                        f"the sampler ran out after {done} batches of the saved epoch, but the "
+                        f"state says {used} were used: not the same sampler or dataset"
+                    )
+        peeked = next(iterator, _END)
+        after = rng.capture()
+    finally:
+        if user_global is not None:
+            torch.default_generator.set_state(user_global)
+    if peeked is _END:
+        return None, after
+    return _chained(peeked, iterator), after
+
+
+def _chained(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
+    yield first
+    yield from rest
+
+
+_END = object()

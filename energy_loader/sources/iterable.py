@@ -1,0 +1,152 @@
+"""IterableSource: a user's ``torch.utils.data.IterableDataset`` as a savable source.
+
+The drop-in loader (:mod:`energy_loader.loader.dropin`) runs an iterable dataset through this
+source, one copy per worker, as torch runs one copy per worker. What a state holds:
+
+- a dataset with ``state_dict()``/``load_state_dict()`` (torchdata's ``Stateful`` protocol):
+  its own ``state_dict()``, taken when the loader checkpoints the worker (every few items), so
+  a restore loads it and replays a bounded number of items;
+- any other dataset: the number of items this copy yielded in the epoch. A restore iterates
+  the dataset again from the start of the epoch and skips that many items (they are made and
+  dropped: the cost of a restore grows with the position in the epoch).
+
+Workers. Inside a worker, torch's ``get_worker_info()`` reports the worker whose stream this
+copy continues (``id``, ``num_workers`` of the rank, ``dataset`` the copy itself), also after
+a restore that moved streams between processes, so a dataset that shards by
+``get_worker_info()`` reads the same shard; the user's ``worker_init_fn`` is called the same
+way, once per copy. Before each epoch's ``iter()`` python ``random``, numpy's and torch's
+global RNGs are seeded from (seed, worker, epoch) when ``seed_per_epoch`` is set, so a replay
+draws the same numbers (in the main process, ``num_workers=0``, nothing is seeded: the
+training process's RNGs are the dataset's).
+
+Restore keys are ``(epoch, item number)``; samples cannot be rebuilt from them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..dataset import EpochCursor, Key, SavableDataset, callable_name
+from ..rng import seed_globals_for_sample
+from ..state.plain import StateReader
+
+__all__ = ["IterableSource"]
+
+
+def _is_stateful(dataset: Any) -> bool:
+    return callable(getattr(dataset, "state_dict", None)) and callable(
+        getattr(dataset, "load_state_dict", None)
+    )
+
+
+class IterableSource(SavableDataset):
+    """Yield a user iterable dataset's items, saving its ``state_dict()`` or an item count.
+
+    ``worker_init_fn`` is the user's (called once per copy, inside a worker, with torch's
+    ``get_worker_info()`` naming the copy's worker). Example::
+
+        source = IterableSource(my_iterable_dataset)
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        worker_init_fn: Callable[[int], None] | None = None,
+        seed_per_epoch: bool = True,
+    ) -> None:
+        super().__init__()
+        self.dataset = dataset
+        self.worker_init_fn = worker_init_fn
+        self.seed_per_epoch = seed_per_epoch
+        self.stateful = _is_stateful(dataset)
+        self._initialised = False
+
+    def _new_cursor(self) -> EpochCursor:
+        return _IterableCursor(self)
+
+    def restore_sample(self, key: Key) -> Any:
+        raise TypeError("an IterableSource cannot rebuild a sample from its key")
+
+    def can_restore_sample(self) -> bool:
+        return False
+
+    def _config_fields(self) -> dict[str, Any]:
+        return {
+            "dataset": type(self.dataset).__name__,
+            "stateful": self.stateful,
+            "worker_init_fn": None
+            if self.worker_init_fn is None
+            else callable_name(self.worker_init_fn),
+        }
+
+    def enter_worker(self) -> bool:
+        """Make ``get_worker_info()`` name this copy's worker; True inside a worker process."""
+        from torch.utils.data import get_worker_info
+
+        from ..torch_internals import set_worker_info
+
+        if get_worker_info() is None:
+            return False
+        context = self.context
+        workers = max(1, context.num_partitions // max(1, context.world_size))
+        set_worker_info(
+            id=context.partition // max(1, context.world_size),
+            num_workers=workers,
+            dataset=self.dataset,
+        )
+        if not self._initialised:
+            self._initialised = True
+            if self.worker_init_fn is not None:
+                self.worker_init_fn(context.partition // max(1, context.world_size))
+        return True
+
+
+class _IterableCursor(EpochCursor):
+    dataset: IterableSource
+
+    def __init__(self, dataset: IterableSource) -> None:
+        super().__init__(dataset)
+        self.consumed = 0
+        self.user_state: Any = None
+        self._live = False
+
+    def begin_epoch(self) -> None:
+        self.consumed = 0
+        self.user_state = None
+
+    def resume(self) -> Iterator[tuple[Key, Any]]:
+        source = self.dataset
+        user = source.dataset
+        in_worker = source.enter_worker()
+        if in_worker and source.seed_per_epoch:
+            context = source.context
+            seed_globals_for_sample(context.seed, -2, (context.partition, self.epoch))
+        if self.user_state is not None:
+            user.load_state_dict(self.user_state)
+            iterator = iter(user)
+        else:
+            iterator = iter(user)
+            for _ in itertools.islice(iterator, self.consumed):
+                pass
+        self._live = True
+        try:
+            for sample in iterator:
+                key = (self.epoch, self.consumed)
+                self.consumed += 1
+                yield key, sample
+        finally:
+            self._live = False
+
+    def fields(self) -> dict[str, Any]:
+        source = self.dataset
+        state = None
+        if source.stateful and (self._live or self.user_state is not None):
+            state = source.dataset.state_dict() if self._live else self.user_state
+        return {"consumed": self.consumed, "user_state": state}
+
+    def load_fields(self, reader: StateReader) -> None:
+        self.consumed = reader.int("consumed")
+        self.user_state = reader.raw("user_state")

@@ -1,0 +1,195 @@
+"""The drop-in loader's worker side for a map-style dataset: make batches, encode, send.
+
+The drop-in loader (:mod:`energy_loader.loader.dropin`) runs an internal torch DataLoader over
+a :class:`BatchFetcher`. Its index stream stays in the main process, as in torch: every
+*task* the fetcher receives names one or several consecutive batches of the user's sampler
+(a bundle, :mod:`energy_loader.workers.bundling` says why) and the epoch's seed. For each
+batch, the fetcher loads the samples (``dataset.__getitems__`` when the dataset has it, else
+``dataset[index]`` per index, exactly as torch's fetcher), applies the user's ``collate_fn``
+and, in a worker process, encodes the bundle with the transport codec
+(:mod:`energy_loader.transport`).
+
+Per-sample seeding: with ``seed_per_sample`` (the default) python ``random``, numpy's global
+RNG and torch's default CPU generator are seeded from (epoch seed, sample index) before each
+``dataset[index]`` (from the batch's indices before ``__getitems__``), so random augmentation
+is a function of the epoch and the index: identical after a restore, whatever worker makes
+the sample. In the main process (``num_workers=0``) the global RNG states are put back after
+each task, so the training loop's own randomness is not disturbed.
+
+Failures: an exception in the user's code ends the bundle; the batches made before it are
+delivered first and the exception is raised where torch would raise it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+from ..metrics import clock
+from ..rng import fold_key, seed_globals_for_sample
+from ..torch_internals import ExceptionWrapper, set_worker_info
+from ..transport import Packet, WorkerTransport, decode
+from .bundling import payload_bytes
+
+__all__ = ["BatchFetcher", "FetchResult", "FetchTask", "WorkerInit"]
+
+# The per-sample seeds of the drop-in loader: a salt of their own (wrappers use their position).
+_SEED_POSITION = -1
+
+
+@attrs.frozen
+class FetchTask:
+    """One trip to a worker: consecutive units of the index stream, from number ``first``.
+
+    A unit is what the user's index sampler yields: a list of indices with batching (one
+    batch), one index without (``batch_size=None``).
+    """
+
+    first: int
+    units: tuple[Any, ...]
+    epoch_seed: int
+
+
+@attrs.define
+class FetchResult:
+    """What a worker sends back: the made batches (encoded in a worker), their count, how long
+    making them took and their payload bytes (for the bundle size), and a failure, if any."""
+
+    first: int
+    payload: Any
+    count: int
+    seconds: float
+    nbytes: int
+    failure: Any = None
+
+    def pin_memory(self, device: Any = None) -> FetchResult:
+        """torch's pin-memory thread calls this: pin the payload (a packet pins its own)."""
+        from torch.utils.data._utils.pin_memory import pin_memory
+
+        payload = self.payload
+        if isinstance(payload, Packet):
+            payload = payload.pin_memory(device)
+        else:
+            payload = pin_memory(payload, device)
+        return attrs.evolve(self, payload=payload)
+
+    def batches(self) -> list[Any]:
+        """The batches, decoded."""
+        return list(decode(self.payload))
+
+
+class BatchFetcher(Dataset[Any]):
+    """What the drop-in's internal DataLoader indexes: ``fetcher[task]`` makes a bundle."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        collate_fn: Callable[[Any], Any],
+        *,
+        auto_collation: bool,
+        seed_per_sample: bool,
+    ) -> None:
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.auto_collation = auto_collation
+        self.seed_per_sample = seed_per_sample
+        self.transport: WorkerTransport | None = None
+        self._encode: Callable[[Any], Packet] | None = None
+        self._worker_id: int | None = None
+
+    def start_worker(self, worker_id: int) -> None:
+        """In a new worker process: take this worker's arena for the payloads."""
+        self._worker_id = worker_id
+        if self.transport is not None:
+            self._encode = self.transport.encoder(worker_id)
+
+    def __getitem__(self, task: FetchTask) -> FetchResult:
+        in_main = self._worker_id is None
+        saved = _global_rng_states() if in_main and self.seed_per_sample else None
+        began = clock()
+        batches: list[Any] = []
+        failure: Any = None
+        try:
+            for unit in task.units:
+                batches.append(self._make(unit, task.epoch_seed))
+        except Exception as error:
+            if in_main:
+                failure = error
+            else:
+                failure = ExceptionWrapper(where=f"in DataLoader worker process {self._worker_id}")
+        finally:
+            if saved is not None:
+                _put_global_rng_states(saved)
+        payload: Any = batches
+        if self._encode is not None:
+            payload = self._encode(batches)
+        return FetchResult(
+            task.first, payload, len(batches), clock() - began, payload_bytes(payload), failure
+        )
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _make(self, unit: Any, epoch_seed: int) -> Any:
+        dataset, seeded = self.dataset, self.seed_per_sample
+        if not self.auto_collation:
+            if seeded:
+                seed_globals_for_sample(epoch_seed, _SEED_POSITION, unit)
+            return self.collate_fn(dataset[unit])
+        getitems = getattr(dataset, "__getitems__", None)
+        if getitems:
+            if seeded:
+                seed_globals_for_sample(epoch_seed, _SEED_POSITION, tuple(unit))
+            samples = getitems(unit)
+        elif seeded:
+            samples = []
+            for index in unit:
+                seed_globals_for_sample(epoch_seed, _SEED_POSITION, index)
+                samples.append(dataset[index])
+        else:
+            samples = [dataset[index] for index in unit]
+        return self.collate_fn(samples)
+
+
+class WorkerInit:
+    """The internal DataLoader's ``worker_init_fn``: set the worker up, then call the user's.
+
+    Points the fetcher at this worker's arena, makes ``get_worker_info().dataset`` the user's
+    dataset (torch would report the fetcher), then calls the user's ``worker_init_fn``.
+    """
+
+    def __init__(self, user_fn: Callable[[int], None] | None) -> None:
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        info = get_worker_info()
+        fetcher = info.dataset if info is not None else None
+        if isinstance(fetcher, BatchFetcher):
+            fetcher.start_worker(worker_id)
+            set_worker_info(dataset=fetcher.dataset)
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+def _global_rng_states() -> tuple[Any, Any, torch.Tensor]:
+    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+
+def _put_global_rng_states(states: tuple[Any, Any, torch.Tensor]) -> None:
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+
+
+def epoch_seed_of(parts: Sequence[Any]) -> int:
+    """A 64-bit epoch seed from plain parts (the epoch, a digest of the RNG states)."""
+    value = 0
+    for part in parts:
+        value = fold_key(value, part)
+    return value

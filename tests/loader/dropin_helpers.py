@@ -1,0 +1,173 @@
+"""Datasets, samplers and the resume check shared by the drop-in loader's tests."""
+
+from __future__ import annotations
+
+import io
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
+
+
+class Dicts(Dataset[Any]):
+    """Dict samples with a string, a number and a tensor (deterministic)."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"name": f"s{index}", "index": index, "x": torch.full((2,), float(index))}
+
+
+class Augmenting(Dataset[Any]):
+    """``__getitem__`` draws from python's, numpy's and torch's global RNGs."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {
+            "index": index,
+            "python": random.random(),
+            "numpy": float(np.random.rand()),
+            "torch": torch.rand(2),
+        }
+
+
+class Sharded(IterableDataset[Any]):
+    """An iterable that shards by ``get_worker_info()``, as torch's docs show."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def _shard(self) -> range:
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        return range(worker, self.length, workers)
+
+    def __iter__(self) -> Iterator[dict[str, int]]:
+        for index in self._shard():
+            yield {"index": index}
+
+
+class StatefulSharded(Sharded):
+    """:class:`Sharded` with torchdata's Stateful protocol (its position in its shard)."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__(length)
+        self.position = 0
+        self._resume_at = 0
+
+    def __iter__(self) -> Iterator[dict[str, int]]:
+        start, self._resume_at = self._resume_at, 0
+        for position, index in enumerate(self._shard()):
+            if position < start:
+                continue
+            self.position = position + 1
+            yield {"index": index}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume_at = state["position"]
+
+
+class StatefulSampler(Sampler[int]):
+    """A shuffling sampler with state_dict()/load_state_dict() (a seed, an epoch, a position)."""
+
+    def __init__(self, length: int, seed: int) -> None:
+        self.length, self.seed = length, seed
+        self.epoch, self.position, self._resume_at = 0, 0, 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[int]:
+        order = torch.randperm(
+            self.length, generator=torch.Generator().manual_seed(self.seed + self.epoch)
+        ).tolist()
+        start, self._resume_at = self._resume_at, 0
+        for position in range(start, self.length):
+            self.position = position + 1
+            yield order[position]
+        self.epoch += 1
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self._resume_at = state["epoch"], state["position"]
+
+
+def run_epochs(loader: Any, epochs: int) -> list[Any]:
+    return [batch for _ in range(epochs) for batch in loader]
+
+
+def plain_roundtrip(state: Any) -> Any:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def assert_same(ours: Any, theirs: Any, path: str = "batch") -> None:
+    """Same structure, types, dtypes and values."""
+    assert type(ours) is type(theirs), f"{path}: {type(ours)} != {type(theirs)}"
+    if isinstance(theirs, torch.Tensor):
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), f"{path} differs"
+    elif isinstance(theirs, dict):
+        assert ours.keys() == theirs.keys(), path
+        for name in theirs:
+            assert_same(ours[name], theirs[name], f"{path}[{name!r}]")
+    elif isinstance(theirs, (list, tuple)):
+        assert len(ours) == len(theirs), f"{path}: {len(ours)} != {len(theirs)} items"
+        for index, (a, b) in enumerate(zip(ours, theirs)):
+            assert_same(a, b, f"{path}[{index}]")
+    else:
+        assert ours == theirs, f"{path}: {ours!r} != {theirs!r}"
+
+
+def stop_and_resume(
+    make: Callable[[int], Any], workers: int, resume_workers: int, stop: int, epochs: int
+) -> None:
+    """Stop after ``stop`` batches (counted over ``epochs`` epochs, each started by the loop),
+    save with the training process's RNG, restore into a fresh loader on ``resume_workers``
+    in a process whose RNG is elsewhere, finish the epochs: the same batches as one run."""
+    torch.manual_seed(0)
+    uninterrupted = run_epochs(make(workers), epochs)
+    per_epoch = len(uninterrupted) // epochs
+    torch.manual_seed(0)
+    loader = make(workers)
+    first: list[Any] = []
+    saved = None
+    if stop == 0:
+        saved = (loader.state_dict(), torch.get_rng_state())
+    for _ in range(epochs):
+        if saved is not None:
+            break
+        for batch in loader:
+            first.append(batch)
+            if len(first) == stop:
+                saved = (loader.state_dict(), torch.get_rng_state())
+                break
+    assert saved is not None
+    loader.close()
+    state, rng = plain_roundtrip(saved[0]), saved[1]
+    torch.manual_seed(12345)  # whatever the new process's RNG is, the restore must not care
+    restored = make(resume_workers)
+    torch.set_rng_state(rng)  # the training process restores its own RNG, as trainers do
+    restored.load_state_dict(state)
+    rest = run_epochs(restored, epochs - (stop // per_epoch if per_epoch else 0))
+    restored.close()
+    assert_same(first + rest, uninterrupted, f"stop {stop}")

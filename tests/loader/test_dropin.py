@@ -1,0 +1,354 @@
+"""The drop-in loader: torch's batches for torch's arguments, and exact resume at every stop."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import datasets
+import pytest
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+    get_worker_info,
+)
+
+import energy_loader as el
+from energy_loader.errors import StateFormatError, StateMismatchError
+from energy_loader.loader.dropin import DropInDataLoader
+
+from .dropin_helpers import (
+    Augmenting,
+    Dicts,
+    Sharded,
+    StatefulSampler,
+    StatefulSharded,
+    assert_same,
+    plain_roundtrip,
+    run_epochs,
+    stop_and_resume,
+)
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+TENSORS = TensorDataset(torch.arange(23).float(), torch.arange(23))
+
+
+def _both(make: Any, epochs: int = 2, seed: int = 0) -> tuple[list[Any], list[Any]]:
+    torch.manual_seed(seed)
+    theirs = run_epochs(make(DataLoader), epochs)
+    torch.manual_seed(seed)
+    ours_loader = make(el.SavableDataLoader)
+    assert isinstance(ours_loader, DropInDataLoader)
+    assert isinstance(ours_loader, el.SavableDataLoader)
+    if not isinstance(ours_loader.dataset, IterableDataset):
+        assert len(ours_loader) == len(make(DataLoader))
+    return run_epochs(ours_loader, epochs), theirs
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {"batch_size": 4, "shuffle": True},
+        {"batch_size": 5, "drop_last": True},
+        {"batch_size": None},
+        {"batch_size": 3, "sampler": WeightedRandomSampler([1.0] * 23, 17)},
+        {"batch_size": 3, "sampler": SubsetRandomSampler(range(3, 20))},
+        {"batch_sampler": BatchSampler(RandomSampler(range(23)), 4, drop_last=False)},
+        {"batch_size": 4, "collate_fn": lambda samples: [s[1] * 2 for s in samples]},
+    ],
+    ids=["shuffle", "drop_last", "unbatched", "weighted", "subset", "batch_sampler", "collate"],
+)
+def test_yields_what_torch_yields(workers: int, arguments: dict[str, Any]) -> None:
+    ours, theirs = _both(lambda cls: cls(TENSORS, num_workers=workers, **arguments))
+    assert_same(ours, theirs)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_yields_what_torch_yields_with_a_generator_and_dict_samples(persistent: bool) -> None:
+    def make(cls: Any) -> Any:
+        generator = torch.Generator().manual_seed(7)
+        return cls(
+            Dicts(19),
+            batch_size=4,
+            shuffle=True,
+            generator=generator,
+            num_workers=2,
+            persistent_workers=persistent,
+        )
+
+    ours, theirs = _both(make, epochs=3)
+    assert_same(ours, theirs)
+
+
+def test_distributed_sampler_with_set_epoch_yields_what_torch_yields() -> None:
+    def run(cls: Any) -> list[Any]:
+        sampler = DistributedSampler(TENSORS, num_replicas=2, rank=1, shuffle=True, seed=4)
+        loader = cls(TENSORS, batch_size=3, sampler=sampler, num_workers=1)
+        out = []
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            out.extend(loader)
+        return out
+
+    assert_same(run(el.SavableDataLoader), run(DataLoader))
+
+
+def test_tuple_samples_come_as_lists_as_torch_gives_them() -> None:
+    (batch,) = list(el.SavableDataLoader(TensorDataset(torch.arange(3)), batch_size=3))
+    assert type(batch) is list
+
+
+@pytest.mark.parametrize(
+    ("workers", "resume_workers", "persistent"),
+    [(0, 0, False), (2, 1, False), (0, 2, False), (1, 2, True)],
+)
+@pytest.mark.parametrize("with_generator", [False, True])
+def test_resumes_exactly_at_every_stop(
+    workers: int, resume_workers: int, persistent: bool, with_generator: bool
+) -> None:
+    """Before the first batch, mid-epoch, after an epoch's last batch: the rest is the same,
+    random augmentation (python, numpy, torch) included, on another num_workers too."""
+
+    def make(num_workers: int) -> el.SavableDataLoader:
+        generator = torch.Generator().manual_seed(11) if with_generator else None
+        return el.SavableDataLoader(
+            Augmenting(11),
+            batch_size=3,
+            shuffle=True,
+            generator=generator,
+            num_workers=num_workers,
+            persistent_workers=persistent and num_workers > 0,
+        )
+
+    stops = range(0, 13) if workers == resume_workers == 0 else [0, 2, 4, 5, 8]
+    for stop in stops:
+        stop_and_resume(make, workers, resume_workers, stop, epochs=3)
+
+
+def test_augmentation_is_reproduced_after_a_restore_and_differs_between_epochs() -> None:
+    loader = el.SavableDataLoader(Augmenting(6), batch_size=2, shuffle=True, num_workers=2)
+    first, second = run_epochs(loader, 1), run_epochs(loader, 1)
+    assert not torch.equal(first[0]["torch"], second[0]["torch"])
+
+
+def test_seed_per_sample_off_leaves_augmentation_to_the_workers_seeds() -> None:
+    loader = el.SavableDataLoader(Augmenting(4), batch_size=2, seed_per_sample=False)
+    assert loader.seed_per_sample is False
+    run_epochs(loader, 1)
+
+
+def test_a_stateful_sampler_is_saved_through_its_state_dict() -> None:
+    def make(num_workers: int) -> el.SavableDataLoader:
+        return el.SavableDataLoader(
+            TENSORS, batch_size=4, sampler=StatefulSampler(23, seed=5), num_workers=num_workers
+        )
+
+    loader = make(0)
+    iterator = iter(loader)
+    next(iterator)
+    state = loader.state_dict()
+    assert state["sampler_state"]["position"] == 4
+    for stop in [0, 3, 6, 7]:
+        stop_and_resume(make, 0, 1, stop, epochs=2)
+
+
+def test_the_training_process_global_rng_is_not_changed_by_a_restore() -> None:
+    loader = el.SavableDataLoader(TENSORS, batch_size=4, shuffle=True)
+    iterator = iter(loader)
+    next(iterator)
+    state = loader.state_dict()
+    torch.manual_seed(99)
+    expected = torch.rand(3)
+    torch.manual_seed(99)
+    restored = el.SavableDataLoader(TENSORS, batch_size=4, shuffle=True)
+    restored.load_state_dict(state)
+    next(iter(restored))
+    assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize("dataset_class", [Sharded, StatefulSharded])
+@pytest.mark.parametrize("workers", [0, 2, 3])
+@pytest.mark.parametrize("arguments", [{"batch_size": 3}, {"batch_size": 2, "drop_last": True}])
+def test_iterable_datasets_yield_what_torch_yields_and_resume(
+    dataset_class: type, workers: int, arguments: dict[str, Any]
+) -> None:
+    ours, theirs = _both(lambda cls: cls(dataset_class(11), num_workers=workers, **arguments))
+    assert_same(ours, theirs)
+
+    def make(num_workers: int) -> el.SavableDataLoader:
+        return el.SavableDataLoader(dataset_class(11), num_workers=num_workers, **arguments)
+
+    for stop in [0, 1, len(ours) // 2, len(ours) // 2 + 1]:
+        stop_and_resume(make, workers, workers, stop, epochs=2)
+
+
+def test_an_iterable_state_restores_on_the_same_num_workers_only() -> None:
+    loader = el.SavableDataLoader(Sharded(8), batch_size=2, num_workers=2)
+    next(iter(loader))
+    state = loader.state_dict()
+    loader.close()
+    with pytest.raises(StateMismatchError, match="num_workers=2"):
+        el.SavableDataLoader(Sharded(8), batch_size=2, num_workers=1).load_state_dict(state)
+
+
+def test_states_are_plain_data() -> None:
+    loader = el.SavableDataLoader(
+        TENSORS, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1)
+    )
+    iterator = iter(loader)
+    next(iterator)
+    state = loader.state_dict()
+    assert json.loads(json.dumps(state)) == state
+    assert plain_roundtrip(state) == state
+    assert state["format"] == "energy_loader.dropin_state"
+    restored = el.SavableDataLoader(
+        TENSORS, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1)
+    )
+    restored.load_state_dict(plain_roundtrip(state))
+    assert_same(list(restored), list(iterator))
+
+
+def test_bad_states_and_mismatches_are_refused_with_the_loader_unchanged() -> None:
+    loader = el.SavableDataLoader(TENSORS, batch_size=4, shuffle=True)
+    next(iter(loader))
+    state = loader.state_dict()
+    other = el.SavableDataLoader(TENSORS, batch_size=5, shuffle=True)
+    with pytest.raises(StateMismatchError, match="batch_size"):
+        other.load_state_dict(state)
+    with pytest.raises(StateFormatError):
+        other.load_state_dict({"format": "something else"})
+    with pytest.raises(StateFormatError):
+        other.load_state_dict({**state, "version": 99})
+    pipeline_state = el.SavableDataLoader(el.IndexedSource(list(range(4)))).state_dict()
+    with pytest.raises((StateMismatchError, StateFormatError)):
+        other.load_state_dict(pipeline_state)
+    assert len(list(other)) == len(other)
+
+
+def test_torch_argument_errors_are_torchs() -> None:
+    with pytest.raises(ValueError, match="expected unspecified shuffle option"):
+        el.SavableDataLoader(Sharded(4), shuffle=True)
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        el.SavableDataLoader(TENSORS, batch_size=2, batch_sampler=[[0, 1]])
+    with pytest.raises(ValueError, match="sampler option is mutually exclusive with shuffle"):
+        el.SavableDataLoader(TENSORS, shuffle=True, sampler=SequentialSampler(TENSORS))
+    with pytest.raises(ValueError, match="num_workers option should be non-negative"):
+        el.SavableDataLoader(TENSORS, num_workers=-1)
+    with pytest.raises(TypeError, match="seed_per_sample"):
+        el.SavableDataLoader(TENSORS, seed_per_sample="yes")
+
+
+def test_attributes_mean_what_they_mean_on_torchs_loader() -> None:
+    collate = torch.utils.data.default_collate
+    loader = el.SavableDataLoader(TENSORS, batch_size=4, shuffle=True, num_workers=2)
+    theirs = DataLoader(TENSORS, batch_size=4, shuffle=True, num_workers=2)
+    for name in ("batch_size", "drop_last", "num_workers", "prefetch_factor", "timeout"):
+        assert getattr(loader, name) == getattr(theirs, name), name
+    assert loader.dataset is TENSORS and loader.collate_fn is collate
+    assert type(loader.sampler) is RandomSampler and type(loader.batch_sampler) is BatchSampler
+    assert repr(el.SavableDataLoader(TENSORS).batch_size) == "1"
+
+
+class _Configured(IterableDataset[Any]):
+    """Configures itself in worker_init_fn through get_worker_info().dataset (torch's idiom)."""
+
+    def __init__(self) -> None:
+        self.shard: int | None = None
+
+    def __iter__(self) -> Any:
+        yield from range(100 * (self.shard or 0), 100 * (self.shard or 0) + 3)
+
+
+def _configure(worker_id: int) -> None:
+    info = get_worker_info()
+    info.dataset.shard = info.id + 1
+
+
+def test_worker_init_fn_sees_the_users_dataset() -> None:
+    ours = sorted(el.SavableDataLoader(_Configured(), num_workers=2, worker_init_fn=_configure))
+    theirs = sorted(DataLoader(_Configured(), num_workers=2, worker_init_fn=_configure))
+    assert [int(x) for x in ours] == [int(x) for x in theirs] == [100, 101, 102, 200, 201, 202]
+
+    class Reads(Dataset[Any]):
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, index: int) -> int:
+            info = get_worker_info()
+            return int(info is not None and isinstance(info.dataset, Reads))
+
+    assert [int(b) for b in el.SavableDataLoader(Reads(), num_workers=1)] == [1, 1]
+
+
+def test_an_error_in_getitem_comes_after_the_batches_before_it() -> None:
+    class Failing(Dataset[Any]):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, index: int) -> int:
+            if index == 5:
+                raise KeyError("five")
+            return index
+
+    for workers in (0, 1):
+        got = []
+        loader = el.SavableDataLoader(Failing(), batch_size=2, num_workers=workers)
+        with pytest.raises(KeyError, match="five"):
+            for batch in loader:
+                got.append(batch.tolist())
+        assert got == [[0, 1], [2, 3]]
+        loader.close()
+
+
+def test_savable_pipeline_takes_torch_batching_arguments_or_refuses_them() -> None:
+    source = el.IndexedSource(list(range(10)))
+    batched = list(el.SavableDataLoader(source, batch_size=4, drop_last=True))
+    assert [b.tolist() for b in batched] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [int(x) for x in el.SavableDataLoader(el.IndexedSource(list(range(3))))] == [0, 1, 2]
+    with pytest.raises(ValueError, match="ShuffleBufferDataset"):
+        el.SavableDataLoader(source, shuffle=True)
+    with pytest.raises(ValueError, match="does not apply to a savable pipeline"):
+        el.SavableDataLoader(source, sampler=SequentialSampler(range(10)))
+    with pytest.raises(ValueError, match="needs a `batch_size`"):
+        el.SavableDataLoader(source, drop_last=True)
+
+
+def test_save_and_restore_global_on_the_same_world_size() -> None:
+    loader = el.SavableDataLoader(TENSORS, batch_size=4, shuffle=True)
+    iterator = iter(loader)
+    next(iterator)
+    states = loader.save_state_global(0)
+    assert states is not None and len(states) == 1
+    restored = el.SavableDataLoader(TENSORS, batch_size=4, shuffle=True)
+    restored.restore_state_global(states)
+    assert_same(list(restored), list(iterator))
+    two = [{**states[0], "world_size": 2}, {**states[0], "rank": 1, "world_size": 2}]
+    with pytest.raises(StateMismatchError, match="same world size"):
+        el.SavableDataLoader(TENSORS, batch_size=4, shuffle=True).restore_state_global(two)
+
+
+def test_held_back_saves_reach_back_batches() -> None:
+    loader = el.SavableDataLoader(TENSORS, batch_size=4)
+    iterator = iter(loader)
+    batches = [next(iterator) for _ in range(3)]
+    state = loader.state_dict(held_back=1)
+    restored = el.SavableDataLoader(TENSORS, batch_size=4)
+    restored.load_state_dict(state)
+    assert_same(next(iter(restored)), batches[2])
+
+
+def test_a_hugging_face_dataset_yields_what_torch_yields() -> None:
+    table = datasets.Dataset.from_dict({"x": list(range(10)), "t": [f"s{i}" for i in range(10)]})
+    ours, theirs = _both(lambda cls: cls(table, batch_size=4, shuffle=True, num_workers=1))
+    assert_same(ours, theirs)
