@@ -1,5 +1,8 @@
 """The loader's constructor arguments: checks with the fix in the message, and what they
-resolve to (the rank/worker layout, checkpoint settings, the start method)."""
+resolve to (the rank/worker layout, partitions, checkpoint settings, transport, start method).
+
+:func:`resolve_arguments` is the one place a :class:`~energy_loader.SavableDataLoader` over a
+pipeline turns its keyword options into a :class:`LoaderArguments`."""
 
 from __future__ import annotations
 
@@ -7,18 +10,24 @@ import math
 import multiprocessing
 from typing import Any
 
+import attrs
 import dill
 
 from ..dataset import SavableDataset
+from ..metrics import StallPolicy, resolve_stall_policy
+from ..transport import Transport, validate_transport_settings
 from ..validation import require_bool, require_int
 from ..worker import WorkerConfig
 from ..workers.protocol import CheckpointSettings
+from .partitions import resolve_num_partitions
 from .progress import MAX_HELD_BACK
 
 __all__ = [
+    "LoaderArguments",
     "check_serializable",
     "checkpoint_settings",
     "require_seconds",
+    "resolve_arguments",
     "resolve_mp_context",
     "resolve_worker_config",
 ]
@@ -143,4 +152,70 @@ def checkpoint_settings(
         in_flight=in_flight,
         gc_every_n=gc_every_n,
         gc_freeze=gc_freeze,
+    )
+
+
+@attrs.frozen
+class LoaderArguments:
+    """A pipeline loader's options, checked and resolved."""
+
+    config: WorkerConfig
+    num_partitions: int
+    settings: CheckpointSettings
+    reply_timeout: float
+    transport: Transport | None
+    mp_context: Any
+    stall: StallPolicy | None
+    items_per_transfer: int
+
+
+def resolve_arguments(
+    pipeline: SavableDataset,
+    *,
+    worker_config: WorkerConfig | None,
+    num_workers: Any,
+    num_partitions: Any,
+    prefetch_factor: Any,
+    checkpoint_every_n_samples: Any,
+    checkpoint_every_sec: Any,
+    n_checkpoints: Any,
+    gc_collect_every_n_steps: Any,
+    gc_freeze_at_start: Any,
+    multiprocessing_context: Any,
+    worker_reply_timeout: Any,
+    transport_codec: Any,
+    transport_inline_bytes: Any,
+    transport_arena_bytes: Any,
+    items_per_transfer: Any,
+    stall_warning: Any,
+) -> LoaderArguments:
+    """Check every option of a loader over ``pipeline`` (``TypeError``/``ValueError`` naming
+    the option and what would be right) and resolve them."""
+    config = resolve_worker_config(pipeline, worker_config, num_workers)
+    workers = config.num_workers
+    validate_transport_settings(transport_codec, transport_inline_bytes, transport_arena_bytes)
+    mp_context = resolve_mp_context(multiprocessing_context) if workers else None
+    if mp_context is not None and mp_context.get_start_method() != "fork":
+        check_serializable(pipeline)
+    return LoaderArguments(
+        config=config,
+        num_partitions=resolve_num_partitions(num_partitions, config.world_size, workers),
+        settings=checkpoint_settings(
+            workers,
+            prefetch_factor,
+            checkpoint_every_n_samples,
+            checkpoint_every_sec,
+            n_checkpoints,
+            gc_collect_every_n_steps,
+            gc_freeze_at_start,
+        ),
+        reply_timeout=require_seconds(worker_reply_timeout, "worker_reply_timeout"),
+        transport=(
+            Transport(transport_inline_bytes, transport_arena_bytes)
+            if transport_codec and workers
+            else None
+        ),
+        mp_context=mp_context,
+        stall=resolve_stall_policy(stall_warning),
+        items_per_transfer=require_int(items_per_transfer, "items_per_transfer", minimum=1),
     )

@@ -195,6 +195,25 @@ class Planner:
 
     # -- restoring -------------------------------------------------------------------------------
 
+    def adopting(self, states: Sequence[RankState]) -> Planner:
+        """This planner, or one for the partition count ``states`` were saved with.
+
+        A loader built without ``num_partitions`` continues a saved stream on any number of
+        workers by adopting its count. Raises ``StateMismatchError`` when this world size
+        cannot run the saved partitions.
+        """
+        if not states or states[0].num_partitions == self.num_partitions:
+            return self
+        saved = states[0].num_partitions
+        world_size = self.config.world_size
+        if saved % world_size:
+            raise StateMismatchError(
+                f"the state was saved with num_partitions={saved}, which world_size="
+                f"{world_size} cannot run (every rank runs the same number of partitions): "
+                f"{saved} partitions run on a world size in {world_sizes_for(saved)}"
+            )
+        return Planner(self.pipeline, self.config, saved)
+
     def plan_restore(self, states: list[RankState]) -> RestorePlan:
         """Check ``states`` against this pipeline and plan this rank's restore.
 

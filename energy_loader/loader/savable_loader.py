@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from torch.utils.data import DataLoader
 
-from ..dataset import SavableDataset, attach_restore_key
-from ..errors import StateMismatchError, WorkerError
-from ..metrics import LoaderMetrics, clock, resolve_stall_policy
-from ..state.plain import to_key
+from ..dataset import SavableDataset
+from ..errors import WorkerError
+from ..metrics import clock
 from ..state.positions import Position
 from ..state.rank_state import (
     RankState,
@@ -34,29 +32,21 @@ from ..state.rank_state import (
 from ..transport import (
     DEFAULT_ARENA_BYTES,
     DEFAULT_INLINE_BYTES,
-    Transport,
     decode,
-    validate_transport_settings,
 )
 from ..validation import require_bool, require_int
-from ..worker import WorkerConfig, active_worker
+from ..worker import WorkerConfig
 from ..workers.bundling import DEFAULT_ITEMS_PER_TRANSFER
 from ..workers.protocol import CheckpointSettings, RunPlan, WorkerItem
 from ..workers.side import WorkerSideDataset
-from .arguments import (
-    check_serializable,
-    checkpoint_settings,
-    require_seconds,
-    resolve_mp_context,
-    resolve_worker_config,
-)
+from .arguments import resolve_arguments
 from .fleet import WorkerFleet
-from .partitions import idle_workers_warning, resolve_num_partitions, world_sizes_for
+from .observing import ObservedLoader, make_metrics
+from .partitions import idle_workers_warning
 from .planner import Planner, RestorePlan
 from .progress import Mark, Progress
 from .protocols import RankStateProtocols
-from .stall import StallWarner
-from .torch_args import DEFAULT_BATCH_SIZE, PipelineTorchArgs, apply_to_pipeline
+from .torch_args import DEFAULT_BATCH_SIZE, PipelineTorchArgs, pipeline_with_torch_args
 from .unbundler import Unbundler
 
 __all__ = ["BasicDataLoader", "SavableDataLoader"]
@@ -112,7 +102,7 @@ class _LoaderIterator:
         return len(self._loader)
 
 
-class SavableDataLoader(RankStateProtocols, DataLoader):
+class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
     """A torch DataLoader over a savable pipeline that saves its exact position.
 
     Example::
@@ -126,34 +116,21 @@ class SavableDataLoader(RankStateProtocols, DataLoader):
         loader = SavableDataLoader(build_pipeline(), num_workers=2)
         loader.load_state_dict(torch.load(path, weights_only=True)["data"])
 
-    Checkpoints. Each worker checkpoints its pipeline every ``checkpoint_every_n_samples``
-    items (items are what the pipeline yields: batches, for a batched pipeline) and at most
-    every ``checkpoint_every_sec`` seconds; a restore replays fewer than
-    ``checkpoint_every_n_samples`` items per worker. ``n_checkpoints`` (default: enough for
-    ``prefetch_factor * num_workers`` items in flight per worker) bounds the checkpoints each
-    worker keeps; a value too small to cover the items in flight is a ``ValueError``.
+    Over any other dataset (map-style or iterable) it becomes a
+    :class:`~energy_loader.loader.dropin.DropInDataLoader`: torch's behaviour for torch's
+    arguments, with exact resume. Over a pipeline, torch's ``batch_size``, ``collate_fn`` and
+    ``drop_last`` add a ``BatchDataset``; ``shuffle``, samplers and ``generator`` are refused
+    with the savable way.
 
-    Epochs. ``iter(loader)`` continues the current epoch if it has not ended (also after a
-    ``break``: nothing in flight is lost), otherwise starts the next. Workers are persistent.
-
-    Transport. A worker sends up to ``items_per_transfer`` items in one trip through torch's
-    queues (fewer when they are large or slow to make; :mod:`energy_loader.bundles`); the
-    main process hands them out one at a time, in the order one item a trip would give. Torch
-    keeps ``prefetch_factor`` trips outstanding per worker. With workers and
-    ``transport_codec=True`` (the default) each item crosses to
-    the main process through :mod:`energy_loader.transport` instead of torch's per-tensor
-    shared memory: pickled in one payload with its tensors and arrays out of band, inline
-    below ``transport_inline_bytes`` and through a per-worker shared-memory arena of
-    ``transport_arena_bytes`` (address space, touched only as needed) above. Decoded items
-    equal the originals; tensors come back contiguous. ``transport_codec=False`` uses torch's
-    transport.
-
-    Observing. ``stats()`` returns what the loader has been doing (waits, items/s, worker busy
-    fractions, saves; :mod:`energy_loader.metrics`), ``peek_keys(n)`` the restore keys of the
-    next items. ``stall_warning`` (True: a :class:`~energy_loader.metrics.StallPolicy` with
-    its defaults; a fraction; a ``StallPolicy``; False or None: off) logs one warning on the
-    ``energy_loader`` logger, with backoff, when the training loop waits for data more than
-    that fraction of its step time, naming the likely cause (:mod:`energy_loader.stall`).
+    Each worker snapshots its partitions every ``checkpoint_every_n_samples`` items (at most
+    every ``checkpoint_every_sec`` seconds) and sends the snapshots with its items, so a save is
+    computed here and a restore replays fewer than ``checkpoint_every_n_samples`` items per
+    worker. ``iter(loader)`` continues the current epoch if it has not ended (also after a
+    ``break``), otherwise starts the next; workers are persistent. Items travel up to
+    ``items_per_transfer`` a trip through :mod:`energy_loader.transport`'s codec (inline below
+    ``transport_inline_bytes``, through a shared-memory arena of ``transport_arena_bytes``
+    above; ``transport_codec=False`` uses torch's). ``stats()``, ``peek_keys(n)`` and
+    ``stall_warning``: :mod:`energy_loader.loader.observing`. Every option: docs/loader.md.
     """
 
     # Whether this loader keeps and saves state (BasicDataLoader does not).
@@ -224,49 +201,48 @@ class SavableDataLoader(RankStateProtocols, DataLoader):
                 generator=generator,
                 in_order=in_order,
             )
-            dataset = apply_to_pipeline(dataset, torch_args)
-            if prefetch_factor is None:  # torch's default with workers
-                prefetch_factor = 2
+            dataset, prefetch_factor = pipeline_with_torch_args(
+                dataset, torch_args, prefetch_factor
+            )
         require_bool(seed_per_sample, "seed_per_sample")  # drop-in loaders only
-        config = resolve_worker_config(dataset, worker_config, num_workers)
-        stall = resolve_stall_policy(stall_warning)
-        workers = config.num_workers
-        partitions = resolve_num_partitions(num_partitions, config.world_size, workers)
-        settings = checkpoint_settings(
-            workers,
-            prefetch_factor,
-            checkpoint_every_n_samples,
-            checkpoint_every_sec,
-            n_checkpoints,
-            gc_collect_every_n_steps,
-            gc_freeze_at_start,
+        args = resolve_arguments(
+            dataset,
+            worker_config=worker_config,
+            num_workers=num_workers,
+            num_partitions=num_partitions,
+            prefetch_factor=prefetch_factor,
+            checkpoint_every_n_samples=checkpoint_every_n_samples,
+            checkpoint_every_sec=checkpoint_every_sec,
+            n_checkpoints=n_checkpoints,
+            gc_collect_every_n_steps=gc_collect_every_n_steps,
+            gc_freeze_at_start=gc_freeze_at_start,
+            multiprocessing_context=multiprocessing_context,
+            worker_reply_timeout=worker_reply_timeout,
+            transport_codec=transport_codec,
+            transport_inline_bytes=transport_inline_bytes,
+            transport_arena_bytes=transport_arena_bytes,
+            items_per_transfer=items_per_transfer,
+            stall_warning=stall_warning,
         )
-        reply_timeout = require_seconds(worker_reply_timeout, "worker_reply_timeout")
-        validate_transport_settings(transport_codec, transport_inline_bytes, transport_arena_bytes)
-        require_int(items_per_transfer, "items_per_transfer", minimum=1)
-        self._transport = (
-            Transport(transport_inline_bytes, transport_arena_bytes)
-            if transport_codec and workers
-            else None
-        )
-        mp_context = resolve_mp_context(multiprocessing_context) if workers else None
-        if mp_context is not None and mp_context.get_start_method() != "fork":
-            check_serializable(dataset)
+        config, workers, partitions = args.config, args.config.num_workers, args.num_partitions
+        self._transport = args.transport
         self._worker_config = config
         # Without a num_partitions of its own the loader continues whatever count it restores.
         self._adopts_partitions = num_partitions is None
         _warn_if_idle(partitions, config)
         self._planner = planner = Planner(dataset, config, partitions)
         self._worker_side = side = WorkerSideDataset(
-            dataset, config, settings, planner.canonical_plan(), savable=self.saves_state
+            dataset, config, args.settings, planner.canonical_plan(), savable=self.saves_state
         )
-        side.items_per_transfer = items_per_transfer
-        self._fleet = WorkerFleet(self, side, workers, mp_context, self._transport, reply_timeout)
+        side.items_per_transfer = args.items_per_transfer
+        self._fleet = WorkerFleet(
+            self, side, workers, args.mp_context, args.transport, args.reply_timeout
+        )
         self._progress = Progress(max(1, workers), partitions // config.world_size)
         self._inner: Iterator[Any] | Unbundler | None = None
         self._generation = 0
         self._failure: WorkerError | None = None
-        self._metrics = _make_metrics(self, stall)
+        self._metrics = make_metrics(self, args.stall)
         super().__init__(
             side,
             batch_size=None,
@@ -275,7 +251,7 @@ class SavableDataLoader(RankStateProtocols, DataLoader):
             pin_memory=pin_memory,
             prefetch_factor=prefetch_factor if workers else None,
             persistent_workers=workers > 0,
-            multiprocessing_context=mp_context,
+            multiprocessing_context=args.mp_context,
             timeout=timeout,
             worker_init_fn=worker_init_fn,
             pin_memory_device=pin_memory_device,
@@ -500,27 +476,12 @@ class SavableDataLoader(RankStateProtocols, DataLoader):
         return self.planner_for(states).plan_restore(states)
 
     def planner_for(self, states: Sequence[RankState]) -> Planner:
-        """The planner a restore from ``states`` uses (changes nothing).
-
-        This loader's own, unless it was given no ``num_partitions`` and the states were saved
-        with another count: then one for theirs, so the saved stream continues on any number
-        of workers (the count is adopted when the restore happens). Raises
-        ``StateMismatchError`` when this world size cannot run the saved partitions.
-        """
-        planner = self._planner
-        if not self._adopts_partitions or not states:
-            return planner
-        saved = states[0].num_partitions
-        if saved == planner.num_partitions:
-            return planner
-        world_size = self._worker_config.world_size
-        if saved % world_size:
-            raise StateMismatchError(
-                f"the state was saved with num_partitions={saved}, which world_size="
-                f"{world_size} cannot run (every rank runs the same number of partitions): "
-                f"{saved} partitions run on a world size in {world_sizes_for(saved)}"
-            )
-        return Planner(planner.pipeline, self._worker_config, saved)
+        """The planner a restore from ``states`` uses (changes nothing): this loader's own,
+        or, for a loader given no ``num_partitions``, one for the states' partition count
+        (:meth:`Planner.adopting`)."""
+        if not self._adopts_partitions:
+            return self._planner
+        return self._planner.adopting(states)
 
     def _restore(self, plan: RestorePlan) -> None:
         self._shutdown_workers()
@@ -550,57 +511,7 @@ class SavableDataLoader(RankStateProtocols, DataLoader):
     def _is_fresh(self) -> bool:
         return self._progress.fresh and self._worker_side.plan.restores is None
 
-    # -- observing ---------------------------------------------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        """What the loader has been doing, as plain numbers: see :mod:`energy_loader.metrics`.
-
-        ``{"since_last": {...}, "total": {...}, "queue_depth": [...]}``: per section the
-        items handed out and items/s, the time ``next()`` waited (mean, p50/p90/p99, max,
-        and as a fraction of the step time), decoding, saves and their latency, and per worker
-        its busy fraction, checkpoint and encode seconds and payload bytes. Asks each worker
-        over its command channel (a round trip, not a wait for a sample). Example::
-
-            if step % 100 == 0:
-                print(energy_loader.metrics.flatten(loader.stats()))
-        """
-        return self._metrics.stats()
-
-    def peek_keys(self, n: int) -> list[Any]:
-        """The restore keys of the next ``n`` items this rank will yield, without taking them.
-
-        How: save this rank's state and run a throwaway copy of the pipeline from it in this
-        process, the way a restore would, emulating the workers' round-robin (see
-        :mod:`energy_loader.loader.peek`). Exact by the same argument as save/restore, and the live
-        loader is untouched: nothing is pulled from its workers and nothing buffered, so a
-        later save needs no special case. Cost: one save plus making the replayed and the
-        ``n`` peeked items once more in this process (global RNG states are kept). Keys run
-        on across an epoch end into the epoch the next ``iter(loader)`` starts; fewer than
-        ``n`` only if the pipeline has no more items at all.
-        """
-        from .peek import peek_keys
-
-        return peek_keys(self, n)
-
     # -- the rest --------------------------------------------------------------------------
-
-    def restore_sample(self, key: Any) -> Any:
-        """Rebuild the sample (or batch) that carried ``key``."""
-        key = to_key(key)
-        with active_worker(self._worker_config.context(0)):
-            return attach_restore_key(self.pipeline.restore_sample(key), key)
-
-    def config(self) -> dict[str, Any]:
-        """The pipeline's configuration plus the loader's layout."""
-        config = self._worker_config
-        return {
-            "pipeline": self._planner.pipeline_config,
-            "rank": config.rank,
-            "world_size": config.world_size,
-            "num_workers": self.num_workers,
-            "num_partitions": self.num_partitions,
-            "seed": config.seed,
-        }
 
     def close(self) -> None:
         """Stop the worker processes now, keeping the position: the next ``iter()`` restarts
@@ -618,16 +529,6 @@ class SavableDataLoader(RankStateProtocols, DataLoader):
     def _shutdown_workers(self) -> None:
         self._inner = None
         self._fleet.close()
-
-    def _poll_workers(self) -> tuple[list[dict[str, float] | None], list[int]]:
-        """Each logical worker's counters and queue depth, for ``stats()``."""
-        workers = self.num_workers
-        if workers == 0:
-            runner = self._worker_side.local_runner
-            return [None if runner is None else runner.counters.read()], [0]
-        if self._failure is not None:
-            return [None] * workers, [0] * workers
-        return self._fleet.poll_stats(self._worker_side.offset)
 
     def __enter__(self) -> SavableDataLoader:
         return self
@@ -668,18 +569,3 @@ def _warn_if_idle(num_partitions: int, config: WorkerConfig) -> None:
     message = idle_workers_warning(num_partitions, config.world_size, config.num_workers)
     if message is not None:
         warnings.warn(message, UserWarning, stacklevel=3)
-
-
-def _make_metrics(loader: SavableDataLoader, stall: Any) -> LoaderMetrics:
-    """The loader's stats and stall check (by weak reference: no cycle keeps workers alive)."""
-    workers = loader.worker_config.num_workers
-    owner = weakref.ref(loader)
-
-    def poll() -> Any:
-        live = owner()
-        if live is None:
-            return [None] * max(1, workers), [0] * max(1, workers)
-        return live._poll_workers()
-
-    warner = None if stall is None else StallWarner(workers, stall.threshold)
-    return LoaderMetrics(max(1, workers), poll, stall, warner)

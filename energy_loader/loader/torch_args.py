@@ -113,3 +113,11 @@ def apply_to_pipeline(pipeline: SavableDataset, args: PipelineTorchArgs) -> Sava
     return BatchDataset(
         pipeline, args.batch_size, collate_fn=args.collate_fn, drop_last=args.drop_last
     )
+
+
+def pipeline_with_torch_args(
+    pipeline: SavableDataset, args: PipelineTorchArgs, prefetch_factor: int | None
+) -> tuple[SavableDataset, int | None]:
+    """The pipeline to run (:func:`apply_to_pipeline`) and the prefetch factor (torch's
+    default of 2 with workers when none was given)."""
+    return apply_to_pipeline(pipeline, args), 2 if prefetch_factor is None else prefetch_factor
