@@ -1,16 +1,21 @@
-"""Throughput of the drop-in loader against torch's DataLoader on the same map-style dataset.
+"""The drop-in loader against torch's DataLoader and torchdata's StatefulDataLoader, on a plain
+map-style ``Dataset`` given to all three with torch's own arguments.
 
 The reference workload (60k samples of 64 tokens, a tokenizer-like map inside
-``__getitem__``, batch 32, shuffle, 2 persistent workers, prefetch 2) written as a plain
-``torch.utils.data.Dataset``, given to both loaders with the same arguments; the drop-in
-saves its state every 50 batches. Interleaved repetitions, ratio within each. Run::
+``__getitem__``, batch 32, shuffle, 2 persistent workers, prefetch 2; docs/benchmarks.md)
+written as a ``torch.utils.data.Dataset``. The savable loaders save with ``state_dict()``
+every 50 batches. Per repetition, in alternating order: samples/s (and the ratio to torch's
+within the repetition), ``state_dict()`` median and p95, the state's size, and the time from
+restoring a fresh loader to its first batch at 10/50/90% of the epoch (with a check that the
+batch is the one the uninterrupted run yielded there). Run::
 
-    python benchmarks/bench_dropin.py [--repetitions 7] [--no-seed-per-sample]
+    python benchmarks/bench_dropin.py [--repetitions 7] [--no-seed-per-sample] [--samples N]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from typing import Any
@@ -28,61 +33,148 @@ from energy_loader.cli.bench.workloads import (
     tokenize,
 )
 
-SAMPLES = 60_000
-
 
 class Tokens(Dataset[Any]):
+    def __init__(self, samples: int) -> None:
+        self.samples = samples
+
     def __len__(self) -> int:
-        return SAMPLES
+        return self.samples
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return tokenize(make_sample(index))
 
 
-def run(loader_class: Any, **options: Any) -> tuple[float, list[float]]:
-    torch.manual_seed(0)
-    loader = loader_class(
-        Tokens(),
+def _stateful_loader_class() -> Any:
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError:  # the bench extra is not installed
+        return None
+    return StatefulDataLoader
+
+
+def _build(loader_class: Any, samples: int, options: dict[str, Any]) -> Any:
+    return loader_class(
+        Tokens(samples),
         batch_size=BATCH,
         shuffle=True,
         num_workers=WORKERS,
         prefetch_factor=PREFETCH,
         persistent_workers=True,
+        generator=torch.Generator().manual_seed(0),
         **options,
     )
+
+
+def _close(loader: Any) -> None:
+    close = getattr(loader, "close", None)
+    if close is not None:
+        close()
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+
+
+def run(loader_class: Any, samples: int, options: dict[str, Any], restores: bool) -> dict[str, Any]:
+    """One epoch with saves every 50 batches, then restores at 10/50/90% of it."""
+    loader = _build(loader_class, samples, options)
     saving = loader_class is not DataLoader
-    began, samples, saves = time.perf_counter(), 0, []
+    batches = len(loader)
+    points = {round(f * batches): f for f in (0.1, 0.5, 0.9)}
+    began, count, saves, states, firsts = time.perf_counter(), 0, [], {}, {}
     for step, batch in enumerate(loader):
-        samples += len(batch["index"])
-        if saving and step % SAVE_EVERY == 0:
+        count += len(batch["index"])
+        if step - 1 in points and points[step - 1] in states:
+            firsts[points[step - 1]] = batch["index"].tolist()
+        if saving and (step % SAVE_EVERY == 0 or step in points):
             save_began = time.perf_counter()
-            loader.state_dict()
+            state = loader.state_dict()
             saves.append(time.perf_counter() - save_began)
+            if step in points:
+                states[points[step]] = state
     elapsed = time.perf_counter() - began
-    if saving:
-        loader.close()
-    return samples / elapsed, saves
+    _close(loader)
+    result: dict[str, Any] = {"samples_per_s": count / elapsed, "save_ms": [s * 1e3 for s in saves]}
+    if not (saving and restores):
+        return result
+    result["state_bytes"] = (
+        len(json.dumps(states[0.5])) if loader_class is el.SavableDataLoader else None
+    )
+    result["restore_s"], result["exact"] = {}, True
+    for fraction, state in states.items():
+        fresh = _build(loader_class, samples, options)
+        restore_began = time.perf_counter()
+        fresh.load_state_dict(state)
+        first = next(iter(fresh))
+        result["restore_s"][fraction] = time.perf_counter() - restore_began
+        result["exact"] &= first["index"].tolist() == firsts.get(fraction)
+        _close(fresh)
+    return result
 
 
-def main() -> None:
+def _p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repetitions", type=int, default=7)
+    parser.add_argument("--samples", type=int, default=60_000)
     parser.add_argument("--no-seed-per-sample", action="store_true")
-    args = parser.parse_args()
-    options = {"seed_per_sample": not args.no_seed_per_sample}
-    ratios = []
+    args = parser.parse_args(argv)
+    contenders: dict[str, tuple[Any, dict[str, Any]]] = {
+        "torch DataLoader": (DataLoader, {}),
+        "SavableDataLoader": (
+            el.SavableDataLoader,
+            {"seed_per_sample": not args.no_seed_per_sample},
+        ),
+    }
+    stateful = _stateful_loader_class()
+    if stateful is not None:
+        contenders["torchdata StatefulDataLoader"] = (stateful, {})
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
     for repetition in range(args.repetitions):
-        plain, _ = run(DataLoader)
-        dropin, saves = run(el.SavableDataLoader, **options)
-        ratios.append(dropin / plain)
+        order = list(contenders) if repetition % 2 == 0 else list(reversed(contenders))
+        for name in order:
+            loader_class, options = contenders[name]
+            restores = repetition < 3  # restores are flat in the position: three reps suffice
+            runs[name].append(run(loader_class, args.samples, options, restores))
+        plain = runs["torch DataLoader"][-1]["samples_per_s"]
         print(
-            f"repetition {repetition}: torch {plain:,.0f} samples/s, drop-in {dropin:,.0f} "
-            f"samples/s ({dropin / plain:.2f}x), state_dict() median "
-            f"{statistics.median(saves) * 1e3:.3f} ms",
+            f"repetition {repetition + 1}: "
+            + ", ".join(f"{n} {runs[n][-1]['samples_per_s'] / plain:.2f}x" for n in contenders),
             flush=True,
         )
-    print(f"median ratio {statistics.median(ratios):.2f}x")
+    print(
+        "\n| loader | samples/s | x torch (paired median, range) | state_dict() med / p95 ms "
+        "| restore s at 10/50/90% | state | resumes exactly |"
+    )
+    print("|---|---:|---:|---:|---|---:|---|")
+    plain_runs = runs["torch DataLoader"]
+    for name, results in runs.items():
+        ratios = [r["samples_per_s"] / p["samples_per_s"] for r, p in zip(results, plain_runs)]
+        saves = [s for r in results for s in r["save_ms"]]
+        restored = [r for r in results if "restore_s" in r]
+        restore = (
+            " / ".join(
+                f"{statistics.median(r['restore_s'][f] for r in restored):.3f}"
+                for f in (0.1, 0.5, 0.9)
+            )
+            if restored
+            else "-"
+        )
+        size = restored[0].get("state_bytes") if restored else None
+        print(
+            f"| {name} | {statistics.median(r['samples_per_s'] for r in results):,.0f} | "
+            f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | "
+            + (f"{statistics.median(saves):.3f} / {_p95(saves):.3f}" if saves else "-")
+            + f" | {restore} | {f'{size:,} B' if size else '-'} | "
+            + (str(all(r["exact"] for r in restored)) if restored else "-")
+            + " |"
+        )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
