@@ -61,6 +61,7 @@ __all__ = ["main", "summarize"]
 
 FRACTIONS = (0.1, 0.5, 0.9)
 CHECK_BATCHES = 8
+SAMPLE_EVERY = 20
 CHOICES = sorted([*WORKLOADS, *REAL_WORKLOADS])
 
 
@@ -136,8 +137,9 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
-def _peak_rss_kib(pids: list[int]) -> int:
-    total = 0
+def _peak_rss_kib(pids: list[int]) -> dict[int, int]:
+    """The peak RSS (VmHWM) of each process that is still there, KiB."""
+    peaks = {}
     for pid in pids:
         try:
             status = Path(f"/proc/{pid}/status").read_text()
@@ -145,8 +147,8 @@ def _peak_rss_kib(pids: list[int]) -> int:
             continue
         for line in status.splitlines():
             if line.startswith("VmHWM:"):
-                total += int(line.split()[1])
-    return total
+                peaks[pid] = int(line.split()[1])
+    return peaks
 
 
 def _cpu_seconds(pids: list[int]) -> dict[int, float]:
@@ -173,7 +175,11 @@ def _throughput_run(
     next(iterator)
     count, saves = 0.0, []
     me = os.getpid()
-    cpu_start = _cpu_seconds([me, *_descendants(me)])
+    pids = [me, *_descendants(me)]
+    cpu_start = _cpu_seconds(pids)
+    # Processes that end with the epoch (some loaders stop their workers then) would take
+    # their CPU and peak RSS with them: both are read every SAMPLE_EVERY batches too.
+    cpu_last, rss = dict(cpu_start), _peak_rss_kib(pids)
     start = time.perf_counter()
     for step, batch in enumerate(iterator, start=1):
         count += count_of(batch)
@@ -181,14 +187,17 @@ def _throughput_run(
             began = time.perf_counter()
             contender.save(loader)
             saves.append((time.perf_counter() - began) * 1000)
+        if step % SAMPLE_EVERY == 0:
+            cpu_last.update(_cpu_seconds(pids))
+            rss.update(_peak_rss_kib(pids))
         if batches is not None and step + 1 >= batches:
             break
     elapsed = time.perf_counter() - start
-    pids = [me, *_descendants(me)]
-    cpu_end = _cpu_seconds(pids)
-    rss = _peak_rss_kib(pids)
-    main_cpu = cpu_end.get(me, 0.0) - cpu_start.get(me, 0.0)
-    other_cpu = sum(t - cpu_start.get(pid, 0.0) for pid, t in cpu_end.items() if pid != me)
+    pids = sorted({*pids, *_descendants(me)})
+    cpu_last.update(_cpu_seconds(pids))
+    rss.update(_peak_rss_kib(pids))
+    main_cpu = cpu_last.get(me, 0.0) - cpu_start.get(me, 0.0)
+    other_cpu = sum(t - cpu_start.get(pid, 0.0) for pid, t in cpu_last.items() if pid != me)
     contender.close(loader)
     return {
         "samples_per_s": count / elapsed,
@@ -197,8 +206,8 @@ def _throughput_run(
         "cpu_main_s": main_cpu,
         "cpu_workers_s": other_cpu,
         "save_ms": saves,
-        "rss_kib": rss,
-        "processes": len(pids),
+        "rss_kib": sum(rss.values()),
+        "processes": len(rss),
     }
 
 
@@ -207,19 +216,26 @@ def _indices(batch: dict[str, Any]) -> list[int]:
 
 
 def _restore_run(
-    contender: Contender, samples: int, repetitions: int, workload: str
+    contender: Contender,
+    samples: int,
+    repetitions: int,
+    workload: str,
+    span: int | None = None,
 ) -> dict[str, Any]:
-    """One uninterrupted epoch saving at 10/50/90%; from each state, restore timings and an
-    exact-resume check over the next :data:`CHECK_BATCHES` batches; the state's size."""
+    """One uninterrupted run saving at 10/50/90% of the epoch (or of its first ``span``
+    batches); from each state, restore timings and an exact-resume check over the next
+    :data:`CHECK_BATCHES` batches; the state's size."""
     fingerprint = _fingerprint(workload)
     loader = contender.build(samples, workload)
     iterator, reference, states = iter(loader), [], []
     for batch in iterator:
         reference.append(fingerprint(batch))
         states.append(contender.save(loader) if contender.stateful else None)
+        if span is not None and len(reference) >= span + CHECK_BATCHES:
+            break
     contender.close(loader)
     del iterator, loader
-    steps = len(reference)
+    steps = len(reference) if span is None else min(span, len(reference))
     marks = {fraction: max(1, int(steps * fraction)) for fraction in FRACTIONS}
     saved = {fraction: states[mark - 1] for fraction, mark in marks.items()}
     del states
@@ -274,7 +290,9 @@ def _child(args: argparse.Namespace) -> int:
     contenders = {c.name: c for c in _contenders(args)}
     kind, _, name = args._run.partition(":")
     if kind == "restore":
-        result = _restore_run(contenders[name], args.samples, args.repetitions, args.workload)
+        result = _restore_run(
+            contenders[name], args.samples, args.repetitions, args.workload, args.batches
+        )
     elif kind == "prepare":
         result = _prepare(contenders[name])
     else:
@@ -477,7 +495,8 @@ def main(argv: list[str]) -> int:
         "--batches",
         type=_positive,
         default=None,
-        help="measure throughput over at most this many batches (default: the whole epoch)",
+        help="measure throughput over at most this many batches, and restore at 10/50/90%% of "
+        "them (default: the whole epoch)",
     )
     parser.add_argument(
         "--cache",
