@@ -12,7 +12,7 @@ workload has a small one over the same files:
   and flattened to documents by ``FlatMapIterDataset``, tokenized (:class:`~.llm.Tokenize`),
   packed by Grain's ``ConcatThenSplitIterDataset`` into 2,048-token rows and batched by 8;
 - ``vision``: the source indexes the tar shards once (member offsets, read with ``tarfile``)
-  and reads a sample's ``jpg`` and ``cls`` with one seek each; shuffled globally; the
+  and reads a sample's ``jpg`` and ``cls`` with one ``pread`` each; shuffled globally; the
   augmentation is ``random_map`` (Grain hands each element its own ``numpy`` generator,
   which seeds a ``torch.Generator`` for :func:`~.vision.decode_and_augment`), batches of 64.
 
@@ -111,17 +111,18 @@ class TarSamples:
         return len(self.samples)
 
     def __getitem__(self, index: int) -> dict[str, bytes]:
+        # Grain reads elements from several threads: ``os.pread`` on a descriptor per shard
+        # and process (no shared file position).
         if self._pid != os.getpid():
             self._files, self._pid = {}, os.getpid()
         number, parts = self.samples[index]
-        file = self._files.get(number)
-        if file is None:
-            file = self._files[number] = open(self.shards[number], "rb")  # noqa: SIM115
-        sample = {}
-        for extension, (offset, size) in parts.items():
-            file.seek(offset)
-            sample[extension] = file.read(size)
-        return sample
+        descriptor = self._files.get(number)
+        if descriptor is None:
+            descriptor = self._files.setdefault(number, os.open(self.shards[number], os.O_RDONLY))
+        return {
+            extension: os.pread(descriptor, size, offset)
+            for extension, (offset, size) in parts.items()
+        }
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_files": {}, "_pid": -1}

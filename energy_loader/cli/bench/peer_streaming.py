@@ -10,7 +10,8 @@ original files; not timed):
   llm-foundry's text dataset does); the loader takes batches of :data:`DOCS_PER_BATCH`
   documents and its collate function concatenates their tokens and cuts them into 2,048-token
   rows (the last one padded), about 8 rows a batch: Streaming resumes by counting samples
-  (documents) per batch, so packing has to happen inside a batch to stay resumable.
+  (documents) per batch, so packing has to happen inside a batch to stay resumable, and the
+  batch's first entry must have one element per document (the loader counts that).
 - ``vision``: columns ``jpg`` (the JPEG's bytes) and ``cls`` (int); ``__getitem__`` is
   :func:`~.vision.decode_and_augment` (its draws from the worker's torch generator), batches
   of 64.
@@ -122,7 +123,11 @@ def _dataset_classes() -> tuple[type, type]:
 
 class PackBatch:
     """Collate: a batch of documents' tokens, concatenated, cut into rows of 2,048 tokens
-    (the last row padded): ``{"tokens": [rows, 2048], "lengths": [rows]}``."""
+    (the last row padded): ``{"documents": [docs], "tokens": [rows, 2048], "lengths": [rows]}``.
+
+    ``documents`` (each document's token count) comes first on purpose: the loader counts
+    the samples a batch consumed as the length of its first entry, and resumes by that count.
+    """
 
     def __init__(self, pad_id: int) -> None:
         self.pad_id = pad_id
@@ -134,7 +139,11 @@ class PackBatch:
         lengths[-1] = len(tokens) - (rows - 1) * llm.SEQ_LEN
         padded = torch.full((rows * llm.SEQ_LEN,), self.pad_id, dtype=torch.int64)
         padded[: len(tokens)] = tokens
-        return {"tokens": padded.view(rows, llm.SEQ_LEN), "lengths": lengths}
+        return {
+            "documents": torch.tensor([len(d) for d in documents], dtype=torch.int64),
+            "tokens": padded.view(rows, llm.SEQ_LEN),
+            "lengths": lengths,
+        }
 
 
 def _build(workload: str, folder: Path) -> Any:

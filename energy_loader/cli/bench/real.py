@@ -127,6 +127,10 @@ def real_contenders(workload: str, folder: Path, venvs: Path | None = None) -> l
             missing=_torchdata_missing,
         ),
     ]
+    if workload == "vision":
+        from .peer_energon import energon_vision_contender
+
+        contenders.append(energon_vision_contender(folder))
     contenders.append(streaming_contender(workload, folder, venvs))
     contenders.append(grain_contender(workload, folder, venvs))
     return contenders
