@@ -34,8 +34,9 @@ from energy_loader.cli.bench import llm, vision
 from energy_loader.cli.bench.data import DEFAULT_CACHE, ensure_data
 
 BUCKETS = {
-    "per-sample work": ("tokenizers", "encode", "decode_and_augment", "ImagingDecoder",
-                        "_upsample_bilinear2d", "PIL", "flip", "_crop_box"),
+    "per-sample work": ("tokenizers", "encode", "torch.tensor", "llm.py:__call__",
+                        "decode_and_augment", "ImagingDecoder", "_upsample_bilinear2d", "PIL",
+                        "flip", "_crop_box", "uniform_", "randint", "torch.rand"),
     "reading files": ("parquet", "pyarrow", "read_row_group", "to_pylist", "_tar", "tarfile",
                       "webdataset", "seek", "read"),
     "seeding": ("seed_globals", "manual_seed", "mix64", "fold_key", "seed"),

@@ -25,6 +25,7 @@ equal fingerprints mean the same sequences, token for token.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import zlib
 from collections.abc import Iterator, Sequence
@@ -84,7 +85,11 @@ class Tokenize:
         return torch.tensor(ids, dtype=torch.int64)
 
     def pad_id(self) -> int:
-        return int(_tokenizer(self.path).token_to_id(PAD))
+        """The ``<pad>`` id, read from the file: the process that builds the pipeline (the
+        loader's main process) need not load the tokenizer (~20 MB) to know it."""
+        with open(self.path, encoding="utf-8") as file:
+            added = json.load(file)["added_tokens"]
+        return next(int(token["id"]) for token in added if token["content"] == PAD)
 
 
 def tokenizer_path(folder: Path) -> str:
