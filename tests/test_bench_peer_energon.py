@@ -48,3 +48,33 @@ def test_energon_peer_resumes_exactly_mid_epoch(no_leftover_processes: None) -> 
 def test_energon_peer_rejects_unknown_options() -> None:
     with pytest.raises(TypeError, match="no options"):
         energon_contender().build(SAMPLES, "reference", snapshot_every=50)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_energon_reads_the_vision_tars_and_resumes_pixel_for_pixel(tmp_path) -> None:
+    """energon's own webdataset reader over the bench's tars (``.nv-meta`` written by the
+    contender's ``prepare``); with ``restore_seeds`` the augmentations come back too."""
+    from energy_loader.cli.bench.data import ensure_data
+    from energy_loader.cli.bench.peer_energon import energon_vision_contender
+    from energy_loader.cli.bench.vision import fingerprint
+
+    folder = ensure_data(tmp_path, "vision", 256, progress=False)
+    contender = energon_vision_contender(folder)
+    contender.prepare()
+    assert (folder / "tars" / ".nv-meta" / "dataset.yaml").exists()
+    loader = contender.build(256, "vision")
+    reference, states = [], []
+    for batch in loader:
+        reference.append(fingerprint(batch))
+        states.append(contender.save(loader))
+    contender.close(loader)
+    assert len(reference) == 4 and batch["image"].shape[1:] == (3, 224, 224)
+    for stop in (1, 2):
+        restored = contender.restored(256, "vision", states[stop - 1])
+        tail = []
+        for batch in restored:
+            tail.append(fingerprint(batch))
+            if len(tail) == len(reference) - stop:
+                break
+        contender.close(restored)
+        assert tail == reference[stop:], f"restored after batch {stop}"

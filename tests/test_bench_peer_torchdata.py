@@ -35,3 +35,25 @@ def test_torchdata_peer_resumes_exactly_mid_epoch(workload: str, samples: int) -
         assert _indices(restored) == reference[stop:], f"stop after batch {stop}"
         contender.close(restored)
         assert contender.state_bytes(state) > 0
+
+
+def test_torchdata_peer_resumes_the_llm_workload_exactly(tmp_path) -> None:
+    """Its Stateful docs dataset (epoch, document, token offset) continues token for token."""
+    from energy_loader.cli.bench.data import ensure_data
+    from energy_loader.cli.bench.llm import fingerprint, plain_loader
+
+    folder = ensure_data(tmp_path, "llm", 160, progress=False)
+    loader = plain_loader(folder, stateful=True)
+    reference = [fingerprint(batch) for batch in loader]
+    loader._iterator._shutdown_workers()
+    for stop in (1, len(reference) // 2, len(reference) - 1):
+        loader = plain_loader(folder, stateful=True)
+        iterator = iter(loader)
+        for _ in range(stop):
+            next(iterator)
+        state = loader.state_dict()
+        iterator._shutdown_workers()
+        restored = plain_loader(folder, stateful=True)
+        restored.load_state_dict(state)
+        assert [fingerprint(batch) for batch in restored] == reference[stop:], f"stop {stop}"
+        restored._iterator._shutdown_workers()

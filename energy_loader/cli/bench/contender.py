@@ -28,7 +28,6 @@ __all__ = [
     "energy_loader_contender",
     "plain_contender",
     "shutdown_workers",
-    "worker_pids",
 ]
 
 
@@ -51,15 +50,6 @@ def shutdown_workers(loader: Any) -> None:
         iterator._shutdown_workers()
 
 
-def worker_pids(loader: Any, iterator: Any) -> list[int]:
-    """The pids of the worker processes behind a live iterator (for peak RSS)."""
-    for holder in (iterator, getattr(loader, "_iterator", None)):
-        workers = getattr(holder, "_workers", None)
-        if workers:
-            return [w.pid for w in workers]
-    return []
-
-
 @attrs.frozen
 class Contender:
     """One loader library, driven through its own API.
@@ -74,7 +64,11 @@ class Contender:
       as torchdata and energon states are);
     - ``close(loader)``: stop its workers (called once a run is done with it);
     - ``missing()``: ``None`` when usable, else why not (for example a package not installed);
-    - ``stateful``: whether save/load exist (the plain DataLoader has neither).
+    - ``stateful``: whether save/load exist (the plain DataLoader has neither);
+    - ``python``: the interpreter of the venv the contender runs in (``None``: this one), for
+      peers whose requirements conflict with ours;
+    - ``prepare()``: one-time work before its runs (a copy of the data in its own format), run
+      once in its interpreter, never timed.
     """
 
     name: str
@@ -85,6 +79,8 @@ class Contender:
     close: Callable[[Any], None] = lambda loader: None
     missing: Callable[[], str | None] = _always_available
     stateful: bool = True
+    python: str | None = None
+    prepare: Callable[[], None] | None = None
 
     def restored(self, samples: int, workload: str, state: Any) -> Any:
         """A fresh loader with ``state`` loaded: its first batch follows the saved one."""

@@ -1,5 +1,8 @@
 """The bench's workloads on megatron-energon's own ``SavableDataLoader`` (7.4.1), at its defaults.
 
+(The ``vision`` workload, energon reading the tars itself, is :func:`energon_vision_contender`
+at the end of this module; what follows is about the synthetic workloads.)
+
 "The same pipeline" in energon's classes: a small source (:func:`_source_class`, an energon
 ``SavableDataset``) that gives logical worker ``w`` of :data:`WORKERS` (rank 0 of 1) the shard
 ``epoch_order(samples, 0, 0)[w::WORKERS]``, exactly as :class:`PlainPipeline` shards, and yields
@@ -56,7 +59,7 @@ import attrs
 from .contender import Contender
 from .workloads import BATCH, PREFETCH, WORKERS, WORKLOADS, collate, epoch_order
 
-__all__ = ["energon_contender"]
+__all__ = ["energon_contender", "energon_vision_contender"]
 
 RESTORE_KEY = "__restore_key__"
 SEED = 0
@@ -213,4 +216,123 @@ def energon_contender() -> Contender:
         load=lambda loader, state: loader.restore_state_rank(state),
         close=_energon_close,
         missing=_energon_missing,
+    )
+
+
+# --- The vision workload: energon reads the tars itself ---------------------------------------
+#
+# As energon's docs show for an image-classification webdataset: ``prepare`` writes the
+# dataset's ``.nv-meta`` once (what ``energon prepare`` writes: the shards' index and a split
+# with every shard in ``train``, and a ``dataset.yaml`` of ``ImageClassificationSample``
+# mapping ``image`` to ``jpg`` and ``label`` to ``cls``). The task encoder sets ``decoder = None``
+# (the members reach it as bytes, so Pillow decodes them in :func:`~.vision.decode_and_augment`,
+# the same work as every other contender) and marks ``encode_sample`` with
+# ``@stateless(restore_seeds=True)``, energon's way to make random augmentations restorable.
+# ``get_train_dataset`` with a shuffle buffer of 1,000 samples (as the webdataset peers) and
+# ``max_samples_per_sequence=100``, batches of 64 by the task encoder's ``batch`` (torch's
+# ``default_collate``); the train dataset repeats forever, so ``virtual_epoch_length`` cuts it
+# into epochs of ``ceil(images / 64)`` batches.
+
+VISION_YAML = """\
+sample_type:
+  __module__: megatron.energon
+  __class__: ImageClassificationSample
+field_map:
+  image: jpg
+  label: cls
+"""
+
+
+def _energon_vision_prepare(folder: Any) -> None:
+    from pathlib import Path
+
+    from megatron.energon.epathlib import EPath
+    from megatron.energon.flavors.webdataset.prepare import WebdatasetPreparator
+
+    from .data import tar_shards
+
+    tars = Path(folder) / "tars"
+    meta = tars / ".nv-meta"
+    if (meta / "dataset.yaml").exists():
+        return
+    WebdatasetPreparator.prepare_dataset(
+        EPath(tars),
+        [Path(shard).name for shard in tar_shards(folder)],
+        split_parts_ratio=[("train", 1.0)],
+        shuffle_seed=None,
+        workers=2,
+    )
+    (meta / "dataset.yaml").write_text(VISION_YAML)
+
+
+@functools.cache
+def _vision_encoder_class() -> type:
+    import torch.utils.data
+    from megatron.energon import DefaultTaskEncoder, stateless
+
+    from . import vision
+
+    class AugmentImages(DefaultTaskEncoder):  # type: ignore[misc]
+        """Raw JPEG bytes -> :func:`~.vision.decode_and_augment`, seeds restored per sample."""
+
+        decoder = None
+
+        @stateless(restore_seeds=True)  # type: ignore[untyped-decorator]
+        def encode_sample(self, sample: Any) -> dict[str, Any]:
+            return vision.decode_and_augment({"jpg": sample.image, "cls": sample.label})
+
+        def batch(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+            return torch.utils.data.default_collate(samples)  # type: ignore[no-any-return]
+
+    return AugmentImages
+
+
+def _energon_vision_loader(folder: Any, **options: Any) -> Any:
+    from pathlib import Path
+
+    if options:
+        raise TypeError(f"the energon contender takes no options (got {sorted(options)})")
+    from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
+
+    from . import vision
+
+    config = WorkerConfig(rank=0, world_size=1, num_workers=vision.WORKERS)
+    tars = Path(folder) / "tars"
+    count = _vision_images(tars)
+    dataset = get_train_dataset(
+        str(tars),
+        batch_size=vision.BATCH,
+        shuffle_buffer_size=vision.WDS_SHUFFLE,
+        max_samples_per_sequence=100,
+        virtual_epoch_length=-(-count // vision.BATCH),
+        worker_config=config,
+        task_encoder=_vision_encoder_class()(),
+    )
+    return get_savable_loader(dataset, worker_config=config, prefetch_factor=vision.PREFETCH)
+
+
+def _vision_images(tars: Any) -> int:
+    """The number of samples in the prepared split (``.nv-meta/.info.json``)."""
+    import json
+
+    info = json.loads((tars / ".nv-meta" / ".info.json").read_text())
+    return int(sum(info["shard_counts"].values()))
+
+
+def energon_vision_contender(folder: Any) -> Contender:
+    """megatron-energon's ``SavableDataLoader`` reading ``folder``'s tars itself."""
+
+    def build(samples: int, name: str, **options: Any) -> Any:
+        if name != "vision":
+            raise ValueError(f"this contender runs the vision workload, not {name!r}")
+        return _energon_vision_loader(folder, **options)
+
+    return Contender(
+        "energon",
+        build=build,
+        save=lambda loader: loader.save_state_rank(),
+        load=lambda loader, state: loader.restore_state_rank(state),
+        close=_energon_close,
+        missing=_energon_missing,
+        prepare=functools.partial(_energon_vision_prepare, folder),
     )

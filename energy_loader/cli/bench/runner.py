@@ -1,8 +1,13 @@
-"""``python -m energy_loader bench``: the reference workload (docs/benchmarks.md), side by side.
+"""``python -m energy_loader bench``: the benchmark workloads (docs/benchmarks.md), side by side.
 
-Workloads (``--workload``, see :mod:`energy_loader.bench.workloads`): ``reference``
-(64-token samples -> map -> shuffle buffer of 1000 -> batch of 32, 2 workers, prefetch 2)
-and ``large`` (3 x 224 x 224 uint8 images, buffer 64, 4.8 MB per batch).
+Workloads (``--workload``): the synthetic ones of :mod:`.workloads`, ``reference`` (64-token
+samples -> map -> shuffle buffer of 1000 -> batch of 32, 2 workers, prefetch 2) and ``large``
+(3 x 224 x 224 uint8 images, buffer 64, 4.8 MB per batch); and the real ones of :mod:`.real`,
+``llm`` (Parquet documents -> tokenizer -> 2,048-token packs -> batches of 8) and ``vision``
+(WebDataset JPEGs -> decode -> random resized crop + flip -> batches of 64), whose data is
+made once into ``--cache`` (:mod:`.data`). On the real workloads every stateful contender
+runs with a save every 50 batches only (what a training loop does), and peers that need their
+own venv (``benchmarks/peer_venvs.sh``) run their child processes there.
 
 Throughput runs, each in a fresh subprocess (clean memory numbers, nothing shared between
 runs) and interleaved over ``repetitions`` rounds in rotating order, because this kind of
@@ -45,14 +50,19 @@ from typing import Any
 import attrs
 import torch
 
-from .contender import Contender, energy_loader_contender, plain_contender, worker_pids
+from .contender import Contender, energy_loader_contender, plain_contender
+from .data import DEFAULT_CACHE, data_dir, ensure_data
 from .peer_energon import energon_contender
 from .peer_torchdata import torchdata_contender
+from .real import REAL_WORKLOADS, real_contenders
 from .workloads import BATCH, PREFETCH, SAVE_EVERY, WORKERS, WORKLOADS
 
 __all__ = ["main", "summarize"]
 
 FRACTIONS = (0.1, 0.5, 0.9)
+CHECK_BATCHES = 8
+SAMPLE_EVERY = 20
+CHOICES = sorted([*WORKLOADS, *REAL_WORKLOADS])
 
 
 @attrs.frozen
@@ -64,15 +74,36 @@ class _Variant:
     saves: bool = False
 
 
-def _contenders() -> list[Contender]:
+def _contenders(args: argparse.Namespace) -> list[Contender]:
+    if args.workload in REAL_WORKLOADS:
+        folder = data_dir(args.cache, args.workload, args.samples)
+        return real_contenders(args.workload, folder, args.peer_venvs)
     peers = [torchdata_contender(), energon_contender()]
     return [plain_contender(), energy_loader_contender(), *peers]
 
 
-def _variants(contenders: list[Contender]) -> dict[str, _Variant]:
-    """The throughput rows, in table order."""
+def _count(workload: str) -> Any:
+    """What one batch counts: its samples (images, or 2,048-token sequences of real tokens)."""
+    if workload in REAL_WORKLOADS:
+        return REAL_WORKLOADS[workload].count
+    return lambda batch: len(batch["index"])
+
+
+def _fingerprint(workload: str) -> Any:
+    """A batch's fingerprint for the exact-resume check."""
+    if workload in REAL_WORKLOADS:
+        return REAL_WORKLOADS[workload].fingerprint
+    return lambda batch: ",".join(str(i) for i in _indices(batch))
+
+
+def _variants(contenders: list[Contender], workload: str = "reference") -> dict[str, _Variant]:
+    """The throughput rows, in table order (real workloads: stateful ones saving only)."""
     rows: dict[str, _Variant] = {}
+    real = workload in REAL_WORKLOADS
     for contender in contenders:
+        if real and contender.stateful:
+            rows[f"{contender.name}+save{SAVE_EVERY}"] = _Variant(contender, saves=True)
+            continue
         rows[contender.name] = _Variant(contender)
         if contender.stateful:
             rows[f"{contender.name}+save{SAVE_EVERY}"] = _Variant(contender, saves=True)
@@ -86,8 +117,29 @@ def _variants(contenders: list[Contender]) -> dict[str, _Variant]:
     return rows
 
 
-def _peak_rss_kib(pids: list[int]) -> int:
-    total = 0
+def _descendants(root: int) -> list[int]:
+    """The pids of every live process under ``root`` (workers, their helpers)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    found, pending = [], [root]
+    while pending:
+        for child in children.get(pending.pop(), []):
+            found.append(child)
+            pending.append(child)
+    return found
+
+
+def _peak_rss_kib(pids: list[int]) -> dict[int, int]:
+    """The peak RSS (VmHWM) of each process that is still there, KiB."""
+    peaks = {}
     for pid in pids:
         try:
             status = Path(f"/proc/{pid}/status").read_text()
@@ -95,30 +147,67 @@ def _peak_rss_kib(pids: list[int]) -> int:
             continue
         for line in status.splitlines():
             if line.startswith("VmHWM:"):
-                total += int(line.split()[1])
-    return total
+                peaks[pid] = int(line.split()[1])
+    return peaks
 
 
-def _throughput_run(variant: _Variant, samples: int, workload: str) -> dict[str, Any]:
-    contender = variant.contender
+def _cpu_seconds(pids: list[int]) -> dict[int, float]:
+    """User + system CPU seconds so far of each process (all its threads)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    times = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        times[pid] = (int(fields[11]) + int(fields[12])) / ticks
+    return times
+
+
+def _throughput_run(
+    variant: _Variant, samples: int, workload: str, batches: int | None = None
+) -> dict[str, Any]:
+    """Samples per second from the second batch on (at most ``batches`` batches), with the
+    CPU of the main process and of the processes under it, and their peak RSS."""
+    contender, count_of = variant.contender, _count(workload)
     loader = contender.build(samples, workload, **variant.options)
     iterator = iter(loader)
-    first = next(iterator)
-    count, saves = len(first["index"]), []
+    next(iterator)
+    count, saves = 0.0, []
+    me = os.getpid()
+    pids = [me, *_descendants(me)]
+    cpu_start = _cpu_seconds(pids)
+    # Processes that end with the epoch (some loaders stop their workers then) would take
+    # their CPU and peak RSS with them: both are read every SAMPLE_EVERY batches too.
+    cpu_last, rss = dict(cpu_start), _peak_rss_kib(pids)
     start = time.perf_counter()
     for step, batch in enumerate(iterator, start=1):
-        count += len(batch["index"])
+        count += count_of(batch)
         if variant.saves and step % SAVE_EVERY == 0:
             began = time.perf_counter()
             contender.save(loader)
             saves.append((time.perf_counter() - began) * 1000)
+        if step % SAMPLE_EVERY == 0:
+            cpu_last.update(_cpu_seconds(pids))
+            rss.update(_peak_rss_kib(pids))
+        if batches is not None and step + 1 >= batches:
+            break
     elapsed = time.perf_counter() - start
-    rss = _peak_rss_kib([os.getpid(), *worker_pids(loader, iterator)])
+    pids = sorted({*pids, *_descendants(me)})
+    cpu_last.update(_cpu_seconds(pids))
+    rss.update(_peak_rss_kib(pids))
+    main_cpu = cpu_last.get(me, 0.0) - cpu_start.get(me, 0.0)
+    other_cpu = sum(t - cpu_start.get(pid, 0.0) for pid, t in cpu_last.items() if pid != me)
     contender.close(loader)
     return {
-        "samples_per_s": (count - len(first["index"])) / elapsed,
+        "samples_per_s": count / elapsed,
+        "samples": count,
+        "seconds": elapsed,
+        "cpu_main_s": main_cpu,
+        "cpu_workers_s": other_cpu,
         "save_ms": saves,
-        "rss_kib": rss,
+        "rss_kib": sum(rss.values()),
+        "processes": len(rss),
     }
 
 
@@ -127,30 +216,37 @@ def _indices(batch: dict[str, Any]) -> list[int]:
 
 
 def _restore_run(
-    contender: Contender, samples: int, repetitions: int, workload: str
+    contender: Contender,
+    samples: int,
+    repetitions: int,
+    workload: str,
+    span: int | None = None,
 ) -> dict[str, Any]:
-    """States at 10/50/90%, restore timings, state size, and one exact-resume check."""
-    from ...testing.compare import first_difference
-
+    """One uninterrupted run saving at 10/50/90% of the epoch (or of its first ``span``
+    batches); from each state, restore timings and an exact-resume check over the next
+    :data:`CHECK_BATCHES` batches; the state's size."""
+    fingerprint = _fingerprint(workload)
     loader = contender.build(samples, workload)
-    reference = [_indices(b) for b in loader]
-    contender.close(loader)
-    steps = len(reference)
-    marks = {fraction: max(1, int(steps * fraction)) for fraction in FRACTIONS}
-    loader = contender.build(samples, workload)
-    iterator, states = iter(loader), {}
-    for step in range(1, steps + 1):
-        next(iterator)
-        for fraction, mark in marks.items():
-            if step == mark:
-                states[fraction] = contender.save(loader)
+    iterator, reference, states = iter(loader), [], []
+    for batch in iterator:
+        reference.append(fingerprint(batch))
+        states.append(contender.save(loader) if contender.stateful else None)
+        if span is not None and len(reference) >= span + CHECK_BATCHES:
+            break
     contender.close(loader)
     del iterator, loader
+    steps = len(reference) if span is None else min(span, len(reference))
+    marks = {fraction: max(1, int(steps * fraction)) for fraction in FRACTIONS}
+    saved = {fraction: states[mark - 1] for fraction, mark in marks.items()}
+    del states
     result: dict[str, Any] = {
-        "state_bytes": contender.state_bytes(states[0.5]),
+        "batches": steps,
+        "state_bytes": contender.state_bytes(saved[0.5]),
         "restore_ms": {},
+        "exact": {},
     }
-    for fraction, state in states.items():
+    details = []
+    for fraction, state in saved.items():
         timings = []
         for _ in range(repetitions):
             began = time.perf_counter()
@@ -159,34 +255,67 @@ def _restore_run(
             timings.append((time.perf_counter() - began) * 1000)
             contender.close(restored)
         result["restore_ms"][str(fraction)] = timings
-    restored = contender.restored(samples, workload, states[0.5])
-    tail = [_indices(b) for b in restored]
-    contender.close(restored)
-    difference = first_difference(reference[marks[0.5] :], tail)
-    result["exact_resume"] = difference is None
-    result["exact_resume_detail"] = difference or "identical"
+        restored = contender.restored(samples, workload, state)
+        tail = []
+        for batch in restored:
+            tail.append(fingerprint(batch))
+            if len(tail) == CHECK_BATCHES:
+                break
+        contender.close(restored)
+        expected = reference[marks[fraction] : marks[fraction] + CHECK_BATCHES]
+        same = tail == expected
+        result["exact"][str(fraction)] = same
+        if not same:
+            where = next(
+                (i for i, (a, b) in enumerate(zip(expected, tail)) if a != b),
+                min(len(expected), len(tail)),
+            )
+            details.append(
+                f"at {fraction:.0%}: batch {where + 1} after the restore differs"
+                f" ({len(tail)} batches came, {len(expected)} expected)"
+            )
+    result["exact_resume"] = all(result["exact"].values())
+    result["exact_resume_detail"] = "; ".join(details) or "identical"
     return result
 
 
+def _prepare(contender: Contender) -> dict[str, Any]:
+    began = time.perf_counter()
+    if contender.prepare is not None:
+        contender.prepare()
+    return {"seconds": time.perf_counter() - began}
+
+
 def _child(args: argparse.Namespace) -> int:
-    contenders = {c.name: c for c in _contenders()}
+    contenders = {c.name: c for c in _contenders(args)}
     kind, _, name = args._run.partition(":")
     if kind == "restore":
-        result = _restore_run(contenders[name], args.samples, args.repetitions, args.workload)
+        result = _restore_run(
+            contenders[name], args.samples, args.repetitions, args.workload, args.batches
+        )
+    elif kind == "prepare":
+        result = _prepare(contenders[name])
     else:
-        variant = _variants(list(contenders.values()))[name]
-        result = _throughput_run(variant, args.samples, args.workload)
+        variant = _variants(list(contenders.values()), args.workload)[name]
+        result = _throughput_run(variant, args.samples, args.workload, args.batches)
     print(json.dumps(result))
     return 0
 
 
-def _spawn(args: argparse.Namespace, run: str) -> dict[str, Any]:
+def _spawn(args: argparse.Namespace, run: str, python: str | None = None) -> dict[str, Any]:
     command = [
-        sys.executable, "-m", "energy_loader", "bench", "--_run", run,
+        python or sys.executable, "-m", "energy_loader", "bench", "--_run", run,
         "--samples", str(args.samples), "--repetitions", str(args.repetitions),
-        "--workload", args.workload,
+        "--workload", args.workload, "--cache", str(args.cache),
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=False)
+    if args.batches is not None:
+        command += ["--batches", str(args.batches)]
+    if args.peer_venvs is not None:
+        command += ["--peer-venvs", str(args.peer_venvs)]
+    environment = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=3600, check=False, env=environment
+    )
     if done.returncode != 0:
         raise RuntimeError(f"benchmark run {run!r} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -212,6 +341,8 @@ def summarize(
     ``ratio`` divides the medians; ``paired_ratio`` is the median of the ratios within each
     repetition round (the contenders of a round run back to back, so they share the
     machine's load of the moment): the steadier figure when the machine is noisy.
+    ``cpu_s_per_1000`` is the CPU of the main process and the processes under it per 1,000
+    samples (median over the runs), ``cpu_main_share`` the main process's part of it.
     """
     plain_rates = [r["samples_per_s"] for r in runs["plain"]]
     reference = _median(plain_rates)
@@ -221,12 +352,24 @@ def summarize(
         rate = _median([r["samples_per_s"] for r in results])
         saves = [s for r in results for s in r["save_ms"]]
         rss = _median([r["rss_kib"] for r in results])
+        cpu = [
+            1000 * (r["cpu_main_s"] + r["cpu_workers_s"]) / r["samples"]
+            for r in results
+            if r.get("samples")
+        ]
+        main_share = [
+            r["cpu_main_s"] / (r["cpu_main_s"] + r["cpu_workers_s"])
+            for r in results
+            if r.get("samples") and r["cpu_main_s"] + r["cpu_workers_s"] > 0
+        ]
         table[name] = {
             "samples_per_s": rate,
             "ratio": rate / reference,
             "paired_ratio": _median([r["samples_per_s"] / p for r, p in zip(results, plain_rates)]),
             "save_ms_median": _median(saves),
             "save_ms_p95": _p95(saves),
+            "cpu_s_per_1000": _median(cpu),
+            "cpu_main_share": _median(main_share),
             "rss_mib": rss / 1024,
             "rss_ratio": rss / reference_rss if reference_rss else float("nan"),
             "repetitions": len(results),
@@ -235,6 +378,7 @@ def summarize(
         name: {
             "restore_ms_median": {k: _median(v) for k, v in run["restore_ms"].items()},
             "state_bytes": run["state_bytes"],
+            "exact": run.get("exact", {}),
             "exact_resume": run["exact_resume"],
             "exact_resume_detail": run["exact_resume_detail"],
         }
@@ -247,12 +391,14 @@ def format_table(summary: dict[str, Any]) -> str:
     """The two tables the bench prints: throughput rows, then restore per contender."""
     lines = [
         f"{'contender':<38}{'samples/s':>11}{'x plain':>9}{'paired':>8}{'save med ms':>13}"
-        f"{'save p95 ms':>13}{'RSS MiB':>9}{'x plain':>9}"
+        f"{'save p95 ms':>13}{'CPU s/1k':>10}{'main':>6}{'RSS MiB':>9}{'x plain':>9}"
     ]
     for name, row in summary["table"].items():
         lines.append(
-            f"{name:<38}{row['samples_per_s']:>11.0f}{row['ratio']:>9.3f}"
+            f"{name:<38}{row['samples_per_s']:>11.1f}{row['ratio']:>9.3f}"
             f"{row['paired_ratio']:>8.2f}{row['save_ms_median']:>13.3f}{row['save_ms_p95']:>13.3f}"
+            f"{row.get('cpu_s_per_1000', float('nan')):>10.2f}"
+            f"{row.get('cpu_main_share', float('nan')):>6.0%}"
             f"{row['rss_mib']:>9.0f}{row['rss_ratio']:>9.3f}"
         )
     lines.append("")
@@ -280,11 +426,15 @@ def _plot(summary: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     names = list(summary["table"])
-    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    figure, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.5))
     left.barh(names, [summary["table"][n]["ratio"] for n in names], color="#4c72b0")
     left.axvline(1.0, color="black", linewidth=0.8)
     left.invert_yaxis()
     left.set_xlabel("throughput, x plain torch DataLoader (median)")
+    middle.barh(names, [summary["table"][n]["cpu_s_per_1000"] for n in names], color="#55a868")
+    middle.invert_yaxis()
+    middle.set_yticklabels([])
+    middle.set_xlabel("CPU s per 1,000 samples (main + workers)")
     families = list(summary["restore"])
     width = 0.8 / max(1, len(families))
     for offset, family in enumerate(families):
@@ -296,83 +446,154 @@ def _plot(summary: dict[str, Any], path: Path) -> bool:
     right.set_ylabel("restore to first batch, ms (median)")
     right.set_xlabel("position in the epoch")
     right.legend()
+    workload = summary.get("workload", {})
+    figure.suptitle(f"{workload.get('name', '')}: {workload.get('description', '')}")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return True
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
 def main(argv: list[str]) -> int:
     """Run the bench; exit 0 when energy_loader resumed exactly."""
     parser = argparse.ArgumentParser(
         prog="python -m energy_loader bench",
-        description="The reference workload (docs/benchmarks.md): a plain torch DataLoader, "
+        description="The benchmark workloads (docs/benchmarks.md): a plain torch DataLoader, "
         "energy_loader and the installed peers (torchdata, megatron-energon; pip install -e "
-        "'.[bench]') running the same pipeline, interleaved repetitions, medians and ratios.",
+        "'.[bench]'; MosaicML Streaming and Grain in their own venvs: bash "
+        "benchmarks/peer_venvs.sh) running the same pipeline, interleaved repetitions, "
+        "medians and ratios.",
     )
     parser.add_argument(
         "--workload",
-        choices=sorted(WORKLOADS),
+        choices=CHOICES,
         default="reference",
         help="reference: 60k samples of 64 tokens, map -> shuffle buffer 1000 -> batch 32; "
-        "large: 3x224x224 uint8 images (5 MB batches)",
+        "large: 3x224x224 uint8 images (5 MB batches); llm: Parquet documents -> byte-level "
+        "BPE -> 2,048-token packs -> batches of 8; vision: WebDataset JPEGs -> decode -> "
+        "random resized crop 224 + flip -> batches of 64",
     )
-    parser.add_argument("--samples", type=int, default=None, help="default: per workload")
     parser.add_argument(
-        "--repetitions", type=int, default=7, help="interleaved repetitions (default: 7)"
+        "--samples",
+        type=_positive,
+        default=None,
+        help="samples of the data set (llm: documents, default 200000; vision: JPEGs, default "
+        "20000; reference: 60000; large: 6400)",
+    )
+    parser.add_argument(
+        "--repetitions", type=_positive, default=None, help="interleaved repetitions "
+        "(default: 7; 5 for llm and vision)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--batches",
+        type=_positive,
+        default=None,
+        help="measure throughput over at most this many batches, and restore at 10/50/90%% of "
+        "them (default: the whole epoch)",
+    )
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=DEFAULT_CACHE,
+        help=f"where the llm and vision data are made once and kept (default: {DEFAULT_CACHE})",
+    )
+    parser.add_argument(
+        "--peer-venvs",
+        type=Path,
+        default=None,
+        help="where benchmarks/peer_venvs.sh made the venvs of MosaicML Streaming and Grain "
+        "(default: .venv-peers in the repository)",
     )
     parser.add_argument("--out", type=Path, default=None, help="directory for bench.json/png")
     parser.add_argument(
-        "--no-peers", action="store_true", help="skip torchdata and megatron-energon"
+        "--no-peers", action="store_true", help="skip every peer (only plain and energy_loader)"
     )
     parser.add_argument("--_run", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    real = REAL_WORKLOADS.get(args.workload)
     if args.samples is None:
-        args.samples = WORKLOADS[args.workload].samples
-    if args.samples < BATCH * WORKERS * 4 or args.repetitions < 1:
-        parser.error(f"need --samples >= {BATCH * WORKERS * 4} and --repetitions >= 1")
+        args.samples = real.size if real else WORKLOADS[args.workload].samples
+    if args.repetitions is None:
+        args.repetitions = 5 if real else 7
+    if real is None and args.samples < BATCH * WORKERS * 4:
+        parser.error(f"need --samples >= {BATCH * WORKERS * 4}")
+    if real is not None and args.samples < 64:
+        parser.error("need --samples >= 64 for the llm and vision workloads")
     if args._run is not None:
         return _child(args)
+    if real is not None:
+        ensure_data(args.cache, args.workload, args.samples)
     out = args.out or Path(tempfile.mkdtemp(prefix="energy_loader-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     contenders, missing = [], {}
-    for contender in _contenders():
+    for contender in _contenders(args):
         reason = "skipped (--no-peers)" if args.no_peers else contender.missing()
         if contender.name in ("plain", "energy_loader") or reason is None:
             contenders.append(contender)
         else:
             missing[contender.name] = reason
-    names = list(_variants(contenders))
-    stateful = [c.name for c in contenders if c.stateful]
+    variants = _variants(contenders, args.workload)
+    names = list(variants)
+    stateful = [c for c in contenders if c.stateful]
+    for contender in contenders:
+        if contender.prepare is not None:
+            _spawn(args, f"prepare:{contender.name}", contender.python)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     bar = _progress_bar(args.repetitions * len(names) + len(stateful))
     for repetition in range(args.repetitions):
         shift = repetition % len(names)
         for name in names[shift:] + names[:shift]:
-            runs[name].append(_spawn(args, f"throughput:{name}"))
+            python = variants[name].contender.python
+            runs[name].append(_spawn(args, f"throughput:{name}", python))
             bar.update(1) if bar else None
     restores = {}
-    for name in stateful:
-        restores[name] = _spawn(args, f"restore:{name}")
+    for contender in stateful:
+        restores[contender.name] = _spawn(args, f"restore:{contender.name}", contender.python)
         bar.update(1) if bar else None
     if bar:
         bar.close()
     summary = summarize(runs, restores)
     summary["missing"] = missing
-    workload = WORKLOADS[args.workload]
-    summary["workload"] = {
-        "name": workload.name, "samples": args.samples, "buffer": workload.buffer,
-        "batch": BATCH, "workers": WORKERS, "prefetch": PREFETCH, "save_every": SAVE_EVERY,
-        "repetitions": args.repetitions, "torch": torch.__version__,
-    }  # fmt: skip
+    summary["workload"] = _describe(args)
     summary["runs"] = runs
     summary["restore_runs"] = restores
     (out / "bench.json").write_text(json.dumps(summary, indent=2))
     plotted = _plot(summary, out / "bench.png")
-    print(f"workload: {workload.name}, {args.samples} samples, {args.repetitions} repetitions")
+    print(
+        f"workload: {args.workload}, {args.samples} samples, {args.repetitions} repetitions"
+        + (f", {summary['workload']['unit']}" if real else "")
+    )
     print(format_table(summary))
     print(f"wrote {out / 'bench.json'}" + (f" and {out / 'bench.png'}" if plotted else ""))
     return 0 if summary["restore"]["energy_loader"]["exact_resume"] else 1
+
+
+def _describe(args: argparse.Namespace) -> dict[str, Any]:
+    """The workload's parameters, as bench.json records them."""
+    common = {
+        "name": args.workload, "samples": args.samples, "repetitions": args.repetitions,
+        "save_every": SAVE_EVERY, "batches": args.batches, "torch": torch.__version__,
+        "check_batches": CHECK_BATCHES,
+    }  # fmt: skip
+    real = REAL_WORKLOADS.get(args.workload)
+    if real is not None:
+        return {
+            **common, "description": real.description, "unit": real.unit,
+            "size_name": real.size_name, "workers": 2, "prefetch": 2,
+            "data": str(data_dir(args.cache, args.workload, args.samples)),
+        }  # fmt: skip
+    workload = WORKLOADS[args.workload]
+    return {
+        **common, "description": f"{workload.name}, buffer {workload.buffer}", "unit": "samples",
+        "buffer": workload.buffer, "batch": BATCH, "workers": WORKERS, "prefetch": PREFETCH,
+    }  # fmt: skip
 
 
 def _progress_bar(total: int) -> Any:

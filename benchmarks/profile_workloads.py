@@ -1,0 +1,128 @@
+"""Where the time of the real workloads goes (docs/benchmarks.md#real-workloads).
+
+For ``llm`` and ``vision`` (the data of ``python -m energy_loader bench``, made once in the
+cache), two measurements on one thread in this process, no loader workers:
+
+1. the per-sample work alone, the floor under any loader: tokenizing the documents
+   (:class:`~energy_loader.cli.bench.llm.Tokenize`) or decoding and augmenting the JPEGs
+   (:func:`~energy_loader.cli.bench.vision.decode_and_augment`), read straight from the files;
+2. our pipeline and the plain one (the plain DataLoader's dataset, iterated directly) over the
+   same samples under ``cProfile``, their time put in buckets: the per-sample work, reading
+   the files, packing / batching / collating, per-sample seeding, and the rest.
+
+The CPU a sample costs in a loader is (1) plus that loader's own overhead; with every core busy
+making samples, no loader can run faster than (1) allows, so the ratio of the plain pipeline's
+CPU per sample to the per-sample work's alone bounds the speed-up any loader can have over
+it. Example::
+
+    python benchmarks/profile_workloads.py --workload llm --samples 200000 --items 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import itertools
+import pstats
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from energy_loader.cli.bench import llm, vision
+from energy_loader.cli.bench.data import DEFAULT_CACHE, ensure_data
+
+BUCKETS = {
+    "per-sample work": ("tokenizers", "encode", "torch.tensor", "llm.py:__call__",
+                        "decode_and_augment", "ImagingDecoder", "_upsample_bilinear2d", "PIL",
+                        "flip", "_crop_box", "uniform_", "randint", "torch.rand"),
+    "reading files": ("parquet", "pyarrow", "read_row_group", "to_pylist", "_tar", "tarfile",
+                      "webdataset", "seek", "read"),
+    "seeding": ("seed_globals", "manual_seed", "mix64", "fold_key", "seed"),
+    "pack / batch / collate": ("packing", "collate", "stack", "cat", "batch", "_sequences"),
+}  # fmt: skip
+
+
+def _bucket(name: str) -> str:
+    for bucket, needles in BUCKETS.items():
+        if any(needle in name for needle in needles):
+            return bucket
+    return "other"
+
+
+def _profile(iterable: Any, items: int) -> tuple[float, dict[str, float], int]:
+    """Seconds for ``items`` batches, seconds per bucket (functions' own time), samples."""
+    profile = cProfile.Profile()
+    count = 0.0
+    began = time.process_time()
+    profile.enable()
+    for batch in itertools.islice(iterable, items):
+        count += _count(batch)
+    profile.disable()
+    total = time.process_time() - began
+    buckets: dict[str, float] = {}
+    for (filename, _, function), row in pstats.Stats(profile).stats.items():  # type: ignore[attr-defined]
+        bucket = _bucket(f"{filename}:{function}")
+        buckets[bucket] = buckets.get(bucket, 0.0) + row[2]
+    return total, buckets, int(count)
+
+
+_count: Any = None
+
+
+def main() -> int:
+    global _count
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=["llm", "vision"], required=True)
+    parser.add_argument("--samples", type=int, default=None, help="data size (as the bench)")
+    parser.add_argument("--items", type=int, default=None, help="batches profiled")
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # as in a loader worker
+    size = args.samples or (200_000 if args.workload == "llm" else 20_000)
+    folder = ensure_data(args.cache, args.workload, size)
+    from energy_loader import SavableDataLoader
+
+    if args.workload == "llm":
+        items = args.items or 100
+        _count = llm.count
+        tokenize = llm.Tokenize(llm.tokenizer_path(folder))
+        plain = llm.PlainDocs(folder)
+        docs = [text for group in plain.shard(0)[:2] for text in plain.texts(group)]
+        began = time.process_time()
+        tokens = sum(len(tokenize({"text": text})) for text in docs)
+        work = (time.process_time() - began) / (tokens / llm.SEQ_LEN)
+        ours: Any = SavableDataLoader(llm.llm_pipeline(folder), num_workers=0)
+        theirs: Any = torch.utils.data.DataLoader(plain, batch_size=llm.BATCH)
+        unit = "sequence of 2,048 real tokens"
+    else:
+        items = args.items or 20
+        _count = vision.count
+        import webdataset as wds
+
+        raw = wds.WebDataset(vision.tar_shards(folder)[:1], shardshuffle=False)
+        samples = list(itertools.islice(raw, 300))
+        began = time.process_time()
+        for sample in samples:
+            vision.decode_and_augment(sample)
+        work = (time.process_time() - began) / len(samples)
+        ours = SavableDataLoader(vision.vision_pipeline(folder), num_workers=0)
+        theirs = torch.utils.data.DataLoader(vision.wds_dataset(folder), batch_size=vision.BATCH)
+        unit = "image"
+    print(f"{args.workload}: per-sample work alone {work * 1000:.3f} ms CPU per {unit}")
+    for name, iterable in (("energy_loader", ours), ("plain", theirs)):
+        total, buckets, count = _profile(iterable, items)
+        per = total / count
+        print(
+            f"{name:>14}: {per * 1000:.3f} ms CPU per {unit} in one process "
+            f"({per / work:.2f}x the work alone); by the functions' own time:"
+        )
+        spent = sum(buckets.values())
+        for bucket, seconds in sorted(buckets.items(), key=lambda kv: -kv[1]):
+            print(f"{'':>16}{bucket:<26}{seconds / spent:>7.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
