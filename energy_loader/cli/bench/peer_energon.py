@@ -308,7 +308,7 @@ def _energon_vision_loader(folder: Any, **options: Any) -> Any:
         worker_config=config,
         task_encoder=_vision_encoder_class()(),
     )
-    return get_savable_loader(dataset, worker_config=config, prefetch_factor=vision.PREFETCH)
+    return get_savable_loader(dataset, prefetch_factor=vision.PREFETCH)
 
 
 def _vision_images(tars: Any) -> int:
