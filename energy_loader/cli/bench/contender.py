@@ -128,3 +128,24 @@ def energy_loader_contender() -> Contender:
         state_bytes=lambda state: len(json.dumps(state)),
         close=lambda loader: loader.reset_state(),
     )
+
+
+def peer_venv_python(venvs: Any, name: str) -> str:
+    """The python of the peer venv ``name`` (under ``venvs``, or the repository's
+    ``.venv-peers``, where benchmarks/peer_venvs.sh makes it)."""
+    from pathlib import Path
+
+    root = Path(venvs) if venvs is not None else Path(__file__).resolve().parents[3] / ".venv-peers"
+    return str(root / name / "bin" / "python")
+
+
+def venv_missing(python: str) -> Callable[[], str | None]:
+    """A contender's ``missing`` check: why a peer in its own venv cannot run, or None."""
+    import os
+
+    def missing() -> str | None:
+        if not os.path.exists(python):
+            return f"no venv at {python} (make it: bash benchmarks/peer_venvs.sh)"
+        return None
+
+    return missing

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from . import llm, vision
-from .contender import Contender
+from .contender import Contender, peer_venv_python, venv_missing
 from .data import parquet_files, tar_shards
 
 __all__ = ["grain_contender"]
@@ -198,23 +198,13 @@ class GrainLoader:
             self.iterator = None
 
 
-def _venv_python(venvs: Path | None) -> str:
-    root = Path(venvs) if venvs is not None else Path(__file__).resolve().parents[3] / ".venv-peers"
-    return str(root / VENV / "bin" / "python")
-
-
 def _load(loader: GrainLoader, state: Any) -> None:
     loader.pending = state
 
 
 def grain_contender(workload: str, folder: Path, venvs: Path | None = None) -> Contender:
     """Grain's dataset API with ``mp_prefetch`` over ``folder``'s files, run in ``venvs/grain``."""
-    python = _venv_python(venvs)
-
-    def missing() -> str | None:
-        if not os.path.exists(python):
-            return f"no venv at {python} (make it: bash benchmarks/peer_venvs.sh)"
-        return None
+    python = peer_venv_python(venvs, VENV)
 
     def build(samples: int, name: str, **options: Any) -> Any:
         if options:
@@ -227,6 +217,6 @@ def grain_contender(workload: str, folder: Path, venvs: Path | None = None) -> C
         save=GrainLoader.state,
         load=_load,
         close=GrainLoader.close,
-        missing=missing,
+        missing=venv_missing(python),
         python=python,
     )

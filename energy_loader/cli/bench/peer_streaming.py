@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 
 from . import llm, vision
-from .contender import Contender, shutdown_workers
+from .contender import Contender, peer_venv_python, shutdown_workers, venv_missing
 from .data import parquet_files, tar_shards
 
 __all__ = ["streaming_contender"]
@@ -168,20 +167,10 @@ def _build(workload: str, folder: Path) -> Any:
     )
 
 
-def _venv_python(venvs: Path | None) -> str:
-    root = Path(venvs) if venvs is not None else Path(__file__).resolve().parents[3] / ".venv-peers"
-    return str(root / VENV / "bin" / "python")
-
-
 def streaming_contender(workload: str, folder: Path, venvs: Path | None = None) -> Contender:
     """MosaicML Streaming's ``StreamingDataLoader`` over its MDS copy of ``folder``'s data,
     run in ``venvs/streaming``."""
-    python = _venv_python(venvs)
-
-    def missing() -> str | None:
-        if not os.path.exists(python):
-            return f"no venv at {python} (make it: bash benchmarks/peer_venvs.sh)"
-        return None
+    python = peer_venv_python(venvs, VENV)
 
     def build(samples: int, name: str, **options: Any) -> Any:
         if options:
@@ -194,7 +183,7 @@ def streaming_contender(workload: str, folder: Path, venvs: Path | None = None) 
         save=lambda loader: loader.state_dict(),
         load=lambda loader, state: loader.load_state_dict(state),
         close=shutdown_workers,
-        missing=missing,
+        missing=venv_missing(python),
         python=python,
         prepare=functools.partial(_prepare, workload, folder),
     )
