@@ -17,7 +17,7 @@ Two kinds of numbers, both plain floats and ints:
 
 ``stats()`` returns ``{"since_last": {...}, "total": {...}, "queue_depth": [...]}``: the
 same fields since the previous ``stats()`` call and since the loader was made, plus how many
-trips (bundles of items, :mod:`energy_loader.bundles`) torch has asked each worker for that
+trips (bundles of items, :mod:`energy_loader.workers.bundling`) torch has asked each worker for that
 have not reached the main process yet (a snapshot). :func:`flatten` turns it into
 ``{"since_last/wait_s_p50": ...}`` for a logger and :func:`tqdm_postfix` into a short dict
 for ``tqdm.set_postfix``.

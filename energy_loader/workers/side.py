@@ -51,7 +51,7 @@ class WorkerSideDataset(IterableDataset[Any]):
         self.savable = savable
         self.channels: list[Connection] | None = None
         self.transport: WorkerTransport | None = None
-        # Items travel in bundles of up to items_per_transfer (energy_loader.bundles); the
+        # Items travel in bundles of up to items_per_transfer (energy_loader.workers.bundling); the
         # main process's per-worker caps, in shared memory, while workers run.
         self.items_per_transfer = 1
         self.bundle_limits: Any = None
