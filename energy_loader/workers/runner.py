@@ -3,7 +3,7 @@
 Torch's DataLoader workers iterate a :class:`WorkerSideDataset`. In each worker process it
 
 1. makes one copy of the pipeline for each logical partition the worker runs
-   (:mod:`energy_loader.partitions`), binds it to that partition's
+   (:mod:`energy_loader.loader.partitions`), binds it to that partition's
    :class:`~energy_loader.WorkerContext` and restores the partition's saved state, replaying
    its ``skip`` items without yielding them;
 2. takes its partitions round-robin, one item at a time, skipping those that ended their
@@ -20,7 +20,7 @@ Torch's DataLoader workers iterate a :class:`WorkerSideDataset`. In each worker 
    counters (``loader.stats()``);
 5. encodes every sample with the batch codec (:mod:`energy_loader.transport`) when the loader
    uses it, so that what torch's result queue carries is a small packet, not tensors;
-6. sends its items in bundles of several (:mod:`energy_loader.bundles`): one trip through
+6. sends its items in bundles of several (:mod:`energy_loader.workers.bundling`): one trip through
    torch's queues for many cheap items.
 
 Physical worker ``p`` runs *logical* worker ``(p + offset) % num_workers``. Torch always

@@ -1,7 +1,7 @@
 """LimitDataset: at most ``length`` samples per epoch, counted over the whole job.
 
 ``length`` is what the job yields per epoch, whatever its ranks and workers: each of the
-loader's ``P`` logical partitions (see :mod:`energy_loader.partitions`) takes its share,
+loader's ``P`` logical partitions (see :mod:`energy_loader.loader.partitions`) takes its share,
 ``length // P`` or one more, so the shares add up to ``length`` (a loader of one rank yields
 ``length`` items per epoch with any ``num_workers``; ``R`` ranks yield ``length`` together).
 The shares depend only on ``P``, so they stay the same when partitions move to other ranks
