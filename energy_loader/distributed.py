@@ -337,16 +337,6 @@ def _check_states_list(states: Any) -> list[Any]:
     return list(states)
 
 
-def _decode_all(states: Any) -> list[RankState]:
-    out = []
-    for index, entry in enumerate(states):
-        try:
-            out.append(RankState.from_plain(entry))
-        except StateFormatError as error:
-            raise StateFormatError(f"states[{index}]: {error}") from None
-    return out
-
-
 def _wanted(states: list[Any], size: int, position: int) -> list[Any]:
     """The states rank ``position`` of a group of ``size`` needs: its own, or all of them."""
     if len(states) == size:
@@ -426,7 +416,7 @@ def restore_state_global(
             if isinstance(entries, _Refusal):
                 raise _ERROR_CLASSES.get(entries.kind, RuntimeError)(entries.message)
             _check_layout(loader.worker_config, group)
-            decoded = _decode_all(entries) if loader.savable_pipeline else list(entries)
+            decoded = loader.decode_states(entries)
             loader.plan_restore(decoded)
         except Exception as error:
             problem = error

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 from torch.utils.data import DataLoader
 
 from ..dataset import SavableDataset
-from ..errors import WorkerError
+from ..errors import StateFormatError, WorkerError
 from ..metrics import clock
 from ..state.positions import Position
 from ..state.rank_state import (
@@ -135,8 +135,6 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
 
     # Whether this loader keeps and saves state (BasicDataLoader does not).
     saves_state = True
-    # False for drop-in loaders over plain datasets, whose states have their own format.
-    savable_pipeline = True
 
     # The loader class for datasets that are not savable pipelines; energy_loader.loader.dropin
     # registers DropInDataLoader here when it is imported (the package imports it).
@@ -457,6 +455,17 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
         the loader is left as it was. Running workers are stopped and restarted.
         """
         self.restore_from_states([RankState.from_plain(state)])
+
+    def decode_states(self, states: Sequence[Any]) -> list[RankState]:
+        """Every rank's plain state, decoded and validated (``StateFormatError`` naming the
+        entry that is not a rank state); what :meth:`restore_from_states` takes."""
+        out = []
+        for index, entry in enumerate(states):
+            try:
+                out.append(RankState.from_plain(entry))
+            except StateFormatError as error:
+                raise StateFormatError(f"states[{index}]: {error}") from None
+        return out
 
     def restore_from_states(self, states: list[RankState]) -> None:
         """Restore this rank from some or all ranks' decoded states of one save."""

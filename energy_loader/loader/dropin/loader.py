@@ -14,7 +14,7 @@ restore keys. Those need a savable pipeline (docs/migration.md).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
@@ -66,8 +66,6 @@ class DropInDataLoader(SavableDataLoader):
     Thread-safety: one thread iterates and saves. Epochs: every ``iter()`` starts a new epoch,
     as with torch, except the first after a restore, which continues the saved one (docs/loader.md).
     """
-
-    savable_pipeline = False
 
     def __init__(
         self,
@@ -238,6 +236,10 @@ class DropInDataLoader(SavableDataLoader):
                 "sizes needs a savable pipeline: docs/migration.md)"
             )
         self._engine.restore(decoded)
+
+    def decode_states(self, states: Sequence[Any]) -> list[Any]:
+        """Every rank's state as given: a drop-in state is checked when its rank restores it."""
+        return list(states)
 
     def restore_from_states(self, states: list[Any]) -> None:
         """Restore this rank from the list of every rank's states (its own entry)."""
