@@ -16,15 +16,17 @@ rebuilds the sample from its key, and independent of how samples are spread over
 from __future__ import annotations
 
 import _random
+import contextlib
 import functools
 import random
 import zlib
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 
 import numpy as np
 import torch
 
 __all__ = [
+    "kept_rng_state",
     "CounterRng",
     "fold_key",
     "mix64",
@@ -142,3 +144,20 @@ def seed_globals_for_sample(seed: int, position: int, key: Hashable) -> None:
     _PY_RANDOM.gauss_next = None  # type: ignore[attr-defined]
     np.random.seed(value & 0xFFFFFFFF)
     _TORCH_GENERATOR.manual_seed(value)
+
+
+@contextlib.contextmanager
+def kept_rng_state() -> Iterator[None]:
+    """Put the global ``random``, ``numpy`` and ``torch`` RNG states back on exit.
+
+    Per-sample seeding reseeds the global generators; work done on the training process's
+    behalf (a peek, a replay, a drop-in loader's batches without workers) must not change what
+    the training process draws next.
+    """
+    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])

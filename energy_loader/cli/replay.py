@@ -112,7 +112,8 @@ def replay(
 
     ``states``: the saved rank states (plain or decoded), this rank's or all ranks'.
     """
-    from ..loader.peek import future_items, kept_rng_state
+    from ..loader.peek import future_items
+    from ..rng import kept_rng_state
 
     decoded = [s if isinstance(s, RankState) else RankState.from_plain(s) for s in states]
     rows: list[dict[str, Any]] = []

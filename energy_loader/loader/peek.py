@@ -26,12 +26,11 @@ step. The global ``random``, ``numpy`` and ``torch`` RNG states are kept across 
 
 from __future__ import annotations
 
-import contextlib
-import random
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..dataset import Key, require_int
+from ..rng import kept_rng_state
 from ..state.rank_state import RankState
 from ..workers.protocol import CheckpointSettings, RunPlan
 from ..workers.runner import Runner
@@ -42,28 +41,9 @@ from .planner import Planner
 if TYPE_CHECKING:
     from .savable_loader import SavableDataLoader
 
-__all__ = ["future_items", "kept_rng_state", "peek_keys"]
+__all__ = ["future_items", "peek_keys"]
 
 _END = object()
-
-
-@contextlib.contextmanager
-def kept_rng_state() -> Iterator[None]:
-    """Restore the global ``random``, ``numpy`` and ``torch`` RNG states on exit.
-
-    Pipelines that seed per sample reseed the global generators; a peek must not change what
-    the training process draws next.
-    """
-    import numpy as np
-    import torch
-
-    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    try:
-        yield
-    finally:
-        random.setstate(saved[0])
-        np.random.set_state(saved[1])
-        torch.set_rng_state(saved[2])
 
 
 def _worker_items(runner: Runner) -> Iterator[tuple[int, tuple[Key, Any]]]:
@@ -86,7 +66,7 @@ def future_items(
     ``states`` are one save's rank states (this rank's, or all ranks'). Runs on across epoch
     ends; stops only when two epochs in a row yield nothing. Raises what
     ``restore_state_rank`` raises for states that do not fit the loader. Wrap the iteration in
-    :func:`kept_rng_state` to leave the global RNGs as they were.
+    :func:`energy_loader.rng.kept_rng_state` to leave the global RNGs as they were.
     """
     empty_epochs = 0
     current = list(states)

@@ -22,17 +22,15 @@ delivered first and the exception is raised where torch would raise it.
 
 from __future__ import annotations
 
-import random
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
-import numpy as np
-import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from ..metrics import clock
-from ..rng import fold_key, seed_globals_for_sample
+from ..rng import fold_key, kept_rng_state, seed_globals_for_sample
 from ..torch_internals import ExceptionWrapper, set_worker_info
 from ..transport import Packet, WorkerTransport, decode
 from .bundling import payload_bytes
@@ -111,21 +109,19 @@ class BatchFetcher(Dataset[Any]):
 
     def __getitem__(self, task: FetchTask) -> FetchResult:
         in_main = self._worker_id is None
-        saved = _global_rng_states() if in_main and self.seed_per_sample else None
+        kept = kept_rng_state() if in_main and self.seed_per_sample else contextlib.nullcontext()
         began = clock()
         batches: list[Any] = []
         failure: Any = None
         try:
-            for unit in task.units:
-                batches.append(self._make(unit, task.epoch_seed))
+            with kept:
+                for unit in task.units:
+                    batches.append(self._make(unit, task.epoch_seed))
         except Exception as error:
             if in_main:
                 failure = error
             else:
                 failure = ExceptionWrapper(where=f"in DataLoader worker process {self._worker_id}")
-        finally:
-            if saved is not None:
-                _put_global_rng_states(saved)
         payload: Any = batches
         if self._encode is not None:
             payload = self._encode(batches)
@@ -175,16 +171,6 @@ class WorkerInit:
             set_worker_info(dataset=fetcher.dataset)
         if self.user_fn is not None:
             self.user_fn(worker_id)
-
-
-def _global_rng_states() -> tuple[Any, Any, torch.Tensor]:
-    return random.getstate(), np.random.get_state(), torch.get_rng_state()
-
-
-def _put_global_rng_states(states: tuple[Any, Any, torch.Tensor]) -> None:
-    random.setstate(states[0])
-    np.random.set_state(states[1])
-    torch.set_rng_state(states[2])
 
 
 def epoch_seed_of(parts: Sequence[Any]) -> int:
