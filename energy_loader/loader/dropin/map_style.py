@@ -38,6 +38,7 @@ from ...torch_internals import ExceptionWrapper, shut_down_workers_of
 from ...transport import Transport
 from ...workers.bundling import BUNDLE_SECONDS, bundle_bytes
 from ...workers.fetch import BatchFetcher, FetchResult, FetchTask, WorkerInit
+from ..progress import MAX_HELD_BACK
 from .sampling import EpochStart, SamplerRng, epoch_seed, positioned_iterator, stateful_part
 from .state import MapState, check_config
 
@@ -45,10 +46,6 @@ if TYPE_CHECKING:
     from .loader import DropInDataLoader
 
 __all__ = ["MapEngine"]
-
-# How many handed-out units a held-back save may reach back (as SavableDataLoader).
-_MAX_HELD_BACK = 2
-
 
 _END = object()
 
@@ -289,7 +286,7 @@ class MapEngine:
         epoch.used += 1
         snapshots = epoch.snapshots
         if snapshots:
-            for number in [n for n in snapshots if n < epoch.used - _MAX_HELD_BACK]:
+            for number in [n for n in snapshots if n < epoch.used - MAX_HELD_BACK]:
                 del snapshots[number]
 
     # -- state ---------------------------------------------------------------------------------
