@@ -30,6 +30,7 @@ from ...transport import (
 from ...validation import require_bool, require_int
 from ...worker import WorkerConfig
 from ...workers.bundling import DEFAULT_ITEMS_PER_TRANSFER
+from ..progress import MAX_HELD_BACK
 from ..savable_loader import SavableDataLoader
 from ..torch_args import DEFAULT_BATCH_SIZE
 from .map_style import MapEngine
@@ -214,8 +215,8 @@ class DropInDataLoader(SavableDataLoader):
         handed out, for consumers that fetch ahead (Lightning).
         """
         require_int(held_back, "held_back", minimum=0)
-        if held_back > 2:
-            raise ValueError(f"`held_back` must be at most 2 (got {held_back})")
+        if held_back > MAX_HELD_BACK:
+            raise ValueError(f"`held_back` must be at most {MAX_HELD_BACK} (got {held_back})")
         config = self._worker_config
         return self._engine.save(config.rank, config.world_size, held_back).to_plain()
 
