@@ -68,6 +68,14 @@ class SavableProtocol(Protocol):
     def restore_sample(self, key: Key) -> Any: ...
 
 
+def is_stateful(value: Any) -> bool:
+    """Whether ``value`` follows torch's ``Stateful`` protocol (``state_dict()`` and
+    ``load_state_dict()``), as torchdata's samplers and datasets and our loaders do."""
+    return callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None)
+    )
+
+
 def attach_restore_key(sample: Any, key: Key) -> Any:
     """Return ``sample`` carrying ``key``: as a dict entry, an attribute, or not at all.
 

@@ -53,6 +53,7 @@ import functools
 import weakref
 from typing import Any
 
+from ..dataset import is_stateful
 from ..distributed import process_group_initialized, save_state_global
 from ..errors import EnergyLoaderError
 from ..loader import SavableDataLoader
@@ -176,12 +177,7 @@ class SavableLoaderCallback(Callback):
         combined = getattr(trainer.fit_loop, "_combined_loader", None)
         if combined is None:
             return []
-        return [
-            loader
-            for loader in combined.flattened
-            if callable(getattr(loader, "state_dict", None))
-            and callable(getattr(loader, "load_state_dict", None))
-        ]
+        return [loader for loader in combined.flattened if is_stateful(loader)]
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         for loader in self._loaders:

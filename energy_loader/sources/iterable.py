@@ -28,17 +28,11 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..dataset import EpochCursor, Key, SavableDataset, callable_name
+from ..dataset import EpochCursor, Key, SavableDataset, callable_name, is_stateful
 from ..rng import seed_globals_for_sample
 from ..state.plain import StateReader
 
 __all__ = ["IterableSource"]
-
-
-def _is_stateful(dataset: Any) -> bool:
-    return callable(getattr(dataset, "state_dict", None)) and callable(
-        getattr(dataset, "load_state_dict", None)
-    )
 
 
 class IterableSource(SavableDataset):
@@ -61,7 +55,7 @@ class IterableSource(SavableDataset):
         self.dataset = dataset
         self.worker_init_fn = worker_init_fn
         self.seed_per_epoch = seed_per_epoch
-        self.stateful = _is_stateful(dataset)
+        self.stateful = is_stateful(dataset)
         self._initialised = False
 
     def _new_cursor(self) -> EpochCursor:

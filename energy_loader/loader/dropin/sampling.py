@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 
+from ...dataset import is_stateful
 from ...errors import StateMismatchError
 from ...rng import fold_key, stable_hash
 
@@ -46,9 +47,7 @@ def _chain(sampler: Any) -> Iterator[Any]:
 def stateful_part(index_sampler: Any) -> Any:
     """The outermost sampler of the chain that has ``state_dict``/``load_state_dict``, or None."""
     for sampler in _chain(index_sampler):
-        if callable(getattr(sampler, "state_dict", None)) and callable(
-            getattr(sampler, "load_state_dict", None)
-        ):
+        if is_stateful(sampler):
             return sampler
     return None
 
