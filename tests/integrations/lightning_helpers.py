@@ -17,6 +17,22 @@ SAMPLES = 24
 BATCH = 2
 
 
+def quiet_trainer(**options: Any) -> Any:
+    """A CPU ``pl.Trainer`` without progress bar, model summary, logger or sanity steps,
+    deterministic; ``options`` add to or override these."""
+    return pl.Trainer(
+        **{
+            "accelerator": "cpu",
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "logger": False,
+            "num_sanity_val_steps": 0,
+            "deterministic": True,
+            **options,
+        }
+    )
+
+
 def make_sample(index: int) -> dict[str, Any]:
     return {"index": index, "x": torch.tensor([float(index) / SAMPLES])}
 
@@ -91,18 +107,12 @@ def run(
             )
         )
     model = TinyModel(read_estimated_steps=read_estimated_steps)
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=1,
         max_epochs=max_epochs,
         max_steps=max_steps,
         callbacks=callbacks,
         enable_checkpointing=checkpoint_every is not None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
-        num_sanity_val_steps=0,
-        deterministic=True,
     )
     trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt_path)
     model.global_step_at_end = trainer.global_step  # type: ignore[assignment]
@@ -180,18 +190,12 @@ def fit_two_epochs(
         callbacks.append(kill)
     checkpoint = str(next((workdir / "ckpt").glob("*.ckpt"))) if resume else None
     model = RecordingModel()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=devices,
         strategy="ddp" if devices > 1 else "auto",
         max_epochs=2,
         callbacks=callbacks,
         enable_checkpointing=save_at is not None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
-        num_sanity_val_steps=0,
-        deterministic=True,
     )
     try:
         trainer.fit(model, train_dataloaders=loader, ckpt_path=checkpoint)
