@@ -275,18 +275,13 @@ class StatefulDocs(PlainDocs):
 
 def plain_loader(folder: Path, *, stateful: bool = False) -> Any:
     """The plain torch ``DataLoader`` (or torchdata's ``StatefulDataLoader``) over the docs."""
+    loader_class: Any = DataLoader
     if stateful:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        return StatefulDataLoader(
-            StatefulDocs(folder),
-            batch_size=BATCH,
-            num_workers=WORKERS,
-            prefetch_factor=PREFETCH,
-            persistent_workers=True,
-        )
-    return DataLoader(
-        PlainDocs(folder),
+        loader_class = StatefulDataLoader
+    return loader_class(
+        StatefulDocs(folder) if stateful else PlainDocs(folder),
         batch_size=BATCH,
         num_workers=WORKERS,
         prefetch_factor=PREFETCH,
