@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -31,6 +32,22 @@ def test_demo_kills_resumes_and_proves_identity(demo_run) -> None:
     _, result = demo_run
     assert result.returncode == 0, result.stdout + result.stderr
     assert "killed itself with SIGKILL" in result.stdout
+    assert "VERDICT: IDENTICAL" in result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_demo_resumed_from_an_epochs_last_batch_runs_each_epoch_once(demo_run, tmp_path) -> None:
+    # Checkpoints land on epoch 0's last step, and the kill comes just after it: the resumed
+    # run must go on with epoch 1, not run a third epoch.
+    _, first = demo_run
+    total = int(re.search(r"uninterrupted run: (\d+)", first.stdout).group(1))
+    per_epoch = total // 2
+    result = _run(
+        "demo", "--samples", "2000", "--seed", "3", "--save-every", str(per_epoch - 1),
+        "--kill-step", str(per_epoch + 1), "--out", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"resumed from the checkpoint of step {per_epoch - 1}" in result.stdout
     assert "VERDICT: IDENTICAL" in result.stdout
 
 

@@ -89,7 +89,7 @@ def train(args: argparse.Namespace) -> None:
     loader = SavableDataLoader(build_pipeline(args.data, args.seed), num_workers=args.workers)
     checkpoints = CheckpointDirectory(args.checkpoints, keep=3)
     log = open(args.log, "a")  # noqa: SIM115 - closed by process exit or below
-    step, epoch = 0, 0
+    step = 0
     if args.role == "resumed":
         found = checkpoints.load_latest()
         if found is None:
@@ -97,10 +97,13 @@ def train(args: argparse.Namespace) -> None:
         _, payload = found
         start: float | None = time.perf_counter()
         loader.load_state_dict(payload["loader"])
-        step, epoch = payload["step"] + 1, payload["epoch"]
+        step = payload["step"] + 1
         log.write(json.dumps({"resumed_from": payload["step"]}) + "\n")
     bar = _progress(args.total_steps, args.role, initial=step)
-    while epoch < args.epochs:
+    # The loader's own epoch, not a counter kept beside it: a state saved right after an
+    # epoch's last batch restores to "that epoch is over", and the first loop after the
+    # restore runs the next epoch (docs/concepts.md, epochs).
+    while loader.epoch < args.epochs:
         for batch in loader:
             if args.role == "resumed" and start is not None:
                 log.write(json.dumps({"restore_ms": (time.perf_counter() - start) * 1000}) + "\n")
@@ -121,12 +124,11 @@ def train(args: argparse.Namespace) -> None:
                 began = time.perf_counter()
                 state = loader.state_dict()
                 save_ms = (time.perf_counter() - began) * 1000
-                checkpoints.save({"step": step, "epoch": epoch, "loader": state}, step=step)
+                checkpoints.save({"step": step, "loader": state}, step=step)
                 log.write(json.dumps({"save_ms": save_ms, "at": step}) + "\n")
             step += 1
             if bar is not None:
                 bar.update(1)
-        epoch += 1
         start = None
     if bar is not None:
         bar.close()
