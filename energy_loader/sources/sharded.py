@@ -31,6 +31,7 @@ State: ``{"phase", "epoch", "position"}``: the reader's next global position. Re
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -306,7 +307,18 @@ class ShardedSource(StridedSource):
         return self._cache
 
     def open_shard(self, shard: int) -> _ShardFile:
-        """Open one shard for reading, downloading it first if needed."""
+        """Open one shard for reading, downloading it first if needed.
+
+        Another process of the node may evict the shard between ``ensure`` finding it and the
+        open here (each process evicts the shards it finished, under ``cache_limit``); the
+        shard is then fetched again. Once open, a later eviction cannot take it away.
+        """
+        for _ in range(2):
+            with contextlib.suppress(FileNotFoundError):
+                return self._ensure_and_open(shard)
+        return self._ensure_and_open(shard)
+
+    def _ensure_and_open(self, shard: int) -> _ShardFile:
         path = self.cache().ensure(shard)
         if path is None:  # only downloads ahead of the reader (ahead=True) give up
             raise DownloadError(f"shard {self.shards[shard].name} could not be downloaded")
