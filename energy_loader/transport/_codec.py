@@ -12,7 +12,8 @@ from __future__ import annotations
 import abc
 import io
 import pickle
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._arena import Arena, find_arena
@@ -94,8 +95,10 @@ class _ArenaPacket(Packet):
     def _regions(self) -> Sequence[int]:
         """The numbers of the arena regions this packet owns."""
 
-    def __del__(self) -> None:
-        if self.owned:
+    def __del__(self, _exiting: Callable[[], bool] = sys.is_finalizing) -> None:
+        # A packet still held when the interpreter exits is collected after the module's
+        # globals are gone; its arena goes away with the process, so there is nothing to do.
+        if self.owned and not _exiting():
             arena = find_arena(self.arena)
             if arena is not None:
                 for number in self._regions():
