@@ -16,8 +16,9 @@ Reader ``s`` of ``S`` reads positions ``s, s + S, ...``; with ``S == P`` it read
 front to back, so at any time it needs the row groups of one window: a window's row groups are
 decoded into one Arrow table that lives in a small per-process LRU cache
 (``max_cached_row_groups``, by default ``shuffle_window`` per span the reader touches, plus
-one), and every row group is decoded about once per epoch. The shuffle is therefore local:
-rows move within a window of ``shuffle_window`` row groups, row groups anywhere.
+one when it reads several spans), and every row group is decoded about once per epoch. The
+shuffle is therefore local: rows move within a window of ``shuffle_window`` row groups, row
+groups anywhere.
 
 Rows become Python dicts only when they are read, a block of positions at a time
 (``Table.take`` of the block's rows, or a slice when they are consecutive, then
@@ -178,7 +179,11 @@ class _ParquetCursor(StridedCursor):
         stride = source.context.num_shards
         order = source.epoch_order(self.epoch)
         spans = order.partitions // math.gcd(order.partitions, stride)
-        source.set_cache_bound(spans * (source.shuffle_window if source.shuffle else 1) + 1)
+        # One span walks its windows front to back: a window is never needed again once the
+        # next is read, so it holds one. Several spans interleave theirs, and one more
+        # keeps the window a span is about to leave from pushing out another span's.
+        width = source.shuffle_window if source.shuffle else 1
+        source.set_cache_bound(spans * width + (1 if spans > 1 else 0))
         files, numbers = source.group_files, source.group_numbers
         for windows, window_rows in order.order.blocks(self.position, stride):
             samples, error = source.rows_at(order, windows, window_rows)
@@ -268,7 +273,7 @@ class ParquetSource(StridedSource):
         self._close_files()
         # Decoded windows (or single row groups), keyed by the row groups they hold.
         self._cache: collections.OrderedDict[tuple[int, ...], _Window] = collections.OrderedDict()
-        self._cache_bound = self.max_cached_row_groups or self.shuffle_window + 1
+        self._cache_bound = self.max_cached_row_groups or self.shuffle_window
 
     # -- construction helpers ----------------------------------------------------------------
 
