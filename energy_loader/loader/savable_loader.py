@@ -122,9 +122,10 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
     ``drop_last`` add a ``BatchDataset``; ``shuffle``, samplers and ``generator`` are refused
     with the savable way.
 
-    Each worker snapshots its partitions every ``checkpoint_every_n_samples`` items (at most
-    every ``checkpoint_every_sec`` seconds) and sends the snapshots with its items, so a save is
-    computed here and a restore replays fewer than ``checkpoint_every_n_samples`` items per
+    Each worker snapshots its partitions every ``checkpoint_every_n_samples`` items (and after
+    an item when ``checkpoint_every_sec`` seconds have passed) and sends the snapshots with its
+    items, so a save is computed here and a restore replays fewer than
+    ``checkpoint_every_n_samples`` items, or about ``checkpoint_every_sec`` of work, per
     worker. ``iter(loader)`` continues the current epoch if it has not ended (also after a
     ``break``), otherwise starts the next; workers are persistent. Items travel up to
     ``items_per_transfer`` a trip through :mod:`energy_loader.transport`'s codec (inline below
@@ -174,7 +175,7 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
         in_order: bool = True,
         worker_config: WorkerConfig | None = None,
         checkpoint_every_n_samples: int = 16,
-        checkpoint_every_sec: float | None = 1.0,
+        checkpoint_every_sec: float | None = 0.1,
         n_checkpoints: int | None = None,
         gc_collect_every_n_steps: int | None = None,
         gc_freeze_at_start: bool = True,

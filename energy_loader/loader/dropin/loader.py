@@ -90,7 +90,7 @@ class DropInDataLoader(SavableDataLoader):
         in_order: bool = True,
         worker_config: WorkerConfig | None = None,
         checkpoint_every_n_samples: int = 16,
-        checkpoint_every_sec: float | None = 1.0,
+        checkpoint_every_sec: float | None = 0.1,
         n_checkpoints: int | None = None,
         gc_collect_every_n_steps: int | None = None,
         gc_freeze_at_start: bool = True,
