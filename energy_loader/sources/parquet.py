@@ -432,11 +432,13 @@ class ParquetSource(StridedSource):
         if window is not None:
             cache.move_to_end(groups)
             return window
+        # Make room first: the windows this one replaces are freed before it is decoded, so a
+        # reader holds its cache bound of row groups, not that plus the one being read.
+        held = sum(len(key) for key in cache)
+        while cache and held + len(groups) > self._cache_bound:
+            held -= len(cache.popitem(last=False)[0])
         window = _Window([self._read(group) for group in groups])
         cache[groups] = window
-        held = sum(len(key) for key in cache)
-        while held > self._cache_bound and len(cache) > 1:
-            held -= len(cache.popitem(last=False)[0])
         return window
 
     def _rows_before_damage(
