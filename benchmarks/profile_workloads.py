@@ -10,12 +10,21 @@ cache), two measurements on one thread in this process, no loader workers:
    same samples under ``cProfile``, their time put in buckets: the per-sample work, reading
    the files, packing / batching / collating, per-sample seeding, and the rest.
 
-The CPU a sample costs in a loader is (1) plus that loader's own overhead; with every core busy
-making samples, no loader can run faster than (1) allows, so the ratio of the plain pipeline's
-CPU per sample to the per-sample work's alone bounds the speed-up any loader can have over
-it. Example::
+With ``--in-loader``, instead, each loader of the bench (the plain torch ``DataLoader``,
+energy_loader and torchdata's ``StatefulDataLoader``, 2 workers) runs ``--items`` batches and
+each of its processes reports, per 1,000 samples: CPU seconds, context switches (voluntary and
+involuntary, all threads) and minor page faults, from ``/proc``
+(:mod:`energy_loader.cli.bench.processes`).
+
+The CPU a sample costs in a loader is (1) plus that loader's own overhead, in the workers and in
+the main process, which competes with them for the cores. In one thread (2) shows the overhead
+of the pipelines; in the loader (``--in-loader``) the transport adds its own: torch passes every
+shared-memory tensor of a batch through a thread of the worker (a socket and a file descriptor
+per tensor) and maps fresh shared memory for each batch, and the context switches and page
+faults this costs show up as CPU per sample of the worker's own work too. Examples::
 
     python benchmarks/profile_workloads.py --workload llm --samples 200000 --items 2000
+    python benchmarks/profile_workloads.py --workload llm --in-loader --items 1000
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import itertools
+import os
 import pstats
 import time
 from pathlib import Path
@@ -30,7 +40,7 @@ from typing import Any
 
 import torch
 
-from energy_loader.cli.bench import llm, vision
+from energy_loader.cli.bench import llm, processes, vision
 from energy_loader.cli.bench.data import DEFAULT_CACHE, ensure_data
 
 BUCKETS = {
@@ -71,6 +81,43 @@ def _profile(iterable: Any, items: int) -> tuple[float, dict[str, float], int]:
 _count: Any = None
 
 
+def _in_loader(workload: str, folder: Path, items: int) -> int:
+    """Each in-process contender of the bench over ``items`` batches: per process, CPU
+    seconds, context switches and minor page faults per 1,000 samples."""
+    from energy_loader.cli.bench.real import REAL_WORKLOADS, real_contenders
+
+    count_of = REAL_WORKLOADS[workload].count
+    wanted = ("plain", "energy_loader", "torchdata")
+    contenders = [c for c in real_contenders(workload, folder) if c.name in wanted]
+    print(f"{workload}, {items} batches, per 1,000 samples (switches: voluntary + involuntary)")
+    for contender in contenders:
+        if contender.missing() is not None:
+            print(f"{contender.name}: not run ({contender.missing()})")
+            continue
+        loader = contender.build(0, workload)
+        iterator = iter(loader)
+        next(iterator)  # workers started, first batch made
+        me = os.getpid()
+        pids = [me, *processes.descendants(me)]
+        before = processes.counters(pids)
+        began, samples = time.perf_counter(), 0.0
+        for batch in itertools.islice(iterator, items):
+            samples += count_of(batch)
+        elapsed = time.perf_counter() - began
+        spent = {pid: after - before[pid] for pid, after in processes.counters(pids).items()}
+        contender.close(loader)
+        per = 1000 / samples
+        print(f"{contender.name}: {samples / elapsed:.1f} samples/s")
+        for pid, cost in spent.items():
+            role = "main" if pid == me else f"process {pid}"
+            print(
+                f"  {role:>16}: CPU {cost.cpu_s * per:6.2f} s, switches "
+                f"{cost.voluntary_switches * per:7.0f} + {cost.involuntary_switches * per:6.0f}, "
+                f"minor faults {cost.minor_faults * per:7.0f}, threads {cost.threads}"
+            )
+    return 0
+
+
 def main() -> int:
     global _count
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -78,10 +125,18 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=None, help="data size (as the bench)")
     parser.add_argument("--items", type=int, default=None, help="batches profiled")
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    parser.add_argument(
+        "--in-loader",
+        action="store_true",
+        help="run the bench's loaders (2 workers) and count each process's CPU, context "
+        "switches and page faults per 1,000 samples",
+    )
     args = parser.parse_args()
-    torch.set_num_threads(1)  # as in a loader worker
     size = args.samples or (200_000 if args.workload == "llm" else 20_000)
     folder = ensure_data(args.cache, args.workload, size)
+    if args.in_loader:
+        return _in_loader(args.workload, folder, args.items or 1000)
+    torch.set_num_threads(1)  # as in a loader worker
     from energy_loader import SavableDataLoader
 
     if args.workload == "llm":

@@ -54,6 +54,7 @@ from .contender import Contender, energy_loader_contender, plain_contender
 from .data import DEFAULT_CACHE, data_dir, ensure_data
 from .peer_energon import energon_contender
 from .peer_torchdata import torchdata_contender
+from .processes import cpu_seconds, descendants, peak_rss_kib
 from .real import REAL_WORKLOADS, real_contenders
 from .workloads import BATCH, PREFETCH, SAVE_EVERY, WORKERS, WORKLOADS
 
@@ -117,53 +118,6 @@ def _variants(contenders: list[Contender], workload: str = "reference") -> dict[
     return rows
 
 
-def _descendants(root: int) -> list[int]:
-    """The pids of every live process under ``root`` (workers, their helpers)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(parent, []).append(int(entry.name))
-    found, pending = [], [root]
-    while pending:
-        for child in children.get(pending.pop(), []):
-            found.append(child)
-            pending.append(child)
-    return found
-
-
-def _peak_rss_kib(pids: list[int]) -> dict[int, int]:
-    """The peak RSS (VmHWM) of each process that is still there, KiB."""
-    peaks = {}
-    for pid in pids:
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        for line in status.splitlines():
-            if line.startswith("VmHWM:"):
-                peaks[pid] = int(line.split()[1])
-    return peaks
-
-
-def _cpu_seconds(pids: list[int]) -> dict[int, float]:
-    """User + system CPU seconds so far of each process (all its threads)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    times = {}
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        times[pid] = (int(fields[11]) + int(fields[12])) / ticks
-    return times
-
-
 def _throughput_run(
     variant: _Variant, samples: int, workload: str, batches: int | None = None
 ) -> dict[str, Any]:
@@ -175,11 +129,11 @@ def _throughput_run(
     next(iterator)
     count, saves = 0.0, []
     me = os.getpid()
-    pids = [me, *_descendants(me)]
-    cpu_start = _cpu_seconds(pids)
+    pids = [me, *descendants(me)]
+    cpu_start = cpu_seconds(pids)
     # Processes that end with the epoch (some loaders stop their workers then) would take
     # their CPU and peak RSS with them: both are read every SAMPLE_EVERY batches too.
-    cpu_last, rss = dict(cpu_start), _peak_rss_kib(pids)
+    cpu_last, rss = dict(cpu_start), peak_rss_kib(pids)
     start = time.perf_counter()
     for step, batch in enumerate(iterator, start=1):
         count += count_of(batch)
@@ -188,14 +142,14 @@ def _throughput_run(
             contender.save(loader)
             saves.append((time.perf_counter() - began) * 1000)
         if step % SAMPLE_EVERY == 0:
-            cpu_last.update(_cpu_seconds(pids))
-            rss.update(_peak_rss_kib(pids))
+            cpu_last.update(cpu_seconds(pids))
+            rss.update(peak_rss_kib(pids))
         if batches is not None and step + 1 >= batches:
             break
     elapsed = time.perf_counter() - start
-    pids = sorted({*pids, *_descendants(me)})
-    cpu_last.update(_cpu_seconds(pids))
-    rss.update(_peak_rss_kib(pids))
+    pids = sorted({*pids, *descendants(me)})
+    cpu_last.update(cpu_seconds(pids))
+    rss.update(peak_rss_kib(pids))
     main_cpu = cpu_last.get(me, 0.0) - cpu_start.get(me, 0.0)
     other_cpu = sum(t - cpu_start.get(pid, 0.0) for pid, t in cpu_last.items() if pid != me)
     contender.close(loader)
