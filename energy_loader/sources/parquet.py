@@ -76,6 +76,19 @@ def _take(table: Any, rows: np.ndarray) -> list[dict[str, Any]]:
     return table.take(indices).to_pylist()  # type: ignore[no-any-return]
 
 
+def _release_unused_arrow_memory() -> None:
+    """Hand the pages of evicted row groups back to the OS before the next is decoded.
+
+    Arrow's default allocator (mimalloc, or jemalloc) keeps freed pages for reuse, so without
+    this a worker briefly holds the old window's pages and the new one's: ~8 MiB more peak RSS
+    per worker with 4,096-document row groups (llm bench). It runs once per window, every few
+    thousand rows; Arrow calls it costly only when done often.
+    """
+    import pyarrow
+
+    pyarrow.default_memory_pool().release_unused()
+
+
 class _Window:
     """The decoded row groups of one window (or one row group), rows numbered across them.
 
@@ -434,9 +447,12 @@ class ParquetSource(StridedSource):
             return window
         # Make room first: the windows this one replaces are freed before it is decoded, so a
         # reader holds its cache bound of row groups, not that plus the one being read.
-        held = sum(len(key) for key in cache)
+        held, evicted = sum(len(key) for key in cache), False
         while cache and held + len(groups) > self._cache_bound:
             held -= len(cache.popitem(last=False)[0])
+            evicted = True
+        if evicted:
+            _release_unused_arrow_memory()
         window = _Window([self._read(group) for group in groups])
         cache[groups] = window
         return window
