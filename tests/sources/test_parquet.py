@@ -81,10 +81,20 @@ def test_shuffle_is_local_per_epoch_and_seeded(files):
 def test_each_row_group_is_decoded_about_once_per_epoch(files, monkeypatch):
     source = ParquetSource(files, shuffle=True, seed=1, shuffle_window=3)
     reads: list[int] = []
+    held_at_reads: list[int] = []
     original = source._read
-    monkeypatch.setattr(source, "_read", lambda group: reads.append(group) or original(group))
+
+    def read(group: int) -> object:
+        reads.append(group)
+        held_at_reads.append(sum(len(groups) for groups in source._cache))
+        return original(group)
+
+    monkeypatch.setattr(source, "_read", read)
     keys_of(source)
     assert sorted(reads) == list(range(len(source.row_groups)))
+    # One span is read window after window: the previous window is freed before the next is
+    # decoded, so no more than the window being decoded is ever held.
+    assert max(held_at_reads) == 0
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
