@@ -25,9 +25,12 @@ from .workloads import BATCH, PREFETCH, WORKERS, WORKLOADS, PlainPipeline, savab
 
 __all__ = [
     "Contender",
+    "bound_to_folder",
     "energy_loader_contender",
+    "peer_venv_python",
     "plain_contender",
     "shutdown_workers",
+    "venv_missing",
 ]
 
 
@@ -128,6 +131,19 @@ def energy_loader_contender() -> Contender:
         state_bytes=lambda state: len(json.dumps(state)),
         close=lambda loader: loader.reset_state(),
     )
+
+
+def bound_to_folder(build: Callable[..., Any], folder: Any, workload: str) -> Callable[..., Any]:
+    """``build(folder, **options)`` as a contender's ``build(samples, workload, **options)``,
+    for the file-based workloads: their contenders are made for one data folder, so the
+    ``samples`` the runner passes is not used and ``workload`` is only checked."""
+
+    def bound(samples: int, name: str, **options: Any) -> Any:
+        if name != workload:
+            raise ValueError(f"this contender runs the {workload} workload, not {name!r}")
+        return build(folder, **options)
+
+    return bound
 
 
 def peer_venv_python(venvs: Any, name: str) -> str:

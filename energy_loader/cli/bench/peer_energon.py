@@ -56,7 +56,7 @@ from typing import Any
 
 import attrs
 
-from .contender import Contender
+from .contender import Contender, bound_to_folder
 from .workloads import BATCH, PREFETCH, WORKERS, WORKLOADS, collate, epoch_order
 
 __all__ = ["energon_contender", "energon_vision_contender"]
@@ -321,18 +321,8 @@ def _vision_images(tars: Any) -> int:
 
 def energon_vision_contender(folder: Any) -> Contender:
     """megatron-energon's ``SavableDataLoader`` reading ``folder``'s tars itself."""
-
-    def build(samples: int, name: str, **options: Any) -> Any:
-        if name != "vision":
-            raise ValueError(f"this contender runs the vision workload, not {name!r}")
-        return _energon_vision_loader(folder, **options)
-
-    return Contender(
-        "energon",
-        build=build,
-        save=lambda loader: loader.save_state_rank(),
-        load=lambda loader, state: loader.restore_state_rank(state),
-        close=_energon_close,
-        missing=_energon_missing,
+    return attrs.evolve(
+        energon_contender(),
+        build=bound_to_folder(_energon_vision_loader, folder, "vision"),
         prepare=functools.partial(_energon_vision_prepare, folder),
     )

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from . import llm, vision
-from .contender import Contender, peer_venv_python, venv_missing
+from .contender import Contender, bound_to_folder, peer_venv_python, venv_missing
 from .data import parquet_files, tar_shards
 
 __all__ = ["grain_contender"]
@@ -205,15 +205,9 @@ def _load(loader: GrainLoader, state: Any) -> None:
 def grain_contender(workload: str, folder: Path, venvs: Path | None = None) -> Contender:
     """Grain's dataset API with ``mp_prefetch`` over ``folder``'s files, run in ``venvs/grain``."""
     python = peer_venv_python(venvs, VENV)
-
-    def build(samples: int, name: str, **options: Any) -> Any:
-        if options:
-            raise TypeError(f"the grain contender takes no options (got {sorted(options)})")
-        return GrainLoader(workload, folder)
-
     return Contender(
         "grain",
-        build=build,
+        build=bound_to_folder(functools.partial(GrainLoader, workload), folder, workload),
         save=GrainLoader.state,
         load=_load,
         close=GrainLoader.close,

@@ -35,7 +35,13 @@ from typing import Any
 import torch
 
 from . import llm, vision
-from .contender import Contender, peer_venv_python, shutdown_workers, venv_missing
+from .contender import (
+    Contender,
+    bound_to_folder,
+    peer_venv_python,
+    shutdown_workers,
+    venv_missing,
+)
 from .data import parquet_files, tar_shards
 
 __all__ = ["streaming_contender"]
@@ -171,15 +177,9 @@ def streaming_contender(workload: str, folder: Path, venvs: Path | None = None) 
     """MosaicML Streaming's ``StreamingDataLoader`` over its MDS copy of ``folder``'s data,
     run in ``venvs/streaming``."""
     python = peer_venv_python(venvs, VENV)
-
-    def build(samples: int, name: str, **options: Any) -> Any:
-        if options:
-            raise TypeError(f"the streaming contender takes no options (got {sorted(options)})")
-        return _build(workload, folder)
-
     return Contender(
         "streaming",
-        build=build,
+        build=bound_to_folder(functools.partial(_build, workload), folder, workload),
         save=lambda loader: loader.state_dict(),
         load=lambda loader, state: loader.load_state_dict(state),
         close=shutdown_workers,

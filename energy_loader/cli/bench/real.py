@@ -14,8 +14,6 @@ everything else: one child process per run, a JSON line back.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,8 @@ from typing import Any
 import attrs
 
 from . import llm, vision
-from .contender import Contender, shutdown_workers
+from .contender import Contender, bound_to_folder, energy_loader_contender, shutdown_workers
+from .peer_torchdata import torchdata_contender
 
 __all__ = ["REAL_WORKLOADS", "RealWorkload", "real_contenders"]
 
@@ -63,17 +62,6 @@ REAL_WORKLOADS = {
 }
 
 
-def _bound(build: Callable[..., Any], folder: Path, workload: str) -> Callable[..., Any]:
-    """``build(folder, **options)`` as a contender's ``build(samples, workload, **options)``."""
-
-    def bound(samples: int, name: str, **options: Any) -> Any:
-        if name != workload:
-            raise ValueError(f"this contender runs the {workload} workload, not {name!r}")
-        return build(folder, **options)
-
-    return bound
-
-
 def _ours(workload: str, folder: Path, *, seed_per_sample: bool = True, **options: Any) -> Any:
     from ...loader import SavableDataLoader
 
@@ -88,12 +76,6 @@ def _plain(workload: str, folder: Path, *, stateful: bool = False) -> Any:
     return module.plain_loader(folder, stateful=stateful)
 
 
-def _torchdata_missing() -> str | None:
-    if importlib.util.find_spec("torchdata") is None:
-        return "torchdata is not installed (pip install -c constraints.txt -e '.[bench]')"
-    return None
-
-
 def real_contenders(workload: str, folder: Path, venvs: Path | None = None) -> list[Contender]:
     """Every contender of ``workload`` over the data in ``folder``; peers that need their own
     venv run in ``venvs/<peer>`` (default: ``.venv-peers`` of the repository)."""
@@ -103,28 +85,24 @@ def real_contenders(workload: str, folder: Path, venvs: Path | None = None) -> l
     from .peer_streaming import streaming_contender
 
     folder = Path(folder)
+    # Our loader and torchdata's as the synthetic workloads drive them, built for the folder.
     contenders = [
         Contender(
             "plain",
-            build=_bound(functools.partial(_plain, workload), folder, workload),
+            build=bound_to_folder(functools.partial(_plain, workload), folder, workload),
             close=shutdown_workers,
             stateful=False,
         ),
-        Contender(
-            "energy_loader",
-            build=_bound(functools.partial(_ours, workload), folder, workload),
-            save=lambda loader: loader.save_state_rank(),
-            load=lambda loader, state: loader.restore_state_rank(state),
-            state_bytes=lambda state: len(json.dumps(state)),
+        attrs.evolve(
+            energy_loader_contender(),
+            build=bound_to_folder(functools.partial(_ours, workload), folder, workload),
             close=lambda loader: loader.close(),
         ),
-        Contender(
-            "torchdata",
-            build=_bound(functools.partial(_plain, workload, stateful=True), folder, workload),
-            save=lambda loader: loader.state_dict(),
-            load=lambda loader, state: loader.load_state_dict(state),
-            close=shutdown_workers,
-            missing=_torchdata_missing,
+        attrs.evolve(
+            torchdata_contender(),
+            build=bound_to_folder(
+                functools.partial(_plain, workload, stateful=True), folder, workload
+            ),
         ),
     ]
     if workload == "vision":
