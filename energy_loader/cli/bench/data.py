@@ -88,13 +88,13 @@ def tar_shards(folder: Path) -> list[str]:
 
 
 def _bar(total: int, desc: str, unit: str, progress: bool) -> Any:
-    if not progress:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
+    """A progress bar on stderr, silent unless ``progress`` (tqdm is in the extra that making
+    the data needs)."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, disable=not progress
+    )
 
 
 def _vocabulary(rng: np.random.Generator) -> np.ndarray:
@@ -187,10 +187,9 @@ def make_llm_data(folder: Path, docs: int, *, progress: bool = True) -> None:
         pq.write_table(
             table, folder / "parquet" / f"part-{number:05d}.parquet", row_group_size=row_group
         )
-        if bar is not None:
-            bar.update(count)
-    if bar is not None:
-        bar.close()
+        bar.update(count)
+    bar.close()
+    if progress:
         print(f"training the byte-level BPE tokenizer on {len(sample)} documents", file=sys.stderr)
     _train_tokenizer(sample, folder / "tokenizer.json")
 
@@ -230,10 +229,8 @@ def make_vision_data(folder: Path, images: int, *, progress: bool = True) -> Non
             for index in range(first, min(first + per_shard, images)):
                 label = int(rng.integers(CLASSES))
                 writer.write({"__key__": f"{index:08d}", "jpg": _image(rng), "cls": label})
-                if bar is not None:
-                    bar.update(1)
-    if bar is not None:
-        bar.close()
+                bar.update(1)
+    bar.close()
     index_shards(str(folder / "tars"), progress=progress)
 
 
