@@ -26,10 +26,11 @@ def _stat_fields(pid: int) -> list[str] | None:
         return None
 
 
-def _status(pid: int) -> dict[str, str]:
-    """``/proc/<pid>/status`` as ``{name: value}`` (empty if the process is gone)."""
+def _status(path: Path) -> dict[str, str]:
+    """A ``/proc`` status file (a process's or a thread's) as ``{name: value}``; empty if the
+    process or thread is gone."""
     try:
-        text = Path(f"/proc/{pid}/status").read_text()
+        text = path.read_text()
     except OSError:
         return {}
     return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
@@ -53,21 +54,20 @@ def peak_rss_kib(pids: list[int]) -> dict[int, int]:
     """The peak RSS (VmHWM) of each process that is still there, KiB."""
     peaks = {}
     for pid in pids:
-        peak = _status(pid).get("VmHWM")
+        peak = _status(Path(f"/proc/{pid}/status")).get("VmHWM")
         if peak is not None:
             peaks[pid] = int(peak.split()[0])
     return peaks
 
 
+def _cpu(fields: list[str]) -> float:
+    """User + system CPU seconds (all threads) from a process's stat fields."""
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pids: list[int]) -> dict[int, float]:
     """User + system CPU seconds so far of each process (all its threads)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    times = {}
-    for pid in pids:
-        fields = _stat_fields(pid)
-        if fields is not None:
-            times[pid] = (int(fields[11]) + int(fields[12])) / ticks
-    return times
+    return {pid: _cpu(fields) for pid in pids if (fields := _stat_fields(pid)) is not None}
 
 
 @attrs.frozen
@@ -93,14 +93,13 @@ class ProcessCounters:
 
 def counters(pids: list[int]) -> dict[int, ProcessCounters]:
     """:class:`ProcessCounters` of each process that is still there (threads summed)."""
-    cpu = cpu_seconds(pids)
     out = {}
     for pid in pids:
-        fields, status = _stat_fields(pid), _status(pid)
-        if fields is None or not status or pid not in cpu:
+        fields, status = _stat_fields(pid), _status(Path(f"/proc/{pid}/status"))
+        if fields is None or not status:
             continue
         out[pid] = ProcessCounters(
-            cpu_s=cpu[pid],
+            cpu_s=_cpu(fields),
             voluntary_switches=_thread_sum(pid, "voluntary_ctxt_switches"),
             involuntary_switches=_thread_sum(pid, "nonvoluntary_ctxt_switches"),
             minor_faults=int(fields[7]),
@@ -112,17 +111,8 @@ def counters(pids: list[int]) -> dict[int, ProcessCounters]:
 def _thread_sum(pid: int, name: str) -> int:
     """``name`` of ``/proc/<pid>/status`` summed over the process's threads (the process's
     own line counts only its first thread)."""
-    total = 0
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
+    except OSError:  # the process is gone
         return 0
-    for task in tasks:
-        try:
-            text = (task / "status").read_text()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            if line.startswith(name + ":"):
-                total += int(line.split()[1])
-    return total
+    return sum(int(_status(task / "status").get(name, "0").split()[0]) for task in tasks)
