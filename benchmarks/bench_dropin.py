@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import energy_loader as el
+from energy_loader.cli.bench.runner import p95
 from energy_loader.cli.bench.workloads import (
     BATCH,
     PREFETCH,
@@ -112,11 +113,6 @@ def run(loader_class: Any, samples: int, options: dict[str, Any], restores: bool
     return result
 
 
-def _p95(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repetitions", type=int, default=7)
@@ -168,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"| {name} | {statistics.median(r['samples_per_s'] for r in results):,.0f} | "
             f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | "
-            + (f"{statistics.median(saves):.3f} / {_p95(saves):.3f}" if saves else "-")
+            + (f"{statistics.median(saves):.3f} / {p95(saves):.3f}" if saves else "-")
             + f" | {restore} | {f'{size:,} B' if size else '-'} | "
             + (str(all(r["exact"] for r in restored)) if restored else "-")
             + " |"

@@ -58,7 +58,7 @@ from .processes import cpu_seconds, descendants, peak_rss_kib
 from .real import REAL_WORKLOADS, real_contenders
 from .workloads import BATCH, PREFETCH, SAVE_EVERY, WORKERS, WORKLOADS
 
-__all__ = ["main", "summarize"]
+__all__ = ["main", "p95", "summarize"]
 
 FRACTIONS = (0.1, 0.5, 0.9)
 CHECK_BATCHES = 8
@@ -279,7 +279,8 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def _p95(values: list[float]) -> float:
+def p95(values: list[float]) -> float:
+    """The 95th percentile (nearest rank) of ``values``; NaN when there are none."""
     if not values:
         return float("nan")
     ordered = sorted(values)
@@ -321,7 +322,7 @@ def summarize(
             "ratio": rate / reference,
             "paired_ratio": _median([r["samples_per_s"] / p for r, p in zip(results, plain_rates)]),
             "save_ms_median": _median(saves),
-            "save_ms_p95": _p95(saves),
+            "save_ms_p95": p95(saves),
             "cpu_s_per_1000": _median(cpu),
             "cpu_main_share": _median(main_share),
             "rss_mib": rss / 1024,
