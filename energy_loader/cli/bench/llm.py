@@ -56,16 +56,21 @@ PACK_BUFFER = 16
 WORKERS = 2
 PREFETCH = 2
 
-_TOKENIZERS: dict[str, Any] = {}
+_TOKENIZERS: dict[str, tuple[Any, int]] = {}
 
 
-def _tokenizer(path: str) -> Any:
-    tokenizer = _TOKENIZERS.get(path)
-    if tokenizer is None:
+def _tokenizer(path: str) -> tuple[Any, int]:
+    """This process's tokenizer of ``path`` and its ``<|endoftext|>`` id (loaded once)."""
+    loaded = _TOKENIZERS.get(path)
+    if loaded is None:
         from tokenizers import Tokenizer
 
-        tokenizer = _TOKENIZERS[path] = Tokenizer.from_file(path)
-    return tokenizer
+        tokenizer = Tokenizer.from_file(path)
+        eos = tokenizer.token_to_id(EOS)
+        if eos is None:
+            raise ValueError(f"{path} has no {EOS} token: make the llm data anew")
+        loaded = _TOKENIZERS[path] = (tokenizer, eos)
+    return loaded
 
 
 @attrs.frozen
@@ -79,9 +84,9 @@ class Tokenize:
     path: str
 
     def __call__(self, sample: dict[str, Any]) -> torch.Tensor:
-        tokenizer = _tokenizer(self.path)
+        tokenizer, eos = _tokenizer(self.path)
         ids = tokenizer.encode(sample["text"]).ids
-        ids.append(tokenizer.token_to_id(EOS))
+        ids.append(eos)
         return torch.tensor(ids, dtype=torch.int64)
 
     def pad_id(self) -> int:
