@@ -138,36 +138,70 @@ def assert_same(ours: Any, theirs: Any, path: str = "batch") -> None:
         assert ours == theirs, f"{path}: {ours!r} != {theirs!r}"
 
 
+def train(
+    loader: Any,
+    epochs: int,
+    out: list[Any],
+    *,
+    stop: int | None = None,
+    set_epoch: Callable[[int], None] | None = None,
+) -> Any:
+    """A training loop as people write it: every step draws from torch's global generator
+    (dropout); ``set_epoch(epoch)`` before each epoch; the epoch is the loader's own (the one
+    the next ``iter()`` runs, also after a restore). Appends the batches to ``out``; after
+    ``stop`` batches in all returns the saved ``(loader state, torch RNG state)``, else None."""
+    while loader.epoch < epochs:
+        if set_epoch is not None:
+            set_epoch(loader.epoch)
+        for batch in loader:
+            out.append(batch)
+            torch.rand(3)  # the training step's own draws
+            if len(out) == stop:
+                return plain_roundtrip(loader.state_dict()), torch.get_rng_state()
+    return None
+
+
 def stop_and_resume(
-    make: Callable[[int], Any], workers: int, resume_workers: int, stop: int, epochs: int
+    make: Callable[[int], Any],
+    workers: int,
+    resume_workers: int,
+    stop: int,
+    epochs: int,
+    *,
+    restore_rng: bool = False,
+    set_epoch: Callable[[Any, int], None] | None = None,
+    resume_make: Callable[[int], Any] | None = None,
 ) -> None:
-    """Stop after ``stop`` batches (counted over ``epochs`` epochs, each started by the loop),
-    save with the training process's RNG, restore into a fresh loader on ``resume_workers``
-    in a process whose RNG is elsewhere, finish the epochs: the same batches as one run."""
+    """Run :func:`train` once uninterrupted; then again, killed after ``stop`` batches, and
+    restarted as the program starts (``torch.manual_seed(0)``, a fresh loader on
+    ``resume_workers`` made by ``resume_make``, default ``make``, then ``load_state_dict``),
+    with or without the training process putting its global RNG state back: the batches
+    (augmentations included) equal the first run's."""
+
+    def hook(loader: Any) -> Callable[[int], None] | None:
+        return None if set_epoch is None else lambda epoch: set_epoch(loader, epoch)
+
     torch.manual_seed(0)
-    uninterrupted = run_epochs(make(workers), epochs)
-    per_epoch = len(uninterrupted) // epochs
+    uninterrupted: list[Any] = []
+    loader = make(workers)
+    train(loader, epochs, uninterrupted, set_epoch=hook(loader))
+    loader.close()
     torch.manual_seed(0)
     loader = make(workers)
-    first: list[Any] = []
-    saved = None
+    got: list[Any] = []
     if stop == 0:
-        saved = (loader.state_dict(), torch.get_rng_state())
-    for _ in range(epochs):
-        if saved is not None:
-            break
-        for batch in loader:
-            first.append(batch)
-            if len(first) == stop:
-                saved = (loader.state_dict(), torch.get_rng_state())
-                break
-    assert saved is not None
+        saved = (plain_roundtrip(loader.state_dict()), torch.get_rng_state())
+    else:
+        saved = train(loader, epochs, got, stop=stop, set_epoch=hook(loader))
+    assert saved is not None, f"stop {stop} is past the end of the run"
     loader.close()
-    state, rng = plain_roundtrip(saved[0]), saved[1]
-    torch.manual_seed(12345)  # whatever the new process's RNG is, the restore must not care
-    restored = make(resume_workers)
-    torch.set_rng_state(rng)  # the training process restores its own RNG, as trainers do
-    restored.load_state_dict(state)
-    rest = run_epochs(restored, epochs - (stop // per_epoch if per_epoch else 0))
+    torch.manual_seed(0)  # the program starts again
+    restored = (resume_make or make)(resume_workers)
+    if restore_rng:
+        torch.set_rng_state(saved[1])
+    restored.load_state_dict(saved[0])
+    if stop:  # (a state saved before the first batch holds no draw: the job starts anew)
+        torch.rand(5)  # the restarted program's global RNG is elsewhere than the saving one's
+    train(restored, epochs, got, set_epoch=hook(restored))
     restored.close()
-    assert_same(first + rest, uninterrupted, f"stop {stop}")
+    assert_same(got, uninterrupted, f"stop {stop}")

@@ -70,8 +70,18 @@ def _both(make: Any, epochs: int = 2, seed: int = 0) -> tuple[list[Any], list[An
     ids=["shuffle", "drop_last", "unbatched", "weighted", "subset", "batch_sampler", "collate"],
 )
 def test_yields_what_torch_yields(workers: int, arguments: dict[str, Any]) -> None:
+    """Every epoch is torch's, but for a sampler that draws from torch's global generator
+    (no ``generator=``): from the second epoch on it draws from the job's own stream."""
     ours, theirs = _both(lambda cls: cls(TENSORS, num_workers=workers, **arguments))
-    assert_same(ours, theirs)
+    draws_from_global = (
+        "shuffle" in arguments or "sampler" in arguments or ("batch_sampler" in arguments)
+    )
+    if draws_from_global:
+        first = len(DataLoader(TENSORS, **arguments))
+        assert_same(ours[:first], theirs[:first])
+        assert len(ours) == len(theirs)
+    else:
+        assert_same(ours, theirs)
 
 
 @pytest.mark.parametrize("persistent", [False, True])
@@ -351,4 +361,4 @@ def test_held_back_saves_reach_back_batches() -> None:
 def test_a_hugging_face_dataset_yields_what_torch_yields() -> None:
     table = datasets.Dataset.from_dict({"x": list(range(10)), "t": [f"s{i}" for i in range(10)]})
     ours, theirs = _both(lambda cls: cls(table, batch_size=4, shuffle=True, num_workers=1))
-    assert_same(ours, theirs)
+    assert_same(ours[:3], theirs[:3])  # epoch 0 (later ones: the job's own shuffle)

@@ -25,6 +25,7 @@ no batches left (saved after its last batch).
 from __future__ import annotations
 
 import collections
+import contextlib
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -39,8 +40,18 @@ from ...transport import Transport
 from ...workers.bundling import BUNDLE_SECONDS, bundle_bytes
 from ...workers.fetch import BatchFetcher, FetchResult, FetchTask, WorkerInit
 from ..progress import MAX_HELD_BACK
-from .sampling import EpochStart, SamplerRng, epoch_seed, positioned_iterator, stateful_part
-from .state import MapState, check_config
+from .sampling import (
+    EpochStart,
+    PrivateGlobal,
+    SamplerRng,
+    describe_chain,
+    epoch_global_state,
+    epoch_seed,
+    job_seed,
+    positioned_iterator,
+    stateful_part,
+)
+from .state import JobStart, MapState, check_config
 
 if TYPE_CHECKING:
     from .loader import DropInDataLoader
@@ -63,11 +74,20 @@ class _Epoch:
         self.pulled = 0  # units taken from the sampler
         self.used = 0  # units handed out (or failed) to the user
         self.exhausted = False
+        self.ended = False  # its iterator reported the end (StopIteration)
         # A restored epoch: the positioned sampler iterator, and the loader's own generator
         # states to put back at the first pull (after the engine drew its base seed).
         self.resume: tuple[Iterator[Any], list[torch.Tensor]] | None = None
         # A Stateful sampler's state_dict() after each unit pulled (by units pulled).
         self.snapshots: dict[int, Any] = {}
+        # The base of the epoch's per-sample seeds, and the sampler's own stream of torch's
+        # global generator (epochs >= 1 of a loader without a generator; sampling.py).
+        self.seed = 0
+        self.private: PrivateGlobal | None = None
+
+    def sampling(self) -> contextlib.AbstractContextManager[Any]:
+        """The context the sampler draws in: its private global stream, if it has one."""
+        return self.private if self.private is not None else contextlib.nullcontext()
 
 
 class _TaskSampler(Sampler[FetchTask]):
@@ -116,7 +136,11 @@ class MapEngine:
         self.index_sampler = index_sampler_of(loader)
         self.rng = SamplerRng(loader.generator, self.index_sampler)
         self.base_seed_generator = loader.generator or torch.default_generator
-        self.undo_base_seed: torch.Tensor | None = None
+        # The base-seed draw this iter() must take back ("undo") or add ("draw") so that the
+        # loader's generator moves as in the uninterrupted job (see iterate()).
+        self.base_fixup: str | None = None
+        self.before_base_seed: torch.Tensor | None = None
+        self.job: JobStart | None = None  # set at the job's first iter()
         self.stateful = stateful_part(self.index_sampler)
         self.items_per_transfer = items_per_transfer
         self.max_bytes = bundle_bytes(None if transport is None else transport.arena_bytes)
@@ -143,7 +167,7 @@ class MapEngine:
         self.pending: MapState | None = None  # a restore waiting for the next iter()
         self.generation = 0
         self.torch_iterator: Any = None
-        self.config = _config_of(loader)
+        self.config = _config_of(loader, self.rng)
 
     # -- iteration -----------------------------------------------------------------------------
 
@@ -152,33 +176,46 @@ class MapEngine:
         self.generation += 1
         pending, self.pending = self.pending, None
         previous = self.epoch
+        if pending is not None:
+            self.job = pending.job
+        if self.job is None:  # the job's first iter(): what all its epochs derive from
+            self.job = JobStart(job_seed(self.base_seed_generator), self.persistent_workers)
+        job = self.job
         epoch = _Epoch(0 if previous is None else previous.number + 1)
         if pending is not None and pending.started:
-            epoch = self._resume(pending) or _Epoch(pending.epoch + 1)
+            epoch = self._resume(pending)
+        epoch.seed = epoch_seed(job.seed, epoch.number)
+        rng = self.rng
+        if rng.uses_global and rng.draws and epoch.number >= 1 and epoch.resume is None:
+            epoch.private = PrivateGlobal(epoch_global_state(job.seed, epoch.number))
         self.epoch = epoch
         self.bundle = 1
+        new_iterator = self.torch_iterator is None or not self.persistent_workers
         if not self.persistent_workers and self.torch_iterator is not None:
             shut_down_workers_of(self.torch_iterator)
             self.torch_iterator = None
-        if self.transport is not None and (
-            self.torch_iterator is None or not self.persistent_workers
-        ):
+        if self.transport is not None and new_iterator:
             self.fetcher.transport = self.transport.open(self.num_workers)
-        # The interrupted run drew this epoch's base seed before it saved (or, with persistent
-        # workers, drew one only for its first epoch): a restored loader's first iterator
-        # must not draw another, so the generator goes on as in the uninterrupted run.
-        undo = (
-            pending is not None
-            and pending.started
-            and (epoch.resume is not None or self.persistent_workers)
-        )
-        self.undo_base_seed = self.base_seed_generator.get_state() if undo else None
+        # torch draws a base seed from the loader's generator when it makes a new internal
+        # iterator (every epoch, or once with persistent workers). The job draws one per
+        # epoch (once, at epoch 0, if it started with persistent workers) and none in a
+        # restored epoch (the saving run drew it), nor, from the second epoch on, from the
+        # training process's global generator: take back or add the difference.
+        if epoch.resume is not None or (rng.uses_global and epoch.number >= 1):
+            wanted = False
+        else:
+            wanted = epoch.number == 0 or not job.persistent
+        self.base_fixup = None
+        if new_iterator != wanted:
+            self.base_fixup = "undo" if new_iterator else "draw"
+        self.before_base_seed = None
         self.torch_iterator = iter(self.torch_loader)
-        self._undo_base_seed()  # if no pull happened inside iter() (num_workers=0)
+        self._fix_base_seed()  # if no pull happened inside iter() (num_workers=0)
         return _MapIterator(self, self.torch_iterator, self.generation)
 
-    def _resume(self, state: MapState) -> _Epoch | None:
-        """The saved epoch positioned after its used units, or None if none are left."""
+    def _resume(self, state: MapState) -> _Epoch:
+        """The saved epoch positioned after its used units, or, if none are left, the next
+        epoch with the sampler's generators where the saved one left them."""
         from .state import decode_generator_states
 
         states = None if state.rng is None else decode_generator_states(state.rng, "state.rng")
@@ -188,21 +225,20 @@ class MapEngine:
             else decode_generator_states(state.rng_at_iter, "state.rng_at_iter")
         )
         start = EpochStart(
-            state.epoch,
-            states,
-            at_iter,
-            seed=state.epoch_seed,
-            encoded=(state.rng, state.rng_at_iter),
+            state.epoch, states, at_iter, encoded=(state.rng, state.rng_at_iter)
         )
         iterator, after = positioned_iterator(
-            self.index_sampler, self.rng, start, state.used, state.sampler_state
+            self.index_sampler, self.rng, start, state.used, state.sampler_state, self.length
         )
         if iterator is None:
-            return None
+            self.rng.put_own(after)
+            return _Epoch(state.epoch + 1)
         epoch = _Epoch(state.epoch)
         epoch.start = start
         epoch.pulled = epoch.used = state.used
         epoch.resume = (iterator, after)
+        if self.rng.uses_global and self.rng.draws and state.epoch >= 1:
+            epoch.private = PrivateGlobal(after[0])
         if self.stateful is not None:
             epoch.snapshots[state.used] = state.sampler_state
         return epoch
@@ -214,14 +250,24 @@ class MapEngine:
             raise RuntimeError("the drop-in loader's task stream was opened outside iter()")
         if epoch.resume is not None:
             iterator, after = epoch.resume
+            self._note_before_base_seed()
             return self._tasks(epoch, iterator, None, after)
         rng = self.rng
-        before = rng.capture() if rng.draws else None
-        iterator = iter(self.index_sampler)
-        at_iter = None
-        if before is not None and any(not torch.equal(a, b) for a, b in zip(before, rng.capture())):
-            at_iter = before  # iter(sampler) itself drew random numbers
+        with epoch.sampling():
+            before = rng.capture() if rng.draws else None
+            iterator = iter(self.index_sampler)
+            at_iter = None
+            if before is not None and any(
+                not torch.equal(a, b) for a, b in zip(before, rng.capture())
+            ):
+                at_iter = before  # iter(sampler) itself drew random numbers
+        self._note_before_base_seed()
         return self._tasks(epoch, iterator, at_iter, None)
+
+    def _note_before_base_seed(self) -> None:
+        """torch draws the base seed right after it opens the stream (the first time)."""
+        if self.base_fixup == "undo" and self.before_base_seed is None:
+            self.before_base_seed = self.base_seed_generator.get_state()
 
     def _tasks(
         self,
@@ -230,44 +276,49 @@ class MapEngine:
         at_iter: list[torch.Tensor] | None,
         after: list[torch.Tensor] | None,
     ) -> Iterator[FetchTask]:
-        self._undo_base_seed()
+        self._fix_base_seed()
         if after is not None:
             self.rng.put_own(after)
         elif epoch.start is None:
             epoch.start = self.capture_start(epoch, at_iter)
-        seed = epoch.start.seed if epoch.start is not None else 0
+        seed = epoch.seed
         stateful = self.stateful
         if stateful is not None and epoch.pulled not in epoch.snapshots:
             epoch.snapshots[epoch.pulled] = stateful.state_dict()
         while True:
             units = []
             want = self.bundle
-            for _ in range(want):
-                unit = next(iterator, _END)
-                if unit is _END:
-                    break
-                units.append(unit)
-                epoch.pulled += 1
-                if stateful is not None:
-                    epoch.snapshots[epoch.pulled] = stateful.state_dict()
+            with epoch.sampling():
+                for _ in range(want):
+                    unit = next(iterator, _END)
+                    if unit is _END:
+                        break
+                    units.append(unit)
+                    epoch.pulled += 1
+                    if stateful is not None:
+                        epoch.snapshots[epoch.pulled] = stateful.state_dict()
             if units:
                 yield FetchTask(epoch.pulled - len(units), tuple(units), seed)
             if len(units) < want:
                 epoch.exhausted = True
                 return
 
-    def _undo_base_seed(self) -> None:
-        """Put the base-seed generator back as it was before the internal iterator drew."""
-        state, self.undo_base_seed = self.undo_base_seed, None
-        if state is not None:
-            self.base_seed_generator.set_state(state)
+    def _fix_base_seed(self) -> None:
+        """Take back or add torch's base-seed draw, once per iter() (see :meth:`iterate`)."""
+        fixup, self.base_fixup = self.base_fixup, None
+        if fixup == "undo" and self.before_base_seed is not None:
+            self.base_seed_generator.set_state(self.before_base_seed)
+        elif fixup == "draw":
+            torch.empty((), dtype=torch.int64).random_(generator=self.base_seed_generator)
+        self.before_base_seed = None
 
     def capture_start(self, epoch: _Epoch, at_iter: list[torch.Tensor] | None) -> EpochStart:
-        states = self.rng.capture()
-        seed = epoch_seed(epoch.number, states)
-        if not self.rng.draws:
-            return EpochStart(epoch.number, None, None, seed=seed)
-        return EpochStart(epoch.number, states, at_iter, seed=seed)
+        """The generators' states before the sampler's first pull (in its own stream)."""
+        if not self.rng.recorded:
+            return EpochStart(epoch.number, None, None)
+        with epoch.sampling():
+            states = self.rng.capture()
+        return EpochStart(epoch.number, states, at_iter)
 
     def received(self, result: FetchResult) -> None:
         """Adapt the bundle size to what a task cost: grow while units are small and quick."""
@@ -298,7 +349,9 @@ class MapEngine:
         if epoch is None:
             if held_back:
                 raise ValueError(f"held_back={held_back}: nothing was handed out yet")
-            return MapState(rank, world_size, self.config, False, 0, 0, 0, None, None, None)
+            return MapState(
+                rank, world_size, self.config, False, 0, 0, None, None, None, None, "", ""
+            )
         used = epoch.used - held_back
         if used < 0:
             raise ValueError(
@@ -307,7 +360,7 @@ class MapEngine:
             )
         if epoch.start is None:  # iter() made, nothing pulled yet: the stream starts now
             epoch.start = self.capture_start(epoch, None)
-        rng, at_iter = epoch.start.encoded()
+        rng, at_iter, rng_check, at_iter_check = epoch.start.encoded()
         sampler_state = None
         if self.stateful is not None:
             if used not in epoch.snapshots:
@@ -320,10 +373,12 @@ class MapEngine:
             True,
             epoch.number,
             used,
-            epoch.start.seed,
+            self.job,
             rng,
             at_iter,
             sampler_state,
+            rng_check,
+            at_iter_check,
         )
 
     def decode(self, state: Any) -> MapState:
@@ -343,6 +398,7 @@ class MapEngine:
         self.shutdown()
         self.pending = None
         self.epoch = None
+        self.job = None
         self.generation += 1
 
     def close(self) -> None:
@@ -363,10 +419,16 @@ class MapEngine:
 
     @property
     def epoch_number(self) -> int:
-        """The epoch of the batch handed out last (0 before the first)."""
-        if self.epoch is None:
-            return 0 if self.pending is None else self.pending.epoch
-        return self.epoch.number
+        """The epoch of the batch handed out last (0 before the first); once the epoch's end
+        was reported, or after a restore of a state saved after an epoch's last batch, the
+        next one (what the next ``iter()`` yields)."""
+        epoch, pending = self.epoch, self.pending
+        if epoch is None:
+            if pending is None:
+                return 0
+            over = pending.started and pending.used == pending.config.get("batches_per_epoch")
+            return pending.epoch + int(over)
+        return epoch.number + int(epoch.ended)
 
 
 class _MapIterator:
@@ -407,6 +469,7 @@ class _MapIterator:
                 result = next(self._torch_iterator)
             except StopIteration:
                 self._finished = True
+                epoch.ended = True
                 raise
             engine.received(result)
             self._ready.extend(result.batches())
@@ -421,8 +484,9 @@ class _MapIterator:
         return length
 
 
-def _config_of(loader: DropInDataLoader) -> dict[str, Any]:
-    """What a state must agree with: dataset, sampler and batching (not the workers)."""
+def _config_of(loader: DropInDataLoader, rng: SamplerRng) -> dict[str, Any]:
+    """What a state must agree with: dataset, sampler, generators and batching (not the
+    workers)."""
     dataset = loader.dataset
     try:
         length: int | None = len(dataset)  # type: ignore[arg-type]
@@ -436,7 +500,8 @@ def _config_of(loader: DropInDataLoader) -> dict[str, Any]:
     return {
         "dataset": type(dataset).__name__,
         "dataset_length": length,
-        "sampler": type(index_sampler).__name__,
+        "sampler": describe_chain(index_sampler),
+        "generators": list(rng.kinds),
         "batches_per_epoch": units,
         "batch_size": None if loader.batch_size is None else int(loader.batch_size),
         "drop_last": bool(loader.drop_last),

@@ -9,7 +9,8 @@ records what a restore needs to make the same stream again, without loading a sa
   global generator when one of them draws from it. Their states are captured right before the
   sampler's first pull of each epoch, and right before ``iter(sampler)`` too when that call
   itself draws (a sampler whose ``__iter__`` is not a generator function). Samplers known not
-  to draw (sequential, distributed) capture nothing.
+  to draw (sequential, distributed) capture only the generators of the loader's own (torch
+  draws its base seed from the loader's ``generator``).
 - a sampler or batch sampler with ``state_dict()``/``load_state_dict()`` (torchdata's
   ``Stateful``): its ``state_dict()`` after every unit pulled, until handed out.
 
@@ -17,6 +18,12 @@ A restore puts those states in place, calls ``iter(sampler)``, pulls the first p
 the units already used (no sample is loaded) -- or loads the sampler's own state -- and then
 puts torch's global generator back as the training process left it. The loader's own
 generator is left where the uninterrupted run would have it.
+
+Later epochs. Without a loader ``generator``, torch draws each epoch's shuffle from the
+global generator, which the training step draws from too: a restored job cannot repeat those
+draws. So the first epoch of a job is torch's, and from the second on the sampler draws from
+a stream of its own, derived from the job's seed and the epoch (:class:`PrivateGlobal`); the
+training process's global generator is left untouched by the loader from then on.
 """
 
 from __future__ import annotations
@@ -32,7 +39,17 @@ from ...dataset import is_stateful
 from ...errors import StateMismatchError
 from ...rng import fold_key, stable_hash
 
-__all__ = ["EpochStart", "SamplerRng", "epoch_seed", "positioned_iterator", "stateful_part"]
+__all__ = [
+    "EpochStart",
+    "PrivateGlobal",
+    "SamplerRng",
+    "describe_chain",
+    "epoch_global_state",
+    "epoch_seed",
+    "job_seed",
+    "positioned_iterator",
+    "stateful_part",
+]
 
 
 def _chain(sampler: Any) -> Iterator[Any]:
@@ -52,6 +69,12 @@ def stateful_part(index_sampler: Any) -> Any:
     return None
 
 
+def describe_chain(index_sampler: Any) -> str:
+    """The sampler chain's classes, outermost first: ``"BatchSampler(RandomSampler)"``."""
+    names = [type(sampler).__name__ for sampler in _chain(index_sampler)]
+    return "(".join(names) + ")" * (len(names) - 1)
+
+
 def _draws_nothing(index_sampler: Any) -> bool:
     """Samplers that draw no random numbers (their order is a function of their settings)."""
     samplers = list(_chain(index_sampler))
@@ -64,6 +87,7 @@ class SamplerRng:
     def __init__(self, loader_generator: torch.Generator | None, index_sampler: Any) -> None:
         generators: list[torch.Generator] = []
         uses_global = loader_generator is None
+        kinds = [] if uses_global else ["loader"]
         if loader_generator is not None:
             generators.append(loader_generator)
         for sampler in _chain(index_sampler):
@@ -76,10 +100,16 @@ class SamplerRng:
                 generator is not g for g in generators
             ):
                 generators.append(generator)
+                kinds.append("sampler")
         self.draws = not _draws_nothing(index_sampler)
         # torch's global generator, if used, comes first; it is put back after a restore.
         self.uses_global = uses_global
         self.generators = ([torch.default_generator] if uses_global else []) + generators
+        # Which generators drive the loader, for the config a state must match.
+        self.kinds = (["global"] if uses_global else []) + kinds
+        # Whether a restore needs their states: the sampler draws, or a generator of the
+        # loader's own moves (torch draws the base seed from the loader's ``generator``).
+        self.recorded = self.draws or len(self.generators) > int(uses_global)
 
     def capture(self) -> list[torch.Tensor]:
         """Every generator's state now (copies)."""
@@ -102,9 +132,10 @@ class SamplerRng:
 
 
 class EpochStart:
-    """How one epoch's index stream began: generator states and the epoch's seed.
+    """How one epoch's index stream began: the generator states before the sampler drew.
 
-    The base64 form of the states is built once, on the first save that needs it.
+    The base64 form of the states and their digests are built once, on the first save that
+    needs them.
     """
 
     def __init__(
@@ -113,16 +144,16 @@ class EpochStart:
         states: list[torch.Tensor] | None,
         at_iter: list[torch.Tensor] | None,
         *,
-        seed: int | None = None,
         encoded: tuple[list[str] | None, list[str] | None] | None = None,
     ) -> None:
         self.epoch = epoch
         self.states = states
         self.at_iter = at_iter
-        self.seed = epoch_seed(epoch, states) if seed is None else seed
         self._encoded = encoded
+        self._checks: tuple[str, str] | None = None
 
-    def encoded(self) -> tuple[list[str] | None, list[str] | None]:
+    def encoded(self) -> tuple[list[str] | None, list[str] | None, str, str]:
+        """The states as base64 strings, and their digests (``state.checks``)."""
         if self._encoded is None:
             from .state import encode_generator_states
 
@@ -130,16 +161,59 @@ class EpochStart:
                 None if self.states is None else encode_generator_states(self.states),
                 None if self.at_iter is None else encode_generator_states(self.at_iter),
             )
-        return self._encoded
+        if self._checks is None:
+            from .state import digest
+
+            rng, at_iter = self._encoded
+            self._checks = (digest("rng", rng), digest("rng_at_iter", at_iter))
+        return (*self._encoded, *self._checks)
 
 
-def epoch_seed(epoch: int, states: list[torch.Tensor] | None) -> int:
-    """A function of the epoch and the generators' states (so of the user's seed)."""
-    value = stable_hash("dropin-epoch", epoch)
-    for state in states or ():
-        digest = hashlib.blake2b(state.numpy().tobytes(), digest_size=8).digest()
-        value = fold_key(value, int.from_bytes(digest, "little"))
-    return value
+def job_seed(generator: torch.Generator) -> int:
+    """The seed of a job: a hash of the state of the generator that drives its loader."""
+    digest = hashlib.blake2b(generator.get_state().numpy().tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The per-sample seeds' base of one epoch of a job."""
+    return fold_key(fold_key(stable_hash("dropin-epoch"), seed), epoch)
+
+
+def epoch_global_state(seed: int, epoch: int) -> torch.Tensor:
+    """The state torch's global generator has, for the sampler only, in epoch ``epoch`` >= 1
+    of a job whose loader has no ``generator`` (see :class:`PrivateGlobal`)."""
+    value = fold_key(fold_key(stable_hash("dropin-sampler"), seed), epoch)
+    return torch.Generator().manual_seed(value).get_state()
+
+
+class PrivateGlobal:
+    """torch's global generator, swapped for the epoch's own stream while the sampler draws.
+
+    Why: torch draws a loader's shuffle from the global generator at each ``iter()`` when no
+    ``generator`` is given, and the training step draws from it too (dropout), so the order
+    of the epochs after a restore would depend on draws a restored job cannot repeat. From
+    the second epoch on the sampler draws from a stream of its own (a function of the job's
+    seed and the epoch), entered around every pull and left with the training process's
+    generator exactly as it was.
+    """
+
+    __slots__ = ("_user", "state")
+
+    def __init__(self, state: torch.Tensor) -> None:
+        self.state = state
+        self._user: torch.Tensor | None = None
+
+    def __enter__(self) -> PrivateGlobal:
+        self._user = torch.default_generator.get_state()
+        torch.default_generator.set_state(self.state)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.state = torch.default_generator.get_state()
+        assert self._user is not None
+        torch.default_generator.set_state(self._user)
+        self._user = None
 
 
 def positioned_iterator(
@@ -148,8 +222,10 @@ def positioned_iterator(
     start: EpochStart,
     used: int,
     sampler_state: Any,
+    length: int | None,
 ) -> tuple[Iterator[Any] | None, list[torch.Tensor]]:
-    """Run the sampler of a saved epoch up to its ``used`` units, loading nothing.
+    """Run the sampler of a saved epoch up to its ``used`` units (of ``length``, if known),
+    loading nothing.
 
     Returns the iterator (next: unit ``used``; None if the epoch has no units left) and the
     states of the loader's own generators afterwards (to put back once the internal
@@ -175,7 +251,9 @@ def positioned_iterator(
                         f"the sampler ran out after {done} batches of the saved epoch, but the "
                         f"state says {used} were used: not the same sampler or dataset"
                     )
-        peeked = next(iterator, _END)
+        # An epoch of known length whose units were all used is over: peeking would start
+        # the next one in a sampler that runs on across epochs (a Stateful one).
+        peeked = _END if used == length else next(iterator, _END)
         after = rng.capture()
     finally:
         if user_global is not None:

@@ -1,9 +1,9 @@
 """The drop-in loader's saved state: plain data, its own format name and version.
 
-Layout (format version 1)::
+Layout (format version 2)::
 
     {
-      "format": "energy_loader.dropin_state", "version": 1,
+      "format": "energy_loader.dropin_state", "version": 2,
       "kind": "map" | "iterable",
       "rank": 0, "world_size": 1,
       "config": {...},            # what must match on restore (dataset, sampler, batching)
@@ -11,22 +11,33 @@ Layout (format version 1)::
       "started": true,            # false: saved before the first epoch began
       "epoch": 3,                 # the epoch the position is in (0-based)
       "used": 17,                 # batches (index-sampler units) of it handed out
-      "epoch_seed": 123,          # per-sample seeds of that epoch
+      "job": {"seed": 123, "persistent": false},  # fixed at the job's first iter()
       "rng": ["<base64>", ...] | null,      # the sampler's generators at its first pull
       "rng_at_iter": [...] | null,          # ... when iter(sampler) itself drew
       "sampler_state": {...} | null,        # a Stateful sampler's own state_dict()
+      "checks": {"job": "<hex>", "rng": "<hex>", "rng_at_iter": "<hex>"},
       # iterable:
       "pipeline": {...}           # the rank state of the pipeline it runs (rank_state format)
     }
 
-A torch ``Generator`` state is a 5 KB byte tensor; it is stored as a base64 string, built once
-per epoch (not per save). Nothing is pickled: the state passes ``json.dumps`` when the
-sampler's own state does, and ``torch.load(weights_only=True)`` always.
+``job`` holds what every epoch of the job derives from: ``seed`` (a hash of the generator
+that drives the loader -- its ``generator``, else torch's global one -- at the job's first
+``iter()``) gives each epoch's per-sample seeds and, from the second epoch on, the order of
+a sampler that draws from torch's global generator; ``persistent`` says whether the job draws
+torch's base seed once (persistent workers) or every epoch, so that a restore onto another
+``persistent_workers`` setting keeps the job's generator where the uninterrupted job has it.
+
+``checks`` are digests of the fields a reader cannot check by their shape (a flipped byte in
+a generator state is another valid state): a state edited or damaged after saving is refused
+naming the field. A torch ``Generator`` state is a 5 KB byte tensor, stored as a base64 string
+built once per epoch (not per save). Nothing is pickled: the state passes ``json.dumps`` when
+the sampler's own state does, and ``torch.load(weights_only=True)`` always.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 from typing import Any
 
 import attrs
@@ -38,6 +49,7 @@ from ...state.plain import StateReader
 __all__ = [
     "DROPIN_STATE_FORMAT",
     "DROPIN_STATE_VERSION",
+    "JobStart",
     "MapState",
     "decode_generator_states",
     "encode_generator_states",
@@ -45,7 +57,10 @@ __all__ = [
 ]
 
 DROPIN_STATE_FORMAT = "energy_loader.dropin_state"
-DROPIN_STATE_VERSION = 1
+DROPIN_STATE_VERSION = 2
+
+# The byte size of a CPU generator's state (mt19937 plus its normal-distribution cache).
+GENERATOR_STATE_BYTES = int(torch.Generator().get_state().numel())
 
 
 def encode_generator_states(states: list[torch.Tensor]) -> list[str]:
@@ -63,15 +78,34 @@ def decode_generator_states(texts: list[Any], path: str) -> list[torch.Tensor]:
             raw = base64.b64decode(text.encode("ascii"), validate=True)
         except (ValueError, UnicodeEncodeError) as error:
             raise StateFormatError(f"{path}[{index}] is not valid base64: {error}") from None
+        if len(raw) != GENERATOR_STATE_BYTES:
+            raise StateFormatError(
+                f"{path}[{index}] holds {len(raw)} bytes; a torch generator state has "
+                f"{GENERATOR_STATE_BYTES} (truncated or not a generator state)"
+            )
         out.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
     return out
 
 
+def digest(*parts: Any) -> str:
+    """A short hex digest of plain values (their ``repr``), for ``checks``."""
+    return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()
+
+
 def read_header(state: Any, kind: str) -> StateReader:
     """Check format, version and kind; the reader of the whole state."""
+    if isinstance(state, dict) and state and all(str(k).startswith("partition_") for k in state):
+        raise StateMismatchError(
+            "the state was saved by a loader over a savable pipeline (its state_dict() holds "
+            "partition entries); this loader runs a plain dataset as a drop-in: restore it "
+            "into a loader over the same savable pipeline"
+        )
     reader = StateReader(state, "state")
     if not reader.has("format"):
-        raise StateFormatError("state has no 'format' field: not a loader state from energy_loader")
+        raise StateFormatError(
+            "state has no 'format' field: not a loader state from energy_loader (pass what "
+            "loader.state_dict() or save_state_rank() returned)"
+        )
     found = reader.raw("format")
     if found != DROPIN_STATE_FORMAT:
         if found == "energy_loader.rank_state":
@@ -114,6 +148,22 @@ def check_config(saved: Any, now: dict[str, Any]) -> None:
 
 
 @attrs.frozen
+class JobStart:
+    """What every epoch of a drop-in job derives from, fixed at the job's first ``iter()``.
+
+    ``seed``: each epoch's per-sample seeds, and from the second epoch on the order of a
+    sampler that draws from torch's global generator. ``persistent``: whether the job draws
+    torch's base seed once (persistent workers) or once an epoch.
+    """
+
+    seed: int
+    persistent: bool
+
+    def check(self) -> str:
+        return digest("job", self.seed, self.persistent)
+
+
+@attrs.frozen
 class MapState:
     """A map-style drop-in loader's position (see the module docstring)."""
 
@@ -123,12 +173,15 @@ class MapState:
     started: bool
     epoch: int
     used: int
-    epoch_seed: int
+    job: JobStart | None
     rng: list[str] | None
     rng_at_iter: list[str] | None
     sampler_state: Any
+    rng_check: str = ""
+    rng_at_iter_check: str = ""
 
     def to_plain(self) -> dict[str, Any]:
+        job = self.job
         return {
             "format": DROPIN_STATE_FORMAT,
             "version": DROPIN_STATE_VERSION,
@@ -139,29 +192,58 @@ class MapState:
             "started": self.started,
             "epoch": self.epoch,
             "used": self.used,
-            "epoch_seed": self.epoch_seed,
+            "job": None if job is None else {"seed": job.seed, "persistent": job.persistent},
             "rng": self.rng,
             "rng_at_iter": self.rng_at_iter,
             "sampler_state": self.sampler_state,
+            "checks": {
+                "job": "" if job is None else job.check(),
+                "rng": self.rng_check or digest("rng", self.rng),
+                "rng_at_iter": self.rng_at_iter_check or digest("rng_at_iter", self.rng_at_iter),
+            },
         }
 
     @classmethod
     def from_plain(cls, state: Any) -> MapState:
+        """Decode and validate; ``StateFormatError`` names the first field that is wrong."""
         reader = read_header(state, "map")
-        rng = reader.raw("rng")
-        at_iter = reader.raw("rng_at_iter")
-        for name, value in (("rng", rng), ("rng_at_iter", at_iter)):
-            if value is not None and not isinstance(value, list):
-                raise StateFormatError(f"state.{name} must be a list of base64 strings or null")
+        checks = reader.sub("checks")
+        job = None
+        if reader.raw("job") is not None:
+            job_reader = reader.sub("job")
+            job = JobStart(job_reader.int("seed"), job_reader.bool("persistent"))
+            _verify("job", job.check(), checks.str("job"))
+        started = reader.bool("started")
+        if started and job is None:
+            raise StateFormatError("state.job is null in a state saved after the first iter()")
+        texts: dict[str, list[str] | None] = {}
+        for name in ("rng", "rng_at_iter"):
+            value = reader.raw(name)
+            if value is not None:
+                if not isinstance(value, list):
+                    raise StateFormatError(f"state.{name} must be a list of base64 strings or null")
+                decode_generator_states(value, f"state.{name}")  # size and encoding
+            _verify(name, digest(name, value), checks.str(name))
+            texts[name] = value
         return cls(
-            rank=reader.int("rank"),
+            rank=reader.int("rank", minimum=0),
             world_size=reader.int("world_size", minimum=1),
             config=reader.raw("config"),
-            started=reader.bool("started"),
-            epoch=reader.int("epoch"),
-            used=reader.int("used"),
-            epoch_seed=reader.int("epoch_seed"),
-            rng=rng,
-            rng_at_iter=at_iter,
+            started=started,
+            epoch=reader.int("epoch", minimum=0),
+            used=reader.int("used", minimum=0),
+            job=job,
+            rng=texts["rng"],
+            rng_at_iter=texts["rng_at_iter"],
             sampler_state=reader.raw("sampler_state"),
+            rng_check=checks.str("rng"),
+            rng_at_iter_check=checks.str("rng_at_iter"),
+        )
+
+
+def _verify(name: str, actual: str, recorded: str) -> None:
+    if actual != recorded:
+        raise StateFormatError(
+            f"state.{name} does not match its digest in state.checks.{name}: the state was "
+            "edited or damaged after it was saved (restore from an intact copy)"
         )
