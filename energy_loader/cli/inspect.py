@@ -22,6 +22,11 @@ import torch
 
 from ..distributed import rank_state_files
 from ..errors import EnergyLoaderError, StateFormatError, first_line
+from ..loader.dropin.state import (
+    DROPIN_STATE_FORMAT,
+    describe_dropin_state,
+    summarize_dropin_state,
+)
 from ..state.checkpoint import CHECKPOINT_FORMAT, load_checkpoint
 from ..state.rank_state import (
     PARTITION_KEY_PREFIX,
@@ -40,7 +45,9 @@ torch.save file) or a JSON file holding a rank state, the list of all ranks' sta
 the partition entries of loader.state_dict(); or a folder of per-rank files
 (PREFIX_rank_00000_of_00008.pt ..., what save_state_rank_file writes), all of them. For
 each rank it shows the layout (ranks, workers, logical partitions), the epoch and
-position, where each partition stands and the pipeline. Nothing in the file is executed.
+position, where each partition stands and the pipeline; for the drop-in loader over a
+plain torch dataset, the epoch, the batches handed out of the epoch's and the dataset and
+sampling it must be restored with. Nothing in the file is executed.
 Exit code 2 if PATH holds no readable loader state.
 
   --json                      one JSON object per state found: layout, partitions, epoch,
@@ -117,7 +124,7 @@ def _find_states(value: Any, where: str = "") -> Iterator[tuple[str, Any]]:
             yield f"{where or _TOP} rank {state.rank}", state.to_plain()
         return
     if isinstance(value, dict):
-        if value.get("format") == RANK_STATE_FORMAT:
+        if value.get("format") in (RANK_STATE_FORMAT, DROPIN_STATE_FORMAT):
             yield where or _TOP, value
             return
         for name, item in value.items():
@@ -158,7 +165,10 @@ def _config_chain(config: dict[str, Any]) -> list[str]:
 
 
 def describe_rank_state(state: Any) -> str:
-    """A multi-line description of one rank state (validated first)."""
+    """A multi-line description of one rank state (validated first): a savable pipeline's,
+    or a drop-in loader's."""
+    if state.get("format") == DROPIN_STATE_FORMAT:
+        return describe_dropin_state(state)
     decoded = RankState.from_plain(state)
     per_worker = decoded.num_partitions // (decoded.world_size * max(1, decoded.num_workers))
     if decoded.epoch_ended:
@@ -199,6 +209,8 @@ def describe_rank_state(state: Any) -> str:
 
 def summarize_rank_state(state: Any, length: int | None = None) -> dict[str, Any]:
     """One rank state as a small JSON-able summary; ``length``: the rank's items per epoch."""
+    if state.get("format") == DROPIN_STATE_FORMAT:
+        return summarize_dropin_state(state)
     decoded = RankState.from_plain(state)
     summary: dict[str, Any] = {
         "rank": decoded.rank,
@@ -229,8 +241,12 @@ def summarize_rank_state(state: Any, length: int | None = None) -> dict[str, Any
 
 
 def _rank_length(spec: str, state: dict[str, Any]) -> int | None:
-    """Items per epoch of the state's rank, from the user's pipeline (None if unknown)."""
+    """Items per epoch of the state's rank, from the user's pipeline (None if unknown; a
+    drop-in state says it itself)."""
     from .pipelines import build_loader, load_builder
+
+    if state.get("format") == DROPIN_STATE_FORMAT:
+        return None
 
     loader = build_loader(load_builder(spec)(), state, int(state["rank"]), None)
     try:
@@ -294,7 +310,7 @@ def one_line(error: BaseException, path: Path | None = None) -> str:
 
 
 def _through(state: dict[str, Any], length: int | None) -> str:
-    if not length:
+    if not length or state.get("format") == DROPIN_STATE_FORMAT:
         return ""
     fraction = summarize_rank_state(state, length)["fraction_through"]
     return f"\n{100 * fraction:.1f}% through epoch {state['epoch']} ({length:,} items per rank)"

@@ -18,12 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from ..distributed import rank_state_files, read_rank_state_files
+from ..errors import StateFormatError
+from ..loader.dropin import DropInDataLoader
+from ..loader.dropin.state import DROPIN_STATE_FORMAT
 from ..state.checkpoint import load_checkpoint
 from ..state.rank_state import RankState
 from .inspect import one_line, read_path
 from .pipelines import build_loader, load_builder
 
 __all__ = [
+    "add_dropin_samples",
     "build_loader",
     "load_builder",
     "loader_and_states",
@@ -31,13 +35,16 @@ __all__ = [
     "parse_steps",
     "read_states",
     "replay",
+    "replay_dropin",
 ]
 
 _HELP = """Print the restore keys (or samples) of steps A to B of one rank of a saved job.
 
 Step 0 is the first item the rank yields after the saved position. The pipeline is rebuilt
 by calling FUNCTION from MODULE with no arguments; it returns the pipeline (a SavableDataset)
-or a SavableDataLoader. The state is restored and only the items up to step B are made, in
+or a SavableDataLoader. For a SavableDataLoader over a plain torch dataset (the drop-in), the
+keys are the dataset indices of each batch, up to the end of the saved epoch, and --samples
+loads them from the dataset. The state is restored and only the items up to step B are made, in
 this process; nothing is iterated from the start of the epoch. The result equals what the
 training run yielded (or will yield) after saving."""
 
@@ -131,6 +138,37 @@ def replay(
     return rows
 
 
+def replay_dropin(
+    loader: DropInDataLoader,
+    paths: list[Path],
+    rank: int,
+    start: int,
+    stop: int,
+    prefix: str | None = None,
+) -> list[dict[str, Any]]:
+    """Steps ``start`` to ``stop`` after a drop-in loader's saved position: the dataset
+    indices of each batch (within the saved epoch), for ``rank``'s state in ``paths``."""
+    found = [state for path in paths for _, state in read_path(path, prefix)]
+    states = {int(s["rank"]): s for s in found if s.get("format") == DROPIN_STATE_FORMAT}
+    if not states:
+        raise StateFormatError(
+            "no drop-in loader state in the files given, but the --pipeline function returned "
+            "a drop-in loader (over a plain dataset)"
+        )
+    if rank not in states:
+        raise ValueError(f"--rank {rank}: the files hold the states of ranks {sorted(states)}")
+    units = loader.peek_keys(stop, states[rank])
+    return [{"step": step, "key": unit} for step, unit in enumerate(units) if step >= start]
+
+
+def add_dropin_samples(loader: DropInDataLoader, rows: list[dict[str, Any]]) -> None:
+    """Each row's samples, loaded from the loader's dataset by index."""
+    dataset = loader.dataset
+    for row in rows:
+        unit = row["key"]
+        row["sample"] = [dataset[i] for i in unit] if isinstance(unit, list) else dataset[unit]
+
+
 def _plain(value: Any) -> Any:
     """Samples as JSON: tensors and arrays as nested lists, bytes as their length."""
     if hasattr(value, "tolist"):
@@ -183,10 +221,15 @@ def main(argv: list[str]) -> int:
             if not path.exists():
                 raise FileNotFoundError(f"{path}: no such file or folder")
         built = load_builder(args.pipeline)()
-        loader, states = loader_and_states(
-            built, args.checkpoint, args.rank, args.seed, args.prefix
-        )
-        rows = replay(loader, states, start, stop, samples=args.samples)
+        if isinstance(built, DropInDataLoader):
+            rows = replay_dropin(built, args.checkpoint, args.rank, start, stop, args.prefix)
+            if args.samples:
+                add_dropin_samples(built, rows)
+        else:
+            loader, states = loader_and_states(
+                built, args.checkpoint, args.rank, args.seed, args.prefix
+            )
+            rows = replay(loader, states, start, stop, samples=args.samples)
     except Exception as error:
         print(f"replay: {one_line(error)}", file=sys.stderr)
         return 2

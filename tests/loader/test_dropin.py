@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -244,6 +245,107 @@ def test_bad_states_and_mismatches_are_refused_with_the_loader_unchanged() -> No
     with pytest.raises((StateMismatchError, StateFormatError)):
         other.load_state_dict(pipeline_state)
     assert len(list(other)) == len(other)
+
+
+def _shuffled_state(**arguments: Any) -> dict[str, Any]:
+    loader = el.SavableDataLoader(TENSORS, batch_size=4, **arguments)
+    next(iter(loader))
+    return plain_roundtrip(loader.state_dict())
+
+
+def _flip_a_byte(text: str) -> str:
+    raw = bytearray(base64.b64decode(text))
+    raw[100] ^= 0x01
+    return base64.b64encode(bytes(raw)).decode("ascii")
+
+
+@pytest.mark.parametrize(
+    ("saved", "now", "field"),
+    [
+        ({"shuffle": True}, {"shuffle": False}, "sampler"),
+        ({"shuffle": False}, {"shuffle": True}, "sampler"),
+        ({"shuffle": True, "generator": True}, {"shuffle": True}, "generators"),
+        ({"shuffle": True}, {"shuffle": True, "generator": True}, "generators"),
+    ],
+)
+def test_a_state_of_another_sampling_setup_is_refused_naming_the_field(
+    saved: dict[str, Any], now: dict[str, Any], field: str
+) -> None:
+    def arguments(spec: dict[str, Any]) -> dict[str, Any]:
+        out = {"shuffle": spec["shuffle"]}
+        if spec.get("generator"):
+            out["generator"] = torch.Generator().manual_seed(3)
+        return out
+
+    state = _shuffled_state(**arguments(saved))
+    loader = el.SavableDataLoader(TENSORS, batch_size=4, **arguments(now))
+    with pytest.raises(StateMismatchError, match=field):
+        loader.load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("edit", "error", "field"),
+    [
+        (lambda s: s["job"].update(seed=s["job"]["seed"] + 1), StateFormatError, "state.job"),
+        (lambda s: s["rng"].__setitem__(0, _flip_a_byte(s["rng"][0])), StateFormatError, "rng"),
+        (lambda s: s["rng"].__setitem__(0, s["rng"][0][:4000]), StateFormatError, "bytes"),
+        (lambda s: s["rng"].__setitem__(0, "not base64!"), StateFormatError, "base64"),
+        (lambda s: s.update(epoch=-1), StateFormatError, "state.epoch"),
+        (lambda s: s["checks"].pop("rng"), StateFormatError, "checks"),
+    ],
+    ids=[
+        "job_seed",
+        "flipped_generator_byte",
+        "truncated_generator",
+        "not_base64",
+        "epoch",
+        "checks",
+    ],
+)
+def test_an_edited_or_damaged_state_is_refused_at_load_with_the_loader_unchanged(
+    edit: Any, error: type[Exception], field: str
+) -> None:
+    reference = el.SavableDataLoader(TENSORS, batch_size=4, shuffle=True)
+    expected = list(reference)
+    state = _shuffled_state(shuffle=True)
+    edit(state)
+    torch.manual_seed(0)
+    loader = el.SavableDataLoader(TENSORS, batch_size=4, shuffle=True)
+    with pytest.raises(error, match=field):
+        loader.load_state_dict(state)
+    torch.manual_seed(0)
+    assert len(list(loader)) == len(expected)  # a fresh epoch, as if nothing was loaded
+
+
+def test_a_pipeline_state_given_to_a_drop_in_loader_is_named_as_such() -> None:
+    pipeline = el.SavableDataLoader(el.IndexedSource(list(range(4))))
+    next(iter(pipeline))
+    for state in (pipeline.state_dict(), pipeline.save_state_rank()):
+        with pytest.raises(StateMismatchError, match="savable pipeline"):
+            el.SavableDataLoader(TENSORS, batch_size=4).load_state_dict(state)
+
+
+def test_under_a_distributed_sampler_any_ranks_state_restores_every_rank() -> None:
+    """The ranks advance in lockstep, so rank 0's state (what Lightning keeps) is rank 1's."""
+
+    def make(rank: int) -> el.SavableDataLoader:
+        sampler = DistributedSampler(TENSORS, num_replicas=2, rank=rank, seed=5)
+        config = el.WorkerConfig(rank=rank, world_size=2, num_workers=0)
+        return el.SavableDataLoader(TENSORS, batch_size=3, sampler=sampler, worker_config=config)
+
+    uninterrupted = list(make(1))
+    saving = make(0)
+    iterator = iter(saving)
+    next(iterator)
+    next(iterator)
+    restored = make(1)
+    restored.load_state_dict(plain_roundtrip(saving.state_dict()))
+    assert_same(list(restored), uninterrupted[2:])
+    other_world = el.SavableDataLoader(
+        TENSORS, batch_size=3, sampler=DistributedSampler(TENSORS, num_replicas=3, rank=1)
+    )
+    with pytest.raises(StateMismatchError):
+        other_world.load_state_dict(saving.state_dict())
 
 
 def test_torch_argument_errors_are_torchs() -> None:

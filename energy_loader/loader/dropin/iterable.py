@@ -157,6 +157,10 @@ class IterableEngine:
 
         self.inner.plan_restore([RankState.from_plain(state.pipeline)])
 
+    def rank_free(self, state: IterableState) -> bool:
+        """An iterable dataset's state is its rank's own stream."""
+        return False
+
     def restore(self, state: IterableState) -> None:
         self.check(state)
         self.inner.restore_state_rank(state.pipeline)

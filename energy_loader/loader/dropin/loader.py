@@ -223,13 +223,18 @@ class DropInDataLoader(SavableDataLoader):
     def restore_state_rank(self, state: dict[str, Any]) -> None:
         """Continue exactly from ``state`` at the next ``iter()``, on any ``num_workers``.
 
+        Under a ``DistributedSampler`` the ranks of a job advance in lockstep, so a state
+        names the job's position, not the rank's: any rank's state restores every rank of
+        the same world size (Lightning hands rank 0's state to every rank).
+
         Raises ``StateFormatError`` for something that is not a drop-in state and
         ``StateMismatchError`` for a state of another dataset, sampler or batching, or of
         another rank; the loader is then left as it was.
         """
         decoded = self._engine.decode(state)
         config = self._worker_config
-        if decoded.world_size != config.world_size or decoded.rank != config.rank:
+        other_rank = decoded.rank != config.rank and not self._engine.rank_free(decoded)
+        if decoded.world_size != config.world_size or other_rank:
             raise StateMismatchError(
                 f"the state was saved by rank {decoded.rank} of {decoded.world_size}; this loader "
                 f"is rank {config.rank} of {config.world_size}. A drop-in loader restores on "
@@ -301,8 +306,24 @@ class DropInDataLoader(SavableDataLoader):
             "loader's dataset is indexed directly: dataset[index]"
         )
 
-    def peek_keys(self, n: int) -> list[Any]:
-        raise TypeError("peek_keys needs a savable pipeline (samples with restore keys)")
+    def peek_keys(self, n: int, state: dict[str, Any] | None = None) -> list[Any]:
+        """The dataset indices of the next ``n`` batches of the current epoch (a list per
+        batch, an index without batching; fewer if the epoch ends first), changing nothing.
+
+        With ``state`` (any rank's saved state of this dataset and sampling setup): the
+        batches after that saved position instead (``python -m energy_loader replay``).
+        Map-style datasets only; an iterable dataset's items have no index.
+        """
+        require_int(n, "n", minimum=0)
+        if self._iterable:
+            raise TypeError(
+                "peek_keys needs a map-style dataset (an iterable's items have no index)"
+            )
+        saved = None
+        if state is not None:
+            saved = self._engine.decode(state)
+            self._engine.check(saved)
+        return list(self._engine.peek_units(n, saved))
 
     def stats(self) -> dict[str, Any]:
         raise TypeError("stats() is available for savable pipelines only")

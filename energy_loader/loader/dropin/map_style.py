@@ -201,7 +201,8 @@ class MapEngine:
         # epoch (once, at epoch 0, if it started with persistent workers) and none in a
         # restored epoch (the saving run drew it), nor, from the second epoch on, from the
         # training process's global generator: take back or add the difference.
-        if epoch.resume is not None or (rng.uses_global and epoch.number >= 1):
+        from_global = self.base_seed_generator is torch.default_generator
+        if epoch.resume is not None or (from_global and epoch.number >= 1):
             wanted = False
         else:
             wanted = epoch.number == 0 or not job.persistent
@@ -224,9 +225,7 @@ class MapEngine:
             if state.rng_at_iter is None
             else decode_generator_states(state.rng_at_iter, "state.rng_at_iter")
         )
-        start = EpochStart(
-            state.epoch, states, at_iter, encoded=(state.rng, state.rng_at_iter)
-        )
+        start = EpochStart(state.epoch, states, at_iter, encoded=(state.rng, state.rng_at_iter))
         iterator, after = positioned_iterator(
             self.index_sampler, self.rng, start, state.used, state.sampler_state, self.length
         )
@@ -387,6 +386,46 @@ class MapEngine:
     def check(self, state: MapState) -> None:
         check_restorable(state, self)
 
+    def peek_units(self, count: int, saved: MapState | None = None) -> list[Any]:
+        """The units (a batch's indices, or an index) of the next ``count`` batches of the
+        current epoch -- or of the epoch ``saved`` stands in -- (fewer if it ends first),
+        changing nothing: the sampler is re-run from the epoch's recorded start in this
+        process, every generator put back after."""
+        if self.stateful is not None:
+            raise TypeError(
+                "peek_keys cannot re-run a sampler with state_dict()/load_state_dict() without "
+                "changing it; iterate a copy of the loader instead"
+            )
+        state = saved or (self.pending if self.pending is not None else self.save(0, 1, 0))
+        if not state.started:
+            raise ValueError(
+                "nothing to peek before the first iter(): torch draws the epoch's order then"
+            )
+        from .state import decode_generator_states
+
+        start = EpochStart(
+            state.epoch,
+            None if state.rng is None else decode_generator_states(state.rng, "state.rng"),
+            None
+            if state.rng_at_iter is None
+            else decode_generator_states(state.rng_at_iter, "state.rng_at_iter"),
+        )
+        kept = self.rng.capture()
+        try:
+            iterator, _ = positioned_iterator(
+                self.index_sampler, self.rng, start, state.used, None, self.length
+            )
+            if iterator is None:
+                return []
+            return [_plain_unit(unit) for _, unit in zip(range(count), iterator)]
+        finally:
+            self.rng.put(kept)
+
+    def rank_free(self, state: MapState) -> bool:
+        """Whether the state names the job's position, whichever rank saved it: under a
+        ``DistributedSampler`` every rank has used the same number of batches."""
+        return "DistributedSampler" in str(state.config.get("sampler"))
+
     def restore(self, state: MapState) -> None:
         check_restorable(state, self)
         self.shutdown()
@@ -482,6 +521,13 @@ class _MapIterator:
         if length is None:
             raise TypeError("the sampler has no len()")
         return length
+
+
+def _plain_unit(unit: Any) -> Any:
+    """A sampler's unit as plain data: a list of indices, or one index."""
+    if isinstance(unit, (list, tuple)):
+        return [int(index) if isinstance(index, int) else index for index in unit]
+    return int(unit) if isinstance(unit, int) else unit
 
 
 def _config_of(loader: DropInDataLoader, rng: SamplerRng) -> dict[str, Any]:

@@ -253,7 +253,14 @@ def positioned_iterator(
                     )
         # An epoch of known length whose units were all used is over: peeking would start
         # the next one in a sampler that runs on across epochs (a Stateful one).
-        peeked = _END if used == length else next(iterator, _END)
+        if used == length:
+            peeked = _END
+            if stateful is not None and sampler_state is not None:
+                # Let the sampler close its epoch, as the uninterrupted run's last pull did
+                # (a sampler that already did starts its next epoch anew at the next iter()).
+                next(iterator, None)
+        else:
+            peeked = next(iterator, _END)
         after = rng.capture()
     finally:
         if user_global is not None:

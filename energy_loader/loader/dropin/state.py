@@ -52,8 +52,10 @@ __all__ = [
     "JobStart",
     "MapState",
     "decode_generator_states",
+    "describe_dropin_state",
     "encode_generator_states",
     "read_header",
+    "summarize_dropin_state",
 ]
 
 DROPIN_STATE_FORMAT = "energy_loader.dropin_state"
@@ -247,3 +249,60 @@ def _verify(name: str, actual: str, recorded: str) -> None:
             f"state.{name} does not match its digest in state.checks.{name}: the state was "
             "edited or damaged after it was saved (restore from an intact copy)"
         )
+
+
+def summarize_dropin_state(state: Any) -> dict[str, Any]:
+    """A drop-in state as a small JSON-able summary (validated first), for ``inspect``."""
+    reader = StateReader(state, "state")
+    kind = reader.str("kind", choices=("map", "iterable")) if reader.has("kind") else "map"
+    config = reader.raw("config") if reader.has("config") else {}
+    summary: dict[str, Any] = {"format": DROPIN_STATE_FORMAT, "kind": kind}
+    if kind == "iterable":
+        read_header(state, "iterable")
+        summary.update(rank=reader.int("rank"), world_size=reader.int("world_size"))
+        summary.update(config=config)
+        return summary
+    decoded = MapState.from_plain(state)
+    per_epoch = config.get("batches_per_epoch") if isinstance(config, dict) else None
+    summary.update(
+        rank=decoded.rank,
+        world_size=decoded.world_size,
+        started=decoded.started,
+        epoch=decoded.epoch,
+        batches_handed_out=decoded.used,
+        batches_per_epoch=per_epoch,
+        epoch_over=bool(decoded.started and per_epoch is not None and decoded.used == per_epoch),
+        job_seed=None if decoded.job is None else decoded.job.seed,
+        config=config,
+    )
+    if per_epoch:
+        summary["fraction_through"] = decoded.used / per_epoch
+    return summary
+
+
+def describe_dropin_state(state: Any) -> str:
+    """A multi-line description of a drop-in state (validated first), for ``inspect``."""
+    summary = summarize_dropin_state(state)
+    config = summary["config"] if isinstance(summary["config"], dict) else {}
+    lines = [
+        f"format {DROPIN_STATE_FORMAT} version {DROPIN_STATE_VERSION} "
+        f"(the drop-in loader over a {summary['kind']}-style dataset)",
+        f"rank {summary['rank']} of {summary['world_size']}",
+    ]
+    if summary["kind"] == "map":
+        if not summary["started"]:
+            lines.append("saved before the first iter(): the next one starts epoch 0")
+        elif summary["epoch_over"]:
+            lines.append(
+                f"epoch {summary['epoch']} over ({summary['batches_handed_out']:,} batches "
+                f"handed out); the next iter() starts epoch {summary['epoch'] + 1}"
+            )
+        else:
+            of = summary["batches_per_epoch"]
+            lines.append(
+                f"epoch {summary['epoch']}, {summary['batches_handed_out']:,} of "
+                f"{'?' if of is None else f'{of:,}'} batches handed out"
+            )
+    lines.append("dataset and sampling:")
+    lines += [f"  {name}: {value}" for name, value in config.items()]
+    return "\n".join(lines)
