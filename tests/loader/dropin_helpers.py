@@ -205,3 +205,11 @@ def stop_and_resume(
     train(restored, epochs, got, set_epoch=hook(restored))
     restored.close()
     assert_same(got, uninterrupted, f"stop {stop}")
+
+
+def build_shuffled_loader() -> Any:
+    """What a training script's ``--pipeline`` function returns for ``replay``: a drop-in
+    loader over a plain dataset (the command reads the dataset and sampling from it)."""
+    import energy_loader as el
+
+    return el.SavableDataLoader(Dicts(23), batch_size=4, shuffle=True)

@@ -1,0 +1,88 @@
+"""``inspect`` and ``replay`` on the states a drop-in loader saved: files the library wrote
+itself (per-rank files) and a training checkpoint holding ``loader.state_dict()``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import energy_loader as el
+
+from .dropin_helpers import build_shuffled_loader
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "energy_loader", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
+    """A run saved after 2 of its 6 batches, and the batches that came after."""
+    folder = tmp_path_factory.mktemp("dropin")
+    loader = build_shuffled_loader()
+    iterator = iter(loader)
+    next(iterator), next(iterator)
+    el.save_state_rank_file(loader, folder / "files")
+    torch.save({"step": 2, "data": loader.state_dict()}, folder / "checkpoint.pt")
+    rest = [batch["index"].tolist() for batch in iterator]
+    return folder, rest
+
+
+def test_inspect_describes_a_drop_in_state(saved: tuple[Path, list[Any]]) -> None:
+    folder, _ = saved
+    text = _run("inspect", str(folder / "checkpoint.pt"))
+    assert text.returncode == 0, text.stderr
+    assert "epoch 0, 2 of 6 batches handed out" in text.stdout
+    assert "BatchSampler(RandomSampler)" in text.stdout
+    summary = json.loads(_run("inspect", "--json", str(folder / "files")).stdout)
+    assert (summary["epoch"], summary["batches_handed_out"]) == (0, 2)
+    assert summary["fraction_through"] == pytest.approx(2 / 6)
+
+
+def test_replay_prints_the_indices_and_samples_the_run_yielded_next(
+    saved: tuple[Path, list[Any]],
+) -> None:
+    folder, rest = saved
+    result = _run(
+        "replay",
+        "--pipeline",
+        "tests.loader.dropin_helpers:build_shuffled_loader",
+        str(folder / "files"),
+        "--steps",
+        "1:3",
+        "--json",
+        "--samples",
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [row["key"] for row in rows] == rest[1:3]
+    assert [[s["index"] for s in row["sample"]] for row in rows] == rest[1:3]
+
+
+def test_peek_keys_changes_nothing_and_agrees_with_the_run() -> None:
+    loader = build_shuffled_loader()
+    iterator = iter(loader)
+    next(iterator)
+    torch.manual_seed(5)
+    expected_draw = torch.rand(2)
+    torch.manual_seed(5)
+    peeked = loader.peek_keys(3)
+    assert torch.equal(torch.rand(2), expected_draw)  # the global RNG is as it was
+    assert peeked == [next(iterator)["index"].tolist() for _ in range(3)]
+    assert loader.peek_keys(10) == [batch["index"].tolist() for batch in iterator]
