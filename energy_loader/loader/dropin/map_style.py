@@ -178,16 +178,19 @@ class MapEngine:
         previous = self.epoch
         if pending is not None:
             self.job = pending.job
-        if self.job is None:  # the job's first iter(): what all its epochs derive from
-            self.job = JobStart(job_seed(self.base_seed_generator), self.persistent_workers)
         job = self.job
+        if job is None or job.seed is None:  # the job's first iter()
+            persistent = self.persistent_workers if job is None else job.persistent
+            job = self.job = JobStart(job_seed(self.base_seed_generator), persistent)
+        seed = job.seed
+        assert seed is not None
         epoch = _Epoch(0 if previous is None else previous.number + 1)
         if pending is not None and pending.started:
             epoch = self._resume(pending)
-        epoch.seed = epoch_seed(job.seed, epoch.number)
+        epoch.seed = epoch_seed(seed, epoch.number)
         rng = self.rng
         if rng.uses_global and rng.draws and epoch.number >= 1 and epoch.resume is None:
-            epoch.private = PrivateGlobal(epoch_global_state(job.seed, epoch.number))
+            epoch.private = PrivateGlobal(epoch_global_state(seed, epoch.number))
         self.epoch = epoch
         self.bundle = 1
         new_iterator = self.torch_iterator is None or not self.persistent_workers
@@ -348,8 +351,9 @@ class MapEngine:
         if epoch is None:
             if held_back:
                 raise ValueError(f"held_back={held_back}: nothing was handed out yet")
+            job = JobStart(None, self.persistent_workers)  # the job that will start
             return MapState(
-                rank, world_size, self.config, False, 0, 0, None, None, None, None, "", ""
+                rank, world_size, self.config, False, 0, 0, job, None, None, None, "", ""
             )
         used = epoch.used - held_back
         if used < 0:

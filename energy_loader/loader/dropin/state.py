@@ -158,7 +158,7 @@ class JobStart:
     torch's base seed once (persistent workers) or once an epoch.
     """
 
-    seed: int
+    seed: int | None  # None: saved before the job's first iter(), which draws it
     persistent: bool
 
     def check(self) -> str:
@@ -213,11 +213,12 @@ class MapState:
         job = None
         if reader.raw("job") is not None:
             job_reader = reader.sub("job")
-            job = JobStart(job_reader.int("seed"), job_reader.bool("persistent"))
+            seed = None if job_reader.raw("seed") is None else job_reader.int("seed")
+            job = JobStart(seed, job_reader.bool("persistent"))
             _verify("job", job.check(), checks.str("job"))
         started = reader.bool("started")
-        if started and job is None:
-            raise StateFormatError("state.job is null in a state saved after the first iter()")
+        if started and (job is None or job.seed is None):
+            raise StateFormatError("state.job.seed is null in a state saved after the first iter()")
         texts: dict[str, list[str] | None] = {}
         for name in ("rng", "rng_at_iter"):
             value = reader.raw(name)
