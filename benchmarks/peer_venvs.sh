@@ -3,7 +3,7 @@
 # own: MosaicML Streaming (numpy < 2.2) and Google Grain. Each venv gets this project (with the
 # `bench-workloads` extra: the same tokenizer, Pillow, pyarrow and webdataset as our side) and
 # the peer, all installed with `-c constraints.txt` so that torch stays the pinned CPU build.
-# `python -m energy_loader bench --workload llm|vision` runs a peer in its venv when the venv
+# `python benchmarks/bench_peers.py --workload llm|vision` runs a peer in its venv when the venv
 # exists (default location: .venv-peers/ in the repository, or --peer-venvs DIR).
 #
 #   bash benchmarks/peer_venvs.sh [DIR] [PEER ...]      # PEER: streaming, grain (default: both)

@@ -50,7 +50,7 @@ BUCKETS = {
     "reading files": ("parquet", "pyarrow", "read_row_group", "to_pylist", "_tar", "tarfile",
                       "webdataset", "seek", "read"),
     "seeding": ("seed_globals", "manual_seed", "mix64", "fold_key", "seed"),
-    "pack / batch / collate": ("packing", "collate", "stack", "cat", "batch", "_sequences"),
+    "pack / batch / collate": ("packing", "collate", "stack", "cat", "batch", "sequences"),
 }  # fmt: skip
 
 
@@ -84,11 +84,12 @@ _count: Any = None
 def _in_loader(workload: str, folder: Path, items: int) -> int:
     """Each in-process contender of the bench over ``items`` batches: per process, CPU
     seconds, context switches and minor page faults per 1,000 samples."""
+    from peers.peer_torchdata import torchdata_real_contender
+
     from energy_loader.cli.bench.real import REAL_WORKLOADS, real_contenders
 
     count_of = REAL_WORKLOADS[workload].count
-    wanted = ("plain", "energy_loader", "torchdata")
-    contenders = [c for c in real_contenders(workload, folder) if c.name in wanted]
+    contenders = [*real_contenders(workload, folder), torchdata_real_contender(workload, folder)]
     print(f"{workload}, {items} batches, per 1,000 samples (switches: voluntary + involuntary)")
     for contender in contenders:
         if contender.missing() is not None:

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("torchdata.stateful_dataloader")
 
-from energy_loader.cli.bench.peer_torchdata import torchdata_contender
+from benchmarks.peers.peer_torchdata import torchdata_contender, torchdata_real_contender
 from energy_loader.cli.bench.workloads import BATCH, WORKLOADS
 
 
@@ -40,20 +40,20 @@ def test_torchdata_peer_resumes_exactly_mid_epoch(workload: str, samples: int) -
 def test_torchdata_peer_resumes_the_llm_workload_exactly(tmp_path) -> None:
     """Its Stateful docs dataset (epoch, document, token offset) continues token for token."""
     from energy_loader.cli.bench.data import ensure_data
-    from energy_loader.cli.bench.llm import fingerprint, plain_loader
+    from energy_loader.cli.bench.llm import fingerprint
 
     folder = ensure_data(tmp_path, "llm", 160, progress=False)
-    loader = plain_loader(folder, stateful=True)
+    contender = torchdata_real_contender("llm", folder)
+    loader = contender.build(0, "llm")
     reference = [fingerprint(batch) for batch in loader]
-    loader._iterator._shutdown_workers()
+    contender.close(loader)
     for stop in (1, len(reference) // 2, len(reference) - 1):
-        loader = plain_loader(folder, stateful=True)
+        loader = contender.build(0, "llm")
         iterator = iter(loader)
         for _ in range(stop):
             next(iterator)
-        state = loader.state_dict()
-        iterator._shutdown_workers()
-        restored = plain_loader(folder, stateful=True)
-        restored.load_state_dict(state)
+        state = contender.save(loader)
+        contender.close(loader)
+        restored = contender.restored(0, "llm", state)
         assert [fingerprint(batch) for batch in restored] == reference[stop:], f"stop {stop}"
-        restored._iterator._shutdown_workers()
+        contender.close(restored)

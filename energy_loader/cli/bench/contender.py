@@ -7,8 +7,9 @@ every contender: throughput with and without a save every :data:`SAVE_EVERY` bat
 latency, restore-to-first-batch at 10/50/90% of the epoch, state size, peak RSS of main and
 workers, and an exact-resume check (the batches after a restore equal the uninterrupted run's).
 
-Peers (torchdata's ``StatefulDataLoader``, megatron-energon's ``SavableDataLoader``) live in
-their own modules and are used only when installed (``pip install -e '.[bench]'``).
+Other libraries' loaders are contenders too, but not in the installed package: their adapters
+live in the repository's ``benchmarks/peers/`` and ``benchmarks/bench_peers.py`` runs them
+beside these two, through the same runner.
 """
 
 from __future__ import annotations
@@ -27,10 +28,8 @@ __all__ = [
     "Contender",
     "bound_to_folder",
     "energy_loader_contender",
-    "peer_venv_python",
     "plain_contender",
     "shutdown_workers",
-    "venv_missing",
 ]
 
 
@@ -144,24 +143,3 @@ def bound_to_folder(build: Callable[..., Any], folder: Any, workload: str) -> Ca
         return build(folder, **options)
 
     return bound
-
-
-def peer_venv_python(venvs: Any, name: str) -> str:
-    """The python of the peer venv ``name`` (under ``venvs``, or the repository's
-    ``.venv-peers``, where benchmarks/peer_venvs.sh makes it)."""
-    from pathlib import Path
-
-    root = Path(venvs) if venvs is not None else Path(__file__).resolve().parents[3] / ".venv-peers"
-    return str(root / name / "bin" / "python")
-
-
-def venv_missing(python: str) -> Callable[[], str | None]:
-    """A contender's ``missing`` check: why a peer in its own venv cannot run, or None."""
-    import os
-
-    def missing() -> str | None:
-        if not os.path.exists(python):
-            return f"no venv at {python} (make it: bash benchmarks/peer_venvs.sh)"
-        return None
-
-    return missing

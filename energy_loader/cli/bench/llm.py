@@ -9,9 +9,10 @@ sequences is each library's own way:
   within each, ``shuffle_window=1``, as the plain peers shuffle) -> :class:`PackingDataset`
   (first fit over a look-ahead of 16 pieces, a document longer than 2,048 tokens split, each
   pack padded to 2,048 with its ``cu_seqlens``) -> :class:`BatchDataset` of 8;
-- the plain torch ``DataLoader`` and torchdata: an ``IterableDataset`` over pyarrow
-  (:class:`PlainDocs`) that concatenates the tokens of its documents and cuts them every
-  2,048 (the usual "concat and chunk"), batched 8 by the loader.
+- the plain torch ``DataLoader``: an ``IterableDataset`` over pyarrow (:class:`PlainDocs`)
+  that concatenates the tokens of its documents and cuts them every 2,048 (the usual "concat
+  and chunk"), batched 8 by the loader (the torchdata peer of the repository's
+  ``benchmarks/peers/`` runs the same dataset, made ``Stateful``).
 
 Packing strategies fill sequences differently (first fit pads the end of some packs;
 concat-and-chunk pads only the last), so throughput counts *real* tokens: a batch's
@@ -28,8 +29,9 @@ import hashlib
 import json
 import random
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -40,14 +42,15 @@ from .data import EOS, PAD, parquet_files
 
 __all__ = [
     "BATCH",
+    "LOADER_OPTIONS",
     "SEQ_LEN",
     "PlainDocs",
-    "StatefulDocs",
     "Tokenize",
     "count",
     "fingerprint",
     "llm_pipeline",
     "plain_loader",
+    "row_groups",
 ]
 
 SEQ_LEN = 2048
@@ -55,6 +58,10 @@ BATCH = 8
 PACK_BUFFER = 16
 WORKERS = 2
 PREFETCH = 2
+# The plain DataLoader's arguments; a peer's loader over the same documents takes them too.
+LOADER_OPTIONS: Mapping[str, Any] = MappingProxyType(
+    dict(batch_size=BATCH, num_workers=WORKERS, prefetch_factor=PREFETCH, persistent_workers=True)
+)
 
 _TOKENIZERS: dict[str, tuple[Any, int]] = {}
 
@@ -149,7 +156,7 @@ def llm_pipeline(folder: Path, seed: int = 0, *, seed_per_sample: bool = True) -
     return BatchDataset(packs, BATCH, collate_fn=collate_packs)
 
 
-def _row_groups(files: list[str]) -> list[tuple[str, int, int]]:
+def row_groups(files: list[str]) -> list[tuple[str, int, int]]:
     """``(file, row group, rows)`` of every row group of ``files``."""
     import pyarrow.parquet as pq
 
@@ -174,7 +181,7 @@ class PlainDocs(IterableDataset):
         self.files = parquet_files(folder)
         self.tokenize = Tokenize(tokenizer_path(folder))
         self.seed, self.epoch = seed, 0
-        self.groups = _row_groups(self.files)
+        self.groups = row_groups(self.files)
 
     def _worker(self) -> tuple[int, int]:
         info = get_worker_info()
@@ -216,10 +223,11 @@ class PlainDocs(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         epoch = self.epoch
         self.epoch += 1
-        yield from self._sequences(epoch, 0, 0)
+        yield from self.sequences(epoch, 0, 0)
 
-    def _sequences(self, epoch: int, start: int, offset: int) -> Iterator[dict[str, Any]]:
-        """Sequences of ``epoch`` whose tokens start at token ``offset`` of document ``start``."""
+    def sequences(self, epoch: int, start: int, offset: int) -> Iterator[dict[str, Any]]:
+        """Sequences of ``epoch`` whose tokens start at token ``offset`` of document ``start``
+        (where a resumable version of this dataset picks up from its state)."""
         pending: list[torch.Tensor] = []
         held = 0
         first_doc, first_offset = start, offset
@@ -251,47 +259,6 @@ class PlainDocs(IterableDataset):
         """Called before each sequence is yielded: where the next one starts (a hook)."""
 
 
-class StatefulDocs(PlainDocs):
-    """:class:`PlainDocs` with torchdata's ``Stateful`` protocol: the state is the epoch and
-    where the next sequence starts (document number in the worker's shard, token offset);
-    a restore re-reads and re-tokenizes that document and goes on from there."""
-
-    def __init__(self, folder: Path, seed: int = 0) -> None:
-        super().__init__(folder, seed)
-        self._state: dict[str, Any] = {"epoch": 0, "document": 0, "offset": 0}
-        self._resume: dict[str, Any] | None = None
-
-    def progress(self, epoch: int, document: int | None, offset: int) -> None:
-        self._state = {"epoch": epoch, "document": document, "offset": offset}
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self._state)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._resume, self._state = dict(state), dict(state)
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        state, self._resume = self._resume, None
-        if state is None:
-            yield from super().__iter__()
-            return
-        self.epoch = state["epoch"] + 1
-        if state["document"] is None:  # the epoch was over
-            return
-        yield from self._sequences(state["epoch"], state["document"], state["offset"])
-
-
-def plain_loader(folder: Path, *, stateful: bool = False) -> Any:
-    """The plain torch ``DataLoader`` (or torchdata's ``StatefulDataLoader``) over the docs."""
-    loader_class: Any = DataLoader
-    if stateful:
-        from torchdata.stateful_dataloader import StatefulDataLoader
-
-        loader_class = StatefulDataLoader
-    return loader_class(
-        StatefulDocs(folder) if stateful else PlainDocs(folder),
-        batch_size=BATCH,
-        num_workers=WORKERS,
-        prefetch_factor=PREFETCH,
-        persistent_workers=True,
-    )
+def plain_loader(folder: Path) -> DataLoader:
+    """The plain torch ``DataLoader`` over :class:`PlainDocs`."""
+    return DataLoader(PlainDocs(folder), **LOADER_OPTIONS)

@@ -1,14 +1,13 @@
 """The bench's real workloads (``llm``, ``vision``): what a batch counts, how batches are compared,
-and the contenders that run them.
+and the two contenders of ``python -m energy_loader bench`` that run them.
 
 A real workload reads files made once into a cache folder (:mod:`.data`), so its contenders are
 built for one folder: :func:`real_contenders` binds each :class:`~.contender.Contender`'s
 ``build`` to it (the ``samples`` and ``workload`` arguments the runner passes are then only
-checked). The contenders: the plain torch ``DataLoader``, energy_loader, torchdata's
-``StatefulDataLoader`` (all in this interpreter), megatron-energon (``vision``: it reads tars),
-and MosaicML Streaming and Google Grain, each run in its own venv
-(``benchmarks/peer_venvs.sh``), where ``python -m energy_loader bench`` runs them as it runs
-everything else: one child process per run, a JSON line back.
+checked). The contenders here are the plain torch ``DataLoader`` and energy_loader; the other
+libraries' loaders on the same files (torchdata, megatron-energon, MosaicML Streaming, Grain)
+are not part of the installed package: the repository's ``benchmarks/bench_peers.py`` adds
+them to these two.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import attrs
 
 from . import llm, vision
 from .contender import Contender, bound_to_folder, energy_loader_contender, shutdown_workers
-from .peer_torchdata import torchdata_contender
 
 __all__ = ["REAL_WORKLOADS", "RealWorkload", "real_contenders"]
 
@@ -71,22 +69,18 @@ def _ours(workload: str, folder: Path, *, seed_per_sample: bool = True, **option
     )
 
 
-def _plain(workload: str, folder: Path, *, stateful: bool = False) -> Any:
+def _plain(workload: str, folder: Path) -> Any:
     module = llm if workload == "llm" else vision
-    return module.plain_loader(folder, stateful=stateful)
+    return module.plain_loader(folder)
 
 
-def real_contenders(workload: str, folder: Path, venvs: Path | None = None) -> list[Contender]:
-    """Every contender of ``workload`` over the data in ``folder``; peers that need their own
-    venv run in ``venvs/<peer>`` (default: ``.venv-peers`` of the repository)."""
+def real_contenders(workload: str, folder: Path) -> list[Contender]:
+    """The plain torch ``DataLoader`` and energy_loader on ``workload`` over the data in
+    ``folder``, built as the synthetic workloads' contenders are, for that folder."""
     if workload not in REAL_WORKLOADS:
         raise ValueError(f"unknown real workload {workload!r} (choose from llm, vision)")
-    from .peer_grain import grain_contender
-    from .peer_streaming import streaming_contender
-
     folder = Path(folder)
-    # Our loader and torchdata's as the synthetic workloads drive them, built for the folder.
-    contenders = [
+    return [
         Contender(
             "plain",
             build=bound_to_folder(functools.partial(_plain, workload), folder, workload),
@@ -98,17 +92,4 @@ def real_contenders(workload: str, folder: Path, venvs: Path | None = None) -> l
             build=bound_to_folder(functools.partial(_ours, workload), folder, workload),
             close=lambda loader: loader.close(),
         ),
-        attrs.evolve(
-            torchdata_contender(),
-            build=bound_to_folder(
-                functools.partial(_plain, workload, stateful=True), folder, workload
-            ),
-        ),
     ]
-    if workload == "vision":
-        from .peer_energon import energon_vision_contender
-
-        contenders.append(energon_vision_contender(folder))
-    contenders.append(streaming_contender(workload, folder, venvs))
-    contenders.append(grain_contender(workload, folder, venvs))
-    return contenders

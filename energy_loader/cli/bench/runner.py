@@ -6,8 +6,14 @@ samples -> map -> shuffle buffer of 1000 -> batch of 32, 2 workers, prefetch 2) 
 ``llm`` (Parquet documents -> tokenizer -> 2,048-token packs -> batches of 8) and ``vision``
 (WebDataset JPEGs -> decode -> random resized crop + flip -> batches of 64), whose data is
 made once into ``--cache`` (:mod:`.data`). On the real workloads every stateful contender
-runs with a save every 50 batches only (what a training loop does), and peers that need their
-own venv (``benchmarks/peer_venvs.sh``) run their child processes there.
+runs with a save every 50 batches only (what a training loop does).
+
+What a run compares is its :class:`Bench`: ``python -m energy_loader bench`` compares
+energy_loader with the plain DataLoader (:data:`BENCH`); the repository's
+``benchmarks/bench_peers.py`` runs this same runner with other libraries' loaders added
+(torchdata, megatron-energon, MosaicML Streaming, Grain; the ones whose requirements conflict
+with ours run their child processes in venvs of their own). The adapters of those libraries
+stay out of the installed package.
 
 Throughput runs, each in a fresh subprocess (clean memory numbers, nothing shared between
 runs) and interleaved over ``repetitions`` rounds in rotating order, because this kind of
@@ -18,9 +24,9 @@ machine is noisy (+-15%):
   token samples itself, keeping the indices a list, so that one tensor per batch crosses;
   images are batched by the DataLoader, whose collate writes the batch straight into shared
   memory): the reference every ratio is relative to;
-- for each stateful contender (energy_loader, and the peers that are installed: torchdata's
-  ``StatefulDataLoader``, megatron-energon's ``SavableDataLoader``), ``NAME`` without saves
-  and ``NAME+save50`` with a save every 50 batches, all at the library's defaults;
+- for each stateful contender (energy_loader, and the peers a :class:`Bench` adds that are
+  installed), ``NAME`` without saves and ``NAME+save50`` with a save every 50 batches, all at
+  the library's defaults;
 - ``energy_loader+save50/torch-transport``: with the batch codec off
   (``transport_codec=False``), to show what the codec brings; and
   ``energy_loader+save50/no-seeding``: with ``seed_per_sample=False`` on the map, whose
@@ -44,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +59,11 @@ import torch
 
 from .contender import Contender, energy_loader_contender, plain_contender
 from .data import DEFAULT_CACHE, data_dir, ensure_data
-from .peer_energon import energon_contender
-from .peer_torchdata import torchdata_contender
 from .processes import cpu_seconds, descendants, peak_rss_kib
 from .real import REAL_WORKLOADS, real_contenders
 from .workloads import BATCH, PREFETCH, SAVE_EVERY, WORKERS, WORKLOADS
 
-__all__ = ["main", "p95", "summarize"]
+__all__ = ["BENCH", "Bench", "baseline_contenders", "main", "p95", "run", "summarize"]
 
 FRACTIONS = (0.1, 0.5, 0.9)
 CHECK_BATCHES = 8
@@ -75,12 +80,57 @@ class _Variant:
     saves: bool = False
 
 
-def _contenders(args: argparse.Namespace) -> list[Contender]:
-    if args.workload in REAL_WORKLOADS:
-        folder = data_dir(args.cache, args.workload, args.samples)
-        return real_contenders(args.workload, folder, args.peer_venvs)
-    peers = [torchdata_contender(), energon_contender()]
-    return [plain_contender(), energy_loader_contender(), *peers]
+def _no_options(parser: argparse.ArgumentParser) -> None:
+    """A bench that adds no options of its own."""
+
+
+@attrs.frozen
+class Bench:
+    """One bench program: its name and help, the contenders it compares, and how it starts
+    its own measured runs.
+
+    Every measured run is a fresh process of the same program, ``python *command ARGS
+    --_run KIND:NAME`` with the arguments the parent was given, so that parent and children
+    parse the same options and build the same contenders, whatever options a bench adds.
+    ``contenders(workload, folder, options)`` gets the real workload's data folder (``None``
+    for the synthetic ones) and the parsed options, ``add_options``' among them (the peers'
+    bench adds where their venvs are). Contenders whose ``missing()`` says why they cannot
+    run are left out and listed.
+    """
+
+    prog: str
+    description: str
+    command: tuple[str, ...]
+    contenders: Callable[[str, Path | None, argparse.Namespace], list[Contender]]
+    add_options: Callable[[argparse.ArgumentParser], None] = _no_options
+
+
+def baseline_contenders(
+    workload: str, folder: Path | None, options: argparse.Namespace | None = None
+) -> list[Contender]:
+    """The plain torch ``DataLoader`` and energy_loader on ``workload`` (over ``folder``'s
+    data for a real workload): what every bench compares, the first rows of its tables. They
+    take no options; ``options`` is there so that this is a :class:`Bench`'s ``contenders``."""
+    if folder is not None:
+        return real_contenders(workload, folder)
+    return [plain_contender(), energy_loader_contender()]
+
+
+BENCH = Bench(
+    prog="python -m energy_loader bench",
+    description="The benchmark workloads (docs/benchmarks.md): a plain torch DataLoader and "
+    "energy_loader running the same pipeline, interleaved repetitions, medians and ratios. "
+    "The other libraries' loaders (torchdata, megatron-energon, MosaicML Streaming, Grain) "
+    "run from a checkout of the repository: python benchmarks/bench_peers.py.",
+    command=("-m", "energy_loader", "bench"),
+    contenders=baseline_contenders,
+)
+
+
+def _contenders(bench: Bench, args: argparse.Namespace) -> list[Contender]:
+    real = args.workload in REAL_WORKLOADS
+    folder = data_dir(args.cache, args.workload, args.samples) if real else None
+    return bench.contenders(args.workload, folder, args)
 
 
 def _count(workload: str) -> Any:
@@ -240,8 +290,8 @@ def _prepare(contender: Contender) -> dict[str, Any]:
     return {"seconds": time.perf_counter() - began}
 
 
-def _child(args: argparse.Namespace) -> int:
-    contenders = {c.name: c for c in _contenders(args)}
+def _child(bench: Bench, args: argparse.Namespace) -> int:
+    contenders = {c.name: c for c in _contenders(bench, args)}
     kind, _, name = args._run.partition(":")
     if kind == "restore":
         result = _restore_run(
@@ -256,16 +306,10 @@ def _child(args: argparse.Namespace) -> int:
     return 0
 
 
-def _spawn(args: argparse.Namespace, run: str, python: str | None = None) -> dict[str, Any]:
-    command = [
-        python or sys.executable, "-m", "energy_loader", "bench", "--_run", run,
-        "--samples", str(args.samples), "--repetitions", str(args.repetitions),
-        "--workload", args.workload, "--cache", str(args.cache),
-    ]  # fmt: skip
-    if args.batches is not None:
-        command += ["--batches", str(args.batches)]
-    if args.peer_venvs is not None:
-        command += ["--peer-venvs", str(args.peer_venvs)]
+def _spawn(bench: Bench, argv: list[str], run: str, python: str | None = None) -> dict[str, Any]:
+    """One measured run in a fresh process of ``bench`` (in ``python``'s venv, or this one),
+    given the parent's arguments; its result is the last line it prints, as JSON."""
+    command = [python or sys.executable, *bench.command, *argv, "--_run", run]
     environment = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(
         command, capture_output=True, text=True, timeout=3600, check=False, env=environment
@@ -417,15 +461,14 @@ def _positive(text: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """Run the bench; exit 0 when energy_loader resumed exactly."""
-    parser = argparse.ArgumentParser(
-        prog="python -m energy_loader bench",
-        description="The benchmark workloads (docs/benchmarks.md): a plain torch DataLoader, "
-        "energy_loader and the installed peers (torchdata, megatron-energon; pip install -e "
-        "'.[bench]'; MosaicML Streaming and Grain in their own venvs: bash "
-        "benchmarks/peer_venvs.sh) running the same pipeline, interleaved repetitions, "
-        "medians and ratios.",
-    )
+    """``python -m energy_loader bench``: energy_loader against the plain DataLoader."""
+    return run(BENCH, argv)
+
+
+def run(bench: Bench, argv: list[str]) -> int:
+    """Run ``bench`` with the command-line arguments ``argv``; exit 0 when energy_loader
+    resumed exactly."""
+    parser = argparse.ArgumentParser(prog=bench.prog, description=bench.description)
     parser.add_argument(
         "--workload",
         choices=CHOICES,
@@ -459,17 +502,8 @@ def main(argv: list[str]) -> int:
         default=DEFAULT_CACHE,
         help=f"where the llm and vision data are made once and kept (default: {DEFAULT_CACHE})",
     )
-    parser.add_argument(
-        "--peer-venvs",
-        type=Path,
-        default=None,
-        help="where benchmarks/peer_venvs.sh made the venvs of MosaicML Streaming and Grain "
-        "(default: .venv-peers in the repository)",
-    )
     parser.add_argument("--out", type=Path, default=None, help="directory for bench.json/png")
-    parser.add_argument(
-        "--no-peers", action="store_true", help="skip every peer (only plain and energy_loader)"
-    )
+    bench.add_options(parser)
     parser.add_argument("--_run", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     real = REAL_WORKLOADS.get(args.workload)
@@ -482,15 +516,15 @@ def main(argv: list[str]) -> int:
     if real is not None and args.samples < 64:
         parser.error("need --samples >= 64 for the llm and vision workloads")
     if args._run is not None:
-        return _child(args)
+        return _child(bench, args)
     if real is not None:
         ensure_data(args.cache, args.workload, args.samples)
     out = args.out or Path(tempfile.mkdtemp(prefix="energy_loader-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     contenders, missing = [], {}
-    for contender in _contenders(args):
-        reason = "skipped (--no-peers)" if args.no_peers else contender.missing()
-        if contender.name in ("plain", "energy_loader") or reason is None:
+    for contender in _contenders(bench, args):
+        reason = contender.missing()
+        if reason is None:
             contenders.append(contender)
         else:
             missing[contender.name] = reason
@@ -499,18 +533,20 @@ def main(argv: list[str]) -> int:
     stateful = [c for c in contenders if c.stateful]
     for contender in contenders:
         if contender.prepare is not None:
-            _spawn(args, f"prepare:{contender.name}", contender.python)
+            _spawn(bench, argv, f"prepare:{contender.name}", contender.python)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     bar = _progress_bar(args.repetitions * len(names) + len(stateful))
     for repetition in range(args.repetitions):
         shift = repetition % len(names)
         for name in names[shift:] + names[:shift]:
             python = variants[name].contender.python
-            runs[name].append(_spawn(args, f"throughput:{name}", python))
+            runs[name].append(_spawn(bench, argv, f"throughput:{name}", python))
             bar.update(1) if bar else None
     restores = {}
     for contender in stateful:
-        restores[contender.name] = _spawn(args, f"restore:{contender.name}", contender.python)
+        restores[contender.name] = _spawn(
+            bench, argv, f"restore:{contender.name}", contender.python
+        )
         bar.update(1) if bar else None
     if bar:
         bar.close()

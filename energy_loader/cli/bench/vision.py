@@ -11,9 +11,9 @@ equal fingerprints mean the same images, pixel for pixel, after the same augment
 - energy_loader: :class:`~energy_loader.WebDatasetSource` (shuffled, members left as bytes) ->
   :class:`MapDataset` (``decode_and_augment``, per-sample seeding on: the augmentation is a
   function of the sample) -> :class:`BatchDataset` of 64;
-- the plain torch ``DataLoader`` and torchdata: ``webdataset.WebDataset`` as its README shows
-  (shard shuffle, a 1,000-sample shuffle buffer, ``.map(decode_and_augment)``), batched 64 by
-  the loader.
+- the plain torch ``DataLoader``: ``webdataset.WebDataset`` as its README shows (shard
+  shuffle, a 1,000-sample shuffle buffer, ``.map(decode_and_augment)``), batched 64 by the
+  loader (the torchdata peer of the repository's ``benchmarks/peers/`` runs the same dataset).
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -33,12 +35,14 @@ from .data import tar_shards
 
 __all__ = [
     "BATCH",
+    "LOADER_OPTIONS",
     "SIZE",
     "count",
     "decode_and_augment",
     "fingerprint",
     "plain_loader",
     "vision_pipeline",
+    "wds_dataset",
 ]
 
 SIZE = 224
@@ -48,6 +52,10 @@ PREFETCH = 2
 SCALE = (0.08, 1.0)
 RATIO = (3 / 4, 4 / 3)
 WDS_SHUFFLE = 1000
+# The plain DataLoader's arguments; a peer's loader over the same dataset takes them too.
+LOADER_OPTIONS: Mapping[str, Any] = MappingProxyType(
+    dict(batch_size=BATCH, num_workers=WORKERS, prefetch_factor=PREFETCH, persistent_workers=True)
+)
 
 
 def _crop_box(height: int, width: int, generator: torch.Generator | None) -> tuple[int, ...]:
@@ -127,16 +135,6 @@ def wds_dataset(folder: Path, seed: int = 0) -> Any:
     )
 
 
-def plain_loader(folder: Path, *, stateful: bool = False) -> Any:
-    """A torch ``DataLoader`` (or torchdata's ``StatefulDataLoader``) over :func:`wds_dataset`."""
-    options: dict[str, Any] = {
-        "batch_size": BATCH,
-        "num_workers": WORKERS,
-        "prefetch_factor": PREFETCH,
-        "persistent_workers": True,
-    }
-    if stateful:
-        from torchdata.stateful_dataloader import StatefulDataLoader
-
-        return StatefulDataLoader(wds_dataset(folder), **options)
-    return DataLoader(wds_dataset(folder), **options)
+def plain_loader(folder: Path) -> DataLoader:
+    """A torch ``DataLoader`` over :func:`wds_dataset`."""
+    return DataLoader(wds_dataset(folder), **LOADER_OPTIONS)

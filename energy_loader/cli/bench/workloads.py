@@ -151,7 +151,7 @@ class PlainPipeline(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        progress = self._start(worker)
+        progress = self.start(worker)
         self.epoch = progress.epoch + 1
         indices = epoch_order(self.samples, self.seed, progress.epoch)[worker::workers]
         samples = shuffle_stream(self.workload, progress, indices)
@@ -167,8 +167,9 @@ class PlainPipeline(IterableDataset):
         if batch:
             yield collate(batch)
 
-    def _start(self, worker: int) -> ShuffleProgress:
-        """A fresh pass over this epoch (the plain pipeline never resumes)."""
+    def start(self, worker: int) -> ShuffleProgress:
+        """Where ``worker``'s pass over this epoch begins: here always at its start (the plain
+        pipeline never resumes); a stateful version overrides it to resume from its state."""
         return ShuffleProgress(self.epoch, 0, [], random.Random(worker))
 
 

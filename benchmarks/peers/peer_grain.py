@@ -9,12 +9,12 @@ workload has a small one over the same files:
 
 - ``llm``: the source is the list of Parquet row groups (random access into Parquet by row
   would decode a row group per row); shuffled, each is read (rows shuffled by a seeded RNG)
-  and flattened to documents by ``FlatMapIterDataset``, tokenized (:class:`~.llm.Tokenize`),
+  and flattened to documents by ``FlatMapIterDataset``, tokenized (:class:`llm.Tokenize`),
   packed by Grain's ``ConcatThenSplitIterDataset`` into 2,048-token rows and batched by 8;
 - ``vision``: the source indexes the tar shards once (member offsets, read with ``tarfile``)
   and reads a sample's ``jpg`` and ``cls`` with one ``pread`` each; shuffled globally; the
   augmentation is ``random_map`` (Grain hands each element its own ``numpy`` generator,
-  which seeds a ``torch.Generator`` for :func:`~.vision.decode_and_augment`), batches of 64.
+  which seeds a ``torch.Generator`` for :func:`vision.decode_and_augment`), batches of 64.
 
 Batches are numpy; the main process turns them into the workload's torch batch.
 """
@@ -33,9 +33,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import llm, vision
-from .contender import Contender, bound_to_folder, peer_venv_python, venv_missing
-from .data import parquet_files, tar_shards
+from energy_loader.cli.bench import llm, vision
+from energy_loader.cli.bench.contender import Contender, bound_to_folder
+from energy_loader.cli.bench.data import parquet_files, tar_shards
+
+from .venvs import peer_venv_python, venv_missing
 
 __all__ = ["grain_contender"]
 
@@ -47,7 +49,7 @@ class RowGroups:
     """Random access to ``(file, row group, rows)`` of Parquet files."""
 
     def __init__(self, files: list[str]) -> None:
-        self.groups = llm._row_groups(files)
+        self.groups = llm.row_groups(files)
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -129,7 +131,7 @@ class TarSamples:
 
 
 def augment(sample: dict[str, bytes], rng: np.random.Generator) -> dict[str, Any]:
-    """:func:`~.vision.decode_and_augment` with Grain's per-element generator, as numpy."""
+    """:func:`vision.decode_and_augment` with Grain's per-element generator, as numpy."""
     generator = torch.Generator().manual_seed(int(rng.integers(1 << 62)))
     out = vision.decode_and_augment(sample, generator)
     return {"image": out["image"].numpy(), "label": np.int64(out["label"])}

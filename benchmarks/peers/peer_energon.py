@@ -56,8 +56,15 @@ from typing import Any
 
 import attrs
 
-from .contender import Contender, bound_to_folder
-from .workloads import BATCH, PREFETCH, WORKERS, WORKLOADS, collate, epoch_order
+from energy_loader.cli.bench.contender import Contender, bound_to_folder
+from energy_loader.cli.bench.workloads import (
+    BATCH,
+    PREFETCH,
+    WORKERS,
+    WORKLOADS,
+    collate,
+    epoch_order,
+)
 
 __all__ = ["energon_contender", "energon_vision_contender"]
 
@@ -225,7 +232,7 @@ def energon_contender() -> Contender:
 # dataset's ``.nv-meta`` once (what ``energon prepare`` writes: the shards' index and a split
 # with every shard in ``train``, and a ``dataset.yaml`` of ``ImageClassificationSample``
 # mapping ``image`` to ``jpg`` and ``label`` to ``cls``). The task encoder sets ``decoder = None``
-# (the members reach it as bytes, so Pillow decodes them in :func:`~.vision.decode_and_augment`,
+# (the members reach it as bytes, so Pillow decodes them in :func:`vision.decode_and_augment`,
 # the same work as every other contender) and marks ``encode_sample`` with
 # ``@stateless(restore_seeds=True)``, energon's way to make random augmentations restorable.
 # ``get_train_dataset`` with a shuffle buffer of 1,000 samples (as the webdataset peers) and
@@ -249,7 +256,7 @@ def _energon_vision_prepare(folder: Any) -> None:
     from megatron.energon.epathlib import EPath
     from megatron.energon.flavors.webdataset.prepare import WebdatasetPreparator
 
-    from .data import tar_shards
+    from energy_loader.cli.bench.data import tar_shards
 
     tars = Path(folder) / "tars"
     meta = tars / ".nv-meta"
@@ -270,10 +277,10 @@ def _vision_encoder_class() -> type:
     import torch.utils.data
     from megatron.energon import DefaultTaskEncoder, stateless
 
-    from . import vision
+    from energy_loader.cli.bench import vision
 
     class AugmentImages(DefaultTaskEncoder):  # type: ignore[misc]
-        """Raw JPEG bytes -> :func:`~.vision.decode_and_augment`, seeds restored per sample."""
+        """Raw JPEG bytes -> :func:`vision.decode_and_augment`, seeds restored per sample."""
 
         decoder = None
 
@@ -294,7 +301,7 @@ def _energon_vision_loader(folder: Any, **options: Any) -> Any:
         raise TypeError(f"the energon contender takes no options (got {sorted(options)})")
     from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
-    from . import vision
+    from energy_loader.cli.bench import vision
 
     config = WorkerConfig(rank=0, world_size=1, num_workers=vision.WORKERS)
     tars = Path(folder) / "tars"

@@ -1,4 +1,4 @@
-"""torchdata's ``StatefulDataLoader`` running the bench workload, as its users would write it.
+"""torchdata's ``StatefulDataLoader`` running the bench workloads, as its users would write it.
 
 torchdata saves an ``IterableDataset`` exactly only when the dataset is ``Stateful``
 (``state_dict``/``load_state_dict``); otherwise it counts the items a worker yielded and
@@ -9,18 +9,36 @@ the indices in the shuffle buffer (samples are rebuilt from them on restore), an
 ``random.Random`` state. The loader runs at torchdata's defaults (``snapshot_every_n_steps=1``:
 every batch carries its worker's state to the main process), with the same workers, prefetch
 and persistence as the plain DataLoader.
+
+On the real workloads (:func:`torchdata_real_contender`) it runs the plain DataLoader's dataset
+with the plain DataLoader's arguments: for ``llm``, :class:`StatefulDocs`, the plain documents
+made ``Stateful``; for ``vision``, the plain ``webdataset.WebDataset`` as it is (it is not
+``Stateful``, so torchdata replays the worker's items on restore).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import random
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-from .contender import Contender, shutdown_workers
-from .workloads import BATCH, PREFETCH, WORKERS, WORKLOADS, PlainPipeline, ShuffleProgress
+import attrs
 
-__all__ = ["StatefulPipeline", "torchdata_contender"]
+from energy_loader.cli.bench import llm, vision
+from energy_loader.cli.bench.contender import Contender, bound_to_folder, shutdown_workers
+from energy_loader.cli.bench.workloads import (
+    BATCH,
+    PREFETCH,
+    WORKERS,
+    WORKLOADS,
+    PlainPipeline,
+    ShuffleProgress,
+)
+
+__all__ = ["StatefulDocs", "StatefulPipeline", "torchdata_contender", "torchdata_real_contender"]
 
 
 class StatefulPipeline(PlainPipeline):
@@ -47,10 +65,10 @@ class StatefulPipeline(PlainPipeline):
         self._resume, self._progress = state, None
         self.epoch = state["epoch"]
 
-    def _start(self, worker: int) -> ShuffleProgress:
+    def start(self, worker: int) -> ShuffleProgress:
         state, self._resume = self._resume, None
         if state is None or "consumed" not in state:
-            self._progress = super()._start(worker)
+            self._progress = super().start(worker)
             return self._progress
         rng = random.Random()
         version, internal, gauss = state["rng"]
@@ -60,6 +78,37 @@ class StatefulPipeline(PlainPipeline):
             state["epoch"], state["consumed"], buffer, rng, state["drained"]
         )
         return self._progress
+
+
+class StatefulDocs(llm.PlainDocs):
+    """The plain DataLoader's documents (:class:`~energy_loader.cli.bench.llm.PlainDocs`) with
+    torchdata's ``Stateful`` protocol: the state is the epoch and where the next sequence
+    starts (document number in the worker's shard, token offset); a restore re-reads and
+    re-tokenizes that document and goes on from there."""
+
+    def __init__(self, folder: Path, seed: int = 0) -> None:
+        super().__init__(folder, seed)
+        self._state: dict[str, Any] = {"epoch": 0, "document": 0, "offset": 0}
+        self._resume: dict[str, Any] | None = None
+
+    def progress(self, epoch: int, document: int | None, offset: int) -> None:
+        self._state = {"epoch": epoch, "document": document, "offset": offset}
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self._state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resume, self._state = dict(state), dict(state)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        state, self._resume = self._resume, None
+        if state is None:
+            yield from super().__iter__()
+            return
+        self.epoch = state["epoch"] + 1
+        if state["document"] is None:  # the epoch was over
+            return
+        yield from self.sequences(state["epoch"], state["document"], state["offset"])
 
 
 def _missing() -> str | None:
@@ -89,4 +138,20 @@ def torchdata_contender() -> Contender:
         load=lambda loader, state: loader.load_state_dict(state),
         close=shutdown_workers,
         missing=_missing,
+    )
+
+
+def _real_loader(workload: str, folder: Path) -> Any:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    if workload == "llm":
+        return StatefulDataLoader(StatefulDocs(folder), **llm.LOADER_OPTIONS)
+    return StatefulDataLoader(vision.wds_dataset(folder), **vision.LOADER_OPTIONS)
+
+
+def torchdata_real_contender(workload: str, folder: Path) -> Contender:
+    """torchdata 0.11's ``StatefulDataLoader`` on a real workload over ``folder``'s data."""
+    return attrs.evolve(
+        torchdata_contender(),
+        build=bound_to_folder(functools.partial(_real_loader, workload), folder, workload),
     )

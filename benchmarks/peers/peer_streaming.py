@@ -13,7 +13,7 @@ original files; not timed):
   (documents) per batch, so packing has to happen inside a batch to stay resumable, and the
   batch's first entry must have one element per document (the loader counts that).
 - ``vision``: columns ``jpg`` (the JPEG's bytes) and ``cls`` (int); ``__getitem__`` is
-  :func:`~.vision.decode_and_augment` (its draws from the worker's torch generator), batches
+  :func:`vision.decode_and_augment` (its draws from the worker's torch generator), batches
   of 64.
 
 Shuffle: ``shuffle=True`` with the library's default algorithm (``py1e``), seed 0.
@@ -34,15 +34,11 @@ from typing import Any
 
 import torch
 
-from . import llm, vision
-from .contender import (
-    Contender,
-    bound_to_folder,
-    peer_venv_python,
-    shutdown_workers,
-    venv_missing,
-)
-from .data import parquet_files, tar_shards
+from energy_loader.cli.bench import llm, vision
+from energy_loader.cli.bench.contender import Contender, bound_to_folder, shutdown_workers
+from energy_loader.cli.bench.data import parquet_files, tar_shards
+
+from .venvs import peer_venv_python, venv_missing
 
 __all__ = ["streaming_contender"]
 
