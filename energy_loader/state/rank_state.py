@@ -40,7 +40,7 @@ from typing import Any
 
 import attrs
 
-from ..errors import StateFormatError
+from ..errors import StateFormatError, StateMismatchError
 from .plain import StateReader, check_plain
 
 __all__ = [
@@ -52,6 +52,8 @@ __all__ = [
 ]
 
 RANK_STATE_FORMAT = "energy_loader.rank_state"
+# The drop-in loader's format (energy_loader.loader.dropin.state), named in a refusal only.
+_DROPIN_STATE_FORMAT = "energy_loader.dropin_state"
 RANK_STATE_VERSION = 2
 
 
@@ -169,6 +171,12 @@ class RankState:
             raise StateFormatError(
                 "state has no 'format' field: not a loader state from "
                 "SavableDataLoader.save_state_rank()"
+            )
+        if reader.raw("format") == _DROPIN_STATE_FORMAT:
+            raise StateMismatchError(
+                "the state was saved by a drop-in loader (SavableDataLoader over a plain torch "
+                "dataset); this loader runs a savable pipeline (pass the same kind of dataset "
+                "the state was saved with)"
             )
         if reader.raw("format") != RANK_STATE_FORMAT:
             raise StateFormatError(

@@ -168,7 +168,7 @@ def test_a_stateful_sampler_is_saved_through_its_state_dict() -> None:
     loader = make(0)
     iterator = iter(loader)
     next(iterator)
-    state = loader.state_dict()
+    state = loader.save_state_rank()
     assert state["sampler_state"]["position"] == 4
     for stop in [0, 3, 6, 7]:
         stop_and_resume(make, 0, 1, stop, epochs=2)
@@ -219,15 +219,20 @@ def test_states_are_plain_data() -> None:
     )
     iterator = iter(loader)
     next(iterator)
-    state = loader.state_dict()
+    state = loader.save_state_rank()
     assert json.loads(json.dumps(state)) == state
     assert plain_roundtrip(state) == state
     assert state["format"] == "energy_loader.dropin_state"
-    restored = el.SavableDataLoader(
-        TENSORS, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1)
-    )
-    restored.load_state_dict(plain_roundtrip(state))
-    assert_same(list(restored), list(iterator))
+    # state_dict(): the same state as one JSON leaf under this rank's key (for DCP).
+    entries = loader.state_dict()
+    assert entries == {"rank_00000": json.dumps(state, separators=(",", ":"))}
+    rest = list(iterator)
+    for given in (state, entries):
+        restored = el.SavableDataLoader(
+            TENSORS, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1)
+        )
+        restored.load_state_dict(plain_roundtrip(given))
+        assert_same(list(restored), rest)
 
 
 def test_bad_states_and_mismatches_are_refused_with_the_loader_unchanged() -> None:
