@@ -57,7 +57,6 @@ from ..dataset import is_stateful
 from ..distributed import process_group_initialized, save_state_global
 from ..errors import EnergyLoaderError
 from ..loader import SavableDataLoader
-from ..state.rank_state import RankState, partition_entries
 
 try:  # the unified package, if the user has it; otherwise the standalone one
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -169,7 +168,7 @@ class SavableLoaderCallback(Callback):
                 continue
             states = save_state_global(loader, 0, held_back=held_back)
             if states is not None:
-                saved[index] = partition_entries([RankState.from_plain(s) for s in states])
+                saved[index] = loader.state_dict_of_ranks(states)
 
     @staticmethod
     def _stateful_train_loaders(trainer: Trainer) -> list[Any]:
