@@ -480,7 +480,7 @@ def elastic_restore(rank: int, world_size: int, workdir: Path, *, steps: int, vi
     torch.save(stream, workdir / f"elastic_{via}{rank}.pt")
 
 
-# -- the drop-in loader: a torch Dataset under a DistributedSampler ---------------------------------
+# -- the drop-in loader: a torch Dataset under a DistributedSampler ------------------------------
 
 DROPIN_LENGTH = 40  # 20 samples a rank and epoch on 2 ranks: 7 batches of 3 (the last of 2)
 DROPIN_EPOCHS = 2
@@ -521,8 +521,8 @@ def dropin_batches(loader: el.SavableDataLoader, *, stop: int | None = None) -> 
 def dropin_save(rank: int, world_size: int, workdir: Path, *, num_workers: int, stop: int) -> None:
     """An uninterrupted run; then a run stopped after ``stop`` batches that saves its state
     every way: gathered (rank 0 writes ``dropin_states.json``), per-rank files, DCP. Both
-    runs start from the same global RNG state (the sampler's epoch seeds come from it, as
-    torch's base seeds do), and the stopped one saves it beside the loader, as trainers do."""
+    runs start from the same global RNG state, as one script run twice does (the job's seed
+    comes from it, as torch's base seeds do)."""
     import torch.distributed.checkpoint as dcp
 
     torch.manual_seed(0)
@@ -532,14 +532,13 @@ def dropin_save(rank: int, world_size: int, workdir: Path, *, num_workers: int, 
     torch.manual_seed(0)
     loader = dropin_loader(num_workers)
     head = dropin_batches(loader, stop=stop)
-    rng = torch.get_rng_state()
     states = loader.save_state_global(0)
     if rank == 0:
         save_json(workdir / "dropin_states.json", states)
     eld.save_state_rank_file(loader, workdir / "dropin_files")
     dcp.save({"loader": loader}, checkpoint_id=workdir / "dropin_dcp")
     loader.close()
-    torch.save({"full": full, "head": head, "rng": rng}, workdir / f"dropin_run_rank{rank}.pt")
+    torch.save({"full": full, "head": head}, workdir / f"dropin_run_rank{rank}.pt")
 
 
 def dropin_restore(rank: int, world_size: int, workdir: Path, *, num_workers: int) -> None:
@@ -557,12 +556,10 @@ def dropin_restore(rank: int, world_size: int, workdir: Path, *, num_workers: in
         "rank_file": lambda loader: eld.restore_state_rank_file(loader, workdir / "dropin_files"),
         "dcp": lambda loader: dcp.load({"loader": loader}, checkpoint_id=workdir / "dropin_dcp"),
     }
-    rng = torch.load(workdir / f"dropin_run_rank{rank}.pt", weights_only=False)["rng"]
     tails = {}
     for way in DROPIN_WAYS:
         torch.manual_seed(1)  # whatever the new process's RNG is, the restore must not care
         loader = dropin_loader(num_workers)
-        torch.set_rng_state(rng)
         restores[way](loader)
         tails[way] = dropin_batches(loader)
         loader.close()

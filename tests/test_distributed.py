@@ -189,8 +189,8 @@ def test_rank_files_of_a_dropin_loader_restore_on_the_same_world_size(tmp_path: 
     assert_same(list(restored), list(iterator))
     with pytest.raises(
         el.StateMismatchError,
-        match="2 rank state.s. were saved, this job has "
-        "world size 1: a drop-in loader restores on the same world size",
+        match=r"2 rank state\(s\) were saved, this job has world size 1: a drop-in loader "
+        "restores on the same world size",
     ):
         eld.restore_state_rank_file(_dropin(0, 1), tmp_path)
     with pytest.raises(el.StateMismatchError, match="saved by a drop-in loader"):

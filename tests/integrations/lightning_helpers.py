@@ -254,19 +254,13 @@ class JitteredSamples(Dataset[dict[str, Any]]):
 
 
 def build_ddp_dropin_loader(num_workers: int) -> el.SavableDataLoader:
-    """A shuffled drop-in loader: 12 batches a rank and epoch under Lightning's sampler.
-
-    With its own ``generator``: torch then draws each epoch's base seed from it rather than
-    from the process's global RNG, which Lightning does not checkpoint; the loader keeps the
-    generator where the uninterrupted run has it, so epochs after a resume match too.
-    """
+    """A shuffled drop-in loader: 12 batches a rank and epoch under Lightning's sampler."""
     return el.SavableDataLoader(
         JitteredSamples(),
         batch_size=BATCH,
         shuffle=True,
         num_workers=num_workers,
         multiprocessing_context="fork" if num_workers else None,
-        generator=torch.Generator().manual_seed(7),
     )
 
 
