@@ -238,14 +238,19 @@ def test_states_are_plain_data() -> None:
 def test_bad_states_and_mismatches_are_refused_with_the_loader_unchanged() -> None:
     loader = el.SavableDataLoader(TENSORS, batch_size=4, shuffle=True)
     next(iter(loader))
-    state = loader.state_dict()
+    state, entries = loader.save_state_rank(), loader.state_dict()
     other = el.SavableDataLoader(TENSORS, batch_size=5, shuffle=True)
-    with pytest.raises(StateMismatchError, match="batch_size"):
-        other.load_state_dict(state)
+    for given in (state, entries):
+        with pytest.raises(StateMismatchError, match="batch_size"):
+            other.load_state_dict(given)
     with pytest.raises(StateFormatError):
         other.load_state_dict({"format": "something else"})
     with pytest.raises(StateFormatError):
         other.load_state_dict({**state, "version": 99})
+    with pytest.raises(StateFormatError, match=r"state_dict\['rank_00000'\] is not valid JSON"):
+        other.load_state_dict({"rank_00000": entries["rank_00000"][:-5]})
+    with pytest.raises(StateFormatError, match="holds the state of rank 0; each rank's state"):
+        other.load_state_dict({"rank_00001": entries["rank_00000"]})
     pipeline_state = el.SavableDataLoader(el.IndexedSource(list(range(4)))).state_dict()
     with pytest.raises((StateMismatchError, StateFormatError)):
         other.load_state_dict(pipeline_state)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...errors import StateFormatError
-from ...state.plain import StateReader
+from ...state.plain import StateReader, json_leaf
 
 __all__ = ["RANK_KEY_PREFIX", "is_rank_entries", "rank_entries", "rank_key", "states_of_entries"]
 
@@ -69,12 +69,7 @@ def states_of_entries(entries: dict[str, Any]) -> list[Any]:
     states = []
     for key, leaf in sorted(entries.items()):
         if isinstance(leaf, str):
-            try:
-                leaf = json.loads(leaf)
-            except json.JSONDecodeError as error:
-                raise StateFormatError(
-                    f"state_dict[{key!r}] is not valid JSON (truncated?): {error}"
-                ) from None
+            leaf = json_leaf(leaf, f"state_dict[{key!r}]")
         rank = StateReader(leaf, f"state_dict[{key!r}]").int("rank")
         if rank_key(rank) != key:
             raise StateFormatError(
