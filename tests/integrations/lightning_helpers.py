@@ -207,7 +207,7 @@ def fit_two_epochs(
     try:
         trainer.fit(model, train_dataloaders=loader, ckpt_path=checkpoint)
         trained_on = trainer.train_dataloader
-        if isinstance(loader.dataset, el.SavableDataset):
+        if not isinstance(loader, DropInDataLoader):
             # Lightning left the self-sharding loader alone (use_distributed_sampler is on).
             assert trained_on is loader
         elif devices > 1:  # a drop-in loader: rebuilt with a DistributedSampler
