@@ -39,7 +39,6 @@ from .errors import StateFormatError, StateMismatchError, WorkerError
 from .process_groups import check_group_layout, data_parallel_layout, process_group_initialized
 from .state.checkpoint import load_checkpoint, save_checkpoint
 from .state.plain import StateReader
-from .state.rank_state import RankState
 from .worker import WorkerConfig
 
 if TYPE_CHECKING:
@@ -498,13 +497,16 @@ def restore_state_rank_file(
 
 def read_rank_state_files(
     loader: SavableDataLoader, directory: str | os.PathLike[str], prefix: str | None = "loader"
-) -> list[RankState]:
+) -> list[Any]:
     """The saved states ``loader``'s rank restores from, read from ``directory``'s rank files.
 
     What :func:`restore_state_rank_file` restores from, without restoring: this rank's own file
     when the world size is the one that saved them, else the lowest rank's file and those of
-    the ranks that ran the partitions this rank now runs. ``prefix=None`` takes the prefix the
-    files have (see :func:`rank_state_files`). Changes nothing; raises as
+    the ranks that ran the partitions this rank now runs (``loader.saved_ranks_needed``).
+    Every file goes through ``loader.decode_states``, the decoder every entry point uses, so
+    a pipeline's rank state and a drop-in loader's state are read alike; a drop-in loader
+    restores on the world size that saved only. ``prefix=None`` takes the prefix the files
+    have (see :func:`rank_state_files`). Changes nothing; raises as
     :func:`restore_state_rank_file` does.
     """
     loader = _require_loader(loader)
@@ -513,23 +515,25 @@ def read_rank_state_files(
         prefix = match.group(1) if match else "loader"
     path = rank_state_path(directory, loader, prefix)
     if path.is_file():  # the same world size: this rank's own partitions, whatever the workers
-        return [RankState.from_plain(load_checkpoint(path))]
+        return [_read_state_file(loader, path)]
     files = _rank_files(Path(directory), prefix)
     if not files:
         _raise_missing(path, prefix)
-    first = RankState.from_plain(load_checkpoint(files[0]))
-    states = {first.rank: first}
-    config = loader.worker_config
-    # The partitions this rank runs from the job's position, or from 0 if the epoch had ended.
-    lockstep = first.start + first.world_size * first.delivered
-    planner = loader.planner_for([first])  # the saved partition count, if the loader adopts it
-    for position in (lockstep, 0):
-        layout = planner.layout(position % planner.num_partitions)
-        for partition in layout.rank_partitions(config.rank):
-            old_rank = (partition - first.start) % first.world_size
-            if old_rank not in states:
-                states[old_rank] = RankState.from_plain(load_checkpoint(files[old_rank]))
+    first = _read_state_file(loader, files[0])
+    states = {0: first}
+    for rank in loader.saved_ranks_needed(first):
+        if rank not in states:
+            states[rank] = _read_state_file(loader, files[rank])
     return [states[r] for r in sorted(states)]
+
+
+def _read_state_file(loader: SavableDataLoader, path: Path) -> Any:
+    """One rank file, decoded by the loader (``StateFormatError`` naming the file)."""
+    try:
+        (state,) = loader.decode_states([load_checkpoint(path)])
+    except StateFormatError as error:
+        raise StateFormatError(f"{path}: {error}") from None
+    return state
 
 
 def rank_state_files(

@@ -478,3 +478,89 @@ def elastic_restore(rank: int, world_size: int, workdir: Path, *, steps: int, vi
     iterator = iter(loader)
     stream = [next(iterator)["__restore_key__"] for _ in range(steps)]
     torch.save(stream, workdir / f"elastic_{via}{rank}.pt")
+
+
+# -- the drop-in loader: a torch Dataset under a DistributedSampler ------------------------------
+
+DROPIN_LENGTH = 40  # 20 samples a rank and epoch on 2 ranks: 7 batches of 3 (the last of 2)
+DROPIN_EPOCHS = 2
+DROPIN_WAYS = ("full_list", "scatter", "rank_file", "dcp")
+
+
+def dropin_loader(num_workers: int, *, batch_size: int = 3) -> el.SavableDataLoader:
+    """A drop-in loader over a map-style dataset whose ``__getitem__`` draws from the global
+    RNGs (an augmentation), sharded by a ``DistributedSampler`` of this process group."""
+    from torch.utils.data import DistributedSampler
+
+    from tests.loader.dropin_helpers import Augmenting
+
+    dataset = Augmenting(DROPIN_LENGTH)
+    return el.SavableDataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=DistributedSampler(dataset, shuffle=True, seed=5),
+        num_workers=num_workers,
+        multiprocessing_context="fork" if num_workers else None,
+    )
+
+
+def dropin_batches(loader: el.SavableDataLoader, *, stop: int | None = None) -> list[Any]:
+    """(epoch, the batch as lists) until epoch DROPIN_EPOCHS or ``stop`` batches, calling
+    ``sampler.set_epoch(epoch)`` before each epoch as torch asks; a restored loader continues
+    its saved epoch (``loader.epoch``)."""
+    seen: list[Any] = []
+    for epoch in range(loader.epoch, DROPIN_EPOCHS):
+        loader.sampler.set_epoch(epoch)
+        for batch in loader:
+            seen.append((epoch, {name: value.tolist() for name, value in batch.items()}))
+            if len(seen) == stop:
+                return seen
+    return seen
+
+
+def dropin_save(rank: int, world_size: int, workdir: Path, *, num_workers: int, stop: int) -> None:
+    """An uninterrupted run; then a run stopped after ``stop`` batches that saves its state
+    every way: gathered (rank 0 writes ``dropin_states.json``), per-rank files, DCP. Both
+    runs start from the same global RNG state, as one script run twice does (the job's seed
+    comes from it, as torch's base seeds do)."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    loader = dropin_loader(num_workers)
+    full = dropin_batches(loader)
+    loader.close()
+    torch.manual_seed(0)
+    loader = dropin_loader(num_workers)
+    head = dropin_batches(loader, stop=stop)
+    states = loader.save_state_global(0)
+    if rank == 0:
+        save_json(workdir / "dropin_states.json", states)
+    eld.save_state_rank_file(loader, workdir / "dropin_files")
+    dcp.save({"loader": loader}, checkpoint_id=workdir / "dropin_dcp")
+    loader.close()
+    torch.save({"full": full, "head": head}, workdir / f"dropin_run_rank{rank}.pt")
+
+
+def dropin_restore(rank: int, world_size: int, workdir: Path, *, num_workers: int) -> None:
+    """Fresh loaders restore in every way and finish the run (``dropin_tails_rank<r>.pt``)."""
+    import torch.distributed.checkpoint as dcp
+
+    def gathered() -> Any:
+        return json.loads((workdir / "dropin_states.json").read_text())
+
+    restores: dict[str, Callable[[el.SavableDataLoader], None]] = {
+        "full_list": lambda loader: loader.restore_state_global(gathered()),
+        "scatter": lambda loader: loader.restore_state_global(
+            gathered() if rank == 0 else None, src_rank=0
+        ),
+        "rank_file": lambda loader: eld.restore_state_rank_file(loader, workdir / "dropin_files"),
+        "dcp": lambda loader: dcp.load({"loader": loader}, checkpoint_id=workdir / "dropin_dcp"),
+    }
+    tails = {}
+    for way in DROPIN_WAYS:
+        torch.manual_seed(1)  # whatever the new process's RNG is, the restore must not care
+        loader = dropin_loader(num_workers)
+        restores[way](loader)
+        tails[way] = dropin_batches(loader)
+        loader.close()
+    torch.save(tails, workdir / f"dropin_tails_rank{rank}.pt")

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
 import energy_loader as el
 from energy_loader import distributed as eld
@@ -19,6 +20,7 @@ from energy_loader.state.checkpoint import load_checkpoint
 from energy_loader.testing.resume import compare_events, record_events
 from tests import distributed_helpers as dh
 from tests.helpers import reference_pipeline
+from tests.loader.dropin_helpers import assert_same
 
 LENGTH = 64  # samples in the pipelines of tests/distributed_helpers.make_loader
 
@@ -167,6 +169,32 @@ def test_rank_file_round_trip_and_errors(tmp_path: Path) -> None:
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(el.StateFormatError, match="truncated"):
         eld.restore_state_rank_file(_loader(), path.parent)
+
+
+def _dropin(rank: int, world_size: int) -> el.SavableDataLoader:
+    """A drop-in loader (a plain torch Dataset) simulating rank ``rank`` of ``world_size``."""
+    config = el.WorkerConfig(rank=rank, world_size=world_size, num_workers=0)
+    return el.SavableDataLoader(TensorDataset(torch.arange(12)), batch_size=2, worker_config=config)
+
+
+def test_rank_files_of_a_dropin_loader_restore_on_the_same_world_size(tmp_path: Path) -> None:
+    for rank in range(2):
+        loader = _dropin(rank, 2)
+        iterator = iter(loader)
+        next(iterator)
+        eld.save_state_rank_file(loader, tmp_path)
+    restored = _dropin(1, 2)
+    assert eld.read_rank_state_files(restored, tmp_path)[0]["rank"] == 1
+    eld.restore_state_rank_file(restored, tmp_path)
+    assert_same(list(restored), list(iterator))
+    with pytest.raises(
+        el.StateMismatchError,
+        match=r"2 rank state\(s\) were saved, this job has world size 1: a drop-in loader "
+        "restores on the same world size",
+    ):
+        eld.restore_state_rank_file(_dropin(0, 1), tmp_path)
+    with pytest.raises(el.StateMismatchError, match="saved by a drop-in loader"):
+        eld.restore_state_rank_file(_loader(rank=0, world_size=2), tmp_path)
 
 
 def test_rank_state_files_find_one_save_and_say_what_they_expected(tmp_path: Path) -> None:
@@ -321,3 +349,33 @@ def test_saved_on_two_ranks_restores_on_three(tmp_path: Path, no_leftover_proces
             [torch.load(tmp_path / f"elastic_{via}{r}.pt", weights_only=True) for r in range(3)]
         )
         assert resumed == saved[2 * steps : 2 * steps + len(resumed)], via
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_dropin_loader_resumes_every_rank_through_every_path(
+    tmp_path: Path, num_workers: int, no_leftover_processes: None
+) -> None:
+    """A torch Dataset under a DistributedSampler on 2 ranks, saved mid-epoch 0 through the
+    gather, per-rank files and DCP, restored by fresh processes in each way: every rank's
+    batches (indices and augmentations) through 2 epochs are the uninterrupted run's."""
+    stop = 3
+    dh.launch(dh.dropin_save, 2, tmp_path, timeout=60, num_workers=num_workers, stop=stop)
+    assert sorted(p.name for p in (tmp_path / "dropin_files").iterdir()) == [
+        "loader_rank_00000_of_00002.pt",
+        "loader_rank_00001_of_00002.pt",
+    ]
+    dh.launch(dh.dropin_restore, 2, tmp_path, timeout=60, num_workers=num_workers)
+    epoch_indices: list[list[int]] = [[], []]
+    for rank in range(2):
+        run = torch.load(tmp_path / f"dropin_run_rank{rank}.pt", weights_only=False)
+        tails = torch.load(tmp_path / f"dropin_tails_rank{rank}.pt", weights_only=False)
+        full, head = run["full"], run["head"]
+        assert [epoch for epoch, _ in full] == [0] * 7 + [1] * 7
+        assert len(head) == stop
+        for way in dh.DROPIN_WAYS:
+            assert head + tails[way] == full, (rank, way)
+        for epoch, batch in full:
+            epoch_indices[epoch] += batch["index"]
+    for indices_of_epoch in epoch_indices:  # the ranks read disjoint halves of every epoch
+        assert sorted(indices_of_epoch) == list(range(dh.DROPIN_LENGTH))

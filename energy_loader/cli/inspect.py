@@ -22,6 +22,7 @@ import torch
 
 from ..distributed import rank_state_files
 from ..errors import EnergyLoaderError, StateFormatError, first_line
+from ..loader.dropin.entries import is_rank_entries, states_of_entries
 from ..loader.dropin.state import (
     DROPIN_STATE_FORMAT,
     describe_dropin_state,
@@ -122,6 +123,10 @@ def _find_states(value: Any, where: str = "") -> Iterator[tuple[str, Any]]:
     ):  # what loader.state_dict() returns: partition leaves
         for state in states_from_entries(value):
             yield f"{where or _TOP} rank {state.rank}", state.to_plain()
+        return
+    if is_rank_entries(value):  # a drop-in loader's state_dict(): one leaf per rank
+        for plain in states_of_entries(value):
+            yield f"{where or _TOP} rank {plain['rank']}", plain
         return
     if isinstance(value, dict):
         if value.get("format") in (RANK_STATE_FORMAT, DROPIN_STATE_FORMAT):

@@ -28,15 +28,17 @@ Several ranks (``strategy="ddp"``). Lightning builds the checkpoint on every ran
 rank 0's only, so by itself it would store rank 0's loader position and hand it to every rank
 on resume. When the loader runs on several ranks, the callback gathers every rank's state to
 rank 0 as the checkpoint is made (:func:`energy_loader.distributed.save_state_global`, a
-collective: Lightning makes checkpoints on all ranks at once) and stores them, one entry per
-logical partition, where Lightning keeps the loader's state. On ``fit(ckpt_path=...)`` each
-rank's loader takes its own partitions from them -- on the same number of ranks, or on
-another one whose layout divides the loader's ``num_partitions``. Gathered into the checkpoint
+collective: Lightning makes checkpoints on all ranks at once) and stores them where
+Lightning keeps the loader's state, laid out by the loader (``state_dict_of_ranks``: one entry
+per logical partition for a pipeline, one per rank for a drop-in loader over a plain torch
+dataset). On ``fit(ckpt_path=...)`` each rank's loader takes its own part -- a pipeline on the
+same number of ranks or on another one whose layout divides its ``num_partitions``, a drop-in
+loader on the same number of ranks. Gathered into the checkpoint
 rather than written beside it: the checkpoint stays one file that ``ModelCheckpoint`` can
 rotate, copy to ``last.ckpt`` or delete without leaving stale loader files behind.
-Keep ``use_distributed_sampler`` as it is: Lightning gives a ``DistributedSampler`` only to
-loaders over map-style datasets, and leaves a ``SavableDataLoader`` (an iterable dataset
-inside, sharded by rank by the loader itself) as it is.
+Keep ``use_distributed_sampler`` as it is: Lightning leaves a loader over a savable pipeline
+(an iterable dataset inside, sharded by rank by the loader itself) as it is, and rebuilds a
+drop-in loader over a map-style dataset with a ``DistributedSampler``, as it does torch's.
 
 It also refuses a resume that Lightning did not pass the loader's state to: in Lightning
 2.x, reading ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` with
@@ -57,7 +59,6 @@ from ..dataset import is_stateful
 from ..distributed import process_group_initialized, save_state_global
 from ..errors import EnergyLoaderError
 from ..loader import SavableDataLoader
-from ..state.rank_state import RankState, partition_entries
 
 try:  # the unified package, if the user has it; otherwise the standalone one
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -155,8 +156,9 @@ class SavableLoaderCallback(Callback):
         Lightning has already stored each loader's ``state_dict()`` of *this* rank under
         ``loops.fit_loop.state_dict.combined_loader``; for every ``SavableDataLoader`` that runs
         on several ranks this gathers all ranks' states to rank 0 (a collective over the
-        loader's data-parallel group) and replaces rank 0's entry with theirs, one leaf per
-        logical partition, as ``state_dict()`` lays them out.
+        loader's data-parallel group) and replaces rank 0's entry with theirs, in the layout of
+        ``state_dict()`` (``loader.state_dict_of_ranks``), which ``load_state_dict`` on every
+        rank reads its own part of.
         """
         loaders = self._stateful_train_loaders(trainer)
         fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
@@ -169,7 +171,7 @@ class SavableLoaderCallback(Callback):
                 continue
             states = save_state_global(loader, 0, held_back=held_back)
             if states is not None:
-                saved[index] = partition_entries([RankState.from_plain(s) for s in states])
+                saved[index] = loader.state_dict_of_ranks(states)
 
     @staticmethod
     def _stateful_train_loaders(trainer: Trainer) -> list[Any]:

@@ -214,6 +214,23 @@ class Planner:
             )
         return Planner(self.pipeline, self.config, saved)
 
+    def saved_ranks_needed(self, first: RankState) -> list[int]:
+        """The saved ranks whose states this rank restores from on another layout.
+
+        ``first`` is the lowest saved rank's state: in lockstep, its position is the job's.
+        This rank runs, from that position (or from 0, if the epoch had ended there), the
+        partitions of this planner's layout; each was run by the saved rank ``(partition -
+        start) % saved world size``. Lets a rank read a few of the saved states, not all.
+        """
+        lockstep = first.start + first.world_size * first.delivered
+        ranks = {first.rank}
+        for position in (lockstep, 0):
+            for partition in self.layout(position % self.num_partitions).rank_partitions(
+                self.config.rank
+            ):
+                ranks.add((partition - first.start) % first.world_size)
+        return sorted(ranks)
+
     def plan_restore(self, states: list[RankState]) -> RestorePlan:
         """Check ``states`` against this pipeline and plan this rank's restore.
 

@@ -10,7 +10,7 @@ shape is defined once, in :mod:`energy_loader.state.rank_state`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from ..state.rank_state import (
@@ -43,6 +43,7 @@ class RankStateProtocols:
         def _is_fresh(self) -> bool: ...
         def restore_from_states(self, states: list[RankState]) -> None: ...
         def restore_state_rank(self, state: dict[str, Any]) -> None: ...
+        def decode_states(self, states: Sequence[Any]) -> list[RankState]: ...
 
     # -- across ranks ------------------------------------------------------------------------
 
@@ -99,6 +100,13 @@ class RankStateProtocols:
         else:
             states = [self._save(held_back)]
         return partition_entries(states)
+
+    def state_dict_of_ranks(self, states: Sequence[Any]) -> dict[str, Any]:
+        """Every rank's state (``save_state_global``'s list) in :meth:`state_dict`'s layout,
+        one leaf per partition of the job: one checkpoint for the whole job, from which each
+        rank's :meth:`load_state_dict` takes the partitions it runs (Lightning's callback
+        stores it)."""
+        return partition_entries(self.decode_states(states))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`'s output (from any layout with the same partitions)

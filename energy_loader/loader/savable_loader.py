@@ -485,6 +485,12 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
         """
         return self.planner_for(states).plan_restore(states)
 
+    def saved_ranks_needed(self, first: RankState) -> list[int]:
+        """The saved ranks whose states this rank restores from, given the lowest saved rank's
+        decoded state ``first`` of a save on another layout (see
+        :meth:`Planner.saved_ranks_needed`): a rank reads those, not every rank's."""
+        return self.planner_for([first]).saved_ranks_needed(first)
+
     def planner_for(self, states: Sequence[RankState]) -> Planner:
         """The planner a restore from ``states`` uses (changes nothing): this loader's own,
         or, for a loader given no ``num_partitions``, one for the states' partition count

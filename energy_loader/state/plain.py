@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import StateFormatError
 
-__all__ = ["StateReader", "check_plain", "pack_keys", "to_key", "unpack_keys"]
+__all__ = ["StateReader", "check_plain", "json_leaf", "pack_keys", "to_key", "unpack_keys"]
 
 _SCALARS = (str, int, float, bool, type(None))
 
@@ -55,6 +55,16 @@ def check_plain(value: Any, path: str = "state") -> None:
             check_plain(item, f"{path}[{index}]")
         return
     raise StateFormatError(f"{path} is a {type(value).__name__}, which is not plain data")
+
+
+def json_leaf(text: str, path: str) -> Any:
+    """A state dict's JSON string leaf, parsed (``StateFormatError`` naming ``path``)."""
+    import json
+
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise StateFormatError(f"{path} is not valid JSON (truncated?): {error}") from None
 
 
 class StateReader:

@@ -40,8 +40,8 @@ from typing import Any
 
 import attrs
 
-from ..errors import StateFormatError
-from .plain import StateReader, check_plain
+from ..errors import StateFormatError, StateMismatchError
+from .plain import StateReader, check_plain, json_leaf
 
 __all__ = [
     "RANK_STATE_FORMAT",
@@ -52,6 +52,8 @@ __all__ = [
 ]
 
 RANK_STATE_FORMAT = "energy_loader.rank_state"
+# The drop-in loader's format (energy_loader.loader.dropin.state), named in a refusal only.
+_DROPIN_STATE_FORMAT = "energy_loader.dropin_state"
 RANK_STATE_VERSION = 2
 
 
@@ -169,6 +171,12 @@ class RankState:
             raise StateFormatError(
                 "state has no 'format' field: not a loader state from "
                 "SavableDataLoader.save_state_rank()"
+            )
+        if reader.raw("format") == _DROPIN_STATE_FORMAT:
+            raise StateMismatchError(
+                "the state was saved by a drop-in loader (SavableDataLoader over a plain torch "
+                "dataset); this loader runs a savable pipeline (pass the same kind of dataset "
+                "the state was saved with)"
             )
         if reader.raw("format") != RANK_STATE_FORMAT:
             raise StateFormatError(
@@ -305,21 +313,13 @@ def states_from_entries(entries: dict[str, Any]) -> list[RankState]:
     Raises ``StateFormatError`` for a leaf that is not such JSON or a key that does not name
     the partition its leaf holds.
     """
-    import json
-
     by_rank: dict[int, dict[str, Any]] = {}
     for key, text in sorted(entries.items()):
         if not isinstance(text, str):
             raise StateFormatError(
                 f"state_dict[{key!r}] must be a JSON string, got {type(text).__name__}"
             )
-        try:
-            leaf = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise StateFormatError(
-                f"state_dict[{key!r}] is not valid JSON (truncated?): {error}"
-            ) from None
-        reader = StateReader(leaf, f"state_dict[{key!r}]")
+        reader = StateReader(json_leaf(text, f"state_dict[{key!r}]"), f"state_dict[{key!r}]")
         header = reader.raw("rank_state")
         rank = StateReader(header, f"{reader.path}.rank_state").int("rank")
         entry = reader.sub("partition")

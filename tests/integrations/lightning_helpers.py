@@ -9,9 +9,11 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from torch.utils.data import Dataset, DistributedSampler
 
 import energy_loader as el
 from energy_loader.integrations.lightning import SavableLoaderCallback
+from energy_loader.loader.dropin import DropInDataLoader
 
 SAMPLES = 24
 BATCH = 2
@@ -178,31 +180,43 @@ def fit_two_epochs(
     devices: int,
     save_at: int | None = None,
     kill: Preemption | None = None,
+    max_steps: int = -1,
     resume: bool = False,
+    callback: bool = True,
+    checkpoints: str = "ckpt",
 ) -> RecordingModel:
-    """Two epochs of DDP (on ``devices`` ranks) with checkpoints in ``workdir/ckpt``."""
-    callbacks: list[pl.Callback] = [SavableLoaderCallback()]
+    """Two epochs (or ``max_steps``) of DDP on ``devices`` ranks, with ``SavableLoaderCallback``
+    unless ``callback=False``, checkpoints in ``workdir/<checkpoints>``."""
+    callbacks: list[pl.Callback] = [SavableLoaderCallback()] if callback else []
     if save_at is not None:
         callbacks.append(
-            pl.callbacks.ModelCheckpoint(dirpath=workdir / "ckpt", every_n_train_steps=save_at)
+            pl.callbacks.ModelCheckpoint(dirpath=workdir / checkpoints, every_n_train_steps=save_at)
         )
     if kill is not None:
         callbacks.append(kill)
-    checkpoint = str(next((workdir / "ckpt").glob("*.ckpt"))) if resume else None
+    checkpoint = str(next((workdir / checkpoints).glob("*.ckpt"))) if resume else None
     model = RecordingModel()
     trainer = quiet_trainer(
         devices=devices,
         strategy="ddp" if devices > 1 else "auto",
         max_epochs=2,
+        max_steps=max_steps,
         callbacks=callbacks,
         enable_checkpointing=save_at is not None,
     )
     try:
         trainer.fit(model, train_dataloaders=loader, ckpt_path=checkpoint)
-        # Lightning left the self-sharding loader alone (use_distributed_sampler is on).
-        assert trainer.train_dataloader is loader
+        trained_on = trainer.train_dataloader
+        if not isinstance(loader, DropInDataLoader):
+            # Lightning left the self-sharding loader alone (use_distributed_sampler is on).
+            assert trained_on is loader
+        elif devices > 1:  # a drop-in loader: rebuilt with a DistributedSampler
+            assert isinstance(trained_on, DropInDataLoader), trained_on
+            assert isinstance(trained_on.sampler, DistributedSampler)
     finally:
         loader.close()
+        if isinstance(trainer.train_dataloader, el.SavableDataLoader):
+            trainer.train_dataloader.close()
     return model
 
 
@@ -222,3 +236,61 @@ def resume_after_preemption(rank: int, world_size: int, workdir: Path, *, num_wo
     """Rank program: a fresh process resumes with ``fit(ckpt_path=...)`` (``tail_rank<r>.pt``)."""
     model = fit_two_epochs(build_ddp_loader(num_workers), workdir, devices=world_size, resume=True)
     torch.save({"seen": model.seen, "weights": weights(model)}, workdir / f"tail_rank{rank}.pt")
+
+
+# -- a drop-in loader (a plain torch Dataset) under DDP: Lightning gives it a DistributedSampler --
+
+DROPIN_SAVE_AT, DROPIN_STOP_AT = 5, 7  # checkpoint after step 5 of epoch 0, stop after step 7
+
+
+class JitteredSamples(Dataset[dict[str, Any]]):
+    """DDP_SAMPLES samples whose ``__getitem__`` draws from torch's global RNG (``jitter``)."""
+
+    def __len__(self) -> int:
+        return DDP_SAMPLES
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return jitter(make_sample(index))
+
+
+def build_ddp_dropin_loader(num_workers: int) -> el.SavableDataLoader:
+    """A shuffled drop-in loader: 12 batches a rank and epoch under Lightning's sampler."""
+    return el.SavableDataLoader(
+        JitteredSamples(),
+        batch_size=BATCH,
+        shuffle=True,
+        num_workers=num_workers,
+        multiprocessing_context="fork" if num_workers else None,
+    )
+
+
+def dropin_train_then_stop(rank: int, world_size: int, workdir: Path, *, num_workers: int) -> None:
+    """Rank program: an uninterrupted fit (``dropin_full_rank<r>.pt``), then, with and without
+    the callback, a fit checkpointed after step DROPIN_SAVE_AT that stops after DROPIN_STOP_AT
+    (``dropin_head_<callback>_rank<r>.pt``, checkpoints in ``ckpt_<callback>``)."""
+    full = fit_two_epochs(build_ddp_dropin_loader(num_workers), workdir, devices=world_size)
+    torch.save(
+        {"seen": full.seen, "weights": weights(full)}, workdir / f"dropin_full_rank{rank}.pt"
+    )
+    for callback in (True, False):
+        head = fit_two_epochs(
+            build_ddp_dropin_loader(num_workers), workdir, devices=world_size,
+            save_at=DROPIN_SAVE_AT, max_steps=DROPIN_STOP_AT, callback=callback,
+            checkpoints=f"ckpt_{callback}",
+        )  # fmt: skip
+        torch.save({"seen": head.seen}, workdir / f"dropin_head_{callback}_rank{rank}.pt")
+
+
+def dropin_resume(
+    rank: int, world_size: int, workdir: Path, *, num_workers: int, callback: bool
+) -> None:
+    """Rank program: a fresh process resumes with ``fit(ckpt_path=...)``
+    (``dropin_tail_<callback>_rank<r>.pt``)."""
+    model = fit_two_epochs(
+        build_ddp_dropin_loader(num_workers), workdir, devices=world_size, resume=True,
+        callback=callback, checkpoints=f"ckpt_{callback}",
+    )  # fmt: skip
+    torch.save(
+        {"seen": model.seen, "weights": weights(model)},
+        workdir / f"dropin_tail_{callback}_rank{rank}.pt",
+    )

@@ -85,12 +85,10 @@ def _read(workdir: Path, name: str, rank: int) -> dict[str, Any]:
     return torch.load(workdir / f"{name}_rank{rank}.pt", weights_only=False)
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _kill_and_resume(workdir: Path, **options: Any) -> Path:
     """Two ranks with a worker each: uninterrupted; saved after step SAVE_AT and SIGKILLed two
     steps later; resumed by fresh processes. The files each rank wrote are in the directory."""
-    workdir = tmp_path_factory.mktemp("accelerate_ranks")
-    launch = dict(timeout=150, torchrun_env=True, workers=1)
+    launch = dict(timeout=150, torchrun_env=True, workers=1, **options)
     dh.launch(
         train_on_ranks, 2, workdir, exitcode=-signal.SIGKILL, save_at=SAVE_AT,
         kill_at=SAVE_AT + 2, **launch,
@@ -99,8 +97,24 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return workdir
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The pipeline loader, killed and resumed (:func:`_kill_and_resume`)."""
+    return _kill_and_resume(tmp_path_factory.mktemp("accelerate_ranks"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks_dropin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A drop-in loader (a torch Dataset under a DistributedSampler), killed and resumed."""
+    return _kill_and_resume(tmp_path_factory.mktemp("accelerate_dropin"), dropin=True)
+
+
 @pytest.mark.timeout(300)
-def test_two_processes_killed_mid_epoch_resume_every_rank_exactly(two_ranks: Path) -> None:
+@pytest.mark.parametrize("run", ["two_ranks", "two_ranks_dropin"])
+def test_two_processes_killed_mid_epoch_resume_every_rank_exactly(
+    run: str, request: pytest.FixtureRequest
+) -> None:
+    two_ranks: Path = request.getfixturevalue(run)
     assert sorted(p.name for p in (two_ranks / "checkpoint").glob("energy_loader_*")) == [
         "energy_loader_rank_00000_of_00002.pt",
         "energy_loader_rank_00001_of_00002.pt",

@@ -24,10 +24,14 @@ from tests import distributed_helpers as dh
 
 from .lightning_helpers import (
     DDP_SAMPLES,
+    DROPIN_SAVE_AT,
+    DROPIN_STOP_AT,
     TinyModel,
     build_ddp_loader,
     build_endless_loader,
     build_loader,
+    dropin_resume,
+    dropin_train_then_stop,
     fit_two_epochs,
     resume_after_preemption,
     run,
@@ -259,3 +263,40 @@ def test_a_ddp_checkpoint_resumes_on_one_device(ddp_run: Path) -> None:
     stream = [step for pair in zip(*full, strict=True) for step in pair]
     model = fit_two_epochs(build_ddp_loader(2), ddp_run, devices=1, resume=True)
     assert model.seen == stream[2 * DDP_SAVE_AT :]
+
+
+@pytest.fixture(scope="module")
+def dropin_ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two ranks of DDP with a drop-in loader (one worker each, Lightning's DistributedSampler):
+    an uninterrupted run, and runs checkpointed mid-epoch 0 with and without the callback."""
+    workdir = tmp_path_factory.mktemp("lightning_dropin_ddp")
+    dh.launch(dropin_train_then_stop, 2, workdir, timeout=150, torchrun_env=True, num_workers=1)
+    return workdir
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("callback", [True, False])
+def test_ddp_dropin_loader_resumes_exactly(dropin_ddp_run: Path, callback: bool) -> None:
+    """With the callback every rank restores its own gathered state; without it Lightning
+    hands rank 0's to both, which a DistributedSampler's state allows. Either way each rank
+    trains, after the resume, on the batches (indices and augmented inputs) of the
+    uninterrupted run through 2 epochs, and ends with the same weights."""
+    dh.launch(
+        dropin_resume, 2, dropin_ddp_run, timeout=150, torchrun_env=True, num_workers=1,
+        callback=callback,
+    )  # fmt: skip
+    (checkpoint,) = (dropin_ddp_run / f"ckpt_{callback}").glob("*.ckpt")
+    assert f"step={DROPIN_SAVE_AT}" in checkpoint.name
+    halves = []
+    for rank in range(2):
+        full, head, tail = (
+            _read(dropin_ddp_run, name, rank)
+            for name in ("dropin_full", f"dropin_head_{callback}", f"dropin_tail_{callback}")
+        )
+        assert [epoch for epoch, *_ in full["seen"]] == [0] * 12 + [1] * 12
+        assert len(head["seen"]) == DROPIN_STOP_AT
+        assert head["seen"][:DROPIN_SAVE_AT] + tail["seen"] == full["seen"]
+        for mine, theirs in zip(tail["weights"], full["weights"], strict=True):
+            assert torch.equal(mine, theirs)
+        halves.append({i for _, batch, _ in full["seen"][:12] for i in batch})
+    assert not halves[0] & halves[1] and len(halves[0] | halves[1]) == DDP_SAMPLES

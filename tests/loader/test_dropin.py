@@ -168,7 +168,7 @@ def test_a_stateful_sampler_is_saved_through_its_state_dict() -> None:
     loader = make(0)
     iterator = iter(loader)
     next(iterator)
-    state = loader.state_dict()
+    state = loader.save_state_rank()
     assert state["sampler_state"]["position"] == 4
     for stop in [0, 3, 6, 7]:
         stop_and_resume(make, 0, 1, stop, epochs=2)
@@ -219,28 +219,38 @@ def test_states_are_plain_data() -> None:
     )
     iterator = iter(loader)
     next(iterator)
-    state = loader.state_dict()
+    state = loader.save_state_rank()
     assert json.loads(json.dumps(state)) == state
     assert plain_roundtrip(state) == state
     assert state["format"] == "energy_loader.dropin_state"
-    restored = el.SavableDataLoader(
-        TENSORS, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1)
-    )
-    restored.load_state_dict(plain_roundtrip(state))
-    assert_same(list(restored), list(iterator))
+    # state_dict(): the same state as one JSON leaf under this rank's key (for DCP).
+    entries = loader.state_dict()
+    assert entries == {"rank_00000": json.dumps(state, separators=(",", ":"))}
+    rest = list(iterator)
+    for given in (state, entries):
+        restored = el.SavableDataLoader(
+            TENSORS, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1)
+        )
+        restored.load_state_dict(plain_roundtrip(given))
+        assert_same(list(restored), rest)
 
 
 def test_bad_states_and_mismatches_are_refused_with_the_loader_unchanged() -> None:
     loader = el.SavableDataLoader(TENSORS, batch_size=4, shuffle=True)
     next(iter(loader))
-    state = loader.state_dict()
+    state, entries = loader.save_state_rank(), loader.state_dict()
     other = el.SavableDataLoader(TENSORS, batch_size=5, shuffle=True)
-    with pytest.raises(StateMismatchError, match="batch_size"):
-        other.load_state_dict(state)
+    for given in (state, entries):
+        with pytest.raises(StateMismatchError, match="batch_size"):
+            other.load_state_dict(given)
     with pytest.raises(StateFormatError):
         other.load_state_dict({"format": "something else"})
     with pytest.raises(StateFormatError):
         other.load_state_dict({**state, "version": 99})
+    with pytest.raises(StateFormatError, match=r"state_dict\['rank_00000'\] is not valid JSON"):
+        other.load_state_dict({"rank_00000": entries["rank_00000"][:-5]})
+    with pytest.raises(StateFormatError, match="holds the state of rank 0; each rank's state"):
+        other.load_state_dict({"rank_00001": entries["rank_00000"]})
     pipeline_state = el.SavableDataLoader(el.IndexedSource(list(range(4)))).state_dict()
     with pytest.raises((StateMismatchError, StateFormatError)):
         other.load_state_dict(pipeline_state)
@@ -250,7 +260,7 @@ def test_bad_states_and_mismatches_are_refused_with_the_loader_unchanged() -> No
 def _shuffled_state(**arguments: Any) -> dict[str, Any]:
     loader = el.SavableDataLoader(TENSORS, batch_size=4, **arguments)
     next(iter(loader))
-    return plain_roundtrip(loader.state_dict())
+    return plain_roundtrip(loader.save_state_rank())
 
 
 def _flip_a_byte(text: str) -> str:

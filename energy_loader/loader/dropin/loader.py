@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ...dataset import SavableDataset
 from ...errors import StateMismatchError
+from ...state.plain import StateReader
 from ...transport import (
     DEFAULT_ARENA_BYTES,
     DEFAULT_INLINE_BYTES,
@@ -33,6 +34,7 @@ from ...workers.bundling import DEFAULT_ITEMS_PER_TRANSFER
 from ..progress import MAX_HELD_BACK
 from ..savable_loader import SavableDataLoader
 from ..torch_args import DEFAULT_BATCH_SIZE
+from .entries import is_rank_entries, rank_entries, states_of_entries
 from .map_style import MapEngine
 
 __all__ = ["DropInDataLoader"]
@@ -258,31 +260,45 @@ class DropInDataLoader(SavableDataLoader):
         self._engine.check(decoded)
         return decoded
 
+    def saved_ranks_needed(self, first: Any) -> list[int]:
+        """Refused with ``StateMismatchError``: asked when the rank files of this world size
+        are missing but those of another are there; a drop-in loader restores on the world
+        size that saved, each rank from its own state."""
+        raise _other_world_size(StateReader(first, "state").int("world_size", minimum=1), self)
+
     def _own_state(self, states: list[Any]) -> Any:
         config = self._worker_config
         if len(states) == 1:
             return states[0]  # this rank's own entry; restore_state_rank checks whose
         if len(states) != config.world_size:
-            raise StateMismatchError(
-                f"{len(states)} rank state(s) were saved, this job has world size "
-                f"{config.world_size}: a drop-in loader restores on the same world size "
-                "(elastic resume across world sizes needs a savable pipeline: docs/migration.md)"
-            )
+            raise _other_world_size(len(states), self)
         return states[config.rank]
 
     def state_dict(self, *, held_back: int | None = None) -> dict[str, Any]:
-        """This rank's state (torch.distributed.checkpoint's Stateful protocol).
+        """This rank's state as ``{"rank_00001": "<JSON>"}`` (torch.distributed.checkpoint's
+        Stateful protocol; :mod:`.entries` says why a key per rank and a JSON leaf).
 
         ``held_back`` as in :meth:`save_state_rank`; left at None it is what an integration's
-        ``held_back_source`` says (Lightning), else 0.
+        ``held_back_source`` says (Lightning), else 0. DCP takes the loader under one key on
+        every rank; ``torch.save`` and ``json`` take the dict as is.
         """
         if held_back is None:
             held_back = 0 if self.held_back_source is None else self.held_back_source()
-        return self.save_state_rank(held_back=held_back)
+        return rank_entries([self.save_state_rank(held_back=held_back)])
+
+    def state_dict_of_ranks(self, states: Sequence[Any]) -> dict[str, Any]:
+        """Every rank's state (``save_state_global``'s list) in :meth:`state_dict`'s layout:
+        one checkpoint for the whole job, from which each rank's :meth:`load_state_dict` takes
+        its own entry (Lightning's callback stores it)."""
+        return rank_entries(states)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict`'s output."""
-        self.restore_state_rank(state_dict)
+        """Restore from :meth:`state_dict`'s or :meth:`state_dict_of_ranks`' output (this rank
+        takes its own entry), or from a plain :meth:`save_state_rank` state."""
+        if is_rank_entries(state_dict):
+            self.restore_from_states(states_of_entries(state_dict))
+        else:
+            self.restore_state_rank(state_dict)
 
     def reset_state(self) -> None:
         """Forget all progress: the next ``iter()`` starts epoch 0 as a fresh loader would."""
@@ -338,6 +354,14 @@ class DropInDataLoader(SavableDataLoader):
     def __del__(self, _suppress: Any = contextlib.suppress) -> None:
         with _suppress(Exception):
             self._engine.shutdown()
+
+
+def _other_world_size(saved: int, loader: DropInDataLoader) -> StateMismatchError:
+    return StateMismatchError(
+        f"{saved} rank state(s) were saved, this job has world size "
+        f"{loader.worker_config.world_size}: a drop-in loader restores on the same world size "
+        "(elastic resume across world sizes needs a savable pipeline: docs/migration.md)"
+    )
 
 
 def _resolve_worker_config(worker_config: Any, num_workers: int) -> WorkerConfig:
