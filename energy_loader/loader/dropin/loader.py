@@ -34,7 +34,7 @@ from ...workers.bundling import DEFAULT_ITEMS_PER_TRANSFER
 from ..progress import MAX_HELD_BACK
 from ..savable_loader import SavableDataLoader
 from ..torch_args import DEFAULT_BATCH_SIZE
-from .entries import is_rank_entries, rank_entries, states_of_entries
+from .entries import is_rank_entries, rank_entries, rank_key, states_of_entries
 from .map_style import MapEngine
 
 __all__ = ["DropInDataLoader"]
@@ -216,11 +216,7 @@ class DropInDataLoader(SavableDataLoader):
         ``held_back=n`` (at most 2) saves the position ``n`` batches before the last one
         handed out, for consumers that fetch ahead (Lightning).
         """
-        require_int(held_back, "held_back", minimum=0)
-        if held_back > MAX_HELD_BACK:
-            raise ValueError(f"`held_back` must be at most {MAX_HELD_BACK} (got {held_back})")
-        config = self._worker_config
-        return self._engine.save(config.rank, config.world_size, held_back).to_plain()
+        return self._saved(held_back).to_plain()
 
     def restore_state_rank(self, state: dict[str, Any]) -> None:
         """Continue exactly from ``state`` at the next ``iter()``, on any ``num_workers``.
@@ -284,7 +280,19 @@ class DropInDataLoader(SavableDataLoader):
         """
         if held_back is None:
             held_back = 0 if self.held_back_source is None else self.held_back_source()
-        return rank_entries([self.save_state_rank(held_back=held_back)])
+        state = self._saved(held_back)
+        as_json = getattr(state, "to_json", None)
+        if as_json is not None:  # a map-style state: the epoch's constant part encoded once
+            with contextlib.suppress(TypeError, ValueError):  # a sampler state JSON can't hold
+                return {rank_key(state.rank): as_json()}
+        return rank_entries([state.to_plain()])
+
+    def _saved(self, held_back: int) -> Any:
+        require_int(held_back, "held_back", minimum=0)
+        if held_back > MAX_HELD_BACK:
+            raise ValueError(f"`held_back` must be at most {MAX_HELD_BACK} (got {held_back})")
+        config = self._worker_config
+        return self._engine.save(config.rank, config.world_size, held_back)
 
     def state_dict_of_ranks(self, states: Sequence[Any]) -> dict[str, Any]:
         """Every rank's state (``save_state_global``'s list) in :meth:`state_dict`'s layout:

@@ -37,7 +37,9 @@ the sampler's own state does, and ``torch.load(weights_only=True)`` always.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
+import json
 from typing import Any
 
 import attrs
@@ -92,6 +94,11 @@ def decode_generator_states(texts: list[Any], path: str) -> list[torch.Tensor]:
 def digest(*parts: Any) -> str:
     """A short hex digest of plain values (their ``repr``), for ``checks``."""
     return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()
+
+
+@functools.lru_cache(maxsize=16)
+def _job_check(seed: int | None, persistent: bool) -> str:
+    return digest("job", seed, persistent)
 
 
 def read_header(state: Any, kind: str) -> StateReader:
@@ -162,7 +169,7 @@ class JobStart:
     persistent: bool
 
     def check(self) -> str:
-        return digest("job", self.seed, self.persistent)
+        return _job_check(self.seed, self.persistent)
 
 
 @attrs.frozen
@@ -205,6 +212,22 @@ class MapState:
             },
         }
 
+    def to_json(self) -> str:
+        """:meth:`to_plain` as compact JSON, the fields fixed for an epoch (config, job,
+        generator states: ~7 KB) encoded once an epoch, not once a save. Raises
+        ``TypeError`` for a sampler state JSON cannot hold."""
+        plain = self.to_plain()
+        constant = {name: plain.pop(name) for name in _EPOCH_CONSTANT}
+        key = (self.config, self.job, self.rng, self.rng_at_iter)
+        cached = _FRAGMENT_CACHE.get(id(self.config))
+        if cached is not None and all(a is b for a, b in zip(cached[0], key)):
+            fragment = cached[1]
+        else:
+            fragment = _encode(constant)
+            _FRAGMENT_CACHE.clear()  # one engine's epoch at a time is what pays to keep
+            _FRAGMENT_CACHE[id(self.config)] = (key, fragment)
+        return _encode(plain)[:-1] + "," + fragment[1:]
+
     @classmethod
     def from_plain(cls, state: Any) -> MapState:
         """Decode and validate; ``StateFormatError`` names the first field that is wrong."""
@@ -242,6 +265,12 @@ class MapState:
             rng_check=checks.str("rng"),
             rng_at_iter_check=checks.str("rng_at_iter"),
         )
+
+
+_EPOCH_CONSTANT = ("config", "job", "rng", "rng_at_iter", "checks")
+_encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+# id(config) -> ((config, job, rng, rng_at_iter), their JSON); identity-checked on use.
+_FRAGMENT_CACHE: dict[int, tuple[tuple[Any, ...], str]] = {}
 
 
 def _verify(name: str, actual: str, recorded: str) -> None:
