@@ -19,18 +19,23 @@ checked in one file. What and why:
   dataset shards by ``get_worker_info().id``, which after a restore must name the logical
   worker whose stream the process now continues. ``WorkerInfo`` refuses attribute changes
   after construction, so its fields are replaced with ``object.__setattr__``.
+- ``DistributedSampler.__iter__``'s permutation (``randperm`` of a generator seeded with
+  ``seed + epoch``, or ``range``): the drop-in loader deals the rest of an epoch to another
+  number of ranks from the same permutation (:func:`distributed_permutation`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data import DataLoader
 from torch.utils.data import _utils as _data_utils
 
 __all__ = [
     "ExceptionWrapper",
+    "distributed_permutation",
     "has_iterator",
     "outstanding_tasks",
     "set_worker_info",
@@ -87,3 +92,13 @@ def set_worker_info(**fields: Any) -> None:
         return
     for name, value in fields.items():
         object.__setattr__(info, name, value)
+
+
+def distributed_permutation(length: int, shuffle: bool, seed: int, epoch: int) -> list[int]:
+    """The order ``torch.utils.data.DistributedSampler`` deals an epoch from, before padding:
+    its ``__iter__`` computes exactly this (torch 2.x)."""
+    if shuffle:
+        generator = torch.Generator()
+        generator.manual_seed(seed + epoch)
+        return torch.randperm(length, generator=generator).tolist()
+    return list(range(length))

@@ -23,9 +23,19 @@ from typing import Any
 from ...errors import StateFormatError
 from ...state.plain import StateReader, json_leaf
 
-__all__ = ["RANK_KEY_PREFIX", "is_rank_entries", "rank_entries", "rank_key", "states_of_entries"]
+__all__ = [
+    "ANY_RANK_KEY",
+    "RANK_KEY_PREFIX",
+    "is_rank_entries",
+    "rank_entries",
+    "rank_key",
+    "states_of_entries",
+]
 
 RANK_KEY_PREFIX = "rank_"
+# The key of a state any rank restores from (the job's position under a DistributedSampler):
+# the same on every rank and every world size, so DCP loads it onto any number of ranks.
+ANY_RANK_KEY = "rank_any"
 
 _encode = json.JSONEncoder(separators=(",", ":")).encode
 
@@ -71,7 +81,7 @@ def states_of_entries(entries: dict[str, Any]) -> list[Any]:
         if isinstance(leaf, str):
             leaf = json_leaf(leaf, f"state_dict[{key!r}]")
         rank = StateReader(leaf, f"state_dict[{key!r}]").int("rank")
-        if rank_key(rank) != key:
+        if key != ANY_RANK_KEY and rank_key(rank) != key:
             raise StateFormatError(
                 f"state_dict[{key!r}] holds the state of rank {rank}; each rank's state goes "
                 f"under its own key ({rank_key(rank)!r}), as state_dict() writes it"

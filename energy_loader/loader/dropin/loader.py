@@ -34,7 +34,7 @@ from ...workers.bundling import DEFAULT_ITEMS_PER_TRANSFER
 from ..progress import MAX_HELD_BACK
 from ..savable_loader import SavableDataLoader
 from ..torch_args import DEFAULT_BATCH_SIZE
-from .entries import is_rank_entries, rank_entries, rank_key, states_of_entries
+from .entries import ANY_RANK_KEY, is_rank_entries, rank_entries, rank_key, states_of_entries
 from .map_style import MapEngine
 
 __all__ = ["DropInDataLoader"]
@@ -222,8 +222,10 @@ class DropInDataLoader(SavableDataLoader):
         """Continue exactly from ``state`` at the next ``iter()``, on any ``num_workers``.
 
         Under a ``DistributedSampler`` the ranks of a job advance in lockstep, so a state
-        names the job's position, not the rank's: any rank's state restores every rank of
-        the same world size (Lightning hands rank 0's state to every rank).
+        names the job's position in the epoch's permutation, not the rank's: any rank's state
+        restores every rank of any world size and batch size (Lightning hands rank 0's state
+        to every rank); on another world size or batch size the rest of the epoch is dealt to
+        the new ranks as the sampler deals (docs/loader.md).
 
         Raises ``StateFormatError`` for something that is not a drop-in state and
         ``StateMismatchError`` for a state of another dataset, sampler or batching, or of
@@ -231,8 +233,8 @@ class DropInDataLoader(SavableDataLoader):
         """
         decoded = self._engine.decode(state)
         config = self._worker_config
-        other_rank = decoded.rank != config.rank and not self._engine.rank_free(decoded)
-        if decoded.world_size != config.world_size or other_rank:
+        other_layout = decoded.world_size != config.world_size or decoded.rank != config.rank
+        if other_layout and not self._engine.rank_free(decoded):
             raise StateMismatchError(
                 f"the state was saved by rank {decoded.rank} of {decoded.world_size}; this loader "
                 f"is rank {config.rank} of {config.world_size}. A drop-in loader restores on "
@@ -257,15 +259,20 @@ class DropInDataLoader(SavableDataLoader):
         return decoded
 
     def saved_ranks_needed(self, first: Any) -> list[int]:
-        """Refused with ``StateMismatchError``: asked when the rank files of this world size
-        are missing but those of another are there; a drop-in loader restores on the world
-        size that saved, each rank from its own state."""
+        """The saved ranks whose files this rank reads when the rank files of this world size
+        are missing but those of another are there: ``first``'s alone under a
+        ``DistributedSampler`` (it names the job's position); otherwise refused with
+        ``StateMismatchError`` (each rank restores from its own state)."""
+        if self._engine.rank_free(self._engine.decode(first)):
+            return [StateReader(first, "state").int("rank")]
         raise _other_world_size(StateReader(first, "state").int("world_size", minimum=1), self)
 
     def _own_state(self, states: list[Any]) -> Any:
         config = self._worker_config
         if len(states) == 1:
             return states[0]  # this rank's own entry; restore_state_rank checks whose
+        if states and self._engine.rank_free(self._engine.decode(states[0])):
+            return states[0]  # the job's position: any rank's state
         if len(states) != config.world_size:
             raise _other_world_size(len(states), self)
         return states[config.rank]
@@ -283,8 +290,9 @@ class DropInDataLoader(SavableDataLoader):
         state = self._saved(held_back)
         as_json = getattr(state, "to_json", None)
         if as_json is not None:  # a map-style state: the epoch's constant part encoded once
+            key = ANY_RANK_KEY if self._engine.rank_free(state) else rank_key(state.rank)
             with contextlib.suppress(TypeError, ValueError):  # a sampler state JSON can't hold
-                return {rank_key(state.rank): as_json()}
+                return {key: as_json()}
         return rank_entries([state.to_plain()])
 
     def _saved(self, held_back: int) -> Any:

@@ -32,13 +32,14 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from ...errors import StateMismatchError
-from ...torch_internals import ExceptionWrapper, shut_down_workers_of
+from ...torch_internals import ExceptionWrapper, distributed_permutation, shut_down_workers_of
 from ...transport import Transport
 from ...workers.bundling import BUNDLE_SECONDS, bundle_bytes
 from ...workers.fetch import BatchFetcher, FetchResult, FetchTask, WorkerInit
+from ..planner import Dealing
 from ..progress import MAX_HELD_BACK
 from .sampling import (
     EpochStart,
@@ -84,6 +85,11 @@ class _Epoch:
         # global generator (epochs >= 1 of a loader without a generator; sampling.py).
         self.seed = 0
         self.private: PrivateGlobal | None = None
+        # Under a DistributedSampler: its epoch, the dealing of the permutation this epoch
+        # runs, and that dealing's units per rank (planner.Dealing).
+        self.sampler_epoch = 0
+        self.dealing: Dealing | None = None
+        self.units: int | None = None
 
     def sampling(self) -> contextlib.AbstractContextManager[Any]:
         """The context the sampler draws in: its private global stream, if it has one."""
@@ -142,6 +148,9 @@ class MapEngine:
         self.before_base_seed: torch.Tensor | None = None
         self.job: JobStart | None = None  # set at the job's first iter()
         self.stateful = stateful_part(self.index_sampler)
+        self.distributed = distributed_part(self.index_sampler)
+        self.unit_size = 1 if loader.batch_size is None else int(loader.batch_size)
+        self.drop_last = bool(loader.drop_last)
         self.items_per_transfer = items_per_transfer
         self.max_bytes = bundle_bytes(None if transport is None else transport.arena_bytes)
         self.bundle = 1
@@ -222,6 +231,8 @@ class MapEngine:
         epoch with the sampler's generators where the saved one left them."""
         from .state import decode_generator_states
 
+        if self.needs_dealing(state):
+            return self._resume_dealt(state)
         states = None if state.rng is None else decode_generator_states(state.rng, "state.rng")
         at_iter = (
             None
@@ -243,6 +254,57 @@ class MapEngine:
             epoch.private = PrivateGlobal(after[0])
         if self.stateful is not None:
             epoch.snapshots[state.used] = state.sampler_state
+        if state.distributed is not None:
+            saved = state.distributed
+            epoch.sampler_epoch = saved["epoch"]
+            epoch.dealing = Dealing(saved["offset"], saved["end"], saved["world"])
+            epoch.units = self.length
+        return epoch
+
+    def _deal_as_the_sampler(self, epoch: _Epoch, sampler: DistributedSampler[Any]) -> None:
+        """The epoch is the sampler's own dealing (set before its first pull)."""
+        epoch.sampler_epoch = int(sampler.epoch)
+        end = sampler.total_size if sampler.drop_last else _sampled_length(sampler)
+        epoch.dealing = Dealing(0, end, sampler.num_replicas)
+        epoch.units = self.length
+
+    def needs_dealing(self, state: MapState) -> bool:
+        """Whether ``state`` continues on a new dealing of its epoch's permutation: saved under
+        a DistributedSampler on another world size or batch size, or already dealt anew."""
+        saved = state.distributed
+        if saved is None or self.distributed is None or not state.started:
+            return False
+        return (
+            saved["offset"] > 0
+            or saved["world"] != self.distributed.num_replicas
+            or state.config.get("batch_size") != self.config["batch_size"]
+        )
+
+    def _resume_dealt(self, state: MapState) -> _Epoch:
+        """The saved epoch continued from the job's position, its rest dealt to this layout."""
+        from .state import decode_generator_states
+
+        saved = state.distributed
+        assert saved is not None and self.distributed is not None
+        sampler = self.distributed
+        old = Dealing(saved["offset"], saved["end"], saved["world"])
+        saved_unit = state.config.get("batch_size") or 1
+        consumed = min(state.used * saved_unit, old.per_rank())
+        dealing = old.continued(consumed, sampler.num_replicas)
+        permutation = distributed_permutation(
+            _sampled_length(sampler), sampler.shuffle, sampler.seed, saved["epoch"]
+        )
+        units = _units_of(dealing.indices(permutation, sampler.rank), self)
+        if state.rng is not None:  # the loader's generator as the saving job left it
+            self.rng.put_own(decode_generator_states(state.rng, "state.rng"))
+        if not units:
+            return _Epoch(state.epoch + 1)
+        epoch = _Epoch(state.epoch)
+        epoch.start = EpochStart(state.epoch, None, None)
+        epoch.resume = (iter(units), self.rng.capture())
+        epoch.sampler_epoch = saved["epoch"]
+        epoch.dealing = dealing
+        epoch.units = len(units)
         return epoch
 
     def open_stream(self) -> Iterator[FetchTask]:
@@ -283,6 +345,8 @@ class MapEngine:
             self.rng.put_own(after)
         elif epoch.start is None:
             epoch.start = self.capture_start(epoch, at_iter)
+        if epoch.dealing is None and self.distributed is not None:
+            self._deal_as_the_sampler(epoch, self.distributed)
         seed = epoch.seed
         stateful = self.stateful
         if stateful is not None and epoch.pulled not in epoch.snapshots:
@@ -382,7 +446,23 @@ class MapEngine:
             sampler_state,
             rng_check,
             at_iter_check,
+            self._distributed_of(epoch),
         )
+
+    def _distributed_of(self, epoch: _Epoch) -> dict[str, int] | None:
+        if epoch.dealing is None:
+            if self.distributed is None:
+                return None
+            self._deal_as_the_sampler(epoch, self.distributed)  # iter() made, nothing pulled
+        dealing = epoch.dealing
+        assert dealing is not None
+        return {
+            "epoch": int(epoch.sampler_epoch),
+            "offset": dealing.offset,
+            "end": dealing.end,
+            "world": dealing.world,
+            "units": -1 if epoch.units is None else epoch.units,
+        }
 
     def decode(self, state: Any) -> MapState:
         return MapState.from_plain(state)
@@ -469,7 +549,10 @@ class MapEngine:
         if epoch is None:
             if pending is None:
                 return 0
-            over = pending.started and pending.used == pending.config.get("batches_per_epoch")
+            units = pending.config.get("batches_per_epoch")
+            if pending.distributed is not None and not self.needs_dealing(pending):
+                units = pending.distributed["units"]
+            over = pending.started and pending.used == units
             return pending.epoch + int(over)
         return epoch.number + int(epoch.ended)
 
@@ -534,6 +617,21 @@ def _plain_unit(unit: Any) -> Any:
     return int(unit) if isinstance(unit, int) else unit
 
 
+def _distributed_config(index_sampler: Any) -> dict[str, Any]:
+    """A DistributedSampler's settings (its rank is the layout's, not the job's)."""
+    sampler = distributed_part(index_sampler)
+    if sampler is None:
+        return {}
+    return {
+        "num_replicas": sampler.num_replicas,
+        "distributed": {
+            "shuffle": bool(sampler.shuffle),
+            "seed": int(sampler.seed),
+            "drop_last": bool(sampler.drop_last),
+        },
+    }
+
+
 def _config_of(loader: DropInDataLoader, rng: SamplerRng) -> dict[str, Any]:
     """What a state must agree with: dataset, sampler, generators and batching (not the
     workers)."""
@@ -552,6 +650,7 @@ def _config_of(loader: DropInDataLoader, rng: SamplerRng) -> dict[str, Any]:
         "dataset_length": length,
         "sampler": describe_chain(index_sampler),
         "generators": list(rng.kinds),
+        **_distributed_config(index_sampler),
         "batches_per_epoch": units,
         "batch_size": None if loader.batch_size is None else int(loader.batch_size),
         "drop_last": bool(loader.drop_last),
@@ -570,9 +669,43 @@ def index_sampler_of(loader: DataLoader) -> Any:
     return loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
 
 
+def _units_of(indices: list[int], engine: MapEngine) -> list[Any]:
+    """A rank's indices as the loader's units: batches of ``batch_size`` (the last one
+    dropped if short and ``drop_last``), or the indices themselves without batching."""
+    if engine.config["batch_size"] is None:
+        return list(indices)
+    size = engine.unit_size
+    units = [indices[i : i + size] for i in range(0, len(indices), size)]
+    if units and engine.drop_last and len(units[-1]) < size:
+        units.pop()
+    return units
+
+
+def _sampled_length(sampler: DistributedSampler[Any]) -> int:
+    return len(sampler.dataset)  # type: ignore[arg-type]  # DistributedSampler needs a len()
+
+
+def distributed_part(index_sampler: Any) -> DistributedSampler[Any] | None:
+    """The ``DistributedSampler`` of the sampler chain (a batch sampler's inner one), or None."""
+    for sampler in (index_sampler, getattr(index_sampler, "sampler", None)):
+        if isinstance(sampler, DistributedSampler):
+            return sampler
+    return None
+
+
+# What may differ when a DistributedSampler job continues on another layout or batch size.
+_DEALT_FREELY = ("batches_per_epoch", "batch_size", "num_replicas")
+
+
 def check_restorable(state: MapState, engine: MapEngine) -> None:
     """Raise ``StateMismatchError`` for a state this engine cannot continue."""
-    check_config(state.config, engine.config)
+    if engine.needs_dealing(state):
+        check_config(
+            {k: v for k, v in state.config.items() if k not in _DEALT_FREELY},
+            {k: v for k, v in engine.config.items() if k not in _DEALT_FREELY},
+        )
+    else:
+        check_config(state.config, engine.config)
     if state.started and state.rng is not None and len(state.rng) != len(engine.rng.generators):
         raise StateMismatchError(
             f"the state holds {len(state.rng)} generator state(s) of the sampler, this loader's "

@@ -58,7 +58,8 @@ def _chain(sampler: Any) -> Iterator[Any]:
     while sampler is not None and id(sampler) not in seen:
         seen.add(id(sampler))
         yield sampler
-        sampler = getattr(sampler, "sampler", None) or getattr(sampler, "batch_sampler", None)
+        inner = getattr(sampler, "sampler", None)  # (not `or`: an empty sampler is falsy)
+        sampler = inner if inner is not None else getattr(sampler, "batch_sampler", None)
 
 
 def stateful_part(index_sampler: Any) -> Any:

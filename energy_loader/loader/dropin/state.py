@@ -15,6 +15,7 @@ Layout (format version 2)::
       "rng": ["<base64>", ...] | null,      # the sampler's generators at its first pull
       "rng_at_iter": [...] | null,          # ... when iter(sampler) itself drew
       "sampler_state": {...} | null,        # a Stateful sampler's own state_dict()
+      "distributed": {"epoch": 2, "offset": 0, "end": 1000, "world": 4, "units": 8} | null,
       "checks": {"job": "<hex>", "rng": "<hex>", "rng_at_iter": "<hex>"},
       # iterable:
       "pipeline": {...}           # the rank state of the pipeline it runs (rank_state format)
@@ -26,6 +27,11 @@ that drives the loader -- its ``generator``, else torch's global one -- at the j
 a sampler that draws from torch's global generator; ``persistent`` says whether the job draws
 torch's base seed once (persistent workers) or every epoch, so that a restore onto another
 ``persistent_workers`` setting keeps the job's generator where the uninterrupted job has it.
+
+``distributed`` (under a ``DistributedSampler``) is where the epoch's permutation is dealt
+from: the sampler's epoch, and the positions ``offset`` to ``end`` dealt to ``world`` ranks in
+``units`` batches each (:class:`energy_loader.loader.planner.Dealing`), so that any rank's
+state restores every rank of any world size or batch size.
 
 ``checks`` are digests of the fields a reader cannot check by their shape (a flipped byte in
 a generator state is another valid state): a state edited or damaged after saving is refused
@@ -188,6 +194,9 @@ class MapState:
     sampler_state: Any
     rng_check: str = ""
     rng_at_iter_check: str = ""
+    # Under a DistributedSampler: the sampler's epoch and the epoch's dealing (planner.Dealing)
+    # as {"epoch", "offset", "end", "world", "units"}; None otherwise.
+    distributed: dict[str, int] | None = None
 
     def to_plain(self) -> dict[str, Any]:
         job = self.job
@@ -205,6 +214,7 @@ class MapState:
             "rng": self.rng,
             "rng_at_iter": self.rng_at_iter,
             "sampler_state": self.sampler_state,
+            "distributed": self.distributed,
             "checks": {
                 "job": "" if job is None else job.check(),
                 "rng": self.rng_check or digest("rng", self.rng),
@@ -264,7 +274,19 @@ class MapState:
             sampler_state=reader.raw("sampler_state"),
             rng_check=checks.str("rng"),
             rng_at_iter_check=checks.str("rng_at_iter"),
+            distributed=_distributed(reader),
         )
+
+
+def _distributed(reader: StateReader) -> dict[str, int] | None:
+    if reader.raw("distributed") is None:
+        return None
+    fields = reader.sub("distributed")
+    out = {name: fields.int(name) for name in ("epoch", "offset", "end", "units")}
+    out["world"] = fields.int("world", minimum=1)
+    if out["offset"] > out["end"]:
+        raise StateFormatError("state.distributed.offset must be <= state.distributed.end")
+    return out
 
 
 _EPOCH_CONSTANT = ("config", "job", "rng", "rng_at_iter", "checks")
