@@ -36,9 +36,11 @@ from typing import Any
 import attrs
 
 __all__ = [
+    "WORKER_FIELDS",
     "LoaderMetrics",
     "StallPolicy",
     "WorkerCounters",
+    "clock",
     "flatten",
     "resolve_stall_policy",
     "tqdm_postfix",
@@ -82,7 +84,7 @@ class WorkerCounters:
         }
 
 
-_WORKER_FIELDS = ("wall_s", "produce_s", "checkpoint_s", "encode_s", "items", "bytes")
+WORKER_FIELDS = ("wall_s", "produce_s", "checkpoint_s", "encode_s", "items", "bytes")
 
 
 @attrs.frozen
@@ -161,7 +163,7 @@ class _Totals:
         self.stall_items = 0
         self.stall_wait_s = 0.0
         self.stall_step_s = 0.0
-        self.workers = [dict.fromkeys(_WORKER_FIELDS, 0.0) for _ in range(workers)]
+        self.workers = [dict.fromkeys(WORKER_FIELDS, 0.0) for _ in range(workers)]
 
     def copy(self) -> _Totals:
         other = _Totals(0)
@@ -298,8 +300,8 @@ class LoaderMetrics:
             if previous is not None and reading["wall_s"] >= previous[1]["wall_s"]:
                 before = previous[1]
             else:
-                before = dict.fromkeys(_WORKER_FIELDS, 0.0)
-            for name in _WORKER_FIELDS:
+                before = dict.fromkeys(WORKER_FIELDS, 0.0)
+            for name in WORKER_FIELDS:
                 totals[logical][name] += reading[name] - before[name]
             self._worker_seen[logical] = (clock(), reading)
         return depths
@@ -315,7 +317,7 @@ class LoaderMetrics:
         save_s = now.save_s - base.save_s
         workers = []
         for index, (a, b) in enumerate(zip(now.workers, base.workers)):
-            delta = {name: a[name] - b[name] for name in _WORKER_FIELDS}
+            delta = {name: a[name] - b[name] for name in WORKER_FIELDS}
             wall = delta.pop("wall_s")
             delta["busy_fraction"] = min(1.0, delta["produce_s"] / wall) if wall > 0 else 0.0
             workers.append({"worker": index, **delta})

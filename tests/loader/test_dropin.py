@@ -474,3 +474,20 @@ def test_a_hugging_face_dataset_yields_what_torch_yields() -> None:
     table = datasets.Dataset.from_dict({"x": list(range(10)), "t": [f"s{i}" for i in range(10)]})
     ours, theirs = _both(lambda cls: cls(table, batch_size=4, shuffle=True, num_workers=1))
     assert_same(ours[:3], theirs[:3])  # epoch 0 (later ones: the job's own shuffle)
+
+
+@pytest.mark.parametrize("dataset", [TENSORS, Sharded(23)], ids=["map", "iterable"])
+def test_stats_count_the_batches_handed_out_the_saves_and_each_workers_share(
+    dataset: Any,
+) -> None:
+    loader = el.SavableDataLoader(dataset, batch_size=4, num_workers=2)
+    handed = 0
+    for handed, _ in enumerate(loader, 1):
+        if handed == 2:
+            loader.state_dict()
+    total = loader.stats()["total"]
+    assert total["items"] == handed == 6
+    assert total["saves"] == 1 and total["save_s_max"] > 0
+    assert sum(worker["items"] for worker in total["workers"]) == handed
+    assert loader.stats()["since_last"]["items"] == 0
+    loader.close()

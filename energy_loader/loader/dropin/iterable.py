@@ -157,6 +157,9 @@ class IterableEngine:
 
         self.inner.plan_restore([RankState.from_plain(state.pipeline)])
 
+    def stats(self) -> dict[str, Any]:
+        return self.inner.stats()
+
     def rank_free(self, state: IterableState) -> bool:
         """An iterable dataset's state is its rank's own stream."""
         return False

@@ -358,7 +358,11 @@ class DropInDataLoader(SavableDataLoader):
         return list(self._engine.peek_units(n, saved))
 
     def stats(self) -> dict[str, Any]:
-        raise TypeError("stats() is available for savable pipelines only")
+        """Numbers since the previous call and in total, as a savable pipeline's loader gives
+        them (docs/observability.md): waits of ``next()``, items/s, saves, and per worker the
+        seconds and bytes of the batches it made (map-style: the trips torch dealt it in turn;
+        its queue depth is not asked)."""
+        return self._engine.stats()
 
     def close(self) -> None:
         """Stop the worker processes now, keeping the position (the next ``iter()`` goes on)."""

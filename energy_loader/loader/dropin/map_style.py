@@ -35,6 +35,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from ...errors import StateMismatchError
+from ...metrics import WORKER_FIELDS, LoaderMetrics, clock
 from ...torch_internals import ExceptionWrapper, distributed_permutation, shut_down_workers_of
 from ...transport import Transport
 from ...workers.bundling import BUNDLE_SECONDS, bundle_bytes
@@ -177,6 +178,16 @@ class MapEngine:
         self.generation = 0
         self.torch_iterator: Any = None
         self.config = _config_of(loader, self.rng)
+        # stats(): the main process's waits and saves, and per worker what its trips took.
+        workers = max(1, loader.num_workers)
+        self.worker_counters = [dict.fromkeys(WORKER_FIELDS, 0.0) for _ in range(workers)]
+        self.trips = 0
+        self.born = clock()
+        self.metrics = LoaderMetrics(workers, self._poll, None)
+
+    def _poll(self) -> tuple[list[dict[str, float] | None], list[int]]:
+        now = clock() - self.born
+        return [{**c, "wall_s": now} for c in self.worker_counters], []
 
     # -- iteration -----------------------------------------------------------------------------
 
@@ -202,6 +213,8 @@ class MapEngine:
             epoch.private = PrivateGlobal(epoch_global_state(seed, epoch.number))
         self.epoch = epoch
         self.bundle = 1
+        self.trips = 0
+        self.metrics.new_iterator()
         new_iterator = self.torch_iterator is None or not self.persistent_workers
         if not self.persistent_workers and self.torch_iterator is not None:
             shut_down_workers_of(self.torch_iterator)
@@ -387,7 +400,14 @@ class MapEngine:
         return EpochStart(epoch.number, states, at_iter)
 
     def received(self, result: FetchResult) -> None:
-        """Adapt the bundle size to what a task cost: grow while units are small and quick."""
+        """Count the trip for ``stats()`` (the worker that made it: torch deals trips to its
+        workers in turn), and adapt the bundle size to what it cost: grow while units are
+        small and quick."""
+        counters = self.worker_counters[self.trips % len(self.worker_counters)]
+        self.trips += 1
+        counters["produce_s"] += result.seconds
+        counters["items"] += result.count
+        counters["bytes"] += result.nbytes
         if result.count == 0:
             return
         per_second = result.seconds / result.count
@@ -409,6 +429,13 @@ class MapEngine:
     # -- state ---------------------------------------------------------------------------------
 
     def save(self, rank: int, world_size: int, held_back: int) -> MapState:
+        """The position ``held_back`` batches before the last handed out (timed for stats)."""
+        began = clock()
+        state = self._position(rank, world_size, held_back)
+        self.metrics.save(clock() - began)
+        return state
+
+    def _position(self, rank: int, world_size: int, held_back: int) -> MapState:
         epoch = self.epoch
         if self.pending is not None:
             return self.pending
@@ -505,6 +532,9 @@ class MapEngine:
         finally:
             self.rng.put(kept)
 
+    def stats(self) -> dict[str, Any]:
+        return self.metrics.stats()
+
     def rank_free(self, state: MapState) -> bool:
         """Whether the state names the job's position, whichever rank saved it: under a
         ``DistributedSampler`` every rank has used the same number of batches."""
@@ -567,6 +597,7 @@ class _MapIterator:
         self._epoch = engine.epoch
         self._ready: collections.deque[Any] = collections.deque()
         self._failure: Any = None
+        self._decode_s = 0.0
         self._finished = False
         self.owner: Any = None  # the loader, kept alive while this iterator is
 
@@ -574,6 +605,7 @@ class _MapIterator:
         return self
 
     def __next__(self) -> Any:
+        began = clock()
         engine = self._engine
         if self._finished:
             raise StopIteration
@@ -598,9 +630,13 @@ class _MapIterator:
                 epoch.ended = True
                 raise
             engine.received(result)
+            decoding = clock()
             self._ready.extend(result.batches())
+            self._decode_s += clock() - decoding
             self._failure = result.failure
         engine.handed(epoch)
+        decode_s, self._decode_s = self._decode_s, 0.0
+        engine.metrics.item(began, decode_s)
         return self._ready.popleft()
 
     def __len__(self) -> int:
