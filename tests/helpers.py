@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,3 +37,19 @@ def indices(batch_or_sample: Any) -> list[int]:
     if isinstance(value, torch.Tensor):  # a batch collated by default_collate
         value = value.tolist()
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_command(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``python -m energy_loader ARGS`` from the repository root (the tests importable), with
+    extra environment variables; two minutes at most."""
+    return subprocess.run(
+        [sys.executable, "-m", "energy_loader", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+    )

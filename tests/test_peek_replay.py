@@ -25,9 +25,9 @@ import energy_loader as el
 from energy_loader.cli.pipelines import build_loader
 from energy_loader.cli.replay import loader_and_states, parse_steps, replay
 
+from .helpers import ROOT, run_command
 from .observe_pipelines import LENGTH, build
 
-ROOT = Path(__file__).resolve().parents[1]
 SAVE, AFTER, SEED, RANKS = 7, 24, 5, 2
 
 
@@ -221,15 +221,7 @@ def test_replay_command_line(saved_run) -> None:
 
 
 def _command(*args: str, log_dir: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "ENERGY_LOADER_TEST_LOG_DIR": str(log_dir)}
-    return subprocess.run(
-        [sys.executable, "-m", "energy_loader", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env=env,
-    )
+    return run_command(*args, ENERGY_LOADER_TEST_LOG_DIR=str(log_dir))
 
 
 def test_replay_on_a_folder_of_rank_files_reads_only_the_rank_it_replays(saved_run) -> None:

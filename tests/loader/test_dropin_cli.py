@@ -4,9 +4,6 @@ itself (per-rank files) and a training checkpoint holding ``loader.state_dict()`
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,20 +12,10 @@ import torch
 
 import energy_loader as el
 
+from ..helpers import run_command
 from .dropin_helpers import build_shuffled_loader
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "energy_loader", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+_run = run_command
 
 
 @pytest.fixture(scope="module")
