@@ -336,14 +336,30 @@ def _check_states_list(states: Any) -> list[Any]:
     return list(states)
 
 
-def _wanted(states: list[Any], size: int, position: int) -> list[Any]:
-    """The states rank ``position`` of a group of ``size`` needs: its own, or all of them."""
+def _wanted(
+    loader: SavableDataLoader, states: list[Any], size: int, ranks: Sequence[int], own: int
+) -> dict[int, list[Any]]:
+    """The states each data-parallel rank in ``ranks`` of a group of ``size`` needs.
+
+    Its own on the world size that saved them; on another, the lowest rank's (the job's
+    position) and those of the saved ranks that ran the partitions it now runs
+    (``loader.saved_ranks_needed``): a few states per rank, not all of them, so a rank decodes
+    and checks only those. ``own`` (this process's rank) is asked first: a loader that
+    restores on the saved world size only refuses there.
+    """
     if len(states) == size:
-        return [states[position]]
-    return states
+        return {r: [states[r]] for r in ranks}
+    (first,) = loader.decode_states([states[0]])
+    needed = {own: loader.saved_ranks_needed(first)}
+    for rank in ranks:
+        if rank not in needed:  # the scatter's source, for the other ranks of its layout
+            needed[rank] = loader.planner_for([first]).saved_ranks_needed(first, rank)
+    return {r: [states[i] for i in sorted({0, *needed[r]})] for r in ranks}
 
 
-def _scattered_entries(states: Any, group: _Group, src_position: int, src_rank: int) -> Any:
+def _scattered_entries(
+    loader: SavableDataLoader, states: Any, group: _Group, src_position: int, src_rank: int
+) -> Any:
     """The states this rank needs (sent by ``src_rank``), or the src's refusal."""
     import torch.distributed as dist
 
@@ -351,7 +367,8 @@ def _scattered_entries(states: Any, group: _Group, src_position: int, src_rank: 
     if group.rank == src_position:
         try:
             checked = _check_states_list(states)
-            envelopes = [_wanted(checked, group.size, r) for r in range(group.size)]
+            wanted = _wanted(loader, checked, group.size, range(group.size), group.rank)
+            envelopes = [wanted[r] for r in range(group.size)]
         except Exception as error:
             refusal = _Refusal(type(error).__name__, f"{error} (found by src_rank {src_rank})")
             envelopes = [refusal] * group.size
@@ -377,8 +394,9 @@ def restore_state_global(
       restores from what it needs of it;
     * ``src_rank=r`` (a global rank in the group): only rank ``r`` needs the list; it is
       checked there and sent with ``scatter_object_list``: each rank's own entry when the
-      world size is the one the list was saved with, every entry otherwise. Other ranks'
-      ``states`` are ignored (pass ``None``).
+      world size is the one the list was saved with; otherwise the lowest rank's entry and
+      those of the ranks that ran its partitions (a few, not all). Other ranks' ``states``
+      are ignored (pass ``None``).
 
     The list is every rank's state of one save, in rank order, possibly of another world size
     or worker count with the same ``num_partitions``: each rank then takes the partitions it
@@ -402,13 +420,14 @@ def restore_state_global(
     entries: Any = None
     if src_rank is None:
         try:
-            entries = _wanted(_check_states_list(states), group.size, group.rank)
+            checked = _check_states_list(states)
+            entries = _wanted(loader, checked, group.size, [group.rank], group.rank)[group.rank]
         except Exception as error:
             problem = error
     else:
         _require_collective(group, "restore_state_global with a src_rank")
         src_position = group.position_of(src_rank, "src_rank")
-        entries = _scattered_entries(states, group, src_position, src_rank)
+        entries = _scattered_entries(loader, states, group, src_position, src_rank)
     decoded: list[Any] = []
     if problem is None:
         try:

@@ -564,3 +564,113 @@ def dropin_restore(rank: int, world_size: int, workdir: Path, *, num_workers: in
         tails[way] = dropin_batches(loader)
         loader.close()
     torch.save(tails, workdir / f"dropin_tails_rank{rank}.pt")
+
+
+# -- reads per rank at many ranks (tests/test_distributed.py, benchmarks/bench_ranks.py) ---------
+
+
+def scale_loader(partitions: int, length: int) -> el.SavableDataLoader:
+    """A tiny reference-like pipeline, no workers (many ranks share two cores), ``partitions``
+    logical partitions."""
+    config = el.WorkerConfig.from_process_group(num_workers=0, seed=3)
+    return el.SavableDataLoader(
+        reference_pipeline(length=length, buffer=8, batch=4),
+        worker_config=config,
+        num_partitions=partitions,
+    )
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def scale_save(
+    rank: int,
+    world_size: int,
+    workdir: Path,
+    *,
+    partitions: int,
+    length: int,
+    steps: int,
+    more: int,
+) -> None:
+    """Take ``steps`` batches, save through per-rank files, the gather and DCP (counting the
+    bytes each writes), then record the next ``more`` batches' keys (the stream to continue)."""
+    import torch.distributed.checkpoint as dcp
+
+    from energy_loader.testing.storage import CountingWriter
+
+    loader = scale_loader(partitions, length)
+    iterator = iter(loader)
+    for _ in range(steps):
+        next(iterator)
+    report: dict[str, Any] = {}
+    dist.barrier()
+    began = time.perf_counter()
+    path = eld.save_state_rank_file(loader, workdir / "files")
+    report["files"] = {"seconds": time.perf_counter() - began, "written": path.stat().st_size}
+    dist.barrier()
+    began = time.perf_counter()
+    states = loader.save_state_global(0)
+    written = 0
+    if states is not None:
+        torch.save(states, workdir / "gathered.pt")
+        written = (workdir / "gathered.pt").stat().st_size
+    report["gather"] = {"seconds": time.perf_counter() - began, "written": written}
+    dist.barrier()
+    writer = CountingWriter(workdir / "dcp")
+    began = time.perf_counter()
+    dcp.save({"loader": loader}, storage_writer=writer)
+    report["dcp"] = {"seconds": time.perf_counter() - began, "written": writer.bytes_written}
+    report["rss"] = peak_rss_bytes()
+    save_json(workdir / f"scale_save_rank{rank}.json", report)
+    keys = [next(iterator)["__restore_key__"] for _ in range(more)]
+    torch.save(keys, workdir / f"scale_saved{rank}.pt")
+
+
+def scale_restore(
+    rank: int,
+    world_size: int,
+    workdir: Path,
+    *,
+    partitions: int,
+    length: int,
+    steps: int,
+    ways: tuple[str, ...],
+) -> None:
+    """Restore a fresh loader through each of ``ways`` (files, full_list, scatter, dcp),
+    counting this rank's bytes read, and record the next ``steps`` batches' keys."""
+    import torch.distributed.checkpoint as dcp
+
+    from energy_loader.testing.storage import CountingReader, files_bytes
+
+    report: dict[str, Any] = {}
+    for way in ways:
+        loader = scale_loader(partitions, length)
+        dist.barrier()
+        began = time.perf_counter()
+        if way == "files":
+            eld.restore_state_rank_file(loader, workdir / "files")
+            # The files it read: those of the ranks whose states it restored from.
+            ranks = [s.rank for s in eld.read_rank_state_files(loader, workdir / "files")]
+            files = eld.rank_state_files(workdir / "files")
+            read = files_bytes(files[r] for r in ranks)
+        elif way == "dcp":
+            reader = CountingReader(workdir / "dcp")
+            dcp.load({"loader": loader}, storage_reader=reader)
+            read = reader.bytes_read
+        else:
+            source = way == "full_list" or rank == 0
+            states = torch.load(workdir / "gathered.pt", weights_only=True) if source else None
+            read = (workdir / "gathered.pt").stat().st_size if source else 0
+            loader.restore_state_global(states, src_rank=None if way == "full_list" else 0)
+        seconds = time.perf_counter() - began
+        iterator = iter(loader)
+        keys = [next(iterator)["__restore_key__"] for _ in range(steps)]
+        torch.save(keys, workdir / f"scale_{way}{rank}.pt")
+        report[way] = {"seconds": seconds, "read": read}
+        loader.close()
+    report["rss"] = peak_rss_bytes()
+    save_json(workdir / f"scale_restore_rank{rank}.json", report)

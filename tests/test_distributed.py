@@ -379,3 +379,55 @@ def test_a_dropin_loader_resumes_every_rank_through_every_path(
             epoch_indices[epoch] += batch["index"]
     for indices_of_epoch in epoch_indices:  # the ranks read disjoint halves of every epoch
         assert sorted(indices_of_epoch) == list(range(dh.DROPIN_LENGTH))
+
+
+@pytest.mark.timeout(180)
+def test_reads_per_rank_stay_flat_when_eight_ranks_resume_on_eight_and_six(
+    tmp_path: Path, no_leftover_processes: None
+) -> None:
+    """8 ranks save (24 partitions, no workers); fresh processes restore on 8 and on 6 ranks
+    through DCP and per-rank files. Each continues the job's stream exactly; a DCP rank reads
+    the .metadata and its own slots only, so after the resize it reads within 2x of a
+    same-layout restore (counted by the storage reader); a file restore reads the rank's own
+    file, or after the resize a few files whatever the world size."""
+    partitions, length, steps = 24, 960, 4
+    dh.launch(
+        dh.scale_save,
+        8,
+        tmp_path,
+        timeout=90,
+        partitions=partitions,
+        length=length,
+        steps=5,
+        more=steps,
+    )
+    saved = _job_stream(
+        [torch.load(tmp_path / f"scale_saved{r}.pt", weights_only=True) for r in range(8)]
+    )
+    reads: dict[int, dict[str, list[int]]] = {}
+    for world_size in (8, 6):
+        dh.launch(
+            dh.scale_restore,
+            world_size,
+            tmp_path,
+            timeout=90,
+            partitions=partitions,
+            length=length,
+            steps=steps,
+            ways=("dcp", "files"),
+        )
+        reports = [_read(tmp_path / f"scale_restore_rank{r}.json") for r in range(world_size)]
+        reads[world_size] = {way: [r[way]["read"] for r in reports] for way in ("dcp", "files")}
+        for way in ("dcp", "files"):
+            resumed = _job_stream(
+                [
+                    torch.load(tmp_path / f"scale_{way}{r}.pt", weights_only=True)
+                    for r in range(world_size)
+                ]
+            )
+            assert resumed == saved[: len(resumed)], (world_size, way)
+    file_size = (tmp_path / "files" / "loader_rank_00000_of_00008.pt").stat().st_size
+    assert max(reads[8]["dcp"]) <= 2 * min(reads[8]["dcp"]), reads
+    assert max(reads[6]["dcp"]) <= 2 * min(reads[8]["dcp"]), reads
+    assert max(reads[8]["files"]) <= 1.1 * file_size, reads  # its own file
+    assert max(reads[6]["files"]) <= 5 * file_size, reads  # rank 0's + the 4 that ran its own

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -91,21 +92,30 @@ def test_after_a_worker_error_workers_stop_at_once_and_saving_refuses() -> None:
     assert time.monotonic() - start < 2
 
 
-def test_state_dict_is_a_json_leaf_per_partition_and_load_state_dict_takes_both_forms() -> None:
+def test_state_dict_is_a_json_leaf_per_partition_and_load_state_dict_takes_every_form() -> None:
     loader = el.SavableDataLoader(reference_pipeline(60, 8, 4), num_partitions=2)
-    assert sorted(loader.state_dict()) == ["partition_00000", "partition_00001"]
+    assert sorted(loader.state_dict()) == ["slot_00000", "slot_00001"]
     iterator = iter(loader)
-    next(iterator), next(iterator)
+    next(iterator)
     wrapped = loader.state_dict()
-    assert sorted(wrapped) == ["partition_00000", "partition_00001"]
+    # One item taken: the job stands at partition 1, which is slot 0 from there.
+    assert sorted(wrapped) == ["slot_00000", "slot_00001"]
+    assert '"partition":{"partition":1' in wrapped["slot_00000"]
     assert all(isinstance(leaf, str) for leaf in wrapped.values())
     rest = [indices(b) for b in iterator]
-    for form in (wrapped, loader_state_after(wrapped)):
+    first_layout = {  # keys of the first layout (absolute partitions), still read
+        f"partition_{json.loads(leaf)['partition']['partition']:05d}": leaf
+        for leaf in wrapped.values()
+    }
+    for form in (wrapped, loader_state_after(wrapped), first_layout):
         restored = el.SavableDataLoader(reference_pipeline(60, 8, 4), num_partitions=2)
         restored.load_state_dict(form)
         assert [indices(b) for b in restored] == rest
     with pytest.raises(el.StateFormatError, match="not valid JSON"):
-        loader.load_state_dict({**wrapped, "partition_00001": wrapped["partition_00001"][:-5]})
+        loader.load_state_dict({**wrapped, "slot_00001": wrapped["slot_00001"][:-5]})
+    swapped = {"slot_00000": wrapped["slot_00001"], "slot_00001": wrapped["slot_00000"]}
+    with pytest.raises(el.StateFormatError, match="whose key is 'slot_00001'"):
+        loader.load_state_dict(swapped)
 
 
 def loader_state_after(wrapped: dict) -> dict:

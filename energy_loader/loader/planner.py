@@ -217,22 +217,28 @@ class Planner:
             )
         return Planner(self.pipeline, self.config, saved)
 
-    def saved_ranks_needed(self, first: RankState) -> list[int]:
-        """The saved ranks whose states this rank restores from on another layout.
+    def saved_ranks_needed(self, first: RankState, rank: int | None = None) -> list[int]:
+        """The saved ranks whose states rank ``rank`` (this planner's, by default) restores
+        from on another layout.
 
         ``first`` is the lowest saved rank's state: in lockstep, its position is the job's.
-        This rank runs, from that position (or from 0, if the epoch had ended there), the
-        partitions of this planner's layout; each was run by the saved rank ``(partition -
-        start) % saved world size``. Lets a rank read a few of the saved states, not all.
+        The rank runs, from that position (or from where the next epoch starts, if the epoch
+        had ended there), the partitions of this planner's layout; each was run by the saved
+        rank ``(partition - start) % saved world size``. Lets a rank read a few of the saved
+        states, not all.
         """
+        rank = self.config.rank if rank is None else rank
         lockstep = first.start + first.world_size * first.delivered
         ranks = {first.rank}
-        for position in (lockstep, 0):
-            for partition in self.layout(position % self.num_partitions).rank_partitions(
-                self.config.rank
-            ):
+        for position in (lockstep, first.start % first.world_size):
+            for partition in self.layout(position % self.num_partitions).rank_partitions(rank):
                 ranks.add((partition - first.start) % first.world_size)
         return sorted(ranks)
+
+    def check_partition_count(self, state: RankState) -> None:
+        """``StateMismatchError`` naming both counts unless ``state`` has this planner's
+        ``num_partitions``."""
+        _check_partition_count(state, self.num_partitions, self.config.world_size)
 
     def plan_restore(self, states: list[RankState]) -> RestorePlan:
         """Check ``states`` against this pipeline and plan this rank's restore.
@@ -344,20 +350,7 @@ def _check_common(states: Sequence[RankState], num_partitions: int, world_size: 
         raise StateMismatchError("no rank state to restore from")
     first = states[0]
     for state in states:
-        if state.num_partitions != num_partitions:
-            saved = state.num_partitions
-            advice = (
-                f"Pass num_partitions={saved} to the loader, or leave num_partitions unset (a "
-                "loader given none adopts the saved count), to continue that stream"
-                if saved % world_size == 0
-                else f"{saved} partitions run on a world size in {world_sizes_for(saved)}, "
-                f"not on world_size={world_size}"
-            )
-            raise StateMismatchError(
-                f"the state was saved with num_partitions={saved} (on world_size="
-                f"{state.world_size} x num_workers={state.num_workers}); this loader runs "
-                f"num_partitions={num_partitions}. {advice}"
-            )
+        _check_partition_count(state, num_partitions, world_size)
         for name in ("world_size", "num_workers", "epoch"):
             if getattr(state, name) != getattr(first, name):
                 raise StateMismatchError(
@@ -369,6 +362,24 @@ def _check_common(states: Sequence[RankState], num_partitions: int, world_size: 
     if len(set(ranks)) != len(ranks):
         raise StateMismatchError(f"the rank states list a rank twice: ranks {ranks}")
     return first
+
+
+def _check_partition_count(state: RankState, num_partitions: int, world_size: int) -> None:
+    if state.num_partitions == num_partitions:
+        return
+    saved = state.num_partitions
+    advice = (
+        f"Pass num_partitions={saved} to the loader, or leave num_partitions unset (a "
+        "loader given none adopts the saved count), to continue that stream"
+        if saved % world_size == 0
+        else f"{saved} partitions run on a world size in {world_sizes_for(saved)}, "
+        f"not on world_size={world_size}"
+    )
+    raise StateMismatchError(
+        f"the state was saved with num_partitions={saved} (on world_size="
+        f"{state.world_size} x num_workers={state.num_workers}); this loader runs "
+        f"num_partitions={num_partitions}. {advice}"
+    )
 
 
 def plan_restore(
@@ -416,13 +427,9 @@ def plan_restore(
         for entry in state.partitions:
             available[entry.partition] = (entry, state.epoch_ended)
     if ended:
-        # A new epoch starts from the canonical assignment, unless this rank does not hold
-        # those partitions (a rank-level rotation from an earlier restore onto another world
-        # size): then its ranks keep the partitions they run, and only workers are reset.
-        position = 0
-        canonical = PartitionLayout(num_partitions, world_size, num_workers).rank_partitions(rank)
-        if first.world_size == world_size and any(p not in available for p in canonical):
-            position = basis.start % world_size
+        # A new epoch starts where the loader starts it (``start mod world_size``: 0, or the
+        # rank-level rotation an earlier restore onto another world size left), on any layout.
+        position = basis.start % first.world_size
     else:
         # The ranks of a synchronous job deliver in lockstep: every rank's count is the
         # lowest rank's, whichever states (all, or the ones a rank file restore read) are given.

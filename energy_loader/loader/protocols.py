@@ -13,10 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+from ..errors import StateMismatchError
 from ..state.rank_state import (
     PARTITION_KEY_PREFIX,
     RankState,
+    is_partition_entries,
     partition_entries,
+    rank_slots,
+    slot_key,
     states_from_entries,
 )
 
@@ -40,7 +44,7 @@ class RankStateProtocols:
         @property
         def worker_config(self) -> WorkerConfig: ...
         def _save(self, held_back: int) -> RankState: ...
-        def _is_fresh(self) -> bool: ...
+        def planner_for(self, states: Sequence[RankState]) -> Planner: ...
         def restore_from_states(self, states: list[RankState]) -> None: ...
         def restore_state_rank(self, state: dict[str, Any]) -> None: ...
         def decode_states(self, states: Sequence[Any]) -> list[RankState]: ...
@@ -81,25 +85,22 @@ class RankStateProtocols:
         Lightning may hold a fetched batch it has not trained on when it saves -- and 0
         otherwise.
 
-        ``{"partition_00003": "<JSON>", ...}``: each leaf holds one partition's state and its
-        rank's position, so the leaves of all ranks together are the whole job's state, under
-        keys that do not depend on the layout. ``torch.distributed.checkpoint`` (DCP) stores
-        them leaf by leaf under one common key for the loader on every rank, and a job saved
-        on ``R`` ranks loads on ``R'``: a loader that has not started yet lists every
-        partition of the job (all fresh, identical on every rank), so a DCP load into a fresh
-        loader reads every partition and each rank takes the ones it now runs. String leaves
-        also avoid DCP's deduplication of equal leaves and its load into the *shape* of a
-        fresh state, which a shuffle buffer's state does not keep. ``torch.save`` and
-        ``json`` take the dict as is; :meth:`load_state_dict` reads it back.
+        ``{"slot_00003": "<JSON>", ...}``: each leaf holds one partition's state and its
+        rank's position, under the key of the partition's *slot*, its place in the job's
+        stream from the rank's position (:func:`~energy_loader.state.rank_state.rank_slots`:
+        rank ``r`` of ``R`` holds slots ``r, r + R, ...``). The leaves of all ranks together
+        are the whole job's state. ``torch.distributed.checkpoint`` (DCP) stores them leaf by
+        leaf under one common key for the loader on every rank, and a fresh loader lists the
+        slots its own rank runs from the saved position, on any layout: a DCP load into a
+        fresh loader built with the saved ``num_partitions`` reads only the partitions its
+        rank runs, whether the world size is the one that saved or not. String leaves also
+        avoid DCP's deduplication of equal leaves and its load into the *shape* of a fresh
+        state, which a shuffle buffer's state does not keep. ``torch.save`` and ``json`` take
+        the dict as is; :meth:`load_state_dict` reads it back.
         """
         if held_back is None:
             held_back = 0 if self.held_back_source is None else self.held_back_source()
-        if held_back == 0 and self._is_fresh():
-            planner = self._planner
-            states = [planner.fresh_rank_state(r) for r in range(self.worker_config.world_size)]
-        else:
-            states = [self._save(held_back)]
-        return partition_entries(states)
+        return partition_entries([self._save(held_back)])
 
     def state_dict_of_ranks(self, states: Sequence[Any]) -> dict[str, Any]:
         """Every rank's state (``save_state_global``'s list) in :meth:`state_dict`'s layout,
@@ -109,13 +110,51 @@ class RankStateProtocols:
         return partition_entries(self.decode_states(states))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict`'s output (from any layout with the same partitions)
-        or from a plain ``save_state_rank()`` state."""
-        if (
-            isinstance(state_dict, dict)
-            and state_dict
-            and all(isinstance(k, str) and k.startswith(PARTITION_KEY_PREFIX) for k in state_dict)
-        ):
-            self.restore_from_states(states_from_entries(state_dict))
+        """Restore from :meth:`state_dict`'s output (a DCP template this loader listed, filled;
+        or every rank's leaves, from any layout with the same partitions) or from a plain
+        ``save_state_rank()`` state. Decodes only the leaves this rank runs."""
+        if is_partition_entries(state_dict):
+            self.restore_from_states(self._states_to_run(state_dict))
             return
         self.restore_state_rank(state_dict)
+
+    def _states_to_run(self, entries: dict[str, Any]) -> list[RankState]:
+        """The leaves of ``entries`` this rank runs, decoded (the lowest key's leaf first, for
+        the saved partition count).
+
+        Raises ``StateMismatchError`` for another ``num_partitions`` (naming both), for slots
+        the dict lacks, and for leaves of ranks that stood at different positions (a rank
+        running partitions of several saved ranks needs them in lockstep).
+        """
+        if any(key.startswith(PARTITION_KEY_PREFIX) for key in entries):
+            return states_from_entries(entries)  # the first layout: keys name partitions
+        lowest = min(entries)
+        (first,) = states_from_entries({lowest: entries[lowest]}, complete=False)
+        planner = self.planner_for([first])
+        planner.check_partition_count(first)
+        config = self.worker_config
+        wanted = [
+            slot_key(s) for s in rank_slots(config.rank, config.world_size, planner.num_partitions)
+        ]
+        missing = [key for key in wanted if key not in entries]
+        if missing:
+            raise StateMismatchError(
+                f"rank {config.rank} of world_size={config.world_size} runs slots "
+                f"{missing[:4]}{' ...' if len(missing) > 4 else ''} of the saved "
+                f"num_partitions={planner.num_partitions}, which the state_dict lacks (it holds "
+                f"{len(entries)} leaves). A torch.distributed.checkpoint load fills the slots a "
+                f"fresh loader lists for its own num_partitions={self._planner.num_partitions}: "
+                f"build the loader with num_partitions={planner.num_partitions}; otherwise pass "
+                "every rank's state_dict leaves"
+            )
+        states = states_from_entries({key: entries[key] for key in wanted}, complete=False)
+        positions = {state.rank: state.stream_position() for state in states}
+        if len(set(positions.values())) > 1:
+            raise StateMismatchError(
+                f"the saved ranks {sorted(positions)} whose partitions rank {config.rank} now "
+                f"runs stood at different positions of the job's stream {positions} (saved "
+                "at different steps, or at an epoch's end on some ranks only); restore on "
+                f"the saved world size {first.world_size}, or save when every rank has taken "
+                "the same number of steps"
+            )
+        return states

@@ -524,9 +524,6 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
         self._failure = None
         self._generation += 1
 
-    def _is_fresh(self) -> bool:
-        return self._progress.fresh and self._worker_side.plan.restores is None
-
     # -- the rest --------------------------------------------------------------------------
 
     def close(self) -> None:

@@ -136,6 +136,20 @@ class RankState:
     workers: tuple[WorkerSlots, ...]
     partitions: tuple[PartitionState, ...]
 
+    def stream_position(self) -> int:
+        """The job's position ``B`` (mod ``P``) seen from this rank, from which its partitions'
+        slots count: ``start + world_size x delivered`` (the ranks of a synchronous job deliver
+        in lockstep), or, once its epoch ended, ``start mod world_size``, where the next
+        epoch's assignment starts (partitions.py)."""
+        if self.epoch_ended:
+            return self.start % self.world_size
+        return (self.start + self.world_size * self.delivered) % self.num_partitions
+
+    def slot_of(self, partition: int) -> int:
+        """The slot of one of this rank's partitions: its place in the job's stream from
+        :meth:`stream_position`; ``rank + i x world_size`` for the rank's ``i``-th."""
+        return (partition - self.stream_position()) % self.num_partitions
+
     def partition_states(self) -> dict[int, PartitionState]:
         """This rank's partitions by number."""
         return {p.partition: p for p in self.partitions}
@@ -164,8 +178,12 @@ class RankState:
         return plain
 
     @classmethod
-    def from_plain(cls, data: Any) -> RankState:
-        """Decode and validate; raises ``StateFormatError`` naming the first bad field."""
+    def from_plain(cls, data: Any, *, complete: bool = True) -> RankState:
+        """Decode and validate; raises ``StateFormatError`` naming the first bad field.
+
+        ``complete=False`` accepts a ``partitions`` list holding only some of the partitions
+        the workers run (the leaves one restoring rank read of a rank that saved more).
+        """
         reader = StateReader(data, "state")
         if not reader.has("format"):
             raise StateFormatError(
@@ -213,7 +231,9 @@ class RankState:
             PartitionState.from_reader(StateReader(p, f"state.partitions[{i}]"))
             for i, p in enumerate(reader.list("partitions"))
         )
-        _check_partitions(workers, partitions, num_partitions // world_size, num_partitions)
+        _check_partitions(
+            workers, partitions, num_partitions // world_size, num_partitions, complete
+        )
         next_worker = reader.int("next_worker")
         if next_worker >= len(workers):
             raise StateFormatError(
@@ -249,8 +269,10 @@ def _check_partitions(
     partitions: tuple[PartitionState, ...],
     per_rank: int,
     num_partitions: int,
+    complete: bool = True,
 ) -> None:
-    """Every partition in range, once, held by exactly one worker, as many as a rank runs."""
+    """Every partition in range, once, held by exactly one worker, as many as a rank runs
+    (some of them, when not ``complete``)."""
     listed = [p.partition for p in partitions]
     held = [p for w in workers for p in w.partitions]
     for where, numbers in (("state.partitions", listed), ("state.workers[*].partitions", held)):
@@ -259,11 +281,11 @@ def _check_partitions(
             raise StateFormatError(f"{where} names partitions {bad} of only {num_partitions}")
         if len(set(numbers)) != len(numbers):
             raise StateFormatError(f"{where} lists a partition twice: {numbers}")
-        if len(numbers) != per_rank:
+        if len(numbers) != per_rank and (complete or where != "state.partitions"):
             raise StateFormatError(
                 f"{where} has {len(numbers)} partitions; a rank of this layout runs {per_rank}"
             )
-    if sorted(listed) != sorted(held):
+    if not set(listed) <= set(held) or (complete and sorted(listed) != sorted(held)):
         raise StateFormatError(
             f"state.partitions {sorted(listed)} and the workers' partitions {sorted(held)} differ"
         )
@@ -278,22 +300,53 @@ def _check_partitions(
 
 
 # -- one leaf per partition: the layout-independent form of state_dict() ----------------------
+#
+# A leaf's key is its *slot*: the partition's place in the job's stream counted from the
+# saving rank's position (RankState.stream_position). Rank r of R runs partitions
+# (B + r + i R) % P from position B, so its slots are r + i R whatever B is: the ranks of one
+# save never share a key, and rank r' of any world size R' that restores from position B runs
+# exactly the slots r' + i R'. A fresh loader therefore knows the keys it needs before it reads
+# anything (the template a torch.distributed.checkpoint load fills), on any layout.
 
+SLOT_KEY_PREFIX = "slot_"
+# Keys of the first layout (absolute partition numbers), still read for old checkpoints.
 PARTITION_KEY_PREFIX = "partition_"
 
 
+def slot_key(slot: int) -> str:
+    """The state_dict key of one slot: ``slot_00003``."""
+    return f"{SLOT_KEY_PREFIX}{slot:05d}"
+
+
 def partition_key(partition: int) -> str:
-    """The state_dict key of one partition: ``partition_00003``."""
+    """The key of one partition in the first layout: ``partition_00003``."""
     return f"{PARTITION_KEY_PREFIX}{partition:05d}"
+
+
+def rank_slots(rank: int, world_size: int, num_partitions: int) -> range:
+    """The slots rank ``rank`` of ``world_size`` saves and, from the saved position, runs."""
+    return range(rank, num_partitions, world_size)
+
+
+def is_partition_entries(value: Any) -> bool:
+    """A non-empty dict whose keys all name slots (or partitions, the first layout)."""
+    return (
+        isinstance(value, dict)
+        and bool(value)
+        and all(
+            isinstance(k, str) and k.startswith((SLOT_KEY_PREFIX, PARTITION_KEY_PREFIX))
+            for k in value
+        )
+    )
 
 
 def partition_entries(states: list[RankState]) -> dict[str, str]:
     """Every partition of ``states`` as a JSON leaf holding it and its rank's position.
 
     Each leaf is ``{"rank_state": <the rank state without its partitions>, "partition":
-    <one partition>}`` as compact JSON. The header is encoded once per rank and spliced into
-    each leaf (the same text ``json.dumps`` of the whole leaf gives): ``state_dict()`` is on
-    the training loop's path.
+    <one partition>}`` as compact JSON, under the key of its slot (see above). The header is
+    encoded once per rank and spliced into each leaf (the same text ``json.dumps`` of the
+    whole leaf gives): ``state_dict()`` is on the training loop's path.
     """
     import json
 
@@ -303,17 +356,19 @@ def partition_entries(states: list[RankState]) -> dict[str, str]:
         header = state.to_plain(with_partitions=False)
         prefix = '{"rank_state":' + encode(header) + ',"partition":'
         for entry in state.partitions:
-            out[partition_key(entry.partition)] = prefix + encode(entry.to_plain()) + "}"
+            out[slot_key(state.slot_of(entry.partition))] = prefix + encode(entry.to_plain()) + "}"
     return out
 
 
-def states_from_entries(entries: dict[str, Any]) -> list[RankState]:
+def states_from_entries(entries: dict[str, Any], *, complete: bool = True) -> list[RankState]:
     """The rank states that :func:`partition_entries` split into leaves (validated).
 
-    Raises ``StateFormatError`` for a leaf that is not such JSON or a key that does not name
-    the partition its leaf holds.
+    ``complete=False`` accepts states that hold only some of their rank's partitions (the
+    leaves one restoring rank read). Raises ``StateFormatError`` for a leaf that is not such
+    JSON or a key that does not name the slot (or partition) its leaf holds.
     """
     by_rank: dict[int, dict[str, Any]] = {}
+    keys: dict[tuple[int, int], str] = {}
     for key, text in sorted(entries.items()):
         if not isinstance(text, str):
             raise StateFormatError(
@@ -322,9 +377,6 @@ def states_from_entries(entries: dict[str, Any]) -> list[RankState]:
         reader = StateReader(json_leaf(text, f"state_dict[{key!r}]"), f"state_dict[{key!r}]")
         header = reader.raw("rank_state")
         rank = StateReader(header, f"{reader.path}.rank_state").int("rank")
-        entry = reader.sub("partition")
-        if partition_key(entry.int("partition")) != key:
-            raise StateFormatError(f"{reader.path} holds partition {entry.int('partition')}")
         target = by_rank.setdefault(rank, {**header, "partitions": []})
         if {k: v for k, v in target.items() if k != "partitions"} != header:
             raise StateFormatError(
@@ -332,4 +384,18 @@ def states_from_entries(entries: dict[str, Any]) -> list[RankState]:
                 "(leaves of different saves mixed?)"
             )
         target["partitions"].append(reader.raw("partition"))
-    return [RankState.from_plain(by_rank[rank]) for rank in sorted(by_rank)]
+        keys[rank, reader.sub("partition").int("partition")] = key
+    states = [RankState.from_plain(by_rank[rank], complete=complete) for rank in sorted(by_rank)]
+    for state in states:  # every leaf under its slot's key (or, first layout, its partition's)
+        for entry in state.partitions:
+            key = keys[state.rank, entry.partition]
+            if key not in (
+                slot_key(state.slot_of(entry.partition)),
+                partition_key(entry.partition),
+            ):
+                raise StateFormatError(
+                    f"state_dict[{key!r}] holds partition {entry.partition} of rank {state.rank}, "
+                    f"whose key is {slot_key(state.slot_of(entry.partition))!r} (keys renamed, "
+                    "or leaves of different saves mixed?)"
+                )
+    return states
