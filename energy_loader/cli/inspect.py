@@ -30,9 +30,9 @@ from ..loader.dropin.state import (
 )
 from ..state.checkpoint import CHECKPOINT_FORMAT, load_checkpoint
 from ..state.rank_state import (
-    PARTITION_KEY_PREFIX,
     RANK_STATE_FORMAT,
     RankState,
+    is_partition_entries,
     states_from_entries,
 )
 
@@ -116,11 +116,7 @@ _TOP = "(top level)"
 
 
 def _find_states(value: Any, where: str = "") -> Iterator[tuple[str, Any]]:
-    if (
-        isinstance(value, dict)
-        and value
-        and all(isinstance(k, str) and k.startswith(PARTITION_KEY_PREFIX) for k in value)
-    ):  # what loader.state_dict() returns: partition leaves
+    if is_partition_entries(value):  # what loader.state_dict() returns: partition leaves
         for state in states_from_entries(value):
             yield f"{where or _TOP} rank {state.rank}", state.to_plain()
         return

@@ -53,6 +53,7 @@ import torch
 
 from ...errors import StateFormatError, StateMismatchError
 from ...state.plain import StateReader
+from ...state.rank_state import is_partition_entries
 
 __all__ = [
     "DROPIN_STATE_FORMAT",
@@ -109,7 +110,7 @@ def _job_check(seed: int | None, persistent: bool) -> str:
 
 def read_header(state: Any, kind: str) -> StateReader:
     """Check format, version and kind; the reader of the whole state."""
-    if isinstance(state, dict) and state and all(str(k).startswith("partition_") for k in state):
+    if is_partition_entries(state):
         raise StateMismatchError(
             "the state was saved by a loader over a savable pipeline (its state_dict() holds "
             "partition entries); this loader runs a plain dataset as a drop-in: restore it "
