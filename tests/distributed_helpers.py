@@ -487,14 +487,16 @@ DROPIN_EPOCHS = 2
 DROPIN_WAYS = ("full_list", "scatter", "rank_file", "dcp")
 
 
-def dropin_loader(num_workers: int, *, batch_size: int = 3) -> el.SavableDataLoader:
+def dropin_loader(
+    num_workers: int, *, batch_size: int = 3, length: int = DROPIN_LENGTH
+) -> el.SavableDataLoader:
     """A drop-in loader over a map-style dataset whose ``__getitem__`` draws from the global
     RNGs (an augmentation), sharded by a ``DistributedSampler`` of this process group."""
     from torch.utils.data import DistributedSampler
 
     from tests.loader.dropin_helpers import Augmenting
 
-    dataset = Augmenting(DROPIN_LENGTH)
+    dataset = Augmenting(length)
     return el.SavableDataLoader(
         dataset,
         batch_size=batch_size,
@@ -518,7 +520,15 @@ def dropin_batches(loader: el.SavableDataLoader, *, stop: int | None = None) -> 
     return seen
 
 
-def dropin_save(rank: int, world_size: int, workdir: Path, *, num_workers: int, stop: int) -> None:
+def dropin_save(
+    rank: int,
+    world_size: int,
+    workdir: Path,
+    *,
+    num_workers: int,
+    stop: int,
+    length: int = DROPIN_LENGTH,
+) -> None:
     """An uninterrupted run; then a run stopped after ``stop`` batches that saves its state
     every way: gathered (rank 0 writes ``dropin_states.json``), per-rank files, DCP. Both
     runs start from the same global RNG state, as one script run twice does (the job's seed
@@ -526,11 +536,11 @@ def dropin_save(rank: int, world_size: int, workdir: Path, *, num_workers: int, 
     import torch.distributed.checkpoint as dcp
 
     torch.manual_seed(0)
-    loader = dropin_loader(num_workers)
+    loader = dropin_loader(num_workers, length=length)
     full = dropin_batches(loader)
     loader.close()
     torch.manual_seed(0)
-    loader = dropin_loader(num_workers)
+    loader = dropin_loader(num_workers, length=length)
     head = dropin_batches(loader, stop=stop)
     states = loader.save_state_global(0)
     if rank == 0:
@@ -541,8 +551,19 @@ def dropin_save(rank: int, world_size: int, workdir: Path, *, num_workers: int, 
     torch.save({"full": full, "head": head}, workdir / f"dropin_run_rank{rank}.pt")
 
 
-def dropin_restore(rank: int, world_size: int, workdir: Path, *, num_workers: int) -> None:
-    """Fresh loaders restore in every way and finish the run (``dropin_tails_rank<r>.pt``)."""
+def dropin_restore(
+    rank: int,
+    world_size: int,
+    workdir: Path,
+    *,
+    num_workers: int,
+    length: int = DROPIN_LENGTH,
+    batch_size: int = 3,
+) -> None:
+    """Fresh loaders restore in every way and finish the run (``dropin_tails_rank<r>.pt``);
+    ``world_size`` and ``batch_size`` may differ from the saving job's (a resized job).
+    Also runs a fresh job of this layout from the saving job's seed, under ``"fresh"``: the
+    epochs after the restored one must be its."""
     import torch.distributed.checkpoint as dcp
 
     def gathered() -> Any:
@@ -559,10 +580,14 @@ def dropin_restore(rank: int, world_size: int, workdir: Path, *, num_workers: in
     tails = {}
     for way in DROPIN_WAYS:
         torch.manual_seed(1)  # whatever the new process's RNG is, the restore must not care
-        loader = dropin_loader(num_workers)
+        loader = dropin_loader(num_workers, batch_size=batch_size, length=length)
         restores[way](loader)
         tails[way] = dropin_batches(loader)
         loader.close()
+    torch.manual_seed(0)  # the saving job's seed
+    loader = dropin_loader(num_workers, batch_size=batch_size, length=length)
+    tails["fresh"] = dropin_batches(loader)
+    loader.close()
     torch.save(tails, workdir / f"dropin_tails_rank{rank}.pt")
 
 

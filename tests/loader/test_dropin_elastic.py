@@ -22,7 +22,7 @@ from torch.utils.data import DistributedSampler
 import energy_loader as el
 from energy_loader.errors import StateMismatchError
 
-from .dropin_helpers import Augmenting, plain_roundtrip
+from .dropin_helpers import Augmenting, dealt_rest, distributed_order, plain_roundtrip
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -47,22 +47,6 @@ def _samples(batch: Any) -> list[tuple[int, float]]:
 def _epoch(loader: Any, epoch: int) -> list[tuple[int, float]]:
     loader.sampler.set_epoch(epoch)
     return [s for batch in loader for s in _samples(batch)]
-
-
-def _permutation(n: int, epoch: int, shuffle: bool) -> list[int]:
-    """torch's DistributedSampler order before padding (through a 1-rank sampler)."""
-    sampler = DistributedSampler(range(n), num_replicas=1, rank=0, seed=SEED, shuffle=shuffle)
-    sampler.set_epoch(epoch)
-    return list(sampler)
-
-
-def _expected_rest(order: list[int], done: int, world: int, rank: int) -> list[int]:
-    rest = order[done:]
-    if not rest:
-        return []
-    per_rank = -(-len(rest) // world)
-    padded = (rest * world)[: per_rank * world]
-    return padded[rank::world]
 
 
 def _resize(
@@ -103,7 +87,7 @@ def _resize(
             state = plain_roundtrip(loader.state_dict())
         loader.close()
     assert state is not None
-    order = _permutation(n, epoch, shuffle)
+    order = distributed_order(n, epoch, seed=SEED, shuffle=shuffle)
     if sampler_drop_last:
         order = order[: (n // old) * old]
     done = min(steps * unit, -(-len(order) // old)) * old
@@ -121,7 +105,7 @@ def _resize(
         if new == old and new_batch == batch:  # the same layout: the sampler's own stream
             expected = list(restored.sampler)[steps * unit :]
         else:
-            expected = _expected_rest(order, done, new, rank)
+            expected = dealt_rest(order, done, new, rank)
         assert [i for i, _ in rest] == expected, f"rank {rank}"
         assert all(reference[i] == value for i, value in rest), "augmentation differs"
         got += [i for i, _ in rest]
@@ -179,7 +163,7 @@ def test_resizes_with_workers(old: int, new: int, batch: int, new_batch: int) ->
 def test_a_resized_epoch_saved_again_continues_its_dealing() -> None:
     """2 ranks -> 3 ranks, saved mid-way, -> 1 rank: still the permutation once."""
     n, epoch = 29, 0
-    order = _permutation(n, epoch, True)
+    order = distributed_order(n, epoch, seed=SEED)
     state = None
     seen: list[int] = []
     for rank in range(2):
