@@ -198,3 +198,32 @@ def test_what_cannot_be_continued_is_refused_by_name() -> None:
         el.SavableDataLoader(Augmenting(20), batch_size=4, sampler=sampler).load_state_dict(state)
     with pytest.raises(StateMismatchError, match="shuffle"):
         _loader(20, 3, 0, 4, shuffle=False).load_state_dict(state)
+
+
+def test_a_resized_epoch_saved_after_its_last_batch_restores_into_the_next() -> None:
+    """2 ranks -> 3 ranks, which finish the epoch and save, -> 1, 2 or 3 ranks: the restore
+    runs epoch 1 (loader.epoch says so), the sampler's own for that layout. The resized
+    epoch's last batch is not the saving layout's ``len()``-th."""
+    n = 13
+    for rank in range(2):
+        torch.manual_seed(0)  # the job seed, as the fresh job below has it
+        loader = _loader(n, 2, rank, 2)
+        loader.sampler.set_epoch(0)
+        next(iter(loader))
+        state = plain_roundtrip(loader.state_dict())
+    for rank in range(3):
+        loader = _loader(n, 3, rank, 2)
+        loader.load_state_dict(state)
+        assert [i for i, _ in _epoch(loader, loader.epoch)] == dealt_rest(
+            distributed_order(n, 0, seed=SEED), 4, 3, rank
+        )
+        assert loader.epoch == 1
+        finished = plain_roundtrip(loader.state_dict())
+    for world in (1, 2, 3):
+        torch.manual_seed(0)
+        fresh = _loader(n, world, 0, 2)
+        _epoch(fresh, 0)
+        restored = _loader(n, world, 0, 2)
+        restored.load_state_dict(finished)
+        assert restored.epoch == 1, world
+        assert _epoch(restored, 1) == _epoch(fresh, 1), world

@@ -310,7 +310,9 @@ class MapEngine:
         units = _units_of(dealing.indices(permutation, sampler.rank), self)
         if state.rng is not None:  # the loader's generator as the saving job left it
             self.rng.put_own(decode_generator_states(state.rng, "state.rng"))
-        if not units:
+        # Saved after its epoch's last batch: the next epoch (a drop_last batching may have
+        # left indices of the saving dealing unused; they stay unused, as they would have).
+        if not units or _saved_after_last_batch(state):
             return _Epoch(state.epoch + 1)
         epoch = _Epoch(state.epoch)
         epoch.start = EpochStart(state.epoch, None, None)
@@ -579,11 +581,7 @@ class MapEngine:
         if epoch is None:
             if pending is None:
                 return 0
-            units = pending.config.get("batches_per_epoch")
-            if pending.distributed is not None and not self.needs_dealing(pending):
-                units = pending.distributed["units"]
-            over = pending.started and pending.used == units
-            return pending.epoch + int(over)
+            return pending.epoch + int(_saved_after_last_batch(pending))
         return epoch.number + int(epoch.ended)
 
 
@@ -644,6 +642,16 @@ class _MapIterator:
         if length is None:
             raise TypeError("the sampler has no len()")
         return length
+
+
+def _saved_after_last_batch(state: MapState) -> bool:
+    """Whether ``state`` was saved after its epoch's last batch (the next ``iter()`` runs the
+    next epoch). Counted in the saving loader's batches: under a DistributedSampler those of
+    the dealing it ran, which after a resize is shorter than ``batches_per_epoch``."""
+    units = state.config.get("batches_per_epoch")
+    if state.distributed is not None:
+        units = state.distributed["units"]
+    return state.started and state.used == units
 
 
 def _plain_unit(unit: Any) -> Any:
