@@ -7,6 +7,8 @@ every rank runs a SavableDataLoader with worker processes. The rest run in this 
 from __future__ import annotations
 
 import json
+import random
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -492,3 +494,61 @@ def test_a_dropin_job_saved_on_two_ranks_resumes_on_another_number(
         assert sorted(set(head + rest)) == list(range(RESIZED_LENGTH)), way
         padding = len(head) + len(rest) - RESIZED_LENGTH
         assert 0 <= padding < world_size, way  # DistributedSampler's padding, nothing more
+
+
+PREEMPTIONS = 30
+
+
+@pytest.mark.timeout(240)
+def test_a_dropin_job_killed_again_and_again_on_other_rank_counts_trains_each_epoch_once(
+    tmp_path: Path, no_leftover_processes: None
+) -> None:
+    """A drop-in job is SIGKILLed PREEMPTIONS times at a seeded random step and phase of a
+    step (tests/distributed_helpers.preemptible_dropin_job), each time restarted from its last
+    committed checkpoint (per-rank files or DCP, by turns at random) on 1, 2 or 3 ranks, never
+    the number it ran on. What was trained -- each job's logged steps up to the step the next
+    job restored -- is every epoch's samples once, repeats within DistributedSampler's padding
+    only (fewer than the world size per job that trained in the epoch)."""
+    rng = random.Random(11)
+    world, committed, kills = 2, 0, 0
+    jobs: list[tuple[int, int, int, int]] = []  # (job, world size, steps from, steps to)
+    while True:
+        codes = dh.launch(
+            dh.preemptible_dropin_job, world, tmp_path, timeout=60, preemptible=True,
+            job=len(jobs), via=rng.choice(("files", "dcp")),
+            kill_step=None if kills == PREEMPTIONS else committed + rng.randint(1, 4),
+            kill_phase=rng.choice(dh.KILL_PHASES), kill_rank=rng.randrange(world),
+        )  # fmt: skip
+        start = committed
+        committed = _read(tmp_path / "commit.json")["step"]  # type: ignore[index]
+        jobs.append((len(jobs), world, start, committed))
+        if -signal.SIGKILL not in codes:
+            break
+        kills += 1
+        world = rng.choice([other for other in (1, 2, 3) if other != world])
+    assert kills == PREEMPTIONS, "the run ended before every preemption happened"
+    trained: dict[int, list[int]] = {}  # epoch -> indices
+    padding_allowed: dict[int, int] = {}
+    steps: list[int] = []
+    for job, world, start, end in jobs:
+        logs = [
+            [json.loads(line) for line in path.read_text().splitlines()]
+            for path in (tmp_path / f"log_job{job:03d}_rank{rank}.jsonl" for rank in range(world))
+        ]
+        counted = [[line for line in log if start < line["step"] <= end] for log in logs]
+        assert len({len(lines) for lines in counted}) == 1, f"job {job}: ranks out of lockstep"
+        epochs_trained = set()
+        for lines in zip(*counted, strict=True):
+            assert len({(line["step"], line["epoch"]) for line in lines}) == 1, lines
+            steps.append(lines[0]["step"])
+            epochs_trained.add(lines[0]["epoch"])
+            trained.setdefault(lines[0]["epoch"], []).extend(
+                index for line in lines for index in line["indices"]
+            )
+        for epoch in epochs_trained:
+            padding_allowed[epoch] = padding_allowed.get(epoch, 0) + world - 1
+    assert steps == list(range(1, len(steps) + 1)), "a step lost or trained twice"
+    assert sorted(trained) == list(range(dh.PREEMPTED_EPOCHS))
+    for epoch, indices in trained.items():
+        assert sorted(set(indices)) == list(range(dh.PREEMPTED_LENGTH)), f"epoch {epoch}"
+        assert len(indices) - dh.PREEMPTED_LENGTH <= padding_allowed[epoch], f"epoch {epoch}"
