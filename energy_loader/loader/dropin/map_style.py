@@ -91,6 +91,7 @@ class _Epoch:
         self.sampler_epoch = 0
         self.dealing: Dealing | None = None
         self.units: int | None = None
+        self.resumed = False  # continues a restored state's epoch (not a fresh one)
 
     def sampling(self) -> contextlib.AbstractContextManager[Any]:
         """The context the sampler draws in: its private global stream, if it has one."""
@@ -260,6 +261,7 @@ class MapEngine:
             self.rng.put_own(after)
             return _Epoch(state.epoch + 1)
         epoch = _Epoch(state.epoch)
+        epoch.resumed = True
         epoch.start = start
         epoch.pulled = epoch.used = state.used
         epoch.resume = (iterator, after)
@@ -315,6 +317,7 @@ class MapEngine:
         if not units or _saved_after_last_batch(state):
             return _Epoch(state.epoch + 1)
         epoch = _Epoch(state.epoch)
+        epoch.resumed = True
         epoch.start = EpochStart(state.epoch, None, None)
         epoch.resume = (iter(units), self.rng.capture())
         epoch.sampler_epoch = saved["epoch"]
@@ -536,6 +539,15 @@ class MapEngine:
 
     def stats(self) -> dict[str, Any]:
         return self.metrics.stats()
+
+    def resumed_batches_left(self) -> int | None:
+        """Batches of the restored epoch this rank has not handed out yet, while the first
+        ``iter()`` after a restore runs; None in any other epoch."""
+        epoch = self.epoch
+        if epoch is None or not epoch.resumed:
+            return None
+        units = self.length if epoch.units is None else epoch.units
+        return None if units is None else units - epoch.used
 
     def rank_free(self, state: MapState) -> bool:
         """Whether the state names the job's position, whichever rank saved it: under a
