@@ -273,9 +273,9 @@ class DropInDataLoader(SavableDataLoader):
         self._engine.check(decoded)
         return decoded
 
-    def saved_ranks_needed(self, first: Any) -> list[int]:
-        """The saved ranks whose files this rank reads when the rank files of this world size
-        are missing but those of another are there: ``first``'s alone under a
+    def saved_ranks_needed(self, first: Any, rank: int | None = None) -> list[int]:
+        """The saved ranks whose states rank ``rank`` (any rank: the answer is the same for
+        all) restores from on another world size: ``first``'s alone under a
         ``DistributedSampler`` (it names the job's position); otherwise refused with
         ``StateMismatchError`` (each rank restores from its own state)."""
         if self._engine.rank_free(self._engine.decode(first)):
