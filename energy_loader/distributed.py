@@ -353,7 +353,7 @@ def _wanted(
     needed = {own: loader.saved_ranks_needed(first)}
     for rank in ranks:
         if rank not in needed:  # the scatter's source, for the other ranks of its layout
-            needed[rank] = loader.planner_for([first]).saved_ranks_needed(first, rank)
+            needed[rank] = loader.saved_ranks_needed(first, rank)
     return {r: [states[i] for i in sorted({0, *needed[r]})] for r in ranks}
 
 

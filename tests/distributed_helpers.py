@@ -21,6 +21,7 @@ import datetime
 import importlib
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import socket
@@ -43,6 +44,15 @@ from tests.helpers import indices, reference_pipeline
 PG_TIMEOUT = datetime.timedelta(seconds=45)
 _END_MARK = "<END>"
 START_METHOD = os.environ.get("ENERGY_LOADER_TEST_START_METHOD", "forkserver")
+# What the fork server imports once for every rank it forks: torch and (1 s more of CPU per
+# rank) DCP, this package and this module, so a launch costs ~1 s, not 2-3 s per rank.
+FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "energy_loader",
+    "tests.distributed_helpers",
+]
 
 
 # -- the launcher (runs in the test process) ---------------------------------------------------
@@ -63,20 +73,24 @@ def launch(
     timeout: float,
     exitcode: int = 0,
     torchrun_env: bool = False,
+    preemptible: bool = False,
     **kwargs: Any,
-) -> None:
-    """Run ``program(rank, world_size, workdir, **kwargs)`` on ``world_size`` gloo ranks.
+) -> list[int | None]:
+    """Run ``program(rank, world_size, workdir, **kwargs)`` on ``world_size`` gloo ranks and
+    return every rank's exit code.
 
     ``program`` is a module-level function of an importable module (this one, or a test
     helper module). ``exitcode`` is how every rank must end: 0, or e.g. ``-signal.SIGKILL``
-    for a program that kills its own process (a preemption). Raises ``AssertionError`` with
-    every failing rank's traceback if a rank ends otherwise, or if the ranks are not done
-    within ``timeout`` seconds (they are killed then).
+    for a program that kills its own process (a preemption). ``preemptible=True``: as soon as
+    a rank is SIGKILLed, the others are SIGKILLed too, wherever they are (what torchrun's agent
+    does when a rank dies); the job then counts as ended well, whatever the others' exit codes.
+    Raises ``AssertionError`` with every failing rank's traceback if a rank ends otherwise, or
+    if the ranks are not done within ``timeout`` seconds (they are killed then).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     context = multiprocessing.get_context(START_METHOD)
     if START_METHOD == "forkserver":
-        context.set_forkserver_preload(["torch", "torch.distributed"])
+        context.set_forkserver_preload(FORKSERVER_PRELOAD)
     port = free_port()
     processes = [
         context.Process(
@@ -91,13 +105,22 @@ def launch(
         for process in processes:
             process.start()
         deadline = time.monotonic() + timeout
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-        hung = [p.name for p in processes if p.is_alive()]
+        running = list(processes)
+        while running and time.monotonic() < deadline:
+            multiprocessing.connection.wait(
+                [p.sentinel for p in running], max(0.0, deadline - time.monotonic())
+            )
+            running = [p for p in running if p.is_alive()]
+            if preemptible and any(p.exitcode == -signal.SIGKILL for p in processes):
+                for process in running:
+                    process.kill()
+                break
+        preempted = preemptible and any(p.exitcode == -signal.SIGKILL for p in processes)
+        hung = [] if preempted else [p.name for p in processes if p.is_alive()]
         failed = [
             f"{p.name} (exit code {p.exitcode})"
             for p in processes
-            if not p.is_alive() and p.exitcode != exitcode
+            if not p.is_alive() and p.exitcode != exitcode and not preempted
         ]
     finally:
         for process in processes:
@@ -108,6 +131,7 @@ def launch(
     if hung or failed:
         reports = "\n".join(_error_report(workdir, rank) for rank in range(world_size))
         raise AssertionError(f"ranks hung past {timeout} s: {hung}; failed: {failed}\n{reports}")
+    return [p.exitcode for p in processes]
 
 
 def _error_report(workdir: Path, rank: int) -> str:
@@ -487,14 +511,16 @@ DROPIN_EPOCHS = 2
 DROPIN_WAYS = ("full_list", "scatter", "rank_file", "dcp")
 
 
-def dropin_loader(num_workers: int, *, batch_size: int = 3) -> el.SavableDataLoader:
+def dropin_loader(
+    num_workers: int, *, batch_size: int = 3, length: int = DROPIN_LENGTH
+) -> el.SavableDataLoader:
     """A drop-in loader over a map-style dataset whose ``__getitem__`` draws from the global
     RNGs (an augmentation), sharded by a ``DistributedSampler`` of this process group."""
     from torch.utils.data import DistributedSampler
 
     from tests.loader.dropin_helpers import Augmenting
 
-    dataset = Augmenting(DROPIN_LENGTH)
+    dataset = Augmenting(length)
     return el.SavableDataLoader(
         dataset,
         batch_size=batch_size,
@@ -518,7 +544,15 @@ def dropin_batches(loader: el.SavableDataLoader, *, stop: int | None = None) -> 
     return seen
 
 
-def dropin_save(rank: int, world_size: int, workdir: Path, *, num_workers: int, stop: int) -> None:
+def dropin_save(
+    rank: int,
+    world_size: int,
+    workdir: Path,
+    *,
+    num_workers: int,
+    stop: int,
+    length: int = DROPIN_LENGTH,
+) -> None:
     """An uninterrupted run; then a run stopped after ``stop`` batches that saves its state
     every way: gathered (rank 0 writes ``dropin_states.json``), per-rank files, DCP. Both
     runs start from the same global RNG state, as one script run twice does (the job's seed
@@ -526,11 +560,11 @@ def dropin_save(rank: int, world_size: int, workdir: Path, *, num_workers: int, 
     import torch.distributed.checkpoint as dcp
 
     torch.manual_seed(0)
-    loader = dropin_loader(num_workers)
+    loader = dropin_loader(num_workers, length=length)
     full = dropin_batches(loader)
     loader.close()
     torch.manual_seed(0)
-    loader = dropin_loader(num_workers)
+    loader = dropin_loader(num_workers, length=length)
     head = dropin_batches(loader, stop=stop)
     states = loader.save_state_global(0)
     if rank == 0:
@@ -541,8 +575,19 @@ def dropin_save(rank: int, world_size: int, workdir: Path, *, num_workers: int, 
     torch.save({"full": full, "head": head}, workdir / f"dropin_run_rank{rank}.pt")
 
 
-def dropin_restore(rank: int, world_size: int, workdir: Path, *, num_workers: int) -> None:
-    """Fresh loaders restore in every way and finish the run (``dropin_tails_rank<r>.pt``)."""
+def dropin_restore(
+    rank: int,
+    world_size: int,
+    workdir: Path,
+    *,
+    num_workers: int,
+    length: int = DROPIN_LENGTH,
+    batch_size: int = 3,
+) -> None:
+    """Fresh loaders restore in every way and finish the run (``dropin_tails_rank<r>.pt``);
+    ``world_size`` and ``batch_size`` may differ from the saving job's (a resized job).
+    Also runs a fresh job of this layout from the saving job's seed, under ``"fresh"``: the
+    epochs after the restored one must be its."""
     import torch.distributed.checkpoint as dcp
 
     def gathered() -> Any:
@@ -559,10 +604,14 @@ def dropin_restore(rank: int, world_size: int, workdir: Path, *, num_workers: in
     tails = {}
     for way in DROPIN_WAYS:
         torch.manual_seed(1)  # whatever the new process's RNG is, the restore must not care
-        loader = dropin_loader(num_workers)
+        loader = dropin_loader(num_workers, batch_size=batch_size, length=length)
         restores[way](loader)
         tails[way] = dropin_batches(loader)
         loader.close()
+    torch.manual_seed(0)  # the saving job's seed
+    loader = dropin_loader(num_workers, batch_size=batch_size, length=length)
+    tails["fresh"] = dropin_batches(loader)
+    loader.close()
     torch.save(tails, workdir / f"dropin_tails_rank{rank}.pt")
 
 
@@ -674,3 +723,78 @@ def scale_restore(
         loader.close()
     report["rss"] = peak_rss_bytes()
     save_json(workdir / f"scale_restore_rank{rank}.json", report)
+
+
+# -- a drop-in job SIGKILLed again and again, restarted on another number of ranks ------------
+
+PREEMPTED_LENGTH = 13  # padded on 2 and 3 ranks
+PREEMPTED_BATCH = 2
+PREEMPTED_EPOCHS = 16
+# Where in a step the chosen rank kills itself: after logging the step (its save is lost),
+# after its own save (the step is not committed: a rank may not have saved), or after the
+# commit (the step counts).
+KILL_PHASES = ("logged", "saved", "committed")
+
+
+def preemptible_dropin_job(
+    rank: int,
+    world_size: int,
+    workdir: Path,
+    *,
+    job: int,
+    via: str,
+    kill_step: int | None,
+    kill_phase: str,
+    kill_rank: int,
+) -> None:
+    """Rank program: a training job that saves its loader every step and may be SIGKILLed.
+
+    Restores from the last committed checkpoint (``commit.json``: its global step, its folder
+    and how it was saved), then trains until epoch PREEMPTED_EPOCHS. Each step: an all-reduce
+    (DDP's gradient sync: the ranks go in lockstep), the step's indices appended to this rank's
+    log with fsync, the loader saved through per-rank files or DCP (``via``) into the step's
+    own folder, a barrier, rank 0 commits the step (an atomic rename), another barrier. Rank
+    ``kill_rank`` SIGKILLs itself at step ``kill_step`` after ``kill_phase`` (KILL_PHASES); the
+    launcher kills the others. What was logged after the committed step is trained again.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    commit_path = workdir / "commit.json"
+    loader = dropin_loader(0, batch_size=PREEMPTED_BATCH, length=PREEMPTED_LENGTH)
+    step = 0
+    if commit_path.exists():
+        commit = json.loads(commit_path.read_text())
+        step, folder = commit["step"], workdir / commit["folder"]
+        if commit["via"] == "files":
+            eld.restore_state_rank_file(loader, folder)
+        else:
+            dcp.load({"loader": loader}, checkpoint_id=folder)
+
+    def phase_done(phase: str) -> None:
+        if step == kill_step and rank == kill_rank and phase == kill_phase:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    with open(workdir / f"log_job{job:03d}_rank{rank}.jsonl", "a") as log:
+        while loader.epoch < PREEMPTED_EPOCHS:
+            epoch = loader.epoch
+            loader.sampler.set_epoch(epoch)
+            for batch in loader:
+                step += 1
+                dist.all_reduce(torch.ones(1))
+                line = {"step": step, "epoch": epoch, "indices": batch["index"].tolist()}
+                log.write(json.dumps(line) + "\n")
+                log.flush()
+                os.fsync(log.fileno())
+                phase_done("logged")
+                folder = f"step_{step:05d}"
+                if via == "files":
+                    eld.save_state_rank_file(loader, workdir / folder)
+                else:
+                    dcp.save({"loader": loader}, checkpoint_id=workdir / folder)
+                phase_done("saved")
+                dist.barrier()
+                if rank == 0:
+                    save_json(commit_path, {"step": step, "folder": folder, "via": via})
+                dist.barrier()
+                phase_done("committed")
+    loader.close()

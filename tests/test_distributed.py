@@ -7,6 +7,8 @@ every rank runs a SavableDataLoader with worker processes. The rest run in this 
 from __future__ import annotations
 
 import json
+import random
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from energy_loader.state.checkpoint import load_checkpoint
 from energy_loader.testing.resume import compare_events, record_events
 from tests import distributed_helpers as dh
 from tests.helpers import reference_pipeline
-from tests.loader.dropin_helpers import assert_same
+from tests.loader.dropin_helpers import assert_same, dealt_rest, distributed_order
 
 LENGTH = 64  # samples in the pipelines of tests/distributed_helpers.make_loader
 
@@ -431,3 +433,122 @@ def test_reads_per_rank_stay_flat_when_eight_ranks_resume_on_eight_and_six(
     assert max(reads[6]["dcp"]) <= 2 * min(reads[8]["dcp"]), reads
     assert max(reads[8]["files"]) <= 1.1 * file_size, reads  # its own file
     assert max(reads[6]["files"]) <= 5 * file_size, reads  # rank 0's + the 4 that ran its own
+
+
+RESIZED_LENGTH = 29  # divisible by neither 2 nor 3: every layout pads
+
+
+@pytest.fixture(scope="module")
+def dropin_saved_on_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-rank drop-in job saved after 2 batches of 3 of epoch 0 every way, and its
+    uninterrupted run (tests/distributed_helpers.dropin_save)."""
+    workdir = tmp_path_factory.mktemp("dropin_resized")
+    dh.launch(dh.dropin_save, 2, workdir, timeout=60, num_workers=0, stop=2, length=RESIZED_LENGTH)
+    return workdir
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("world_size", "batch_size"), [(1, 3), (3, 3), (3, 2)])
+def test_a_dropin_job_saved_on_two_ranks_resumes_on_another_number(
+    dropin_saved_on_two_ranks: Path, world_size: int, batch_size: int, no_leftover_processes: None
+) -> None:
+    """Saved by 2 gloo ranks mid-epoch 0, restored by fresh processes on 1 or 3 ranks through
+    the gather, the scatter, per-rank files and DCP: each new rank takes the rule's indices
+    (the rest of the epoch's permutation dealt as DistributedSampler deals), the old and new
+    ranks together take the epoch once but for the padding, every sample's augmentation is
+    the uninterrupted 2-rank run's, and epoch 1 is a fresh job's on the new layout."""
+    workdir, stop, old_batch = dropin_saved_on_two_ranks, 2, 3
+    dh.launch(
+        dh.dropin_restore, world_size, workdir, timeout=60, num_workers=0,
+        length=RESIZED_LENGTH, batch_size=batch_size,
+    )  # fmt: skip
+    runs = [torch.load(workdir / f"dropin_run_rank{r}.pt", weights_only=False) for r in range(2)]
+    tails = [
+        torch.load(workdir / f"dropin_tails_rank{r}.pt", weights_only=False)
+        for r in range(world_size)
+    ]
+    augmented = {  # index -> what the uninterrupted run's __getitem__ drew, epoch 0
+        index: (python, numpy, torch_values)
+        for run in runs
+        for epoch, batch in run["full"]
+        if epoch == 0
+        for index, python, numpy, torch_values in zip(
+            batch["index"], batch["python"], batch["numpy"], batch["torch"], strict=True
+        )
+    }
+    head = [i for run in runs for _, batch in run["head"] for i in batch["index"]]
+    order = distributed_order(RESIZED_LENGTH, 0, seed=5)
+    assert sorted(head) == sorted(order[: stop * old_batch * 2])
+    for way in dh.DROPIN_WAYS:
+        rest: list[int] = []
+        for rank, tail in enumerate(tails):
+            epoch_0 = [b for epoch, b in tail[way] if epoch == 0]
+            mine = [i for batch in epoch_0 for i in batch["index"]]
+            assert mine == dealt_rest(order, len(head), world_size, rank), (way, rank)
+            for batch in epoch_0:
+                for index, *drawn in zip(batch["index"], batch["python"], batch["numpy"],
+                                         batch["torch"], strict=True):  # fmt: skip
+                    assert tuple(drawn) == augmented[index], (way, rank, index)
+            assert [b for e, b in tail[way] if e == 1] == [b for e, b in tail["fresh"] if e == 1]
+            rest += mine
+        assert sorted(set(head + rest)) == list(range(RESIZED_LENGTH)), way
+        padding = len(head) + len(rest) - RESIZED_LENGTH
+        assert 0 <= padding < world_size, way  # DistributedSampler's padding, nothing more
+
+
+PREEMPTIONS = 30
+
+
+@pytest.mark.timeout(240)
+def test_a_dropin_job_killed_again_and_again_on_other_rank_counts_trains_each_epoch_once(
+    tmp_path: Path, no_leftover_processes: None
+) -> None:
+    """A drop-in job is SIGKILLed PREEMPTIONS times at a seeded random step and phase of a
+    step (tests/distributed_helpers.preemptible_dropin_job), each time restarted from its last
+    committed checkpoint (per-rank files or DCP, by turns at random) on 1, 2 or 3 ranks, never
+    the number it ran on. What was trained -- each job's logged steps up to the step the next
+    job restored -- is every epoch's samples once, repeats within DistributedSampler's padding
+    only (fewer than the world size per job that trained in the epoch)."""
+    rng = random.Random(11)
+    world, committed, kills = 2, 0, 0
+    jobs: list[tuple[int, int, int, int]] = []  # (job, world size, steps from, steps to)
+    while True:
+        codes = dh.launch(
+            dh.preemptible_dropin_job, world, tmp_path, timeout=60, preemptible=True,
+            job=len(jobs), via=rng.choice(("files", "dcp")),
+            kill_step=None if kills == PREEMPTIONS else committed + rng.randint(1, 4),
+            kill_phase=rng.choice(dh.KILL_PHASES), kill_rank=rng.randrange(world),
+        )  # fmt: skip
+        start = committed
+        committed = _read(tmp_path / "commit.json")["step"]  # type: ignore[index]
+        jobs.append((len(jobs), world, start, committed))
+        if -signal.SIGKILL not in codes:
+            break
+        kills += 1
+        world = rng.choice([other for other in (1, 2, 3) if other != world])
+    assert kills == PREEMPTIONS, "the run ended before every preemption happened"
+    trained: dict[int, list[int]] = {}  # epoch -> indices
+    padding_allowed: dict[int, int] = {}
+    steps: list[int] = []
+    for job, world, start, end in jobs:
+        logs = [
+            [json.loads(line) for line in path.read_text().splitlines()]
+            for path in (tmp_path / f"log_job{job:03d}_rank{rank}.jsonl" for rank in range(world))
+        ]
+        counted = [[line for line in log if start < line["step"] <= end] for log in logs]
+        assert len({len(lines) for lines in counted}) == 1, f"job {job}: ranks out of lockstep"
+        epochs_trained = set()
+        for lines in zip(*counted, strict=True):
+            assert len({(line["step"], line["epoch"]) for line in lines}) == 1, lines
+            steps.append(lines[0]["step"])
+            epochs_trained.add(lines[0]["epoch"])
+            trained.setdefault(lines[0]["epoch"], []).extend(
+                index for line in lines for index in line["indices"]
+            )
+        for epoch in epochs_trained:
+            padding_allowed[epoch] = padding_allowed.get(epoch, 0) + world - 1
+    assert steps == list(range(1, len(steps) + 1)), "a step lost or trained twice"
+    assert sorted(trained) == list(range(dh.PREEMPTED_EPOCHS))
+    for epoch, indices in trained.items():
+        assert sorted(set(indices)) == list(range(dh.PREEMPTED_LENGTH)), f"epoch {epoch}"
+        assert len(indices) - dh.PREEMPTED_LENGTH <= padding_allowed[epoch], f"epoch {epoch}"

@@ -59,6 +59,7 @@ from ..dataset import is_stateful
 from ..distributed import process_group_initialized, save_state_global
 from ..errors import EnergyLoaderError
 from ..loader import SavableDataLoader
+from ..loader.dropin import DropInDataLoader
 
 try:  # the unified package, if the user has it; otherwise the standalone one
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -97,6 +98,36 @@ def _runs_on_several_ranks(loader: Any) -> bool:
     )
 
 
+def _count_the_resumed_epoch_as_the_loader_deals_it(trainer: Trainer) -> None:
+    """Make Lightning's batch count of a resumed epoch end where the loader's batches end.
+
+    Lightning ends an epoch of a loader with ``len()`` when it has fetched ``len(loader)``
+    batches, counting from the batches the checkpoint says were trained
+    (``batch_progress.current.ready``). A drop-in loader restored on another number of ranks
+    or another batch size deals the rest of the epoch anew: on more ranks each rank has
+    more batches left than ``len(loader) - ready`` (Lightning would stop early and skip them),
+    on fewer ranks fewer (its iterator ends first). Called at ``on_train_start`` (after
+    Lightning loaded the loader's state and made its iterator, before the epoch loop adds
+    ``ready`` to its fetcher's count; ``on_train_epoch_start`` is skipped on a mid-epoch
+    resume), this sets the epoch's counters
+    to ``len(loader) - batches left``: the epoch then ends on the loader's last batch (and
+    ``batch_idx`` counts on from there). On the same layout it changes nothing.
+    """
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    loaders = [] if combined is None else list(combined.flattened)
+    if len(loaders) != 1 or not isinstance(loaders[0], DropInDataLoader):
+        return
+    left = loaders[0].resumed_batches_left
+    if left is None or trainer.num_training_batches != len(loaders[0]):
+        return  # not a resumed epoch, or limit_train_batches cuts the epoch anyway
+    current = trainer.fit_loop.epoch_loop.batch_progress.current
+    shift = len(loaders[0]) - left - current.ready
+    current.ready += shift
+    current.started += shift
+    current.processed += shift
+    current.completed += shift
+
+
 class SavableLoaderCallback(Callback):
     """Makes Lightning checkpoints of a :class:`~energy_loader.SavableDataLoader` resume exactly.
 
@@ -130,6 +161,7 @@ class SavableLoaderCallback(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._attach(trainer)
+        _count_the_resumed_epoch_as_the_loader_deals_it(trainer)
         # The fit loop keeps the checkpoint's loader states until it hands them to the loaders
         # (when it sets up the train dataloader); still holding them now means it never will.
         unloaded = getattr(trainer.fit_loop, "_combined_loader_states_to_load", None)

@@ -485,11 +485,11 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
         """
         return self.planner_for(states).plan_restore(states)
 
-    def saved_ranks_needed(self, first: RankState) -> list[int]:
-        """The saved ranks whose states this rank restores from, given the lowest saved rank's
-        decoded state ``first`` of a save on another layout (see
-        :meth:`Planner.saved_ranks_needed`): a rank reads those, not every rank's."""
-        return self.planner_for([first]).saved_ranks_needed(first)
+    def saved_ranks_needed(self, first: RankState, rank: int | None = None) -> list[int]:
+        """The saved ranks whose states rank ``rank`` (this loader's, by default) restores
+        from, given the lowest saved rank's decoded state ``first`` of a save on another layout
+        (see :meth:`Planner.saved_ranks_needed`): a rank reads those, not every rank's."""
+        return self.planner_for([first]).saved_ranks_needed(first, rank)
 
     def planner_for(self, states: Sequence[RankState]) -> Planner:
         """The planner a restore from ``states`` uses (changes nothing): this loader's own,

@@ -184,9 +184,12 @@ def fit_two_epochs(
     resume: bool = False,
     callback: bool = True,
     checkpoints: str = "ckpt",
+    strategy: str | None = None,
 ) -> RecordingModel:
     """Two epochs (or ``max_steps``) of DDP on ``devices`` ranks, with ``SavableLoaderCallback``
-    unless ``callback=False``, checkpoints in ``workdir/<checkpoints>``."""
+    unless ``callback=False``, checkpoints in ``workdir/<checkpoints>``. ``strategy`` defaults
+    to ``"ddp"`` on several devices, ``"auto"`` on one (``"ddp"`` there gives a drop-in loader
+    a 1-rank DistributedSampler)."""
     callbacks: list[pl.Callback] = [SavableLoaderCallback()] if callback else []
     if save_at is not None:
         callbacks.append(
@@ -198,7 +201,7 @@ def fit_two_epochs(
     model = RecordingModel()
     trainer = quiet_trainer(
         devices=devices,
-        strategy="ddp" if devices > 1 else "auto",
+        strategy=strategy or ("ddp" if devices > 1 else "auto"),
         max_epochs=2,
         max_steps=max_steps,
         callbacks=callbacks,
@@ -284,13 +287,13 @@ def dropin_train_then_stop(rank: int, world_size: int, workdir: Path, *, num_wor
 def dropin_resume(
     rank: int, world_size: int, workdir: Path, *, num_workers: int, callback: bool
 ) -> None:
-    """Rank program: a fresh process resumes with ``fit(ckpt_path=...)``
-    (``dropin_tail_<callback>_rank<r>.pt``)."""
+    """Rank program: a fresh process resumes with ``fit(ckpt_path=...)`` on ``world_size``
+    ranks, 2 as saved or any other number (``dropin_tail_<callback>_on<world_size>_rank<r>.pt``)."""
     model = fit_two_epochs(
         build_ddp_dropin_loader(num_workers), workdir, devices=world_size, resume=True,
-        callback=callback, checkpoints=f"ckpt_{callback}",
+        callback=callback, checkpoints=f"ckpt_{callback}", strategy="ddp",
     )  # fmt: skip
     torch.save(
         {"seen": model.seen, "weights": weights(model)},
-        workdir / f"dropin_tail_{callback}_rank{rank}.pt",
+        workdir / f"dropin_tail_{callback}_on{world_size}_rank{rank}.pt",
     )

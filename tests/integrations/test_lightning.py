@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import DistributedSampler
 
 import energy_loader as el
 from energy_loader.integrations.lightning import (
@@ -21,8 +22,10 @@ from energy_loader.integrations.lightning import (
     SavableLoaderCallback,
 )
 from tests import distributed_helpers as dh
+from tests.loader.dropin_helpers import dealt_rest, distributed_order
 
 from .lightning_helpers import (
+    BATCH,
     DDP_SAMPLES,
     DROPIN_SAVE_AT,
     DROPIN_STOP_AT,
@@ -291,7 +294,7 @@ def test_ddp_dropin_loader_resumes_exactly(dropin_ddp_run: Path, callback: bool)
     for rank in range(2):
         full, head, tail = (
             _read(dropin_ddp_run, name, rank)
-            for name in ("dropin_full", f"dropin_head_{callback}", f"dropin_tail_{callback}")
+            for name in ("dropin_full", f"dropin_head_{callback}", f"dropin_tail_{callback}_on2")
         )
         assert [epoch for epoch, *_ in full["seen"]] == [0] * 12 + [1] * 12
         assert len(head["seen"]) == DROPIN_STOP_AT
@@ -300,3 +303,58 @@ def test_ddp_dropin_loader_resumes_exactly(dropin_ddp_run: Path, callback: bool)
             assert torch.equal(mine, theirs)
         halves.append({i for _, batch, _ in full["seen"][:12] for i in batch})
     assert not halves[0] & halves[1] and len(halves[0] | halves[1]) == DDP_SAMPLES
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("callback", [True, False])
+@pytest.mark.parametrize("devices", [1, 3])
+def test_ddp_dropin_checkpoint_resumes_on_another_number_of_devices(
+    dropin_ddp_run: Path, devices: int, callback: bool
+) -> None:
+    """The 2-device checkpoint taken after step 5 of epoch 0, resumed by ``fit(ckpt_path=...)``
+    on 1 or 3 devices: each rank trains the rule's indices for the rest of epoch 0 (the rest
+    of the permutation dealt as DistributedSampler deals), then DistributedSampler's own
+    epoch 1 for its layout; every sample is augmented as in the uninterrupted 2-device run,
+    and each epoch trains every sample once but for the padding.
+
+    Except on more devices without the callback: Lightning ends the resumed epoch after
+    ``len(loader)`` batches counted from the checkpoint's 5, so each rank skips the last
+    batches the new dealing gave it (docs/integrations-lightning.md); the callback makes
+    Lightning count the epoch as the loader deals it."""
+    dh.launch(
+        dropin_resume, devices, dropin_ddp_run, timeout=150, torchrun_env=True, num_workers=1,
+        callback=callback,
+    )  # fmt: skip
+    augmented = {  # (epoch, index) -> the augmented input the uninterrupted run trained on
+        (epoch, index): x
+        for rank in range(2)
+        for epoch, batch, xs in _read(dropin_ddp_run, "dropin_full", rank)["seen"]
+        for index, x in zip(batch, xs, strict=True)
+    }
+    head = [
+        index
+        for rank in range(2)
+        for _, batch, _ in _read(dropin_ddp_run, f"dropin_head_{callback}", rank)["seen"][
+            :DROPIN_SAVE_AT
+        ]
+        for index in batch
+    ]
+    order = distributed_order(DDP_SAMPLES, 0, seed=0)  # Lightning's sampler seed: 0
+    assert sorted(head) == sorted(order[: len(head)])
+    rest: list[int] = []
+    for rank in range(devices):
+        seen = _read(dropin_ddp_run, f"dropin_tail_{callback}_on{devices}", rank)["seen"]
+        for epoch, batch, xs in seen:
+            assert xs == [augmented[epoch, index] for index in batch], (rank, epoch)
+        by_epoch = [[i for e, batch, _ in seen if e == epoch for i in batch] for epoch in (0, 1)]
+        expected = dealt_rest(order, len(head), devices, rank)
+        if devices > 2 and not callback:  # Lightning stops at len(loader), 8 batches
+            expected = expected[: (-(-DDP_SAMPLES // devices) // BATCH - DROPIN_SAVE_AT) * BATCH]
+        assert by_epoch[0] == expected, rank
+        sampler = DistributedSampler(range(DDP_SAMPLES), num_replicas=devices, rank=rank, seed=0)
+        sampler.set_epoch(1)
+        assert by_epoch[1] == list(sampler), rank
+        rest += by_epoch[0]
+    if devices < 2 or callback:
+        assert sorted(set(head + rest)) == list(range(DDP_SAMPLES))
+        assert len(head) + len(rest) - DDP_SAMPLES < devices  # DistributedSampler's padding

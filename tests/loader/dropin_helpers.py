@@ -110,6 +110,28 @@ class StatefulSampler(Sampler[int]):
         self.epoch, self._resume_at = state["epoch"], state["position"]
 
 
+def distributed_order(n: int, epoch: int, *, seed: int, shuffle: bool = True) -> list[int]:
+    """torch's ``DistributedSampler`` order of ``n`` samples in ``epoch``, before padding
+    (through a 1-rank sampler): the permutation every layout of a job deals from."""
+    from torch.utils.data import DistributedSampler
+
+    sampler = DistributedSampler(range(n), num_replicas=1, rank=0, seed=seed, shuffle=shuffle)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def dealt_rest(order: list[int], done: int, world: int, rank: int) -> list[int]:
+    """The rule of a resized job, computed apart from the loader: rank ``rank`` of ``world``
+    takes every ``world``-th of the positions after ``done``, padded from the rest's start
+    to a multiple of ``world`` (as ``DistributedSampler`` pads)."""
+    rest = order[done:]
+    if not rest:
+        return []
+    per_rank = -(-len(rest) // world)
+    padded = (rest * world)[: per_rank * world]
+    return padded[rank::world]
+
+
 def run_epochs(loader: Any, epochs: int) -> list[Any]:
     return [batch for _ in range(epochs) for batch in loader]
 

@@ -22,7 +22,7 @@ from torch.utils.data import DistributedSampler
 import energy_loader as el
 from energy_loader.errors import StateMismatchError
 
-from .dropin_helpers import Augmenting, plain_roundtrip
+from .dropin_helpers import Augmenting, dealt_rest, distributed_order, plain_roundtrip
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -47,22 +47,6 @@ def _samples(batch: Any) -> list[tuple[int, float]]:
 def _epoch(loader: Any, epoch: int) -> list[tuple[int, float]]:
     loader.sampler.set_epoch(epoch)
     return [s for batch in loader for s in _samples(batch)]
-
-
-def _permutation(n: int, epoch: int, shuffle: bool) -> list[int]:
-    """torch's DistributedSampler order before padding (through a 1-rank sampler)."""
-    sampler = DistributedSampler(range(n), num_replicas=1, rank=0, seed=SEED, shuffle=shuffle)
-    sampler.set_epoch(epoch)
-    return list(sampler)
-
-
-def _expected_rest(order: list[int], done: int, world: int, rank: int) -> list[int]:
-    rest = order[done:]
-    if not rest:
-        return []
-    per_rank = -(-len(rest) // world)
-    padded = (rest * world)[: per_rank * world]
-    return padded[rank::world]
 
 
 def _resize(
@@ -103,7 +87,7 @@ def _resize(
             state = plain_roundtrip(loader.state_dict())
         loader.close()
     assert state is not None
-    order = _permutation(n, epoch, shuffle)
+    order = distributed_order(n, epoch, seed=SEED, shuffle=shuffle)
     if sampler_drop_last:
         order = order[: (n // old) * old]
     done = min(steps * unit, -(-len(order) // old)) * old
@@ -121,7 +105,7 @@ def _resize(
         if new == old and new_batch == batch:  # the same layout: the sampler's own stream
             expected = list(restored.sampler)[steps * unit :]
         else:
-            expected = _expected_rest(order, done, new, rank)
+            expected = dealt_rest(order, done, new, rank)
         assert [i for i, _ in rest] == expected, f"rank {rank}"
         assert all(reference[i] == value for i, value in rest), "augmentation differs"
         got += [i for i, _ in rest]
@@ -179,7 +163,7 @@ def test_resizes_with_workers(old: int, new: int, batch: int, new_batch: int) ->
 def test_a_resized_epoch_saved_again_continues_its_dealing() -> None:
     """2 ranks -> 3 ranks, saved mid-way, -> 1 rank: still the permutation once."""
     n, epoch = 29, 0
-    order = _permutation(n, epoch, True)
+    order = distributed_order(n, epoch, seed=SEED)
     state = None
     seen: list[int] = []
     for rank in range(2):
@@ -214,3 +198,32 @@ def test_what_cannot_be_continued_is_refused_by_name() -> None:
         el.SavableDataLoader(Augmenting(20), batch_size=4, sampler=sampler).load_state_dict(state)
     with pytest.raises(StateMismatchError, match="shuffle"):
         _loader(20, 3, 0, 4, shuffle=False).load_state_dict(state)
+
+
+def test_a_resized_epoch_saved_after_its_last_batch_restores_into_the_next() -> None:
+    """2 ranks -> 3 ranks, which finish the epoch and save, -> 1, 2 or 3 ranks: the restore
+    runs epoch 1 (loader.epoch says so), the sampler's own for that layout. The resized
+    epoch's last batch is not the saving layout's ``len()``-th."""
+    n = 13
+    for rank in range(2):
+        torch.manual_seed(0)  # the job seed, as the fresh job below has it
+        loader = _loader(n, 2, rank, 2)
+        loader.sampler.set_epoch(0)
+        next(iter(loader))
+        state = plain_roundtrip(loader.state_dict())
+    for rank in range(3):
+        loader = _loader(n, 3, rank, 2)
+        loader.load_state_dict(state)
+        assert [i for i, _ in _epoch(loader, loader.epoch)] == dealt_rest(
+            distributed_order(n, 0, seed=SEED), 4, 3, rank
+        )
+        assert loader.epoch == 1
+        finished = plain_roundtrip(loader.state_dict())
+    for world in (1, 2, 3):
+        torch.manual_seed(0)
+        fresh = _loader(n, world, 0, 2)
+        _epoch(fresh, 0)
+        restored = _loader(n, world, 0, 2)
+        restored.load_state_dict(finished)
+        assert restored.epoch == 1, world
+        assert _epoch(restored, 1) == _epoch(fresh, 1), world

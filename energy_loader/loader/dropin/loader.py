@@ -198,6 +198,21 @@ class DropInDataLoader(SavableDataLoader):
         return int(self._engine.epoch_number)
 
     @property
+    def resumed_batches_left(self) -> int | None:
+        """While the epoch a restore continues runs (its first ``iter()``): how many of its
+        batches this rank has not handed out yet; None in any other epoch or before ``iter()``.
+
+        After a restore on the same layout this is ``len(self)`` minus the batches used
+        before the save; after a resize (another world size or batch size under a
+        ``DistributedSampler``) it is what the new dealing gives this rank, which a trainer
+        that counts an epoch's batches up to ``len()`` needs to know (Lightning's callback).
+        """
+        if self._iterable:
+            return None
+        left: int | None = self._engine.resumed_batches_left()
+        return left
+
+    @property
     def num_partitions(self) -> int:
         """One partition per worker of every rank (a drop-in loader is not elastic)."""
         return max(1, self.num_workers) * self._worker_config.world_size
@@ -258,9 +273,9 @@ class DropInDataLoader(SavableDataLoader):
         self._engine.check(decoded)
         return decoded
 
-    def saved_ranks_needed(self, first: Any) -> list[int]:
-        """The saved ranks whose files this rank reads when the rank files of this world size
-        are missing but those of another are there: ``first``'s alone under a
+    def saved_ranks_needed(self, first: Any, rank: int | None = None) -> list[int]:
+        """The saved ranks whose states rank ``rank`` (any rank: the answer is the same for
+        all) restores from on another world size: ``first``'s alone under a
         ``DistributedSampler`` (it names the job's position); otherwise refused with
         ``StateMismatchError`` (each rank restores from its own state)."""
         if self._engine.rank_free(self._engine.decode(first)):

@@ -91,6 +91,7 @@ class _Epoch:
         self.sampler_epoch = 0
         self.dealing: Dealing | None = None
         self.units: int | None = None
+        self.resumed = False  # continues a restored state's epoch (not a fresh one)
 
     def sampling(self) -> contextlib.AbstractContextManager[Any]:
         """The context the sampler draws in: its private global stream, if it has one."""
@@ -260,6 +261,7 @@ class MapEngine:
             self.rng.put_own(after)
             return _Epoch(state.epoch + 1)
         epoch = _Epoch(state.epoch)
+        epoch.resumed = True
         epoch.start = start
         epoch.pulled = epoch.used = state.used
         epoch.resume = (iterator, after)
@@ -310,9 +312,12 @@ class MapEngine:
         units = _units_of(dealing.indices(permutation, sampler.rank), self)
         if state.rng is not None:  # the loader's generator as the saving job left it
             self.rng.put_own(decode_generator_states(state.rng, "state.rng"))
-        if not units:
+        # Saved after its epoch's last batch: the next epoch (a drop_last batching may have
+        # left indices of the saving dealing unused; they stay unused, as they would have).
+        if not units or _saved_after_last_batch(state):
             return _Epoch(state.epoch + 1)
         epoch = _Epoch(state.epoch)
+        epoch.resumed = True
         epoch.start = EpochStart(state.epoch, None, None)
         epoch.resume = (iter(units), self.rng.capture())
         epoch.sampler_epoch = saved["epoch"]
@@ -535,6 +540,15 @@ class MapEngine:
     def stats(self) -> dict[str, Any]:
         return self.metrics.stats()
 
+    def resumed_batches_left(self) -> int | None:
+        """Batches of the restored epoch this rank has not handed out yet, while the first
+        ``iter()`` after a restore runs; None in any other epoch."""
+        epoch = self.epoch
+        if epoch is None or not epoch.resumed:
+            return None
+        units = self.length if epoch.units is None else epoch.units
+        return None if units is None else units - epoch.used
+
     def rank_free(self, state: MapState) -> bool:
         """Whether the state names the job's position, whichever rank saved it: under a
         ``DistributedSampler`` every rank has used the same number of batches."""
@@ -579,11 +593,7 @@ class MapEngine:
         if epoch is None:
             if pending is None:
                 return 0
-            units = pending.config.get("batches_per_epoch")
-            if pending.distributed is not None and not self.needs_dealing(pending):
-                units = pending.distributed["units"]
-            over = pending.started and pending.used == units
-            return pending.epoch + int(over)
+            return pending.epoch + int(_saved_after_last_batch(pending))
         return epoch.number + int(epoch.ended)
 
 
@@ -644,6 +654,16 @@ class _MapIterator:
         if length is None:
             raise TypeError("the sampler has no len()")
         return length
+
+
+def _saved_after_last_batch(state: MapState) -> bool:
+    """Whether ``state`` was saved after its epoch's last batch (the next ``iter()`` runs the
+    next epoch). Counted in the saving loader's batches: under a DistributedSampler those of
+    the dealing it ran, which after a resize is shorter than ``batches_per_epoch``."""
+    units = state.config.get("batches_per_epoch")
+    if state.distributed is not None:
+        units = state.distributed["units"]
+    return state.started and state.used == units
 
 
 def _plain_unit(unit: Any) -> Any:
