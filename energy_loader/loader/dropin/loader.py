@@ -7,7 +7,9 @@ the caller's own arguments: torch validates them, sets every attribute framework
 computes ``len()``. How it runs a map-style dataset: :mod:`.map_style`; an iterable one:
 :mod:`.iterable`.
 
-Not here: elastic resume across world sizes, shuffle buffers, packing, blends, replay of
+Elastic resume: under a ``DistributedSampler`` any rank's state restores every rank of any
+world size or batch size (:class:`energy_loader.loader.planner.Dealing`); other samplers
+restore on the world size that saved them. Not here: shuffle buffers, packing, blends,
 restore keys. Those need a savable pipeline (docs/migration.md).
 """
 
@@ -253,8 +255,9 @@ class DropInDataLoader(SavableDataLoader):
             raise StateMismatchError(
                 f"the state was saved by rank {decoded.rank} of {decoded.world_size}; this loader "
                 f"is rank {config.rank} of {config.world_size}. A drop-in loader restores on "
-                "the same world size, each rank from its own state (elastic resume across world "
-                "sizes needs a savable pipeline: docs/migration.md)"
+                "the same world size, each rank from its own state, unless its sampler is a "
+                "DistributedSampler (then any rank's state restores any layout); otherwise "
+                "elastic resume needs a savable pipeline: docs/migration.md"
             )
         self._engine.restore(decoded)
 
@@ -395,7 +398,8 @@ def _other_world_size(saved: int, loader: DropInDataLoader) -> StateMismatchErro
     return StateMismatchError(
         f"{saved} rank state(s) were saved, this job has world size "
         f"{loader.worker_config.world_size}: a drop-in loader restores on the same world size "
-        "(elastic resume across world sizes needs a savable pipeline: docs/migration.md)"
+        "unless its sampler is a DistributedSampler (otherwise elastic resume needs a savable "
+        "pipeline: docs/migration.md)"
     )
 
 
