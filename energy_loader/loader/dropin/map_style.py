@@ -91,6 +91,7 @@ class _Epoch:
         self.sampler_epoch = 0
         self.dealing: Dealing | None = None
         self.units: int | None = None
+        self.distributed_plain: tuple[Dealing, dict[str, int]] | None = None
         self.resumed = False  # continues a restored state's epoch (not a fresh one)
 
     def sampling(self) -> contextlib.AbstractContextManager[Any]:
@@ -488,13 +489,17 @@ class MapEngine:
             self._deal_as_the_sampler(epoch, self.distributed)  # iter() made, nothing pulled
         dealing = epoch.dealing
         assert dealing is not None
-        return {
-            "epoch": int(epoch.sampler_epoch),
-            "offset": dealing.offset,
-            "end": dealing.end,
-            "world": dealing.world,
-            "units": -1 if epoch.units is None else epoch.units,
-        }
+        cached = epoch.distributed_plain
+        if cached is None or cached[0] is not dealing:  # once a dealing (so JSON is cached)
+            plain = {
+                "epoch": int(epoch.sampler_epoch),
+                "offset": dealing.offset,
+                "end": dealing.end,
+                "world": dealing.world,
+                "units": -1 if epoch.units is None else epoch.units,
+            }
+            cached = epoch.distributed_plain = (dealing, plain)
+        return cached[1]
 
     def decode(self, state: Any) -> MapState:
         return MapState.from_plain(state)

@@ -225,19 +225,25 @@ class MapState:
 
     def to_json(self) -> str:
         """:meth:`to_plain` as compact JSON, the fields fixed for an epoch (config, job,
-        generator states: ~7 KB) encoded once an epoch, not once a save. Raises
-        ``TypeError`` for a sampler state JSON cannot hold."""
-        plain = self.to_plain()
-        constant = {name: plain.pop(name) for name in _EPOCH_CONSTANT}
-        key = (self.config, self.job, self.rng, self.rng_at_iter)
+        generator states, the dealing: ~7 KB) encoded once an epoch, the few that move
+        written straight in. Raises ``TypeError`` for a sampler state JSON cannot hold."""
+        key = (self.config, self.job, self.rng, self.rng_at_iter, self.distributed)
         cached = _FRAGMENT_CACHE.get(id(self.config))
         if cached is not None and all(a is b for a, b in zip(cached[0], key)):
             fragment = cached[1]
         else:
-            fragment = _encode(constant)
+            plain = self.to_plain()
+            fragment = _encode({name: plain[name] for name in _EPOCH_CONSTANT})
             _FRAGMENT_CACHE.clear()  # one engine's epoch at a time is what pays to keep
             _FRAGMENT_CACHE[id(self.config)] = (key, fragment)
-        return _encode(plain)[:-1] + "," + fragment[1:]
+        sampler = "null" if self.sampler_state is None else _encode(self.sampler_state)
+        started = "true" if self.started else "false"
+        return (
+            f'{{"format":"{DROPIN_STATE_FORMAT}","version":{DROPIN_STATE_VERSION},'
+            f'"kind":"map","rank":{int(self.rank)},"world_size":{int(self.world_size)},'
+            f'"started":{started},"epoch":{int(self.epoch)},"used":{int(self.used)},'
+            f'"sampler_state":{sampler},{fragment[1:]}'
+        )
 
     @classmethod
     def from_plain(cls, state: Any) -> MapState:
@@ -290,7 +296,7 @@ def _distributed(reader: StateReader) -> dict[str, int] | None:
     return out
 
 
-_EPOCH_CONSTANT = ("config", "job", "rng", "rng_at_iter", "checks")
+_EPOCH_CONSTANT = ("config", "job", "rng", "rng_at_iter", "distributed", "checks")
 _encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 # id(config) -> ((config, job, rng, rng_at_iter), their JSON); identity-checked on use.
 _FRAGMENT_CACHE: dict[int, tuple[tuple[Any, ...], str]] = {}
