@@ -233,7 +233,7 @@ class MapState:
             fragment = cached[1]
         else:
             plain = self.to_plain()
-            fragment = _encode({name: plain[name] for name in _EPOCH_CONSTANT})
+            fragment = _encode({name: plain[name] for name in _EPOCH_CONSTANT})[1:]
             _FRAGMENT_CACHE.clear()  # one engine's epoch at a time is what pays to keep
             _FRAGMENT_CACHE[id(self.config)] = (key, fragment)
         sampler = "null" if self.sampler_state is None else _encode(self.sampler_state)
@@ -242,7 +242,7 @@ class MapState:
             f'{{"format":"{DROPIN_STATE_FORMAT}","version":{DROPIN_STATE_VERSION},'
             f'"kind":"map","rank":{int(self.rank)},"world_size":{int(self.world_size)},'
             f'"started":{started},"epoch":{int(self.epoch)},"used":{int(self.used)},'
-            f'"sampler_state":{sampler},{fragment[1:]}'
+            f'"sampler_state":{sampler},{fragment}'
         )
 
     @classmethod
@@ -298,7 +298,8 @@ def _distributed(reader: StateReader) -> dict[str, int] | None:
 
 _EPOCH_CONSTANT = ("config", "job", "rng", "rng_at_iter", "distributed", "checks")
 _encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
-# id(config) -> ((config, job, rng, rng_at_iter), their JSON); identity-checked on use.
+# id(config) -> ((config, job, rng, rng_at_iter, distributed), their JSON without its opening
+# brace); identity-checked on use.
 _FRAGMENT_CACHE: dict[int, tuple[tuple[Any, ...], str]] = {}
 
 
