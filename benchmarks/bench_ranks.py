@@ -338,6 +338,39 @@ def _one_two_five(value: float, _: Any) -> str:
     return f"{value:g}" if digits in "125" else ""
 
 
+def dcp_coordinator(ranks: list[int], workers: int = 2) -> dict[str, Any]:
+    """DCP's serial step on the coordinator of a save, in this process: ``create_global_plan``
+    of the default planner over N ranks' local plans of ``workers`` loader leaves each (P = N x
+    workers), and every rank's ``pickle.loads`` of the resulting ``.metadata`` on load."""
+    import pickle
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    out: dict[str, Any] = {}
+    for n in ranks:
+        plans = []
+        for rank in range(n):
+            planner = DefaultSavePlanner()
+            leaves = {f"slot_{rank * workers + i:05d}": "{}" for i in range(workers)}
+            planner.set_up_planner({"loader": leaves}, storage_meta=None, is_coordinator=False)
+            plans.append(planner.create_local_plan())
+        coordinator = DefaultSavePlanner()
+        coordinator.set_up_planner({"loader": {}}, storage_meta=None, is_coordinator=True)
+        began = time.perf_counter()
+        _, metadata = coordinator.create_global_plan(plans)
+        planned = time.perf_counter() - began
+        pickled = pickle.dumps(metadata)
+        began = time.perf_counter()
+        pickle.loads(pickled)
+        out[str(n)] = {
+            "partitions": n * workers,
+            "global_plan_s": planned,
+            "metadata_loads_s": time.perf_counter() - began,
+        }
+        print(n, out[str(n)], flush=True)
+    return out
+
+
 def plot(results: list[dict[str, Any]], path: Path) -> None:
     """Left: median per-rank bytes read against N, same layout (solid) and resized (dashed,
     dotted). Right: save time (median over ranks; the gather's on rank 0) and same-layout
@@ -414,9 +447,18 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, help="write the plot (needs matplotlib)")
     parser.add_argument("--fit", action="store_true", help="fit the per-rank costs to N and P")
     parser.add_argument("--reference", type=Path, help="measure the reference state to this JSON")
+    parser.add_argument(
+        "--coordinator",
+        type=int,
+        nargs="*",
+        help="with --reference: DCP's global save plan over these numbers of ranks",
+    )
     args = parser.parse_args()
     if args.reference:
-        args.reference.write_text(json.dumps(reference_state(60_000), indent=1))
+        reference = reference_state(60_000) if args.coordinator is None else {}
+        if args.coordinator:
+            reference["dcp_coordinator"] = dcp_coordinator(args.coordinator)
+        args.reference.write_text(json.dumps(reference, indent=1))
         print(args.reference.read_text())
     results = []
     for merged in args.merge:
