@@ -2,14 +2,15 @@
 
 For each N (default 4, 8, 16, 32, 48) the harness starts N real processes in a gloo process
 group on 127.0.0.1 (``tests/distributed_helpers.launch``), runs a tiny reference-like pipeline
-(IndexedSource -> map -> shuffle buffer 8 -> batch 4, no workers, so the machine holds 48
-ranks) with ``num_partitions`` P = 144 (N, 3N/4 and 3N/2 all divide it), takes a few steps and
-saves through every path: per-rank files, the gather to one file, and DCP. Fresh processes then
-restore on N, 3N/4 and 3N/2 ranks through per-rank files, the full list, the scatter and DCP.
-Recorded per rank: bytes written and read (a counting ``StorageWriter``/``StorageReader`` for
-DCP, the process's read() bytes for files, the file's size for the gathered list), wall time of
-each save and restore, peak RSS, and whether the job's stream continues exactly (the restored
-ranks' batches, interleaved, against the saving job's next batches).
+(IndexedSource -> map -> shuffle buffer 8 -> batch 4, no workers, so the machine holds 72
+ranks) with ``num_partitions`` P = 288 (N, 3N/4 and 3N/2 all divide it for every default N),
+takes a few steps and saves through every path: per-rank files, the gather to one file, and
+DCP. Fresh processes then restore on N, 3N/4 and 3N/2 ranks through per-rank files, the full
+list, the scatter and DCP. Recorded per rank: bytes written and read (a counting
+``StorageWriter``/``StorageReader`` for DCP, also its ``.metadata`` alone; the sizes of the
+files a rank read, and how many, for per-rank files; the file's size for the gathered list),
+wall time of each save and restore, peak RSS, and whether the job's stream continues exactly
+(the restored ranks' batches, interleaved, against the saving job's next batches).
 
 ``--partitions`` takes several counts (a sweep in P at fixed N: DCP's ``.metadata`` grows with
 P); ``--merge`` adds the runs of earlier ``--out`` files to the tables, the fit and the plot;
@@ -436,7 +437,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="*", default=[4, 8, 16, 32, 48])
-    parser.add_argument("--partitions", type=int, nargs="+", default=[144])
+    parser.add_argument("--partitions", type=int, nargs="+", default=[288])
     parser.add_argument(
         "--per-rank", type=int, help="P = this x N instead of --partitions (a multiple of 3)"
     )
@@ -468,6 +469,8 @@ def main() -> None:
             results.append(result)
     for n in args.ranks:
         for partitions in [args.per_rank * n] if args.per_rank else args.partitions:
+            if any(size == 0 or partitions % size for size in (n, 3 * n // 4, 3 * n // 2)):
+                parser.error(f"N = {n}, 3N/4 and 3N/2 must all divide P = {partitions}")
             length = args.length or 40 * partitions
             result = measure(n, partitions, length, args.steps)
             results.append(result)
