@@ -384,7 +384,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
     partitions = statistics.mode(r["p"] for r in results)
     results = sorted((r for r in results if r["p"] == partitions), key=lambda r: r["n"])
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 5.6))
     ns = [r["n"] for r in results]
     colours = {"files": "C0", "full_list": "C1", "scatter": "C2", "dcp": "C3", "gather": "C4"}
     # The scatter's rank 0 reads what every full-list rank reads, the others nothing.
@@ -428,7 +428,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         axis.xaxis.set_minor_formatter(NullFormatter())
         for formatter in (axis.yaxis.set_major_formatter, axis.yaxis.set_minor_formatter):
             formatter(FuncFormatter(_one_two_five))
-        axis.legend(fontsize=6, ncol=2)
+        axis.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
         axis.grid(True, which="both", alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
