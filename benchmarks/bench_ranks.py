@@ -452,7 +452,7 @@ def main() -> None:
         "--coordinator",
         type=int,
         nargs="*",
-        help="with --reference: DCP's global save plan over these numbers of ranks",
+        help="with --reference: time only DCP's global save plan, over these numbers of ranks",
     )
     args = parser.parse_args()
     if args.reference:
