@@ -2,22 +2,33 @@
 
 For each N (default 4, 8, 16, 32, 48) the harness starts N real processes in a gloo process
 group on 127.0.0.1 (``tests/distributed_helpers.launch``), runs a tiny reference-like pipeline
-(IndexedSource -> map -> shuffle buffer 8 -> batch 4, no workers, so the machine holds 48
-ranks) with ``num_partitions`` P = 144 (N, 3N/4 and 3N/2 all divide it), takes a few steps and
-saves through every path: per-rank files, the gather to one file, and DCP. Fresh processes then
-restore on N, 3N/4 and 3N/2 ranks through per-rank files, the full list, the scatter and DCP.
-Recorded per rank: bytes written and read (a counting ``StorageWriter``/``StorageReader`` for
-DCP, the process's read() bytes for files, the file's size for the gathered list), wall time of
-each save and restore, peak RSS, and whether the job's stream continues exactly (the restored
-ranks' batches, interleaved, against the saving job's next batches). Example::
+(IndexedSource -> map -> shuffle buffer 8 -> batch 4, no workers, so the machine holds 72
+ranks) with ``num_partitions`` P = 288 (N, 3N/4 and 3N/2 all divide it for every default N),
+takes a few steps and saves through every path: per-rank files, the gather to one file, and
+DCP. Fresh processes then restore on N, 3N/4 and 3N/2 ranks through per-rank files, the full
+list, the scatter and DCP. Recorded per rank: bytes written and read (a counting
+``StorageWriter``/``StorageReader`` for DCP, also its ``.metadata`` alone; the sizes of the
+files a rank read, and how many, for per-rank files; the file's size for the gathered list),
+wall time of each save and restore, peak RSS, and whether the job's stream continues exactly
+(the restored ranks' batches, interleaved, against the saving job's next batches).
 
-    python benchmarks/bench_ranks.py --out /tmp/ranks.json --plot docs/bench-ranks.png
+``--partitions`` takes several counts (a sweep in P at fixed N: DCP's ``.metadata`` grows with
+P); ``--merge`` adds the runs of earlier ``--out`` files to the tables, the fit and the plot;
+``--fit`` fits each per-rank cost to ``a + b*N + c*P`` (or ``c*P/N``) over every run;
+``--reference`` measures, in one process, the state of the documented reference pipeline
+(60,000 samples, shuffle buffer 1,000, batch 32, 2 workers) that the model in
+docs/distributed.md scales. Example::
+
+    python benchmarks/bench_ranks.py --ranks 4 8 --out /tmp/ranks.json
+    python benchmarks/bench_ranks.py --ranks 16 32 --merge /tmp/ranks.json --out /tmp/all.json \
+        --fit --plot docs/bench-ranks.png
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -41,7 +52,7 @@ def measure(n: int, partitions: int, length: int, steps: int) -> dict[str, Any]:
 
     from tests import distributed_helpers as dh
 
-    out: dict[str, Any] = {"n": n}
+    out: dict[str, Any] = {"n": n, "p": partitions, "length": length}
     with tempfile.TemporaryDirectory() as folder:
         workdir = Path(folder)
         began = time.perf_counter()
@@ -90,47 +101,296 @@ def measure(n: int, partitions: int, length: int, steps: int) -> dict[str, Any]:
     return out
 
 
-def summary(result: dict[str, Any]) -> list[str]:
-    """Markdown rows: per N and restore size, the median / max per-rank read per path."""
-    n = result["n"]
-    rows = []
-    save = result["save"]
-    written = {w: statistics.median(r[w]["written"] for r in save) for w in ("files", "dcp")}
-    seconds = {w: statistics.median(r[w]["seconds"] for r in save) for w in ("files", "dcp")}
-    rows.append(
-        f"| {n} | save | files {written['files'] / 1e3:.1f} KB, {seconds['files'] * 1e3:.0f} ms; "
-        f"gather {save[0]['gather']['written'] / 1e3:.1f} KB on rank 0, "
-        f"{statistics.median(r['gather']['seconds'] for r in save) * 1e3:.0f} ms; dcp "
-        f"{written['dcp'] / 1e3:.1f} KB, {seconds['dcp'] * 1e3:.0f} ms | "
-        f"{max(r['rss'] for r in save) / 2**20:.0f} MiB |"
-    )
-    for key in sorted((k for k in result if k.startswith("restore_")), key=lambda k: int(k[8:])):
-        size = int(key[8:])
-        ranks, exact = result[key]["ranks"], result[key]["exact"]
+def _kb(values: list[float]) -> str:
+    return f"{statistics.median(values) / 1e3:.1f}/{max(values) / 1e3:.1f}"
+
+
+def _ms(values: list[float]) -> str:
+    return f"{statistics.median(values) * 1e3:.0f}/{max(values) * 1e3:.0f}"
+
+
+def _restore_sizes(result: dict[str, Any]) -> list[int]:
+    return sorted(int(k[8:]) for k in result if k.startswith("restore_"))
+
+
+def tables(results: list[dict[str, Any]]) -> list[str]:
+    """Two markdown tables, median/max over ranks: what each rank wrote and how long its save
+    took; what each rank read on restore and how long the restore took."""
+    lines = [
+        "| N | P | per-rank files | gather (file on rank 0) | DCP (max: with `.metadata`) "
+        "| peak RSS |",
+        "|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        save = result["save"]
         cells = []
-        for way in WAYS:
-            reads = [r[way]["read"] for r in ranks]
-            times = [r[way]["seconds"] for r in ranks]
-            cells.append(
-                f"{way} {statistics.median(reads) / 1e3:.1f}/{max(reads) / 1e3:.1f} KB "
-                f"{statistics.median(times) * 1e3:.0f} ms{'' if exact[way] else ' NOT EXACT'}"
+        for way in ("files", "gather", "dcp"):
+            written = [r[way]["written"] for r in save]
+            shown = f"{max(written) / 1e3:.1f}" if way == "gather" else _kb(written)
+            cells.append(f"{shown} KB, {_ms([r[way]['seconds'] for r in save])} ms")
+        rss = max(r["rss"] for r in save) / 2**20
+        lines.append(
+            f"| {result['n']} | {result['p']} | " + " | ".join(cells) + f" | {rss:.0f} MiB |"
+        )
+    lines += [
+        "",
+        "| N | P | restore on | per-rank files (files read) | full list | scatter (rank 0 reads) "
+        "| DCP (`.metadata`) | peak RSS | exact |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        for size in _restore_sizes(result):
+            ranks, exact = result[f"restore_{size}"]["ranks"], result[f"restore_{size}"]["exact"]
+            cells = []
+            for way in WAYS:
+                cell = (
+                    f"{_kb([r[way]['read'] for r in ranks])} KB, "
+                    f"{_ms([r[way]['seconds'] for r in ranks])} ms"
+                )
+                if way == "files" and "files" in ranks[0][way]:
+                    counts = [r[way]["files"] for r in ranks]
+                    cell += f" ({min(counts)}-{max(counts)})"
+                if way == "dcp" and "metadata" in ranks[0][way]:
+                    cell += f" ({ranks[0][way]['metadata'] / 1e3:.1f} KB)"
+                cells.append(cell)
+            rss = max(r["rss"] for r in ranks) / 2**20
+            ok = (
+                "yes"
+                if all(exact.values())
+                else "NO: " + ", ".join(w for w in WAYS if not exact[w])
             )
-        rss = max(r["rss"] for r in ranks) / 2**20
-        rows.append(f"| {n} | restore on {size} | " + "; ".join(cells) + f" | {rss:.0f} MiB |")
-    return rows
+            lines.append(
+                f"| {result['n']} | {result['p']} | {size} | "
+                + " | ".join(cells)
+                + f" | {rss:.0f} MiB | {ok} |"
+            )
+    return lines
+
+
+# What each quantity is fitted against: per-rank costs are a + b*N + c*P, or a + b*N + c*P/N
+# for what a rank holds (its P/N partitions). A partition's state grows with the digits of the
+# sample indices it buffers, so the sizes of states are fitted over the runs of one dataset
+# length (the most common); DCP's .metadata (one entry per partition, whatever its value) and
+# the times over every run.
+FITS: dict[str, tuple[str, ...]] = {
+    "file written per rank": ("1", "N", "P/N"),
+    "gathered file": ("1", "N", "P"),
+    "DCP .metadata": ("1", "N", "P"),
+    "DCP data per rank": ("1", "N", "P/N"),
+    "files save s": ("1", "N", "P/N"),
+    "gather save s (rank 0)": ("1", "N", "P"),
+    "DCP save s": ("1", "N", "P"),
+}
+STATE_SIZES = ("file written per rank", "gathered file", "DCP data per rank")
+
+
+def _observations(results: list[dict[str, Any]]) -> dict[str, list[tuple[int, int, float]]]:
+    """Per quantity, (N, P, value) for every run it is fitted over: medians over ranks."""
+    points: dict[str, list[tuple[int, int, float]]] = {name: [] for name in FITS}
+    length = statistics.mode(r["length"] for r in results)
+    median = statistics.median
+    for result in results:
+        n, p, save = result["n"], result["p"], result["save"]
+        same = result[f"restore_{n}"]["ranks"]
+        values = {
+            "file written per rank": median(r["files"]["written"] for r in save),
+            "gathered file": save[0]["gather"]["written"],
+            "files save s": median(r["files"]["seconds"] for r in save),
+            "gather save s (rank 0)": save[0]["gather"]["seconds"],
+            "DCP save s": median(r["dcp"]["seconds"] for r in save),
+        }
+        if "metadata" in same[0]["dcp"]:
+            values["DCP .metadata"] = same[0]["dcp"]["metadata"]
+            values["DCP data per rank"] = median(
+                r["dcp"]["read"] - r["dcp"]["metadata"] for r in same
+            )
+        for name, value in values.items():
+            if name not in STATE_SIZES or result["length"] == length:
+                points[name].append((n, p, value))
+    return points
+
+
+def fit(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Least-squares coefficients per quantity over its runs; a term the runs do not vary
+    independently of the others (P when every run had the same P) is left out."""
+    import numpy as np
+
+    columns = {
+        "1": lambda n, p: 1.0,
+        "N": lambda n, p: float(n),
+        "P": lambda n, p: float(p),
+        "P/N": lambda n, p: p / n,
+    }
+    coefficients = {}
+    for name, points in _observations(results).items():
+        terms: list[str] = []
+        for term in FITS[name]:
+            trial = np.array([[columns[t](n, p) for t in [*terms, term]] for n, p, _ in points])
+            if len(points) > len(terms) + 1 and np.linalg.matrix_rank(trial) == len(terms) + 1:
+                terms.append(term)
+        if not terms:
+            continue
+        matrix = np.array([[columns[t](n, p) for t in terms] for n, p, _ in points], float)
+        values = np.array([v for _, _, v in points], float)
+        solution, *_ = np.linalg.lstsq(matrix, values, rcond=None)
+        residual = float(np.max(np.abs(matrix @ solution - values)))
+        coefficients[name] = {**dict(zip(terms, map(float, solution))), "max_residual": residual}
+    return coefficients
+
+
+def reference_state(samples: int) -> dict[str, Any]:
+    """The reference pipeline's state at one rank, in this process: per-rank file, DCP entries,
+    pickled size, and the gathering rank's CPU per state (decode and re-encode)."""
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import energy_loader as el
+    from energy_loader import distributed as eld
+    from energy_loader.cli.bench.workloads import PREFETCH, WORKERS, savable_pipeline
+    from energy_loader.testing.storage import CountingWriter
+
+    out: dict[str, Any] = {"samples": samples, "workers": WORKERS}
+    loader = el.SavableDataLoader(
+        savable_pipeline(samples), num_workers=WORKERS, prefetch_factor=PREFETCH
+    )
+    iterator = iter(loader)
+    for _ in range(samples // 32 // 4):  # a quarter epoch: every shuffle buffer full
+        next(iterator)
+    state = loader.save_state_rank()
+    leaves = loader.state_dict()
+    out["partitions"] = len(leaves)
+    out["leaf_chars"] = [len(v) for v in leaves.values()]
+    pickled = pickle.dumps(state)
+    out["pickled"] = len(pickled)
+    out["json"] = len(json.dumps(state))
+    with tempfile.TemporaryDirectory() as folder:
+        times = []
+        for attempt in range(20):
+            began = time.perf_counter()
+            path = eld.save_state_rank_file(loader, Path(folder) / f"files{attempt}")
+            times.append(time.perf_counter() - began)
+        out["file"] = path.stat().st_size
+        out["file_save_s"] = statistics.median(times)
+        times = []
+        for attempt in range(20):
+            fresh = el.SavableDataLoader(
+                savable_pipeline(samples), num_workers=WORKERS, prefetch_factor=PREFETCH
+            )
+            began = time.perf_counter()
+            eld.restore_state_rank_file(fresh, Path(folder) / f"files{attempt}")
+            times.append(time.perf_counter() - began)
+        out["file_restore_s"] = statistics.median(times)
+        times, writer = [], None
+        for attempt in range(5):
+            writer = CountingWriter(Path(folder) / f"dcp{attempt}")
+            began = time.perf_counter()
+            dcp.save({"loader": loader}, storage_writer=writer, no_dist=True)
+            times.append(time.perf_counter() - began)
+        assert writer is not None
+        out["dcp_data"] = writer.data_bytes
+        out["dcp_metadata"] = writer.metadata_bytes
+        out["dcp_save_s"] = statistics.median(times)
+        # DCP at P entries in one process: plan, dedup, the .metadata and the data, with one
+        # partition's leaf per entry ("leaf") or a 2-byte one ("tiny": the per-entry work
+        # without the bytes, what the coordinator of a P-partition job does serially).
+        leaf = next(iter(leaves.values()))
+        for kind, value in (("leaf", leaf), ("tiny", "{}")):
+            for count in (1024, 4096, 16384):
+                entries = {f"slot_{i:05d}": value for i in range(count)}
+                writer = CountingWriter(Path(folder) / f"entries{count}")
+                began = time.perf_counter()
+                dcp.save({"loader": entries}, storage_writer=writer, no_dist=True)
+                out[f"dcp_{kind}_{count}"] = {
+                    "seconds": time.perf_counter() - began,
+                    "metadata": writer.metadata_bytes,
+                    "data": writer.data_bytes,
+                }
+                shutil.rmtree(Path(folder) / f"entries{count}")
+        # The gathering rank, per state: unpickle what gather_object delivers, write the list;
+        # a full-list restore reads it back. Median of three.
+        for count in (256, 1024, 4096):
+            runs = []
+            for _ in range(3):
+                began = time.perf_counter()
+                states = [pickle.loads(pickled) for _ in range(count)]
+                unpickled = time.perf_counter() - began
+                began = time.perf_counter()
+                torch.save(states, Path(folder) / "gathered.pt")
+                written = time.perf_counter() - began
+                del states
+                began = time.perf_counter()
+                torch.load(Path(folder) / "gathered.pt", weights_only=True)
+                runs.append((unpickled, written, time.perf_counter() - began))
+            out[f"gather_{count}"] = {
+                "unpickle_s": statistics.median(r[0] for r in runs),
+                "torch_save_s": statistics.median(r[1] for r in runs),
+                "torch_load_s": statistics.median(r[2] for r in runs),
+                "bytes": (Path(folder) / "gathered.pt").stat().st_size,
+            }
+    loader.close()
+    return out
+
+
+def _one_two_five(value: float, _: Any) -> str:
+    """A log axis' label at 1, 2 and 5 times a power of ten only."""
+    digits = f"{value:.0e}"[0]
+    return f"{value:g}" if digits in "125" else ""
+
+
+def dcp_coordinator(ranks: list[int], workers: int = 2) -> dict[str, Any]:
+    """DCP's serial step on the coordinator of a save, in this process: ``create_global_plan``
+    of the default planner over N ranks' local plans of ``workers`` loader leaves each (P = N x
+    workers), and every rank's ``pickle.loads`` of the resulting ``.metadata`` on load."""
+    import pickle
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    out: dict[str, Any] = {}
+    for n in ranks:
+        plans = []
+        for rank in range(n):
+            planner = DefaultSavePlanner()
+            leaves = {f"slot_{rank * workers + i:05d}": "{}" for i in range(workers)}
+            planner.set_up_planner({"loader": leaves}, storage_meta=None, is_coordinator=False)
+            plans.append(planner.create_local_plan())
+        coordinator = DefaultSavePlanner()
+        coordinator.set_up_planner({"loader": {}}, storage_meta=None, is_coordinator=True)
+        began = time.perf_counter()
+        _, metadata = coordinator.create_global_plan(plans)
+        planned = time.perf_counter() - began
+        pickled = pickle.dumps(metadata)
+        began = time.perf_counter()
+        pickle.loads(pickled)
+        out[str(n)] = {
+            "partitions": n * workers,
+            "global_plan_s": planned,
+            "metadata_loads_s": time.perf_counter() - began,
+        }
+        print(n, out[str(n)], flush=True)
+    return out
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
-    """Median per-rank bytes read against N, same layout (solid) and resized (dashed)."""
+    """Left: median per-rank bytes read against N, same layout (solid) and resized (dashed,
+    dotted). Right: save time (median over ranks; the gather's on rank 0) and same-layout
+    restore time against N. The runs of the most common P."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter, ScalarFormatter
 
-    figure, axis = plt.subplots(figsize=(7, 4.2))
+    partitions = statistics.mode(r["p"] for r in results)
+    results = sorted((r for r in results if r["p"] == partitions), key=lambda r: r["n"])
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 5.6))
     ns = [r["n"] for r in results]
-    for way, colour in zip(WAYS, ("C0", "C1", "C2", "C3")):
-        for label, size_of, style in (
+    colours = {"files": "C0", "full_list": "C1", "scatter": "C2", "dcp": "C3", "gather": "C4"}
+    # The scatter's rank 0 reads what every full-list rank reads, the others nothing.
+    labels = {"files": "files", "full_list": "full list (= scatter's rank 0)", "dcp": "DCP"}
+    for way, label in labels.items():
+        for layout, size_of, style in (
             ("same layout", lambda n: n, "-"),
             ("on 3N/4", lambda n: 3 * n // 4, "--"),
             ("on 3N/2", lambda n: 3 * n // 2, ":"),
@@ -140,32 +400,89 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
                 / 1e3
                 for r in results
             ]
-            axis.plot(ns, values, style, color=colour, marker="o", label=f"{way}, {label}")
-    axis.set_xlabel("ranks N (saved on N, P = 144)")
-    axis.set_ylabel("median bytes read per rank on restore (KB)")
-    axis.set_yscale("log")
-    axis.set_title("Loader state read per rank on restore")
-    axis.legend(fontsize=6, ncol=2)
+            left.plot(ns, values, style, color=colours[way], marker="o", label=f"{label}, {layout}")
+    left.set_ylabel("bytes read per rank on restore, median (KB)")
+    left.set_title(f"Loader state read per rank on restore (P = {partitions})")
+    for way in ("files", "gather", "dcp"):
+        if way == "gather":
+            values = [r["save"][0][way]["seconds"] * 1e3 for r in results]
+        else:
+            values = [
+                statistics.median(x[way]["seconds"] for x in r["save"]) * 1e3 for r in results
+            ]
+        right.plot(ns, values, "-", color=colours[way], marker="o", label=f"save: {way}")
+    for way in WAYS:
+        values = [
+            statistics.median(x[way]["seconds"] for x in r[f"restore_{r['n']}"]["ranks"]) * 1e3
+            for r in results
+        ]
+        right.plot(ns, values, "--", color=colours[way], marker="s", label=f"restore: {way}")
+    right.set_ylabel("wall time, median over ranks (ms; gather: rank 0)")
+    right.set_title("Save and same-layout restore time (2 cores for all ranks)")
+    for axis in (left, right):
+        axis.set_xscale("log")
+        axis.set_yscale("log")
+        axis.set_xticks(ns)
+        axis.set_xlabel("ranks N (saved on N)")
+        axis.xaxis.set_major_formatter(ScalarFormatter())
+        axis.xaxis.set_minor_formatter(NullFormatter())
+        for formatter in (axis.yaxis.set_major_formatter, axis.yaxis.set_minor_formatter):
+            formatter(FuncFormatter(_one_two_five))
+        axis.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+        axis.grid(True, which="both", alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[4, 8, 16, 32, 48])
-    parser.add_argument("--partitions", type=int, default=144)
-    parser.add_argument("--length", type=int, default=144 * 40)
+    parser.add_argument("--ranks", type=int, nargs="*", default=[4, 8, 16, 32, 48])
+    parser.add_argument("--partitions", type=int, nargs="+", default=[288])
+    parser.add_argument(
+        "--per-rank", type=int, help="P = this x N instead of --partitions (a multiple of 3)"
+    )
+    parser.add_argument("--length", type=int, help="samples (default 40 per partition)")
     parser.add_argument("--steps", type=int, default=3, help="batches compared after restore")
+    parser.add_argument("--merge", type=Path, nargs="*", default=[], help="earlier --out files")
     parser.add_argument("--out", type=Path, help="write every rank's numbers as JSON")
     parser.add_argument("--plot", type=Path, help="write the plot (needs matplotlib)")
+    parser.add_argument("--fit", action="store_true", help="fit the per-rank costs to N and P")
+    parser.add_argument("--reference", type=Path, help="measure the reference state to this JSON")
+    parser.add_argument(
+        "--coordinator",
+        type=int,
+        nargs="*",
+        help="with --reference: time only DCP's global save plan, over these numbers of ranks",
+    )
     args = parser.parse_args()
+    if args.reference:
+        reference = reference_state(60_000) if args.coordinator is None else {}
+        if args.coordinator:
+            reference["dcp_coordinator"] = dcp_coordinator(args.coordinator)
+        args.reference.write_text(json.dumps(reference, indent=1))
+        print(args.reference.read_text())
     results = []
+    for merged in args.merge:
+        for result in json.loads(merged.read_text()):
+            result.setdefault("p", 144)  # runs from before the P sweep
+            result.setdefault("length", 40 * 144)
+            results.append(result)
     for n in args.ranks:
-        result = measure(n, args.partitions, args.length, args.steps)
-        results.append(result)
-        print("\n".join(summary(result)), flush=True)
-        if args.out:
-            args.out.write_text(json.dumps(results))
+        for partitions in [args.per_rank * n] if args.per_rank else args.partitions:
+            if any(size == 0 or partitions % size for size in (n, 3 * n // 4, 3 * n // 2)):
+                parser.error(f"N = {n}, 3N/4 and 3N/2 must all divide P = {partitions}")
+            length = args.length or 40 * partitions
+            result = measure(n, partitions, length, args.steps)
+            results.append(result)
+            print("\n".join(tables([result])), flush=True)
+            if args.out:
+                args.out.write_text(json.dumps(results))
+    results.sort(key=lambda r: (r["p"], r["n"]))
+    if results:
+        print("\n".join(tables(results)))
+    if args.fit:
+        for name, terms in fit(results).items():
+            print(name, {t: round(v, 6) for t, v in terms.items()})
     if args.plot:
         plot(results, args.plot)
 

@@ -672,7 +672,11 @@ def scale_save(
     writer = CountingWriter(workdir / "dcp")
     began = time.perf_counter()
     dcp.save({"loader": loader}, storage_writer=writer)
-    report["dcp"] = {"seconds": time.perf_counter() - began, "written": writer.bytes_written}
+    report["dcp"] = {
+        "seconds": time.perf_counter() - began,
+        "written": writer.bytes_written,
+        "metadata": writer.metadata_bytes,  # the coordinator's .metadata file, 0 elsewhere
+    }
     report["rss"] = peak_rss_bytes()
     save_json(workdir / f"scale_save_rank{rank}.json", report)
     keys = [next(iterator)["__restore_key__"] for _ in range(more)]
@@ -700,26 +704,31 @@ def scale_restore(
         loader = scale_loader(partitions, length)
         dist.barrier()
         began = time.perf_counter()
+        extra: dict[str, int] = {}  # files read, or DCP's .metadata bytes
         if way == "files":
             eld.restore_state_rank_file(loader, workdir / "files")
+            seconds = time.perf_counter() - began  # not the counting below
             # The files it read: those of the ranks whose states it restored from.
             ranks = [s.rank for s in eld.read_rank_state_files(loader, workdir / "files")]
             files = eld.rank_state_files(workdir / "files")
             read = files_bytes(files[r] for r in ranks)
+            extra = {"files": len(ranks)}
         elif way == "dcp":
             reader = CountingReader(workdir / "dcp")
             dcp.load({"loader": loader}, storage_reader=reader)
+            seconds = time.perf_counter() - began
             read = reader.bytes_read
+            extra = {"metadata": reader.metadata_bytes}
         else:
             source = way == "full_list" or rank == 0
             states = torch.load(workdir / "gathered.pt", weights_only=True) if source else None
             read = (workdir / "gathered.pt").stat().st_size if source else 0
             loader.restore_state_global(states, src_rank=None if way == "full_list" else 0)
-        seconds = time.perf_counter() - began
+            seconds = time.perf_counter() - began
         iterator = iter(loader)
         keys = [next(iterator)["__restore_key__"] for _ in range(steps)]
         torch.save(keys, workdir / f"scale_{way}{rank}.pt")
-        report[way] = {"seconds": seconds, "read": read}
+        report[way] = {"seconds": seconds, "read": read, **extra}
         loader.close()
     report["rss"] = peak_rss_bytes()
     save_json(workdir / f"scale_restore_rank{rank}.json", report)
