@@ -244,17 +244,9 @@ class MapEngine:
     def _resume(self, state: MapState) -> _Epoch:
         """The saved epoch positioned after its used units, or, if none are left, the next
         epoch with the sampler's generators where the saved one left them."""
-        from .state import decode_generator_states
-
         if self.needs_dealing(state):
             return self._resume_dealt(state)
-        states = None if state.rng is None else decode_generator_states(state.rng, "state.rng")
-        at_iter = (
-            None
-            if state.rng_at_iter is None
-            else decode_generator_states(state.rng_at_iter, "state.rng_at_iter")
-        )
-        start = EpochStart(state.epoch, states, at_iter, encoded=(state.rng, state.rng_at_iter))
+        start = _start_of(state)
         iterator, after = positioned_iterator(
             self.index_sampler, self.rng, start, state.used, state.sampler_state, self.length
         )
@@ -298,8 +290,6 @@ class MapEngine:
 
     def _resume_dealt(self, state: MapState) -> _Epoch:
         """The saved epoch continued from the job's position, its rest dealt to this layout."""
-        from .state import decode_generator_states
-
         saved = state.distributed
         assert saved is not None and self.distributed is not None
         sampler = self.distributed
@@ -311,8 +301,9 @@ class MapEngine:
             _sampled_length(sampler), sampler.shuffle, sampler.seed, saved["epoch"]
         )
         units = _units_of(dealing.indices(permutation, sampler.rank), self)
-        if state.rng is not None:  # the loader's generator as the saving job left it
-            self.rng.put_own(decode_generator_states(state.rng, "state.rng"))
+        saved_states = _start_of(state).states
+        if saved_states is not None:  # the loader's generator as the saving job left it
+            self.rng.put_own(saved_states)
         # Saved after its epoch's last batch: the next epoch (a drop_last batching may have
         # left indices of the saving dealing unused; they stay unused, as they would have).
         if not units or _saved_after_last_batch(state):
@@ -522,15 +513,7 @@ class MapEngine:
             raise ValueError(
                 "nothing to peek before the first iter(): torch draws the epoch's order then"
             )
-        from .state import decode_generator_states
-
-        start = EpochStart(
-            state.epoch,
-            None if state.rng is None else decode_generator_states(state.rng, "state.rng"),
-            None
-            if state.rng_at_iter is None
-            else decode_generator_states(state.rng_at_iter, "state.rng_at_iter"),
-        )
+        start = _start_of(state)
         kept = self.rng.capture()
         try:
             iterator, _ = positioned_iterator(
@@ -659,6 +642,21 @@ class _MapIterator:
         if length is None:
             raise TypeError("the sampler has no len()")
         return length
+
+
+def _start_of(state: MapState) -> EpochStart:
+    """How the saved epoch's index stream began, its generator states decoded."""
+    from .state import decode_generator_states
+
+    def decoded(texts: list[str] | None, name: str) -> list[torch.Tensor] | None:
+        return None if texts is None else decode_generator_states(texts, f"state.{name}")
+
+    return EpochStart(
+        state.epoch,
+        decoded(state.rng, "rng"),
+        decoded(state.rng_at_iter, "rng_at_iter"),
+        encoded=(state.rng, state.rng_at_iter),
+    )
 
 
 def _saved_after_last_batch(state: MapState) -> bool:
