@@ -147,7 +147,9 @@ def replay_dropin(
     prefix: str | None = None,
 ) -> list[dict[str, Any]]:
     """Steps ``start`` to ``stop`` after a drop-in loader's saved position: the dataset
-    indices of each batch (within the saved epoch), for ``rank``'s state in ``paths``."""
+    indices of each batch (within the saved epoch), for ``rank``'s state in ``paths`` (any
+    rank's under a ``DistributedSampler``: the loader's own sampler says which part is
+    ``rank``'s)."""
     found = [state for path in paths for _, state in read_path(path, prefix)]
     states = {int(s["rank"]): s for s in found if s.get("format") == DROPIN_STATE_FORMAT}
     if not states:
@@ -155,9 +157,12 @@ def replay_dropin(
             "no drop-in loader state in the files given, but the --pipeline function returned "
             "a drop-in loader (over a plain dataset)"
         )
-    if rank not in states:
-        raise ValueError(f"--rank {rank}: the files hold the states of ranks {sorted(states)}")
-    units = loader.peek_keys(stop, states[rank])
+    state = states.get(rank)
+    if state is None:  # a DistributedSampler job's state serves every rank
+        state = next(iter(states.values()))
+        if not loader.restores_any_rank(state):
+            raise ValueError(f"--rank {rank}: the files hold the states of ranks {sorted(states)}")
+    units = loader.peek_keys(stop, state)
     return [{"step": step, "key": unit} for step, unit in enumerate(units) if step >= start]
 
 

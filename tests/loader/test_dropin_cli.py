@@ -73,3 +73,26 @@ def test_peek_keys_changes_nothing_and_agrees_with_the_run() -> None:
     assert torch.equal(torch.rand(2), expected_draw)  # the global RNG is as it was
     assert peeked == [next(iterator)["index"].tolist() for _ in range(3)]
     assert loader.peek_keys(10) == [batch["index"].tolist() for batch in iterator]
+
+
+def test_replay_of_a_distributed_sampler_job_serves_any_rank_from_rank_0s_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Lightning keeps rank 0's state: replaying rank 1 from it gives rank 1's next batches."""
+    from torch.utils.data import DistributedSampler
+
+    from energy_loader.cli.replay import replay_dropin
+
+    from .dropin_helpers import Dicts
+
+    def make(rank: int) -> Any:
+        sampler = DistributedSampler(range(40), num_replicas=2, rank=rank, seed=3)
+        return el.SavableDataLoader(Dicts(40), batch_size=4, sampler=sampler)
+
+    saving = make(0)
+    iterator = iter(saving)
+    next(iterator), next(iterator)
+    torch.save({"loader": saving.state_dict()}, tmp_path / "checkpoint.pt")
+    expected = [batch["index"].tolist() for batch in list(make(1))[2:4]]
+    rows = replay_dropin(make(1), [tmp_path / "checkpoint.pt"], 1, 0, 2)
+    assert [row["key"] for row in rows] == expected

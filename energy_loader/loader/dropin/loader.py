@@ -281,15 +281,20 @@ class DropInDataLoader(SavableDataLoader):
         all) restores from on another world size: ``first``'s alone under a
         ``DistributedSampler`` (it names the job's position); otherwise refused with
         ``StateMismatchError`` (each rank restores from its own state)."""
-        if self._engine.rank_free(self._engine.decode(first)):
+        if self.restores_any_rank(first):
             return [StateReader(first, "state").int("rank")]
         raise _other_world_size(StateReader(first, "state").int("world_size", minimum=1), self)
+
+    def restores_any_rank(self, state: Any) -> bool:
+        """Whether ``state`` (plain) names the job's position rather than one rank's: a
+        map-style state under a ``DistributedSampler`` restores every rank of any layout."""
+        return bool(self._engine.rank_free(self._engine.decode(state)))
 
     def _own_state(self, states: list[Any]) -> Any:
         config = self._worker_config
         if len(states) == 1:
             return states[0]  # this rank's own entry; restore_state_rank checks whose
-        if states and self._engine.rank_free(self._engine.decode(states[0])):
+        if states and self.restores_any_rank(states[0]):
             return states[0]  # the job's position: any rank's state
         if len(states) != config.world_size:
             raise _other_world_size(len(states), self)
