@@ -16,7 +16,15 @@ from typing import Any
 
 from ..errors import StateFormatError
 
-__all__ = ["StateReader", "check_plain", "json_leaf", "pack_keys", "to_key", "unpack_keys"]
+__all__ = [
+    "StateReader",
+    "check_plain",
+    "is_keyed_by",
+    "json_leaf",
+    "pack_keys",
+    "to_key",
+    "unpack_keys",
+]
 
 _SCALARS = (str, int, float, bool, type(None))
 
@@ -55,6 +63,16 @@ def check_plain(value: Any, path: str = "state") -> None:
             check_plain(item, f"{path}[{index}]")
         return
     raise StateFormatError(f"{path} is a {type(value).__name__}, which is not plain data")
+
+
+def is_keyed_by(value: Any, prefixes: str | tuple[str, ...]) -> bool:
+    """Whether ``value`` is a non-empty dict whose keys all start with one of ``prefixes``:
+    a ``state_dict()`` of JSON leaves (a loader's), not one plain state."""
+    return (
+        isinstance(value, dict)
+        and bool(value)
+        and all(isinstance(key, str) and key.startswith(prefixes) for key in value)
+    )
 
 
 def json_leaf(text: str, path: str) -> Any:

@@ -41,7 +41,7 @@ from typing import Any
 import attrs
 
 from ..errors import StateFormatError, StateMismatchError
-from .plain import StateReader, check_plain, json_leaf
+from .plain import StateReader, check_plain, is_keyed_by, json_leaf
 
 __all__ = [
     "RANK_STATE_FORMAT",
@@ -330,14 +330,7 @@ def rank_slots(rank: int, world_size: int, num_partitions: int) -> range:
 
 def is_partition_entries(value: Any) -> bool:
     """A non-empty dict whose keys all name slots (or partitions, the first layout)."""
-    return (
-        isinstance(value, dict)
-        and bool(value)
-        and all(
-            isinstance(k, str) and k.startswith((SLOT_KEY_PREFIX, PARTITION_KEY_PREFIX))
-            for k in value
-        )
-    )
+    return is_keyed_by(value, (SLOT_KEY_PREFIX, PARTITION_KEY_PREFIX))
 
 
 def partition_entries(states: list[RankState]) -> dict[str, str]:

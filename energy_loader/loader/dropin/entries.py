@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...errors import StateFormatError
-from ...state.plain import StateReader, json_leaf
+from ...state.plain import StateReader, is_keyed_by, json_leaf
 
 __all__ = [
     "ANY_RANK_KEY",
@@ -63,11 +63,7 @@ def rank_entries(states: Sequence[Any]) -> dict[str, Any]:
 
 def is_rank_entries(value: Any) -> bool:
     """Whether ``value`` is :func:`rank_entries`' layout (not a plain state)."""
-    return (
-        isinstance(value, dict)
-        and bool(value)
-        and all(isinstance(key, str) and key.startswith(RANK_KEY_PREFIX) for key in value)
-    )
+    return is_keyed_by(value, RANK_KEY_PREFIX)
 
 
 def states_of_entries(entries: dict[str, Any]) -> list[Any]:
