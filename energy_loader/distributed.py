@@ -27,18 +27,21 @@ of the group learns of it and raises.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from .errors import StateFormatError, StateMismatchError, WorkerError
+from .loader.protocols import RankStateProtocols
 from .process_groups import check_group_layout, data_parallel_layout, process_group_initialized
-from .state.checkpoint import load_checkpoint, save_checkpoint
 from .state.plain import StateReader
+from .state.rank_file import RankFile, ReadTally, write_rank_file
+from .state.rank_state import SLOT_KEY_PREFIX, RankState
 from .worker import WorkerConfig
 
 if TYPE_CHECKING:
@@ -484,49 +487,63 @@ def rank_state_path(
 def save_state_rank_file(
     loader: SavableDataLoader, directory: str | os.PathLike[str], prefix: str = "loader"
 ) -> Path:
-    """Write this rank's state to its own checkpoint file in ``directory``; returns the path.
+    """Write this rank's state to its own file in ``directory``; returns the path.
 
     No collective: call it on every rank, next to where the model checkpoint goes. The file is
-    an energy_loader checkpoint file (:func:`~energy_loader.state.save_checkpoint`: plain data
-    with a checksum, written atomically: temporary file, fsync, rename, fsync of the
-    directory), so a crash leaves the previous file or the new one, never a torn one; the
-    directory is created if needed. Tensor-parallel peers share a data-parallel rank and so a
-    file name: each rename is atomic and their states are equivalent, or let one peer write.
+    a rank state file (:mod:`energy_loader.state.rank_file`: a ZIP of JSON members, the
+    rank's header, its pipeline config and its partitions by slot, each checksummed),
+    written atomically (temporary file, fsync, rename, fsync of the directory), so a crash
+    leaves the previous file or the new one, never a torn one; the directory is created if
+    needed. Tensor-parallel peers share a data-parallel rank and so a file name: each rename
+    is atomic and their states are equivalent, or let one peer write.
     """
     loader = _require_loader(loader)
-    return save_checkpoint(rank_state_path(directory, loader, prefix), loader.save_state_rank())
+    return write_rank_file(rank_state_path(directory, loader, prefix), loader.save_state_rank())
 
 
 def restore_state_rank_file(
-    loader: SavableDataLoader, directory: str | os.PathLike[str], prefix: str = "loader"
+    loader: SavableDataLoader,
+    directory: str | os.PathLike[str],
+    prefix: str = "loader",
+    *,
+    tally: ReadTally | None = None,
 ) -> None:
     """Restore this rank from the files in ``directory`` written by :func:`save_state_rank_file`.
 
-    No collective. On the layout that saved them a rank reads its own file only. On another
-    layout (another world size or ``num_workers``, the same ``num_partitions``) it reads the
-    lowest rank's file to learn the job's position, then the files of the ranks that ran the
-    partitions it now runs (:func:`read_rank_state_files`). Every file is read with
-    ``torch.load(weights_only=True)`` and its checksum verified. No state files at all is a
-    ``FileNotFoundError``; a damaged file a ``StateFormatError``; files of two different saves,
-    or a state that does not fit, a ``StateMismatchError`` saying what differs.
+    No collective. On the world size that saved them a rank reads its own file. On another
+    (the same ``num_partitions``) it reads, of each file that holds partitions it now runs,
+    the file's header and those partitions' bytes, and the pipeline config once
+    (:func:`read_rank_state_files`): about what its own file would hold, whatever the old and
+    new world sizes. Nothing is unpickled; every byte read is checksummed. No state files at
+    all is a ``FileNotFoundError``; a damaged file a ``StateFormatError``; files of two
+    different saves, or a state that does not fit, a ``StateMismatchError`` saying what
+    differs. ``tally`` (a :class:`~energy_loader.state.rank_file.ReadTally`) counts the bytes
+    and files read.
     """
     loader = _require_loader(loader)
-    loader.restore_from_states(read_rank_state_files(loader, directory, prefix))
+    loader.restore_from_states(read_rank_state_files(loader, directory, prefix, tally=tally))
 
 
 def read_rank_state_files(
-    loader: SavableDataLoader, directory: str | os.PathLike[str], prefix: str | None = "loader"
+    loader: SavableDataLoader,
+    directory: str | os.PathLike[str],
+    prefix: str | None = "loader",
+    *,
+    tally: ReadTally | None = None,
 ) -> list[Any]:
     """The saved states ``loader``'s rank restores from, read from ``directory``'s rank files.
 
-    What :func:`restore_state_rank_file` restores from, without restoring: this rank's own file
-    when the world size is the one that saved them, else the lowest rank's file and those of
-    the ranks that ran the partitions this rank now runs (``loader.saved_ranks_needed``).
-    Every file goes through ``loader.decode_states``, the decoder every entry point uses, so
-    a pipeline's rank state and a drop-in loader's state are read alike; a drop-in loader
-    restores on the world size that saved only. ``prefix=None`` takes the prefix the files
+    What :func:`restore_state_rank_file` restores from, without restoring. This rank's own
+    file when the world size is the one that saved them. Otherwise, for a savable pipeline,
+    the states of the saved ranks whose slots this rank now runs, each holding only those
+    partitions: rank ``r`` of ``R`` saved slots ``r, r + R, ...`` and rank ``r'`` of ``R'``
+    runs slots ``r', r' + R', ...``, so the lowest rank's header (for the saved partition
+    count) and, per needed file, its header and those slots' byte ranges are all it reads.
+    A drop-in loader's files hold whole states: the lowest rank's file and those
+    ``loader.saved_ranks_needed`` names are read (a drop-in loader restores on another world
+    size only under a ``DistributedSampler``). ``prefix=None`` takes the prefix the files
     have (see :func:`rank_state_files`). Changes nothing; raises as
-    :func:`restore_state_rank_file` does.
+    :func:`restore_state_rank_file` does; ``tally`` counts the bytes and files read.
     """
     loader = _require_loader(loader)
     if prefix is None:
@@ -534,25 +551,81 @@ def read_rank_state_files(
         prefix = match.group(1) if match else "loader"
     path = rank_state_path(directory, loader, prefix)
     if path.is_file():  # the same world size: this rank's own partitions, whatever the workers
-        return [_read_state_file(loader, path)]
+        with RankFile(path, tally) as own:
+            return [_decoded(loader, own)]
     files = _rank_files(Path(directory), prefix)
     if not files:
         _raise_missing(path, prefix)
-    first = _read_state_file(loader, files[0])
-    states = {0: first}
-    for rank in loader.saved_ranks_needed(first):
-        if rank not in states:
-            states[rank] = _read_state_file(loader, files[rank])
-    return [states[r] for r in sorted(states)]
+    with contextlib.ExitStack() as stack:
+        opened: dict[int, RankFile] = {}
+
+        def open_rank(rank: int) -> RankFile:
+            if rank not in opened:
+                opened[rank] = stack.enter_context(RankFile(files[rank], tally))
+            return opened[rank]
+
+        if loader.restores_by_slot:
+            # The saved rank holding this rank's first slot (r' % R) if the partition count
+            # is the loader's; its header names the saved count, which a loader built
+            # without num_partitions adopts.
+            first = open_rank(loader.worker_config.rank % len(files))
+            if first.split:
+                return _slot_states(loader, first, open_rank)
+        states = {0: _decoded(loader, open_rank(0))}
+        for rank in loader.saved_ranks_needed(states[0]):
+            if rank not in states:
+                states[rank] = _decoded(loader, open_rank(rank))
+        return [states[r] for r in sorted(states)]
 
 
-def _read_state_file(loader: SavableDataLoader, path: Path) -> Any:
-    """One rank file, decoded by the loader (``StateFormatError`` naming the file)."""
+def _decoded(loader: SavableDataLoader, file: RankFile) -> Any:
+    """A rank file's whole state, decoded by the loader (``StateFormatError`` naming it)."""
     try:
-        (state,) = loader.decode_states([load_checkpoint(path)])
+        (state,) = loader.decode_states([file.state()])
     except StateFormatError as error:
-        raise StateFormatError(f"{path}: {error}") from None
+        raise StateFormatError(f"{file.path}: {error}") from None
     return state
+
+
+def _slot_states(
+    loader: RankStateProtocols, first: RankFile, open_rank: Callable[[int], RankFile]
+) -> list[RankState]:
+    """The saved states, holding only the slots ``loader``'s rank runs, from a resized job's
+    rank files (``first``: one of them, opened; its header gives the saved layout and its
+    config the pipeline's, which the other files must share)."""
+    config = first.config()
+    try:
+        saved = RankState.from_plain(
+            {**first.header, "config": config, "partitions": []}, complete=False
+        )
+    except StateFormatError as error:
+        raise StateFormatError(f"{first.path}: {error}") from None
+    by_file: dict[int, list[str]] = {}
+    for key in loader.slots_to_run(saved):
+        by_file.setdefault(int(key[len(SLOT_KEY_PREFIX) :]) % saved.world_size, []).append(key)
+    leaves: dict[str, Any] = {}
+    for rank, keys in sorted(by_file.items()):
+        file = open_rank(rank)
+        if file.config_digest != first.config_digest:
+            raise StateMismatchError(
+                f"{file.path} and {first.path.name} hold different pipeline configs: files of "
+                "different saves mixed in one folder? Keep the files of one save together"
+            )
+        missing = [key for key in keys if key not in file.slots]
+        if missing:
+            loader._raise_missing_slots(
+                missing,
+                f"{file.path} does not hold (it holds {len(file.slots)} slots): files of "
+                "different saves mixed?",
+                saved,
+            )
+        header = {**file.header, "config": config}
+        for key, entry in file.partitions(keys).items():
+            leaves[key] = {"rank_state": header, "partition": entry}
+    try:
+        return loader.states_of_slots(leaves)
+    except StateFormatError as error:
+        raise StateFormatError(f"{first.path.parent}: {error}") from None
 
 
 def rank_state_files(

@@ -697,7 +697,8 @@ def scale_restore(
     counting this rank's bytes read, and record the next ``steps`` batches' keys."""
     import torch.distributed.checkpoint as dcp
 
-    from energy_loader.testing.storage import CountingReader, files_bytes
+    from energy_loader.state.rank_file import ReadTally
+    from energy_loader.testing.storage import CountingReader
 
     report: dict[str, Any] = {}
     for way in ways:
@@ -706,13 +707,11 @@ def scale_restore(
         began = time.perf_counter()
         extra: dict[str, int] = {}  # files read, or DCP's .metadata bytes
         if way == "files":
-            eld.restore_state_rank_file(loader, workdir / "files")
-            seconds = time.perf_counter() - began  # not the counting below
-            # The files it read: those of the ranks whose states it restored from.
-            ranks = [s.rank for s in eld.read_rank_state_files(loader, workdir / "files")]
-            files = eld.rank_state_files(workdir / "files")
-            read = files_bytes(files[r] for r in ranks)
-            extra = {"files": len(ranks)}
+            tally = ReadTally()
+            eld.restore_state_rank_file(loader, workdir / "files", tally=tally)
+            seconds = time.perf_counter() - began
+            read = tally.bytes
+            extra = {"files": tally.files}
         elif way == "dcp":
             reader = CountingReader(workdir / "dcp")
             dcp.load({"loader": loader}, storage_reader=reader)

@@ -8,6 +8,7 @@ is ``G[s * world_size + r]``.
 from __future__ import annotations
 
 import json
+import tempfile
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 import energy_loader as el
+from energy_loader import distributed as eld
 from energy_loader.loader.partitions import PartitionLayout, next_worker, resolve_num_partitions
 from energy_loader.testing.compare import first_difference
 from energy_loader.testing.strategies import PipelineSpec, pipelines
@@ -171,12 +173,20 @@ def test_stream_and_restore_are_independent_of_the_layout(data: st.DataObject, s
     head_steps = data.draw(st.integers(0, steps), label="stop step")
     head = _job_stream(first, head_steps)
     _same(expected[: len(head)], head)
-    # (b) Save every rank, restore on the other layout, continue.
+    # (b) Save every rank, restore on the other layout (from the list of every rank's states,
+    # or from per-rank files, each rank reading only its slots), continue.
+    via = data.draw(st.sampled_from(["list", "files"]), label="restored through")
     states = [json.loads(json.dumps(loader.save_state_rank())) for loader in first]
-    _close(first)
     second = _loaders(build, r2, w2, partitions)
-    for loader in second:
-        loader.restore_state_global(states)
+    with tempfile.TemporaryDirectory() as folder:
+        for loader in first:
+            eld.save_state_rank_file(loader, folder)
+        _close(first)
+        for loader in second:
+            if via == "files":
+                eld.restore_state_rank_file(loader, folder)
+            else:
+                loader.restore_state_global(states)
     more = (len(expected) - len(head)) // r2 // 2
     tail = _job_stream(second, more)
     _close(second)

@@ -29,6 +29,7 @@ from ..loader.dropin.state import (
     summarize_dropin_state,
 )
 from ..state.checkpoint import CHECKPOINT_FORMAT, load_checkpoint
+from ..state.rank_file import is_rank_file, read_rank_file
 from ..state.rank_state import (
     RANK_STATE_FORMAT,
     RankState,
@@ -71,6 +72,8 @@ def _read(path: Path) -> Any:
                 f"{path}: a file of {path.stat().st_size:,} bytes named .json that is not "
                 f"JSON ({first_line(error)})"
             ) from error
+    if is_rank_file(path):
+        return read_rank_file(path)
     try:
         record = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as error:

@@ -21,7 +21,7 @@ from ..distributed import rank_state_files, read_rank_state_files
 from ..errors import StateFormatError
 from ..loader.dropin import DropInDataLoader
 from ..loader.dropin.state import DROPIN_STATE_FORMAT
-from ..state.checkpoint import load_checkpoint
+from ..state.rank_file import read_rank_file
 from ..state.rank_state import RankState
 from .inspect import one_line, read_path
 from .pipelines import build_loader, load_builder
@@ -100,7 +100,7 @@ def loader_and_states(
                 f"--rank must be in range({len(files)}) for the job saved in {paths[0]} "
                 f"(got {rank})"
             )
-        loader = build_loader(built, load_checkpoint(files[rank]), rank, seed)
+        loader = build_loader(built, read_rank_file(files[rank]), rank, seed)
         return loader, read_rank_state_files(loader, paths[0], prefix)
     states = read_states(paths)
     loader = build_loader(built, states[0], rank, seed)

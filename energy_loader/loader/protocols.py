@@ -37,6 +37,9 @@ class RankStateProtocols:
 
     # Set by integrations whose trainer fetches ahead of training (see state_dict()).
     held_back_source: Callable[[], int] | None = None
+    # Whether a restore on another world size takes the saved partitions by slot (a savable
+    # pipeline's rank states), rather than whole states (a drop-in loader's).
+    restores_by_slot: bool = True
 
     if TYPE_CHECKING:
         _planner: Planner
@@ -130,31 +133,54 @@ class RankStateProtocols:
             return states_from_entries(entries)  # the first layout: keys name partitions
         lowest = min(entries)
         (first,) = states_from_entries({lowest: entries[lowest]}, complete=False)
-        planner = self.planner_for([first])
-        planner.check_partition_count(first)
-        config = self.worker_config
-        wanted = [
-            slot_key(s) for s in rank_slots(config.rank, config.world_size, planner.num_partitions)
-        ]
+        wanted = self.slots_to_run(first)
         missing = [key for key in wanted if key not in entries]
         if missing:
-            raise StateMismatchError(
-                f"rank {config.rank} of world_size={config.world_size} runs slots "
-                f"{missing[:4]}{' ...' if len(missing) > 4 else ''} of the saved "
-                f"num_partitions={planner.num_partitions}, which the state_dict lacks (it holds "
-                f"{len(entries)} leaves). A torch.distributed.checkpoint load fills the slots a "
-                f"fresh loader lists for its own num_partitions={self._planner.num_partitions}: "
-                f"build the loader with num_partitions={planner.num_partitions}; otherwise pass "
-                "every rank's state_dict leaves"
+            self._raise_missing_slots(
+                missing,
+                f"the state_dict lacks (it holds {len(entries)} leaves). A "
+                "torch.distributed.checkpoint load fills the slots a fresh loader lists for its "
+                f"own num_partitions={self._planner.num_partitions}: build the loader with "
+                f"num_partitions={first.num_partitions}; otherwise pass every rank's "
+                "state_dict leaves",
+                first,
             )
-        states = states_from_entries({key: entries[key] for key in wanted}, complete=False)
+        return self.states_of_slots({key: entries[key] for key in wanted})
+
+    def slots_to_run(self, saved: RankState) -> list[str]:
+        """The slot keys this rank runs when it restores from the save ``saved`` (any saved
+        rank's state, partitions or not) belongs to: its own layout's slots of the saved
+        ``num_partitions`` (``StateMismatchError`` naming both counts if this loader cannot
+        run that many)."""
+        planner = self.planner_for([saved])
+        planner.check_partition_count(saved)
+        config = self.worker_config
+        return [
+            slot_key(s) for s in rank_slots(config.rank, config.world_size, planner.num_partitions)
+        ]
+
+    def _raise_missing_slots(self, missing: list[str], where: str, saved: RankState) -> None:
+        config = self.worker_config
+        raise StateMismatchError(
+            f"rank {config.rank} of world_size={config.world_size} runs slots "
+            f"{missing[:4]}{' ...' if len(missing) > 4 else ''} of the saved "
+            f"num_partitions={saved.num_partitions}, which {where}"
+        )
+
+    def states_of_slots(self, leaves: dict[str, Any]) -> list[RankState]:
+        """The saved rank states holding the slots this rank runs, from their leaves (JSON
+        text, or the parsed ``{"rank_state": ..., "partition": ...}``), checked to stand at
+        one position of the job's stream (``StateMismatchError`` otherwise: a rank running
+        partitions of several saved ranks needs them saved at the same step)."""
+        states = states_from_entries(leaves, complete=False)
         positions = {state.rank: state.stream_position() for state in states}
         if len(set(positions.values())) > 1:
+            config = self.worker_config
             raise StateMismatchError(
                 f"the saved ranks {sorted(positions)} whose partitions rank {config.rank} now "
                 f"runs stood at different positions of the job's stream {positions} (saved "
                 "at different steps, or at an epoch's end on some ranks only); restore on "
-                f"the saved world size {first.world_size}, or save when every rank has taken "
-                "the same number of steps"
+                f"the saved world size {states[0].world_size}, or save when every rank has "
+                "taken the same number of steps"
             )
         return states

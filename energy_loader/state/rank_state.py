@@ -354,7 +354,8 @@ def partition_entries(states: list[RankState]) -> dict[str, str]:
 
 
 def states_from_entries(entries: dict[str, Any], *, complete: bool = True) -> list[RankState]:
-    """The rank states that :func:`partition_entries` split into leaves (validated).
+    """The rank states that :func:`partition_entries` split into leaves (validated); a leaf
+    may also be given parsed, as the dict its JSON holds.
 
     ``complete=False`` accepts states that hold only some of their rank's partitions (the
     leaves one restoring rank read). Raises ``StateFormatError`` for a leaf that is not such
@@ -363,11 +364,15 @@ def states_from_entries(entries: dict[str, Any], *, complete: bool = True) -> li
     by_rank: dict[int, dict[str, Any]] = {}
     keys: dict[tuple[int, int], str] = {}
     for key, text in sorted(entries.items()):
-        if not isinstance(text, str):
+        if isinstance(text, dict):  # a leaf parsed already (read from a rank file)
+            leaf = text
+        elif isinstance(text, str):
+            leaf = json_leaf(text, f"state_dict[{key!r}]")
+        else:
             raise StateFormatError(
                 f"state_dict[{key!r}] must be a JSON string, got {type(text).__name__}"
             )
-        reader = StateReader(json_leaf(text, f"state_dict[{key!r}]"), f"state_dict[{key!r}]")
+        reader = StateReader(leaf, f"state_dict[{key!r}]")
         header = reader.raw("rank_state")
         rank = StateReader(header, f"{reader.path}.rank_state").int("rank")
         target = by_rank.setdefault(rank, {**header, "partitions": []})

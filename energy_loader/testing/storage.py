@@ -3,9 +3,10 @@
 :class:`CountingReader` and :class:`CountingWriter` are ``torch.distributed.checkpoint``'s
 ``FileSystemReader``/``FileSystemWriter`` with byte counters: the reader counts every byte a
 load pulls out of the checkpoint's data files and its ``.metadata`` file, the writer every
-byte a save puts into them. :func:`files_bytes` does the same for per-rank state files by
-their sizes. The many-rank benchmark (``benchmarks/bench_ranks.py``) and the tests that bound a
-rank's reads use them; nothing in the library depends on this module.
+byte a save puts into them (per-rank state files count their own reads:
+:class:`energy_loader.state.rank_file.ReadTally`). The many-rank benchmark
+(``benchmarks/bench_ranks.py``) and the tests that bound a rank's reads use them; nothing in
+the library depends on this module.
 
 Example::
 
@@ -17,7 +18,6 @@ Example::
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
-__all__ = ["CountingReader", "CountingWriter", "files_bytes"]
+__all__ = ["CountingReader", "CountingWriter"]
 
 
 class CountingReader(FileSystemReader):
@@ -81,8 +81,3 @@ class CountingWriter(FileSystemWriter):
 def _metadata_size(checkpoint: Any) -> int:
     path = Path(str(checkpoint)) / ".metadata"  # DCP's name for its metadata file
     return path.stat().st_size if path.exists() else 0
-
-
-def files_bytes(paths: Iterable[str | os.PathLike[str]]) -> int:
-    """The bytes of ``paths`` together: what reading (or having written) those files costs."""
-    return sum(Path(p).stat().st_size for p in paths)

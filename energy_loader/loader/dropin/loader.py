@@ -72,6 +72,8 @@ class DropInDataLoader(SavableDataLoader):
     as with torch, except the first after a restore, which continues the saved one (docs/loader.md).
     """
 
+    restores_by_slot = False  # a drop-in state is whole: per-rank files are read whole
+
     def __init__(
         self,
         dataset: Any,

@@ -1,0 +1,367 @@
+"""Per-rank state files that a resized job reads partition by partition.
+
+A rank's state file (what :func:`energy_loader.save_state_rank_file` writes) is a ZIP archive
+of three JSON members, stored uncompressed, so that a rank restoring on another layout reads
+the small header of each file it needs and the byte ranges of the partitions it now runs,
+not whole files::
+
+    rank.json         {"format": "energy_loader.rank_file", "version": 1,
+                       "state_version": 2,
+                       "state": <the rank state (of that version) without its format tag,
+                                 "version", "config" and "partitions">,
+                       "config_digest": "<SHA-256 of config.json, 16 hex digits>",
+                       "config_bytes": 2113,
+                       "slots": [3, 11, ...], "sizes": [7042, ...], "crc32": [...]}
+    config.json       the pipeline's config (the same on every rank of a save)
+    partitions.jsonl  one partition's entry per line, in the order of "slots", each of
+                      "sizes" bytes (and a newline), checked by its "crc32"
+
+A slot is a partition's place in the job's stream from its rank's position (rank_state.py):
+rank ``r`` of ``R`` holds slots ``r, r + R, ...``, so a rank of any layout knows which files
+and which slots it needs from the files' names and one header. A state that is not a
+pipeline's rank state (a drop-in loader's: small and whole) goes whole into ``"state"``,
+without ``"slots"`` or the other members.
+
+Integrity: ZIP's CRC-32 of ``rank.json`` and ``config.json`` is checked on every read, the
+config also by its digest (one restore reads it from one file and checks that the others record
+the same digest), and each partition's bytes by the CRC-32 recorded for its slot. A damaged
+file is a ``StateFormatError``, never a wrong state. Nothing is unpickled: every member is
+JSON. Files are written atomically (:func:`~energy_loader.state.atomic.write_atomically`), and
+``unzip -p FILE rank.json`` shows a header. Files of the first format (a ``torch.save``
+checkpoint file, :mod:`energy_loader.state.checkpoint`) are still read, whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import struct
+import zipfile
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ..errors import StateFormatError
+from .atomic import write_atomically
+from .checkpoint import load_checkpoint
+from .plain import StateReader, check_plain, json_leaf
+from .rank_state import RANK_STATE_FORMAT, RankState, slot_key
+
+__all__ = [
+    "RANK_FILE_FORMAT",
+    "RANK_FILE_VERSION",
+    "RankFile",
+    "ReadTally",
+    "is_rank_file",
+    "read_rank_file",
+    "write_rank_file",
+]
+
+RANK_FILE_FORMAT = "energy_loader.rank_file"
+RANK_FILE_VERSION = 1
+
+_HEADER = "rank.json"
+_CONFIG = "config.json"
+_PARTITIONS = "partitions.jsonl"
+# A fixed timestamp: the same state gives the same bytes.
+_EPOCH = (1980, 1, 1, 0, 0, 0)
+_ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+# A ZIP local file header (APPNOTE.TXT 4.3.7): signature, versions, flags, method, time, date,
+# CRC-32, sizes, then the lengths of the name and the extra field that precede the data.
+_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
+_LOCAL_SIGNATURE = b"PK\x03\x04"
+_CRC, _SIZE, _METHOD, _NAME_LENGTH, _EXTRA_LENGTH = 7, 8, 4, 10, 11
+
+
+class ReadTally:
+    """What reading rank files cost: the bytes taken from storage and the files opened.
+
+    Pass one to :func:`energy_loader.restore_state_rank_file` (or
+    :func:`~energy_loader.distributed.read_rank_state_files`) to measure a restore, as the
+    many-rank benchmark (``benchmarks/bench_ranks.py``) and the tests that bound a rank's
+    reads do.
+    """
+
+    __slots__ = ("bytes", "files")
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.files = 0
+
+    def __repr__(self) -> str:
+        return f"ReadTally(bytes={self.bytes}, files={self.files})"
+
+
+class _CountingFile(io.RawIOBase):
+    """An unbuffered file whose reads are added to a tally: every read is a system call, so
+    the count is what came from storage, not what a buffer prefetched."""
+
+    def __init__(self, path: Path, tally: ReadTally | None) -> None:
+        self._file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+        self._tally = tally
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        count = self._file.readinto(buffer) or 0
+        if self._tally is not None:
+            self._tally.bytes += count
+        return count
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self._file.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+def write_rank_file(path: str | os.PathLike[str], state: dict[str, Any]) -> Path:
+    """Write one rank's plain ``state`` (``save_state_rank()``'s) to ``path`` atomically.
+
+    A pipeline's rank state is split into its header, its config and its partitions by slot;
+    any other state goes whole into the header. Raises ``StateFormatError`` before touching
+    the disk if ``state`` is not plain data.
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"`state` must be a dict of plain data (got {type(state).__name__})")
+    check_plain(state, "state")
+    header: dict[str, Any] = {"format": RANK_FILE_FORMAT, "version": RANK_FILE_VERSION}
+    members: list[tuple[str, bytes]] = []
+    if state.get("format") == RANK_STATE_FORMAT:
+        decoded = RankState.from_plain(state)
+        config = _ENCODE(decoded.config).encode()
+        # The rank state's own format tag and version go into the file's header, once.
+        plain = decoded.to_plain(with_partitions=False)
+        header["state_version"] = plain.pop("version")
+        header["state"] = {k: v for k, v in plain.items() if k not in ("format", "config")}
+        header["config_digest"] = _digest(config)
+        header["config_bytes"] = len(config)
+        lines = [_ENCODE(entry.to_plain()).encode() for entry in decoded.partitions]
+        header["slots"] = [decoded.slot_of(entry.partition) for entry in decoded.partitions]
+        header["sizes"] = [len(line) for line in lines]
+        header["crc32"] = [zlib.crc32(line) for line in lines]
+        members = [(_CONFIG, config), (_PARTITIONS, b"".join(line + b"\n" for line in lines))]
+    else:
+        header["state"] = state
+    members.insert(0, (_HEADER, _ENCODE(header).encode()))
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+        for name, data in members:
+            archive.writestr(zipfile.ZipInfo(name, _EPOCH), data)
+    return write_atomically(path, buffer.getbuffer())
+
+
+class RankFile:
+    """One rank file, opened to read only what a restore needs.
+
+    ``header`` is the rank's state without its config and partitions, ``slots`` the slots the
+    file holds (``{key: (offset, length, crc32)}``); :meth:`config` and :meth:`partitions`
+    read those. A drop-in loader's file, or a file of the first format (a ``torch.save``
+    checkpoint file, read whole on opening), holds a whole state: ``split`` is false and
+    ``header`` is that state. Use as a context manager, or call :meth:`close`.
+
+    The members are found by the archive's layout rather than its central directory, which a
+    reader would otherwise fetch from the file's end: ``rank.json`` is the first member, at
+    offset 0, and each member's local header gives its size, so opening reads the first
+    local header and ``rank.json``, and a partition costs the read of its bytes alone.
+    Members are written without extra fields, so where one ends the next begins; every
+    member's CRC-32 (and each partition's) is checked, so a file laid out otherwise is a
+    ``StateFormatError``, never a wrong read.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], tally: ReadTally | None = None) -> None:
+        self.path = Path(path)
+        if tally is not None:
+            tally.files += 1
+        self._source: _CountingFile | None = _CountingFile(self.path, tally)
+        self._config_at = 0  # the offset of config.json's local header: after rank.json
+        self._partitions_at = 0  # the offset of the partitions' data: after config.json
+        self.slots: dict[str, tuple[int, int, int]] = {}
+        self.split = False
+        self.config_digest = ""
+        try:
+            name, data, self._config_at = self._read_member(0, _HEADER)
+            if name != _HEADER:  # the first format: a torch.save checkpoint file
+                self.close()
+                if tally is not None:
+                    tally.bytes += self.path.stat().st_size
+                self.header: dict[str, Any] = load_checkpoint(self.path)
+                return
+            self._parse_header(data)
+        except BaseException:
+            self.close()
+            raise
+
+    def _fail(self, what: str) -> StateFormatError:
+        return StateFormatError(
+            f"{self.path} is not a readable rank state file (truncated, corrupted, or not "
+            f"written by energy_loader): {what}"
+        )
+
+    def _read_range(self, offset: int, length: int) -> bytes:
+        assert self._source is not None  # only called while open
+        self._source.seek(offset)
+        data = self._source.read(length) or b""
+        if len(data) != length:
+            raise self._fail(f"{length} bytes at offset {offset} expected, {len(data)} there")
+        return data
+
+    def _read_member(self, offset: int, expected: str) -> tuple[str, bytes, int]:
+        """The name and data of the member whose local header is at ``offset`` (the data is
+        read, and checked by its CRC-32, only when the name is ``expected``), and where the
+        next member begins."""
+        fields = _LOCAL_HEADER.unpack(self._read_range(offset, _LOCAL_HEADER.size))
+        if fields[0] != _LOCAL_SIGNATURE:
+            raise self._fail(f"no ZIP member at offset {offset}")
+        start = offset + _LOCAL_HEADER.size
+        name = self._read_range(start, fields[_NAME_LENGTH]).decode("utf-8", "replace")
+        if name != expected:
+            return name, b"", -1
+        if fields[_METHOD] != zipfile.ZIP_STORED or fields[_EXTRA_LENGTH]:
+            raise self._fail(f"member {name} is compressed or has extra fields")
+        data_start = start + fields[_NAME_LENGTH]
+        data = self._read_range(data_start, fields[_SIZE])
+        if zlib.crc32(data) != fields[_CRC]:
+            raise StateFormatError(
+                f"{self._where(name)} is damaged (the file was changed after writing): its "
+                "CRC-32 does not match"
+            )
+        return name, data, data_start + fields[_SIZE]
+
+    def _parse_header(self, data: bytes) -> None:
+        where = self._where(_HEADER)
+        record = json_leaf(data.decode("utf-8", "replace"), where)
+        reader = StateReader(record, where)
+        if not reader.has("format") or record["format"] != RANK_FILE_FORMAT:
+            raise StateFormatError(f"{where} has no {RANK_FILE_FORMAT!r} format tag")
+        version = reader.int("version")
+        if version != RANK_FILE_VERSION:
+            raise StateFormatError(
+                f"{where} is rank file version {version}; this release reads {RANK_FILE_VERSION}"
+            )
+        self.header = _dict(reader.raw("state"), f"{where}.state")
+        self.split = reader.has("slots")
+        if not self.split:
+            return
+        self.header = {
+            "format": RANK_STATE_FORMAT,
+            "version": reader.int("state_version"),
+            **self.header,
+        }
+        self.config_digest = reader.str("config_digest")
+        config_bytes = reader.int("config_bytes")
+        self._partitions_at = (
+            self._config_at
+            + _LOCAL_HEADER.size
+            + len(_CONFIG)
+            + config_bytes
+            + _LOCAL_HEADER.size
+            + len(_PARTITIONS)
+        )
+        slots, sizes, crcs = reader.list("slots"), reader.list("sizes"), reader.list("crc32")
+        if not len(slots) == len(sizes) == len(crcs) or not all(
+            isinstance(n, int) and n >= 0 for n in (*slots, *sizes, *crcs)
+        ):
+            raise StateFormatError(
+                f"{where}: 'slots', 'sizes' and 'crc32' must be lists of as many non-negative "
+                "integers"
+            )
+        offset = 0
+        for slot, size, crc in zip(slots, sizes, crcs):
+            self.slots[slot_key(slot)] = (offset, size, crc)
+            offset += size + 1  # and its newline
+
+    def _where(self, name: str) -> str:
+        return f"{self.path}:{name}"
+
+    def config(self, expected_digest: str | None = None) -> dict[str, Any]:
+        """The pipeline config, read from this file; ``StateFormatError`` unless it matches
+        its recorded digest and ``expected_digest`` (another file's, of the same save)."""
+        if not self.split:
+            return _dict(StateReader(self.header, str(self.path)).raw("config"), "config")
+        name, data, _ = self._read_member(self._config_at, _CONFIG)
+        digest = _digest(data)
+        if name != _CONFIG or digest != self.config_digest:
+            raise StateFormatError(f"{self._where(_CONFIG)} does not match its recorded digest")
+        if expected_digest not in (None, digest):
+            raise StateFormatError(
+                f"{self.path} holds another pipeline config than the other files read with it "
+                "(files of different saves mixed?)"
+            )
+        where = self._where(_CONFIG)
+        return _dict(json_leaf(data.decode("utf-8", "replace"), where), where)
+
+    def partitions(self, keys: Iterable[str]) -> dict[str, Any]:
+        """The partition entries of the slots ``keys``, each read by its byte range."""
+        if not self.split:
+            raise ValueError(f"{self.path} holds a whole state, not partitions by slot")
+        out = {}
+        for key in keys:
+            if key not in self.slots:
+                raise KeyError(f"{self.path} holds no {key!r} (it holds {sorted(self.slots)})")
+            offset, length, crc = self.slots[key]
+            data = self._read_range(self._partitions_at + offset, length)
+            if zlib.crc32(data) != crc:
+                raise StateFormatError(
+                    f"{self._where(_PARTITIONS)}: {key}'s bytes are damaged (the file was "
+                    "changed after writing)"
+                )
+            out[key] = json_leaf(data.decode("utf-8", "replace"), self._where(key))
+        return out
+
+    def state(self) -> dict[str, Any]:
+        """The whole plain state, as ``save_state_rank()`` returned it."""
+        if not self.split:
+            return self.header
+        config = self.config()
+        by_offset = sorted(self.slots, key=lambda key: self.slots[key][0])
+        entries = self.partitions(by_offset)
+        return {**self.header, "config": config, "partitions": [entries[k] for k in by_offset]}
+
+    def close(self) -> None:
+        """Close the file (the attributes read so far stay readable)."""
+        if self._source is not None:
+            self._source.close()
+            self._source = None
+
+    def __enter__(self) -> RankFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _digest(data: bytes) -> str:
+    """A config's digest: 64 bits of its SHA-256, enough to tell two saves' configs apart."""
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _dict(value: Any, path: str) -> dict[str, Any]:
+    StateReader(value, path)  # a StateFormatError naming ``path`` unless a dict
+    return dict(value)
+
+
+def is_rank_file(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a rank state file of this format (a ZIP holding ``rank.json``)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return _HEADER in archive.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return False
+
+
+def read_rank_file(path: str | os.PathLike[str], tally: ReadTally | None = None) -> dict[str, Any]:
+    """The whole plain state in a rank file of either format (what ``inspect`` prints)."""
+    with RankFile(path, tally) as file:
+        return file.state()
