@@ -144,8 +144,9 @@ class RankStateProtocols:
                 f"num_partitions={planner.num_partitions}, which the state_dict lacks (it holds "
                 f"{len(entries)} leaves). A torch.distributed.checkpoint load fills the slots a "
                 f"fresh loader lists for its own num_partitions={self._planner.num_partitions}: "
-                f"build the loader with num_partitions={planner.num_partitions}; otherwise pass "
-                "every rank's state_dict leaves"
+                f"build the loader with num_partitions={planner.num_partitions}, or load with "
+                "planner=energy_loader.dcp.LoadPlanner() (it lists the saved count's slots); "
+                "otherwise pass every rank's state_dict leaves"
             )
         states = states_from_entries({key: entries[key] for key in wanted}, complete=False)
         positions = {state.rank: state.stream_position() for state in states}
