@@ -339,36 +339,130 @@ def _one_two_five(value: float, _: Any) -> str:
     return f"{value:g}" if digits in "125" else ""
 
 
-def dcp_coordinator(ranks: list[int], workers: int = 2) -> dict[str, Any]:
+def _local_plans(n: int, workers: int) -> list[Any]:
+    """N ranks' local save plans of ``workers`` loader leaves each, as DCP makes them."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    plans = []
+    for rank in range(n):
+        planner = DefaultSavePlanner()
+        leaves = {f"slot_{rank * workers + i:05d}": "{}" for i in range(workers)}
+        planner.set_up_planner({"loader": leaves}, storage_meta=None, is_coordinator=False)
+        plans.append(planner.create_local_plan())
+    return plans
+
+
+def _global_plan(planner_class: type, plans: list[Any], *, caching: bool) -> tuple[Any, float]:
+    """One coordinator's ``create_global_plan`` over ``plans``: (plan and metadata, seconds)."""
+    coordinator = planner_class(enable_plan_caching=caching)
+    coordinator.set_up_planner({"loader": {}}, storage_meta=None, is_coordinator=True)
+    began = time.perf_counter()
+    result = coordinator.create_global_plan(plans)
+    return result, time.perf_counter() - began
+
+
+def _forget_cached_plans() -> None:
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    for cache in (
+        SavePlanner._cached_all_plans,
+        SavePlanner._cached_global_plan,
+        SavePlanner._cached_metadata,
+        SavePlanner._cached_save_plan,
+        SavePlanner._cached_final_save_plan,
+    ):
+        cache.clear()
+
+
+def dcp_coordinator(
+    ranks: list[int], workers: int = 2, changed_up_to: int = 4096
+) -> dict[str, Any]:
     """DCP's serial step on the coordinator of a save, in this process: ``create_global_plan``
-    of the default planner over N ranks' local plans of ``workers`` loader leaves each (P = N x
-    workers), and every rank's ``pickle.loads`` of the resulting ``.metadata`` on load."""
+    over N ranks' local plans of ``workers`` loader leaves each (P = N x workers), with torch's
+    ``DefaultSavePlanner`` and ``energy_loader.dcp.SavePlanner`` (the two plans and metadata
+    must be equal, key order included), and every rank's ``pickle.loads`` of the ``.metadata``.
+
+    With ``enable_plan_caching=True``, a second save whose local plans did not change sends
+    torch's "unchanged" plans (``SavePlan([], usable=False)``) and the coordinator reuses the
+    cached global plan; a save where one rank's plan changed plans over every rank again
+    (timed for torch up to ``changed_up_to`` ranks only: it costs what a first save costs).
+    Our planner's time is also split into torch's steps it keeps (dedup, metadata, validation)
+    and the merge of the key mappings it replaces.
+    """
     import pickle
 
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+    from torch.distributed.checkpoint.default_planner import (
+        DefaultSavePlanner,
+        _validate_global_plan,
+        create_default_global_save_plan,
+    )
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from energy_loader.dcp import SavePlanner, first_map_wins
 
     out: dict[str, Any] = {}
     for n in ranks:
-        plans = []
-        for rank in range(n):
-            planner = DefaultSavePlanner()
-            leaves = {f"slot_{rank * workers + i:05d}": "{}" for i in range(workers)}
-            planner.set_up_planner({"loader": leaves}, storage_meta=None, is_coordinator=False)
-            plans.append(planner.create_local_plan())
-        coordinator = DefaultSavePlanner()
-        coordinator.set_up_planner({"loader": {}}, storage_meta=None, is_coordinator=True)
+        plans = _local_plans(n, workers)
+        row: dict[str, Any] = {"partitions": n * workers}
+        results = {}
+        for name, planner_class in (("torch", DefaultSavePlanner), ("ours", SavePlanner)):
+            # Torch's once (116 s at 16,384 ranks); ours the median of three (a garbage
+            # collection in one run is as long as the whole plan).
+            runs = [
+                _global_plan(planner_class, plans, caching=False)
+                for _ in range(3 if name == "ours" else 1)
+            ]
+            results[name] = runs[0][0]
+            row[f"{name}_s"] = statistics.median(seconds for _, seconds in runs)
+            # Caching: a first save fills the cache (the same work as above, not repeated
+            # here), a second with unchanged plans reuses it, one changed plan replans.
+            _forget_cached_plans()
+            key = planner_class.__name__
+            global_plan, metadata = results[name]
+            SavePlanner._cached_all_plans[key] = plans
+            SavePlanner._cached_global_plan[key] = global_plan
+            SavePlanner._cached_metadata[key] = metadata
+            unchanged = [SavePlan([], usable=False)] * n
+            (_, cached_metadata), row[f"{name}_cached_unchanged_s"] = _global_plan(
+                planner_class, unchanged, caching=True
+            )
+            if cached_metadata is not metadata:
+                raise AssertionError(f"{name}: an unchanged second save did not reuse the plan")
+            if name == "ours" or n <= changed_up_to:
+                one_changed = [plans[0], *unchanged[1:]]
+                (_, replanned), row[f"{name}_cached_one_changed_s"] = _global_plan(
+                    planner_class, one_changed, caching=True
+                )
+                if replanned != metadata:
+                    raise AssertionError(f"{name}: the replanned metadata differs")
+            _forget_cached_plans()
+        (torch_plan, torch_md), (our_plan, our_md) = results["torch"], results["ours"]
+        if torch_plan != our_plan or torch_md != our_md:
+            raise AssertionError(f"N = {n}: the two planners' global plans or metadata differ")
+        if list(torch_md.planner_data) != list(our_md.planner_data):
+            raise AssertionError(f"N = {n}: the metadata's planner_data keys come in another order")
+        row["equal"] = True
+        # Our planner's time by step: torch's dedup, metadata and validation, and our merge.
         began = time.perf_counter()
-        _, metadata = coordinator.create_global_plan(plans)
-        planned = time.perf_counter() - began
-        pickled = pickle.dumps(metadata)
+        deduped = dedup_save_plans(plans)
+        row["dedup_s"] = time.perf_counter() - began
+        began = time.perf_counter()
+        global_plan, metadata = create_default_global_save_plan(deduped)
+        row["metadata_s"] = time.perf_counter() - began
+        began = time.perf_counter()
+        _validate_global_plan(global_plan, metadata)
+        row["validate_s"] = time.perf_counter() - began
+        began = time.perf_counter()
+        first_map_wins([plan.planner_data for plan in plans])
+        row["merge_s"] = time.perf_counter() - began
+        pickled = pickle.dumps(our_md)
         began = time.perf_counter()
         pickle.loads(pickled)
-        out[str(n)] = {
-            "partitions": n * workers,
-            "global_plan_s": planned,
-            "metadata_loads_s": time.perf_counter() - began,
-        }
-        print(n, out[str(n)], flush=True)
+        row["metadata_loads_s"] = time.perf_counter() - began
+        row["metadata_pickled_bytes"] = len(pickled)
+        out[str(n)] = row
+        print(n, row, flush=True)
     return out
 
 
@@ -452,7 +546,8 @@ def main() -> None:
         "--coordinator",
         type=int,
         nargs="*",
-        help="with --reference: time only DCP's global save plan, over these numbers of ranks",
+        help="with --reference: time only DCP's global save plan, over these numbers of ranks "
+        "(torch's planner and energy_loader.dcp.SavePlanner, caching off and on)",
     )
     args = parser.parse_args()
     if args.reference:

@@ -5,6 +5,8 @@ loader's exact position with every training checkpoint; a restored loader yields
 the interrupted one would have yielded next.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .dataset import RESTORE_KEY, BaseWrapperDataset, EpochCursor, SavableDataset, restore_key_of
 from .distributed import (
     data_parallel_ranks,
@@ -97,6 +99,7 @@ __all__ = [
     "WorkerError",
     "current_worker",
     "data_parallel_ranks",
+    "dcp",
     "default_collate",
     "rank_state_key",
     "rank_state_path",
@@ -109,3 +112,16 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from . import dcp
+
+
+def __getattr__(name: str) -> Any:
+    """``energy_loader.dcp`` on first use: it imports torch.distributed.checkpoint (~1 s),
+    which a job that does not checkpoint through DCP need not pay at ``import energy_loader``."""
+    if name == "dcp":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.dcp")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -141,8 +141,9 @@ class RankStateProtocols:
                 f"the state_dict lacks (it holds {len(entries)} leaves). A "
                 "torch.distributed.checkpoint load fills the slots a fresh loader lists for its "
                 f"own num_partitions={self._planner.num_partitions}: build the loader with "
-                f"num_partitions={first.num_partitions}; otherwise pass every rank's "
-                "state_dict leaves",
+                f"num_partitions={first.num_partitions}, or load with "
+                "planner=energy_loader.dcp.LoadPlanner() (it lists the saved count's slots); "
+                "otherwise pass every rank's state_dict leaves",
                 first,
             )
         return self.states_of_slots({key: entries[key] for key in wanted})

@@ -1,0 +1,372 @@
+"""``torch.distributed.checkpoint`` (DCP) at many ranks: two planners and a storage reader.
+
+A loader goes into DCP as it is (``dcp.save({"loader": loader, ...})``); these three classes
+fix what DCP's defaults cost or refuse once the job is large or its layout changed:
+
+- :class:`SavePlanner`: torch's ``DefaultSavePlanner`` merges the ranks' key mappings with
+  ``dict(ChainMap(*mappings))``, which looks every key up through up to N per-rank maps: with
+  keys that differ per rank (a loader's slots) the coordinator's plan takes time ~N^2 (116 s at
+  16,384 ranks). This one produces the same plan and metadata in one pass.
+- :class:`LoadPlanner`: torch's ``DefaultLoadPlanner`` refuses a template key the checkpoint
+  lacks ("Missing key in checkpoint state_dict") before the loader sees anything, so a fresh
+  loader of another ``num_partitions`` fails inside DCP. This one lists, in each loader's
+  template, the slots the rank runs of the *saved* partition count, so the loader judges the
+  saved leaves itself: a loader built without ``num_partitions`` adopts the saved count, one
+  built with another raises :class:`~energy_loader.StateMismatchError` naming both counts.
+- :class:`SharedMetadataReader`: every rank of a DCP load reads the whole ``.metadata`` file
+  (~135 B per partition of the job); wrapped in this reader, the coordinator reads it from
+  storage and broadcasts it to the other ranks.
+
+Usage (each piece is optional and independent of the others)::
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    import energy_loader as el
+
+    dcp.save(state, checkpoint_id=step_dir, planner=el.dcp.SavePlanner())
+    ...
+    dcp.load(
+        state,
+        checkpoint_id=step_dir,
+        planner=el.dcp.LoadPlanner(),
+        storage_reader=el.dcp.SharedMetadataReader(FileSystemReader(step_dir)),
+    )
+
+This module does not change what is saved: a checkpoint written with either save planner loads
+with either load planner. It leans on two of torch's private names (``DefaultSavePlanner.
+_create_global_plan``, the step it overrides, and the call order of ``_load_state_dict``: one
+``read_metadata()`` per rank per load), checked against torch 2.13; besides DCP's own
+collectives, :class:`SharedMetadataReader`'s broadcast is its only use of a process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import inspect
+import json
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import attrs
+import torch.distributed as dist
+from torch.distributed.checkpoint import StorageReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
+from torch.distributed.checkpoint.planner import LoadPlanner as _TorchLoadPlanner
+from torch.futures import Future
+
+from .state.rank_state import SLOT_KEY_PREFIX, is_partition_entries, rank_slots, slot_key
+
+__all__ = ["LoadPlanner", "SavePlanner", "SharedMetadataReader", "first_map_wins"]
+
+
+# -- saving: the coordinator's global plan in linear time ----------------------------------------
+
+
+def first_map_wins(maps: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """``dict(ChainMap(*maps))`` in one pass over the maps: the first map holding a key gives
+    its value, and the keys come in ChainMap's order (the last map's first, then each earlier
+    map's new ones). ChainMap looks each key up through the maps in turn, up to ``len(maps)``
+    lookups per key; this updates a dict from the last map to the first, one step per entry."""
+    merged: dict[str, Any] = {}
+    for mapping in reversed(maps):
+        merged.update(mapping)
+    return merged
+
+
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (if it was on), back on after.
+
+    Torch's global step allocates a few objects per item of every rank's plan (dataclasses);
+    each full collection on the way traverses every live object, the N plans included, which
+    made the step about twice as slow at 16,384 ranks (1.5-1.8 s against 0.5-0.7 s without,
+    measured in one process). Cycles left unreachable during the block, if any, are freed by
+    the next collection after it.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+class SavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` whose global plan takes time linear in the number of ranks.
+
+    Same constructor, same local plans, and the same global plan and metadata as torch's (the
+    tests and ``benchmarks/bench_ranks.py --coordinator`` compare them): only the merge of the
+    ranks' key mappings (``metadata.planner_data``), torch's ``dict(ChainMap(*mappings))``,
+    is done by :func:`first_map_wins`. The rest of torch's global step (dedup of keys saved by
+    several ranks, the metadata, the validation) is already linear in the ranks' items and is
+    torch's own code. With ``enable_plan_caching=True`` torch skips the global step when no
+    rank's keys changed since the last save of this process; a loader's keys change only with
+    its layout, so every save after the first skips it (the plans are still gathered).
+
+    Example::
+
+        dcp.save({"model": model_state, "loader": loader}, checkpoint_id=step_dir,
+                 planner=el.dcp.SavePlanner())
+    """
+
+    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        mappings = [plan.planner_data for plan in all_plans]
+        if not self.flatten_state_dict or not all(isinstance(m, Mapping) for m in mappings):
+            return super()._create_global_plan(all_plans)
+        # Torch's step over plans without mappings (its ChainMap then merges empty maps), then
+        # each plan gets its own mapping back and the metadata the merged one.
+        bare = [dataclasses.replace(plan, planner_data={}) for plan in all_plans]
+        with _collection_paused():
+            global_plan, metadata = super()._create_global_plan(bare)
+        global_plan = [
+            dataclasses.replace(plan, planner_data=mapping)
+            for plan, mapping in zip(global_plan, mappings)
+        ]
+        return global_plan, dataclasses.replace(metadata, planner_data=first_map_wins(mappings))
+
+
+# -- loading: a loader's template of the saved partition count ----------------------------------
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that fits each loader's template to the saved partition count.
+
+    A fresh :class:`~energy_loader.SavableDataLoader`'s ``state_dict()`` lists the slots its
+    rank runs for its own ``num_partitions`` P' (``slot_00001``, ``slot_00003``, ...); a
+    checkpoint of another count P lacks some of them (P' > P) or holds others (P' < P), and
+    torch's default planner refuses a missing key before the loader is asked. Here, before
+    torch plans, every loader template in the state dict (a dict of ``slot_`` keys, nested
+    anywhere: ``"loader"``, ``"app.loader"``) is rewritten in place to the slots its rank runs
+    of the saved P (counted from the checkpoint's metadata: every save writes slots 0..P-1;
+    rank and world size from the template's own leaves). The loader's ``load_state_dict``
+    then receives the saved leaves and decides: a loader built without ``num_partitions``
+    adopts P and continues the stream; one built with P' != P raises
+    :class:`~energy_loader.StateMismatchError` naming both counts and the fix, on every rank
+    (each rank's loader checks its own leaves after DCP's collectives have completed, so none
+    waits for another). When P does not divide among this world size the template lists slot
+    0 only, and the loader's refusal names the world sizes P runs on.
+
+    Templates that already list the saved slots, other keys (the model, a drop-in loader's
+    ``rank_`` keys) and checkpoints without ``slot_`` keys under a template's prefix are left
+    to torch. Same constructor as ``DefaultLoadPlanner``; the extra work is one pass over the
+    metadata's keys per rank.
+
+    Example::
+
+        loader = el.SavableDataLoader(build_pipeline(), num_workers=4)  # adopts the saved P
+        dcp.load({"loader": loader}, checkpoint_id=step_dir, planner=el.dcp.LoadPlanner())
+    """
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        if metadata is not None:
+            templates = dict(_loader_templates(state_dict, ""))
+            if templates:
+                saved = _saved_slot_counts(metadata, templates)
+                for prefix, template in templates.items():
+                    if saved.get(prefix):
+                        _fit_template(template, prefix, saved[prefix], metadata)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+
+def _loader_templates(value: Any, prefix: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every dict of slot leaves under ``value``, with its key path as DCP flattens it
+    (``"loader"``, ``"app.loader"``)."""
+    if not isinstance(value, dict):
+        return
+    if prefix and is_partition_entries(value):
+        yield prefix, value
+        return
+    for key, inner in value.items():
+        yield from _loader_templates(inner, f"{prefix}.{key}" if prefix else str(key))
+
+
+def _saved_slot_counts(metadata: Metadata, templates: Mapping[str, Any]) -> dict[str, int]:
+    """How many slot keys the checkpoint holds under each template's prefix: the saved P."""
+    counts = dict.fromkeys(templates, 0)
+    for key in metadata.state_dict_metadata:
+        prefix, _, leaf = key.rpartition(".")
+        if leaf.startswith(SLOT_KEY_PREFIX) and prefix in counts:
+            counts[prefix] += 1
+    return counts
+
+
+def _fit_template(template: dict[str, Any], prefix: str, saved: int, metadata: Metadata) -> None:
+    """Rewrite ``template`` to the slots its rank runs of ``saved`` partitions (slot 0 alone
+    when they do not divide among the world size), if the checkpoint holds them all."""
+    layout = _template_layout(template)
+    if layout is None:
+        return  # not a loader's fresh leaves: the loader will say what is wrong
+    rank, world_size = layout
+    slots = rank_slots(rank, world_size, saved) if saved % world_size == 0 else range(1)
+    wanted = [slot_key(slot) for slot in slots]
+    if sorted(template) == wanted:
+        return
+    if any(f"{prefix}.{key}" not in metadata.state_dict_metadata for key in wanted):
+        return  # slots missing from 0..P-1: torch names the missing key
+    template.clear()
+    template.update(dict.fromkeys(wanted, ""))  # DCP replaces each value with the saved leaf
+
+
+def _template_layout(template: dict[str, Any]) -> tuple[int, int] | None:
+    """(rank, world size) from a template leaf's ``rank_state``, or None if it has none."""
+    leaf = template[min(template)]
+    try:
+        header = json.loads(leaf)["rank_state"]
+        rank, world_size = header["rank"], header["world_size"]
+    except (TypeError, ValueError, KeyError):
+        return None
+    if not (isinstance(rank, int) and isinstance(world_size, int) and 0 <= rank < world_size):
+        return None
+    return rank, world_size
+
+
+# -- loading: the .metadata read once, broadcast to the other ranks ------------------------------
+
+
+@attrs.frozen
+class _Unread:
+    """What the coordinator broadcasts in place of the metadata when it could not read it."""
+
+    error: str
+
+
+class SharedMetadataReader(StorageReader):
+    """A ``StorageReader`` whose ``read_metadata()`` reads storage on one rank only.
+
+    Wraps any ``StorageReader`` (``FileSystemReader(step_dir)``, an fsspec or cloud reader):
+    on a DCP load the coordinator (rank ``coordinator_rank`` of ``process_group``, the default
+    group when ``None``) reads the checkpoint's metadata through it and sends it to the other
+    ranks with ``torch.distributed.broadcast_object_list``; everything else (planning, the data
+    reads, ``reset``, ``checkpoint_id``) goes to the wrapped reader. Every rank still holds the
+    whole metadata (pickled, it travels over the network once per rank), but storage serves it
+    once, not N times: a rank's reads from storage are its own leaves.
+
+    The broadcast is a collective: torch's ``dcp.load`` calls ``read_metadata()`` exactly once
+    per rank per load, on every rank of its process group, so pass the same ``process_group``
+    as to ``dcp.load`` (and the same coordinator, DCP's is rank 0). A failure to read on the
+    coordinator is broadcast too: every rank raises (a ``CheckpointException`` from
+    ``dcp.load``) and none waits. A rank that never gets there (it died) leaves the others in
+    the broadcast until the group's timeout (``init_process_group(timeout=...)``) ends it.
+    Without an initialised process group, or with ``dcp.load(..., no_dist=True)`` on a
+    single-rank group, it reads locally; do not use it with ``no_dist=True`` on some ranks of a
+    larger group (they would wait for a broadcast). With NCCL, set the CUDA device first
+    (``torch.cuda.set_device``), as for any object collective.
+
+    Example::
+
+        reader = el.dcp.SharedMetadataReader(FileSystemReader(step_dir))
+        dcp.load(state, storage_reader=reader, planner=el.dcp.LoadPlanner())
+    """
+
+    def __init__(
+        self,
+        reader: StorageReader,
+        process_group: dist.ProcessGroup | None = None,
+        coordinator_rank: int = 0,
+    ) -> None:
+        if not isinstance(reader, StorageReader):
+            raise TypeError(
+                "SharedMetadataReader wraps a torch.distributed.checkpoint StorageReader, e.g. "
+                f"FileSystemReader(step_dir); got {type(reader).__name__}"
+            )
+        if isinstance(coordinator_rank, bool) or not isinstance(coordinator_rank, int):
+            raise TypeError(f"coordinator_rank must be an int, got {coordinator_rank!r}")
+        if coordinator_rank < 0:
+            raise ValueError(
+                f"coordinator_rank must be a rank of the process group (>= 0), got "
+                f"{coordinator_rank}"
+            )
+        self.reader = reader
+        self.process_group = process_group
+        self.coordinator_rank = coordinator_rank
+        self._forward_kwargs = (
+            "kwargs" in inspect.signature(reader.set_up_storage_reader).parameters
+        )
+
+    @property
+    def checkpoint_id(self) -> Any:
+        """The wrapped reader's checkpoint id (DCP logs it)."""
+        return getattr(self.reader, "checkpoint_id", None)
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.reader.reset(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's metadata: read by the coordinator, received by the others.
+
+        With arguments (torch asks ``read_metadata(rank=...)`` for a rank's own metadata when
+        the global one is missing) it is the wrapped reader's call, on this rank alone.
+        """
+        if args or kwargs or not self._shared():
+            return self.reader.read_metadata(*args, **kwargs)
+        group_size = dist.get_world_size(self.process_group)
+        if self.coordinator_rank >= group_size:
+            raise ValueError(
+                f"coordinator_rank {self.coordinator_rank} is not a rank of the process group "
+                f"of {group_size} rank(s)"
+            )
+        coordinator = dist.get_rank(self.process_group) == self.coordinator_rank
+        payload: list[Any] = [None]
+        failure: Exception | None = None
+        if coordinator:
+            try:
+                payload[0] = self.reader.read_metadata()
+            except Exception as error:  # every rank must hear of it, or they would wait
+                failure = error
+                payload[0] = _Unread(f"{type(error).__name__}: {error}")
+        dist.broadcast_object_list(
+            payload, group=self.process_group, group_src=self.coordinator_rank
+        )
+        if failure is not None:
+            raise failure
+        if isinstance(payload[0], _Unread):
+            raise RuntimeError(
+                f"rank {self.coordinator_rank} (the coordinator) could not read the "
+                f"checkpoint's metadata: {payload[0].error}"
+            )
+        if not isinstance(payload[0], Metadata):
+            raise RuntimeError(
+                f"the coordinator broadcast {type(payload[0]).__name__}, not the checkpoint's "
+                "Metadata (do all ranks wrap their readers alike?)"
+            )
+        return payload[0]
+
+    def _shared(self) -> bool:
+        return (
+            dist.is_available()
+            and dist.is_initialized()
+            and (dist.get_world_size(self.process_group) > 1)
+        )
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if self._forward_kwargs:
+            self.reader.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        else:
+            self.reader.set_up_storage_reader(metadata, is_coordinator, *args)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return self.reader.prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return self.reader.prepare_global_plan(plans)
+
+    def read_data(self, plan: LoadPlan, planner: _TorchLoadPlanner) -> Future[None]:
+        return self.reader.read_data(plan, planner)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Never chosen by DCP on its own: pass it as ``storage_reader=``."""
+        return False

@@ -1,0 +1,289 @@
+"""energy_loader.dcp: DCP's save planning, loads of another partition count, shared metadata.
+
+In-process: the save planner's global plan and metadata equal torch's for real loaders' state
+dicts, the load planner's rewrite of nested templates. With real gloo ranks
+(tests/dcp_scale_helpers.py): a checkpoint of another ``num_partitions`` is our
+``StateMismatchError`` on every rank (or, without ``num_partitions``, adopted), and on 8 ranks
+a load through ``SharedMetadataReader`` reads ``.metadata`` from storage on the coordinator
+only and continues every rank's stream exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+from collections import ChainMap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.planner import SavePlanner as TorchSavePlanner
+
+import energy_loader as el
+from energy_loader.state.rank_state import rank_slots, slot_key
+from energy_loader.testing.storage import CountingReader
+from tests import dcp_scale_helpers as helpers
+from tests import distributed_helpers as dh
+from tests.helpers import reference_pipeline
+
+
+def _read(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def _loader(rank: int, world_size: int, num_partitions: int | None) -> el.SavableDataLoader:
+    config = el.WorkerConfig(rank=rank, world_size=world_size, num_workers=0, seed=3)
+    return el.SavableDataLoader(
+        reference_pipeline(length=240, buffer=8, batch=4),
+        worker_config=config,
+        num_partitions=num_partitions,
+    )
+
+
+# -- the save planner: torch's plan, in linear time ----------------------------------------------
+
+
+def test_first_map_wins_is_chainmap_in_value_and_order() -> None:
+    maps = [{"a": 1, "x": 10}, {"x": 20, "b": 2}, {"c": 3, "a": 30, "x": 30}]
+    merged = el.dcp.first_map_wins(maps)
+    assert merged == dict(ChainMap(*maps))
+    assert list(merged) == list(dict(ChainMap(*maps)))
+
+
+def _rank_plans(world_size: int, partitions: int) -> list[SavePlan]:
+    """Every rank's local save plan of a model replicated on all ranks, a step counter and a
+    loader that took a few batches: what each rank sends DCP's coordinator."""
+    plans = []
+    for rank in range(world_size):
+        loader = _loader(rank, world_size, partitions)
+        iterator = iter(loader)
+        for _ in range(2 + rank):
+            next(iterator)
+        state = {"model": {"w": torch.ones(3), "b": torch.zeros(1)}, "step": 7}
+        state["loader"] = loader.state_dict()
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state, storage_meta=None, is_coordinator=rank == 0)
+        plans.append(planner.create_local_plan())
+        loader.close()
+    return plans
+
+
+def _global(planner: DefaultSavePlanner, plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+    planner.set_up_planner({}, storage_meta=None, is_coordinator=True)
+    return planner.create_global_plan(plans)
+
+
+def test_the_save_planner_plans_exactly_what_torch_plans() -> None:
+    plans = _rank_plans(world_size=3, partitions=6)
+    torch_plan, torch_metadata = _global(DefaultSavePlanner(), plans)
+    our_plan, our_metadata = _global(el.dcp.SavePlanner(), plans)
+    assert our_plan == torch_plan
+    assert our_metadata == torch_metadata
+    assert list(our_metadata.planner_data) == list(torch_metadata.planner_data)
+    # The replicated model was deduplicated (saved by one rank), the 6 slots kept apart.
+    saved = [item.index.fqn for plan in our_plan for item in plan.items]
+    assert sorted(saved) == sorted(
+        ["model.w", "model.b", "step", *(f"loader.{slot_key(s)}" for s in range(6))]
+    )
+
+
+def test_with_plan_caching_an_unchanged_save_reuses_the_plan() -> None:
+    plans = _rank_plans(world_size=2, partitions=4)
+    planner = el.dcp.SavePlanner(enable_plan_caching=True)
+    try:
+        _, first = _global(planner, plans)
+        unchanged = [SavePlan([], usable=False)] * len(plans)
+        delta, second = _global(el.dcp.SavePlanner(enable_plan_caching=True), unchanged)
+        assert second is first  # the global step was skipped
+        assert all(not plan.usable for plan in delta)
+        assert first == _global(DefaultSavePlanner(), plans)[1]
+    finally:  # torch caches plans per planner class, in the class
+        for cache in (
+            TorchSavePlanner._cached_all_plans,
+            TorchSavePlanner._cached_global_plan,
+            TorchSavePlanner._cached_metadata,
+            TorchSavePlanner._cached_save_plan,
+            TorchSavePlanner._cached_final_save_plan,
+        ):
+            cache.pop(planner._cached_plans_key, None)
+
+
+# -- the load planner: a template of the saved partition count -----------------------------------
+
+
+def _metadata_of(path: Path) -> Metadata:
+    with open(path / ".metadata", "rb") as file:
+        return pickle.load(file)
+
+
+def test_the_load_planner_fits_a_nested_template_and_leaves_the_rest(tmp_path: Path) -> None:
+    saved = _loader(0, 1, 4)
+    next(iter(saved))
+    dcp.save(
+        {"app": {"loader": saved.state_dict(), "step": 3}}, checkpoint_id=tmp_path, no_dist=True
+    )
+    saved.close()
+    metadata = _metadata_of(tmp_path)
+    fresh = _loader(0, 1, 2)
+    template = fresh.state_dict()
+    dropin = {"rank_any": "{}"}
+    state = {"app": {"loader": template, "step": 0}, "other": dropin}
+    el.dcp.LoadPlanner().set_up_planner(state, metadata, is_coordinator=True)
+    assert state["app"]["loader"] is template
+    assert sorted(template) == [slot_key(s) for s in range(4)]
+    assert state["other"] == {"rank_any": "{}"} and state["app"]["step"] == 0
+    # Torch's planner lists the loader's own two slots, both in the checkpoint: it loads
+    # them, and the loader refuses leaves of num_partitions=4 (our error without our planner).
+    fresh2 = _loader(0, 1, 2)
+    state2 = {"app": {"loader": fresh2.state_dict(), "step": 0}}
+    DefaultLoadPlanner().set_up_planner(state2, metadata, is_coordinator=True)
+    assert sorted(state2["app"]["loader"]) == [slot_key(0), slot_key(1)]
+    fresh.close()
+    fresh2.close()
+
+
+def test_a_single_process_load_through_both_adopts_the_saved_count(tmp_path: Path) -> None:
+    saved = _loader(0, 1, 4)
+    iterator = iter(saved)
+    for _ in range(3):
+        next(iterator)
+    dcp.save({"loader": saved}, checkpoint_id=tmp_path, no_dist=True)
+    expected = [next(iterator)["__restore_key__"] for _ in range(4)]
+    saved.close()
+    fresh = _loader(0, 1, None)  # default: 1 partition
+    counting = CountingReader(tmp_path)
+    dcp.load(
+        {"loader": fresh},
+        storage_reader=el.dcp.SharedMetadataReader(counting),
+        planner=el.dcp.LoadPlanner(),
+        no_dist=True,
+    )
+    iterator = iter(fresh)
+    assert [next(iterator)["__restore_key__"] for _ in range(4)] == expected
+    assert counting.metadata_bytes == (tmp_path / ".metadata").stat().st_size  # read locally
+    fresh.close()
+
+
+@pytest.mark.parametrize(
+    ("reader", "coordinator", "error", "message"),
+    [
+        ("not a reader", 0, TypeError, "wraps a torch.distributed.checkpoint StorageReader"),
+        (None, -1, ValueError, "coordinator_rank must be a rank of the process group"),
+        (None, True, TypeError, "coordinator_rank must be an int"),
+    ],
+)
+def test_shared_metadata_reader_names_bad_arguments(
+    tmp_path: Path, reader: Any, coordinator: Any, error: type, message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        el.dcp.SharedMetadataReader(
+            CountingReader(tmp_path) if reader is None else reader, coordinator_rank=coordinator
+        )
+
+
+# -- real gloo ranks -------------------------------------------------------------------------------
+
+SAVED_PARTITIONS = 4
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def saved_on_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 ranks, num_partitions=4, saved after 5 batches with both save planners."""
+    workdir = tmp_path_factory.mktemp("dcp_two_ranks")
+    dh.launch(
+        helpers.save_both_ways,
+        2,
+        workdir,
+        timeout=90,
+        partitions=SAVED_PARTITIONS,
+        steps=5,
+        more=STEPS,
+    )
+    return workdir
+
+
+def test_both_save_planners_write_the_same_metadata(saved_on_two_ranks: Path) -> None:
+    ours = _metadata_of(saved_on_two_ranks / "dcp")
+    theirs = _metadata_of(saved_on_two_ranks / "dcp_default")
+    for field in ("state_dict_metadata", "planner_data", "storage_data", "version"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    assert list(ours.planner_data) == list(theirs.planner_data)
+    unique = {"checkpoint_id": None, "save_id": None}  # the folder and a fresh uuid per save
+    assert dataclasses.replace(ours.storage_meta, **unique) == dataclasses.replace(
+        theirs.storage_meta, **unique
+    )
+
+
+@pytest.mark.timeout(120)
+def test_another_partition_count_is_our_error_on_every_rank_or_adopted(
+    saved_on_two_ranks: Path, no_leftover_processes: None
+) -> None:
+    cases = [(8, False), (8, True), (2, True), (None, True), (SAVED_PARTITIONS, True)]
+    dh.launch(
+        helpers.load_other_counts, 2, saved_on_two_ranks, timeout=90, cases=cases, steps=STEPS
+    )
+    for rank in range(2):
+        report = _read(saved_on_two_ranks / f"other_counts_rank{rank}.json")
+        expected = torch.load(saved_on_two_ranks / f"saved{rank}.pt", weights_only=True)
+        # Torch's planner: its missing-key error, wrapped, before the loader is asked.
+        kind, message = report["8/False"]["outcome"]
+        assert kind == "CheckpointException" and "Missing key" in message
+        for count in (8, 2):  # ours: the loader's refusal, naming both counts and the fix
+            kind, message = report[f"{count}/True"]["outcome"]
+            assert kind == "StateMismatchError", message
+            assert f"saved with num_partitions={SAVED_PARTITIONS}" in message
+            assert f"this loader runs num_partitions={count}" in message
+            assert f"Pass num_partitions={SAVED_PARTITIONS}" in message
+        for count in ("None", SAVED_PARTITIONS):  # adopted, or the same count: exact
+            assert report[f"{count}/True"]["outcome"] == ["ok", ""], report[f"{count}/True"]
+            assert [tuple(map(tuple, k)) for k in report[f"{count}/True"]["keys"]] == expected
+        kind, message = report["missing"]["outcome"]
+        assert kind == "CheckpointException"
+        assert "could not read the checkpoint's metadata" in message, message
+
+
+@pytest.mark.timeout(120)
+def test_a_count_this_world_size_cannot_run_is_refused_by_the_loader(
+    saved_on_two_ranks: Path, no_leftover_processes: None
+) -> None:
+    cases = [(None, True), (6, True)]
+    dh.launch(
+        helpers.load_other_counts, 3, saved_on_two_ranks, timeout=90, cases=cases, steps=STEPS
+    )
+    for rank in range(3):
+        report = _read(saved_on_two_ranks / f"other_counts_rank{rank}.json")
+        for case in ("None/True", "6/True"):
+            kind, message = report[case]["outcome"]
+            assert kind == "StateMismatchError", message
+            assert "num_partitions=4" in message and "world_size=3" in message, message
+
+
+@pytest.mark.timeout(150)
+def test_eight_ranks_read_metadata_once_from_storage_and_only_their_own_leaves(
+    tmp_path: Path, no_leftover_processes: None
+) -> None:
+    partitions = 16
+    dh.launch(
+        helpers.save_both_ways, 8, tmp_path, timeout=90, partitions=partitions, steps=5, more=STEPS
+    )
+    dh.launch(
+        helpers.load_sharing_metadata, 8, tmp_path, timeout=90, partitions=partitions, steps=STEPS
+    )
+    metadata = _metadata_of(tmp_path / "dcp")
+    metadata_size = (tmp_path / "dcp" / ".metadata").stat().st_size
+    for rank in range(8):
+        report = _read(tmp_path / f"shared_rank{rank}.json")
+        own = sum(
+            metadata.storage_data[MetadataIndex(f"loader.{slot_key(s)}")].length
+            for s in rank_slots(rank, 8, partitions)
+        )
+        assert report == {"metadata": metadata_size if rank == 0 else 0, "data": own}, rank
+        got = torch.load(tmp_path / f"shared{rank}.pt", weights_only=True)
+        assert got == torch.load(tmp_path / f"saved{rank}.pt", weights_only=True), rank
