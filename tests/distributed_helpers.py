@@ -693,10 +693,12 @@ def scale_restore(
     steps: int,
     ways: tuple[str, ...],
 ) -> None:
-    """Restore a fresh loader through each of ``ways`` (files, full_list, scatter, dcp),
-    counting this rank's bytes read, and record the next ``steps`` batches' keys."""
+    """Restore a fresh loader through each of ``ways`` (files, full_list, scatter, dcp,
+    dcp_shared), counting this rank's bytes read from storage, and record the next ``steps``
+    batches' keys."""
     import torch.distributed.checkpoint as dcp
 
+    from energy_loader.dcp import LoadPlanner, SharedMetadataReader
     from energy_loader.state.rank_file import ReadTally
     from energy_loader.testing.storage import CountingReader
 
@@ -712,9 +714,14 @@ def scale_restore(
             seconds = time.perf_counter() - began
             read = tally.bytes
             extra = {"files": tally.files}
-        elif way == "dcp":
+        elif way in ("dcp", "dcp_shared"):
+            # dcp_shared: the .metadata read once, by rank 0, and broadcast to the others.
             reader = CountingReader(workdir / "dcp")
-            dcp.load({"loader": loader}, storage_reader=reader)
+            if way == "dcp":
+                dcp.load({"loader": loader}, storage_reader=reader)
+            else:
+                shared = SharedMetadataReader(reader)
+                dcp.load({"loader": loader}, storage_reader=shared, planner=LoadPlanner())
             seconds = time.perf_counter() - began
             read = reader.bytes_read
             extra = {"metadata": reader.metadata_bytes}

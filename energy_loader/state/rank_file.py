@@ -1,34 +1,35 @@
 """Per-rank state files that a resized job reads partition by partition.
 
 A rank's state file (what :func:`energy_loader.save_state_rank_file` writes) is a ZIP archive
-of three JSON members, stored uncompressed, so that a rank restoring on another layout reads
-the small header of each file it needs and the byte ranges of the partitions it now runs,
-not whole files::
+of three members, in this order, so that a rank restoring on another layout reads the small
+header of each file it needs and the byte ranges of the partitions it now runs, not whole
+files::
 
     rank.json         {"format": "energy_loader.rank_file", "version": 1,
                        "state_version": 2,
                        "state": <the rank state (of that version) without its format tag,
                                  "version", "config" and "partitions">,
                        "config_digest": "<SHA-256 of config.json, 16 hex digits>",
-                       "config_bytes": 2113,
-                       "slots": [3, 11, ...], "sizes": [7042, ...], "crc32": [...]}
+                       "slots": [3, 11, ...], "sizes": [2874, ...], "crc32": [...]}
+    partitions        (stored) each partition's entry as JSON, compressed with DEFLATE on
+                      its own, one after the other in the order of "slots", each of "sizes"
+                      bytes; "crc32" is the CRC-32 of each one's JSON
     config.json       the pipeline's config (the same on every rank of a save)
-    partitions.jsonl  one partition's entry per line, in the order of "slots", each of
-                      "sizes" bytes (and a newline), checked by its "crc32"
 
-A slot is a partition's place in the job's stream from its rank's position (rank_state.py):
-rank ``r`` of ``R`` holds slots ``r, r + R, ...``, so a rank of any layout knows which files
-and which slots it needs from the files' names and one header. A state that is not a
-pipeline's rank state (a drop-in loader's: small and whole) goes whole into ``"state"``,
-without ``"slots"`` or the other members.
+``rank.json`` and ``config.json`` are ordinary deflated members (``unzip -p FILE rank.json``
+prints the header). A slot is a partition's place in the job's stream from its rank's
+position (rank_state.py): rank ``r`` of ``R`` holds slots ``r, r + R, ...``, so a rank of any
+layout knows which files and which slots it needs from the files' names and one header. A
+state that is not a pipeline's rank state (a drop-in loader's: small and whole) goes whole
+into ``"state"``, without ``"slots"`` or the other members.
 
 Integrity: ZIP's CRC-32 of ``rank.json`` and ``config.json`` is checked on every read, the
-config also by its digest (one restore reads it from one file and checks that the others record
-the same digest), and each partition's bytes by the CRC-32 recorded for its slot. A damaged
-file is a ``StateFormatError``, never a wrong state. Nothing is unpickled: every member is
-JSON. Files are written atomically (:func:`~energy_loader.state.atomic.write_atomically`), and
-``unzip -p FILE rank.json`` shows a header. Files of the first format (a ``torch.save``
-checkpoint file, :mod:`energy_loader.state.checkpoint`) are still read, whole.
+config also by its digest (one restore reads it from one file and checks that the others
+record the same digest), and each partition by the CRC-32 recorded for its slot. A damaged
+file is a ``StateFormatError``, never a wrong state. Nothing is unpickled: everything is JSON.
+Files are written atomically (:func:`~energy_loader.state.atomic.write_atomically`). Files of
+the first format (a ``torch.save`` checkpoint file, :mod:`energy_loader.state.checkpoint`)
+are still read, whole.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ RANK_FILE_VERSION = 1
 
 _HEADER = "rank.json"
 _CONFIG = "config.json"
-_PARTITIONS = "partitions.jsonl"
+_PARTITIONS = "partitions"
 # A fixed timestamp: the same state gives the same bytes.
 _EPOCH = (1980, 1, 1, 0, 0, 0)
 _ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
@@ -146,19 +147,22 @@ def write_rank_file(path: str | os.PathLike[str], state: dict[str, Any]) -> Path
         header["state_version"] = plain.pop("version")
         header["state"] = {k: v for k, v in plain.items() if k not in ("format", "config")}
         header["config_digest"] = _digest(config)
-        header["config_bytes"] = len(config)
-        lines = [_ENCODE(entry.to_plain()).encode() for entry in decoded.partitions]
+        texts = [_ENCODE(entry.to_plain()).encode() for entry in decoded.partitions]
+        packed = [_deflate(text) for text in texts]
         header["slots"] = [decoded.slot_of(entry.partition) for entry in decoded.partitions]
-        header["sizes"] = [len(line) for line in lines]
-        header["crc32"] = [zlib.crc32(line) for line in lines]
-        members = [(_CONFIG, config), (_PARTITIONS, b"".join(line + b"\n" for line in lines))]
+        header["sizes"] = [len(data) for data in packed]
+        header["crc32"] = [zlib.crc32(text) for text in texts]
+        members = [(_PARTITIONS, b"".join(packed)), (_CONFIG, config)]
     else:
         header["state"] = state
     members.insert(0, (_HEADER, _ENCODE(header).encode()))
     buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+    with zipfile.ZipFile(buffer, "w") as archive:
         for name, data in members:
-            archive.writestr(zipfile.ZipInfo(name, _EPOCH), data)
+            info = zipfile.ZipInfo(name, _EPOCH)
+            # The partitions are deflated one by one (to be read one by one), the rest whole.
+            info.compress_type = zipfile.ZIP_STORED if name == _PARTITIONS else zipfile.ZIP_DEFLATED
+            archive.writestr(info, data)
     return write_atomically(path, buffer.getbuffer())
 
 
@@ -173,11 +177,11 @@ class RankFile:
 
     The members are found by the archive's layout rather than its central directory, which a
     reader would otherwise fetch from the file's end: ``rank.json`` is the first member, at
-    offset 0, and each member's local header gives its size, so opening reads the first
-    local header and ``rank.json``, and a partition costs the read of its bytes alone.
-    Members are written without extra fields, so where one ends the next begins; every
-    member's CRC-32 (and each partition's) is checked, so a file laid out otherwise is a
-    ``StateFormatError``, never a wrong read.
+    offset 0, and its local header gives its size, so opening reads that header and
+    ``rank.json``; the partitions' data follows (at a known offset: members are written
+    without extra fields), so a partition costs the read of its own bytes, and the config's
+    member follows them. Every member's CRC-32 (and each partition's) is checked, so a file
+    laid out otherwise is a ``StateFormatError``, never a wrong read.
     """
 
     def __init__(self, path: str | os.PathLike[str], tally: ReadTally | None = None) -> None:
@@ -185,20 +189,20 @@ class RankFile:
         if tally is not None:
             tally.files += 1
         self._source: _CountingFile | None = _CountingFile(self.path, tally)
-        self._config_at = 0  # the offset of config.json's local header: after rank.json
-        self._partitions_at = 0  # the offset of the partitions' data: after config.json
+        self._partitions_at = 0  # where the partitions' data starts: after rank.json's
+        self._config_at = 0  # the offset of config.json's local header: after the partitions
         self.slots: dict[str, tuple[int, int, int]] = {}
         self.split = False
         self.config_digest = ""
         try:
-            name, data, self._config_at = self._read_member(0, _HEADER)
+            name, data, header_end = self._read_member(0, _HEADER)
             if name != _HEADER:  # the first format: a torch.save checkpoint file
                 self.close()
                 if tally is not None:
                     tally.bytes += self.path.stat().st_size
                 self.header: dict[str, Any] = load_checkpoint(self.path)
                 return
-            self._parse_header(data)
+            self._parse_header(data, header_end)
         except BaseException:
             self.close()
             raise
@@ -228,10 +232,13 @@ class RankFile:
         name = self._read_range(start, fields[_NAME_LENGTH]).decode("utf-8", "replace")
         if name != expected:
             return name, b"", -1
-        if fields[_METHOD] != zipfile.ZIP_STORED or fields[_EXTRA_LENGTH]:
-            raise self._fail(f"member {name} is compressed or has extra fields")
+        method = fields[_METHOD]
+        if method not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) or fields[_EXTRA_LENGTH]:
+            raise self._fail(f"member {name} has compression method {method} or extra fields")
         data_start = start + fields[_NAME_LENGTH]
         data = self._read_range(data_start, fields[_SIZE])
+        if method == zipfile.ZIP_DEFLATED:
+            data = _inflate(data, self._where(name))
         if zlib.crc32(data) != fields[_CRC]:
             raise StateFormatError(
                 f"{self._where(name)} is damaged (the file was changed after writing): its "
@@ -239,7 +246,7 @@ class RankFile:
             )
         return name, data, data_start + fields[_SIZE]
 
-    def _parse_header(self, data: bytes) -> None:
+    def _parse_header(self, data: bytes, end: int) -> None:
         where = self._where(_HEADER)
         record = json_leaf(data.decode("utf-8", "replace"), where)
         reader = StateReader(record, where)
@@ -260,15 +267,7 @@ class RankFile:
             **self.header,
         }
         self.config_digest = reader.str("config_digest")
-        config_bytes = reader.int("config_bytes")
-        self._partitions_at = (
-            self._config_at
-            + _LOCAL_HEADER.size
-            + len(_CONFIG)
-            + config_bytes
-            + _LOCAL_HEADER.size
-            + len(_PARTITIONS)
-        )
+        self._partitions_at = end + _LOCAL_HEADER.size + len(_PARTITIONS)
         slots, sizes, crcs = reader.list("slots"), reader.list("sizes"), reader.list("crc32")
         if not len(slots) == len(sizes) == len(crcs) or not all(
             isinstance(n, int) and n >= 0 for n in (*slots, *sizes, *crcs)
@@ -280,7 +279,8 @@ class RankFile:
         offset = 0
         for slot, size, crc in zip(slots, sizes, crcs):
             self.slots[slot_key(slot)] = (offset, size, crc)
-            offset += size + 1  # and its newline
+            offset += size
+        self._config_at = self._partitions_at + offset
 
     def _where(self, name: str) -> str:
         return f"{self.path}:{name}"
@@ -311,7 +311,7 @@ class RankFile:
             if key not in self.slots:
                 raise KeyError(f"{self.path} holds no {key!r} (it holds {sorted(self.slots)})")
             offset, length, crc = self.slots[key]
-            data = self._read_range(self._partitions_at + offset, length)
+            data = _inflate(self._read_range(self._partitions_at + offset, length), key)
             if zlib.crc32(data) != crc:
                 raise StateFormatError(
                     f"{self._where(_PARTITIONS)}: {key}'s bytes are damaged (the file was "
@@ -340,6 +340,21 @@ class RankFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _deflate(data: bytes) -> bytes:
+    """``data`` compressed with raw DEFLATE (no zlib header: ZIP's own method)."""
+    packer = zlib.compressobj(6, zlib.DEFLATED, -15)
+    return packer.compress(data) + packer.flush()
+
+
+def _inflate(data: bytes, where: str) -> bytes:
+    try:
+        return zlib.decompress(data, -15)
+    except zlib.error as error:
+        raise StateFormatError(
+            f"{where} is damaged (the file was changed after writing): {error}"
+        ) from None
 
 
 def _digest(data: bytes) -> str:

@@ -62,7 +62,7 @@ def test_a_rank_file_holds_the_state_save_state_rank_returned(tmp_path: Path) ->
     path = write_rank_file(tmp_path / "rank.pt", state)
     assert read_rank_file(path) == json.loads(json.dumps(state))
     with zipfile.ZipFile(path) as archive:  # a plain ZIP of JSON: `unzip -p FILE rank.json`
-        assert archive.namelist() == ["rank.json", "config.json", "partitions.jsonl"]
+        assert archive.namelist() == ["rank.json", "partitions", "config.json"]
         header = json.loads(archive.read("rank.json"))
     assert sorted(header["slots"]) == [1, 5, 9]  # rank 1 of 4 holds slots 1, 5, 9 of 12
     assert "config" not in header["state"] and "partitions" not in header["state"]
@@ -107,7 +107,7 @@ def test_damage_to_any_byte_a_restore_reads_is_caught(tmp_path: Path) -> None:
     with RankFile(files[1]) as file:
         offset, length, _ = file.slots["slot_00003"]  # rank 0 of 3 runs slot 3: rank 1's
         in_partition = file._partitions_at + offset + length // 2
-    config = originals[0].index(b"config.json") + len("config.json")  # read from rank 0's
+    config = originals[0].index(b"config.json") + len("config.json") + 3  # read from rank 0's
     header = originals[1].index(b"rank.json") + len("rank.json") + 5
     for rank, position in ((1, in_partition), (0, config), (1, header)):
         damaged = bytearray(originals[rank])
