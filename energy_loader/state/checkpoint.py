@@ -31,7 +31,7 @@ import torch
 
 from ..errors import StateFormatError, first_line
 from .atomic import write_atomically
-from .plain import StateReader, check_plain
+from .plain import StateReader, check_format, check_plain
 
 __all__ = ["CHECKPOINT_FORMAT", "CheckpointDirectory", "load_checkpoint", "save_checkpoint"]
 
@@ -87,14 +87,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"by energy_loader): {first_line(error) or type(error).__name__}"
         ) from error
     reader = StateReader(record, str(source))
-    if not reader.has("format") or record["format"] != CHECKPOINT_FORMAT:
-        raise StateFormatError(f"{source} is not an energy_loader checkpoint file (no format tag)")
-    version = reader.int("version")
-    if version != CHECKPOINT_VERSION:
-        raise StateFormatError(
-            f"{source} has checkpoint file version {version}; this release reads "
-            f"{CHECKPOINT_VERSION}"
-        )
+    check_format(reader, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, "checkpoint file")
     payload = reader.raw("payload")
     try:
         actual = _digest(payload)

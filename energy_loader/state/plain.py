@@ -85,6 +85,19 @@ def json_leaf(text: str, path: str) -> Any:
         raise StateFormatError(f"{path} is not valid JSON (truncated?): {error}") from None
 
 
+def check_format(reader: StateReader, name: str, version: int, what: str) -> None:
+    """``StateFormatError`` unless the dict ``reader`` reads is tagged ``"format": name`` and
+    ``"version": version`` (``what`` names the kind of thing it should be, e.g. "checkpoint
+    file")."""
+    if not reader.has("format") or reader.raw("format") != name:
+        raise StateFormatError(f"{reader.path} is not an energy_loader {what} (no {name!r} tag)")
+    found = reader.int("version")
+    if found != version:
+        raise StateFormatError(
+            f"{reader.path} is {what} version {found}; this release reads {version}"
+        )
+
+
 class StateReader:
     """Typed, path-aware access to one dict of a saved state."""
 

@@ -48,7 +48,7 @@ from typing import Any
 from ..errors import StateFormatError
 from .atomic import write_atomically
 from .checkpoint import load_checkpoint
-from .plain import StateReader, check_plain, json_leaf
+from .plain import StateReader, check_format, check_plain, json_leaf
 from .rank_state import RANK_STATE_FORMAT, RankState, slot_key
 
 __all__ = [
@@ -250,13 +250,7 @@ class RankFile:
         where = self._where(_HEADER)
         record = json_leaf(data.decode("utf-8", "replace"), where)
         reader = StateReader(record, where)
-        if not reader.has("format") or record["format"] != RANK_FILE_FORMAT:
-            raise StateFormatError(f"{where} has no {RANK_FILE_FORMAT!r} format tag")
-        version = reader.int("version")
-        if version != RANK_FILE_VERSION:
-            raise StateFormatError(
-                f"{where} is rank file version {version}; this release reads {RANK_FILE_VERSION}"
-            )
+        check_format(reader, RANK_FILE_FORMAT, RANK_FILE_VERSION, "rank state file")
         self.header = _dict(reader.raw("state"), f"{where}.state")
         self.split = reader.has("slots")
         if not self.split:
