@@ -89,6 +89,9 @@ def test_demo_kills_resumes_and_proves_identity(demo_run) -> None:
     assert "VERDICT: IDENTICAL" in result.stdout
 
 
+# A second demo run (~20 s): slow. The demo's kill and resume run above; a state saved after an
+# epoch's last item restoring to "epoch over" is test_epoch_boundaries' (0 and 2 workers).
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_demo_resumed_from_an_epochs_last_batch_runs_each_epoch_once(demo_run, tmp_path) -> None:
     # Checkpoints land on epoch 0's last step, and the kill comes just after it: the resumed
