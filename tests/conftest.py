@@ -1,4 +1,6 @@
-"""Shared fixtures: deterministic hypothesis profiles and a check for leftover processes."""
+"""Shared fixtures: deterministic hypothesis profiles, a check for leftover processes, and the
+``slow`` marker (left out of the default run; ``--run-slow`` or ENERGY_LOADER_RUN_SLOW=1 runs
+it, and naming a slow test on the command line runs that test)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,42 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("ENERGY_LOADER_HYPOTHESIS", "ci"))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--run-slow",
+        action="store_true",
+        default=False,
+        help="also run the tests marked slow (CI runs them in a step of their own: "
+        "--run-slow -m slow); ENERGY_LOADER_RUN_SLOW=1 does the same",
+    )
+
+
+def _runs_slow(config: pytest.Config) -> bool:
+    return config.getoption("--run-slow") or os.environ.get("ENERGY_LOADER_RUN_SLOW") == "1"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect (and count as deselected) the slow tests unless asked for; a test named on the
+    command line (``tests/x.py::test_y``, or one of its parameters) always runs."""
+    if _runs_slow(config):
+        return
+    named = [arg.split("::", 1)[1] for arg in config.args if "::" in arg]
+
+    def is_named(item: pytest.Item) -> bool:
+        test = item.nodeid.split("::", 1)[1]
+        return any(test == n or test.startswith((f"{n}[", f"{n}::")) for n in named)
+
+    keep, slow = [], []
+    for item in items:
+        if item.get_closest_marker("slow") is None or is_named(item):
+            keep.append(item)
+        else:
+            slow.append(item)
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = keep
 
 
 @pytest.fixture

@@ -154,6 +154,7 @@ def test_vision_pipeline_resumes_pixel_for_pixel(vision_data, workers: int, one_
     assert report.stop_points == tuple(stops)
 
 
+@pytest.mark.slow  # test_cli runs the bench end to end; the llm pipeline resumes exactly above
 @pytest.mark.timeout(280)
 def test_bench_runs_the_llm_workload_at_a_tiny_size(cache, llm_data, tmp_path) -> None:
     command = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -17,6 +18,58 @@ def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
         text=True,
         timeout=timeout,
     )
+
+
+# Runs ``python -m energy_loader ARGS`` for each ARGS of argv[1] (JSON) in this one interpreter,
+# as ``-m`` does (runpy, alter_sys), and prints each run's exit code, stdout and stderr (JSON).
+_MANY = """
+import contextlib, io, json, runpy, sys
+runs = []
+for args in json.loads(sys.argv[1]):
+    sys.argv = ["energy_loader", *args]
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module("energy_loader", run_name="__main__", alter_sys=True)
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+    runs.append([code, out.getvalue(), err.getvalue()])
+print(json.dumps(runs))
+"""
+
+
+def _run_many(*commands: tuple[str, ...], timeout: float = 120) -> list:
+    """Each command's returncode, stdout and stderr (a ``CompletedProcess``), from one process:
+    the commands that only parse arguments cost one torch import, not one each."""
+    result = subprocess.run(
+        [sys.executable, "-c", _MANY, json.dumps(commands)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr
+    return [
+        subprocess.CompletedProcess(["energy_loader", *command], code, out, err)
+        for command, (code, out, err) in zip(commands, json.loads(result.stdout), strict=True)
+    ]
+
+
+_HELP_COMMANDS = {
+    "top": (),
+    "demo": ("demo",),
+    "bench": ("bench",),
+    "inspect": ("inspect",),
+    "replay": ("replay",),
+    "index": ("index",),
+}
+_USAGE_COMMANDS = ((), ("frobnicate",))
+
+
+@pytest.fixture(scope="module")
+def cli_runs() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+    """The help of every command and the usage errors, keyed by the arguments."""
+    commands = [(*c, "--help") for c in _HELP_COMMANDS.values()] + list(_USAGE_COMMANDS)
+    return dict(zip(commands, _run_many(*commands), strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +89,9 @@ def test_demo_kills_resumes_and_proves_identity(demo_run) -> None:
     assert "VERDICT: IDENTICAL" in result.stdout
 
 
+# A second demo run (~20 s): slow. The demo's kill and resume run above; a state saved after an
+# epoch's last item restoring to "epoch over" is test_epoch_boundaries' (0 and 2 workers).
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_demo_resumed_from_an_epochs_last_batch_runs_each_epoch_once(demo_run, tmp_path) -> None:
     # Checkpoints land on epoch 0's last step, and the kill comes just after it: the resumed
@@ -69,24 +125,24 @@ def test_inspect_reads_a_checkpoint_the_demo_wrote(demo_run) -> None:
 def test_inspect_refuses_garbage_with_one_line_and_exit_2(tmp_path) -> None:
     garbage = tmp_path / "x.pt"
     garbage.write_bytes(b"\x00not a checkpoint")
-    result = _run("inspect", str(garbage))
+    result, missing = _run_many(
+        ("inspect", str(garbage)), ("inspect", str(tmp_path / "missing.pt"))
+    )
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1
-    assert _run("inspect", str(tmp_path / "missing.pt")).returncode == 2
+    assert missing.returncode == 2
 
 
 @pytest.mark.timeout(60)
-def test_usage() -> None:
-    assert _run().returncode == 2
-    assert _run("frobnicate").returncode == 2
-    help_text = _run("demo", "--help").stdout
+def test_usage(cli_runs) -> None:
+    assert cli_runs[()].returncode == 2
+    assert cli_runs[("frobnicate",)].returncode == 2
+    help_text = cli_runs[("demo", "--help")].stdout
     assert "--kill-step" in help_text and "--workers" in help_text
 
 
 @pytest.mark.timeout(300)
 def test_bench_at_tiny_sizes_writes_every_field(tmp_path) -> None:
-    import json
-
     options = ["--samples", "2048", "--repetitions", "1", "--out", str(tmp_path)]
     result = _run("bench", *options, timeout=280)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -116,27 +172,17 @@ def test_bench_at_tiny_sizes_writes_every_field(tmp_path) -> None:
 _MARKUP = ("``", ":func:", ":class:", ":meth:", ":mod:", ":data:")
 
 
-@pytest.mark.parametrize(
-    "command",
-    [
-        [],
-        ["demo"],
-        ["bench"],
-        ["inspect"],
-        ["replay"],
-        ["index"],
-    ],
-    ids=["top", "demo", "bench", "inspect", "replay", "index"],
-)
-def test_help_is_plain_text(command: list[str]) -> None:
-    result = _run(*command, "--help", timeout=60)
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("command", list(_HELP_COMMANDS.values()), ids=list(_HELP_COMMANDS))
+def test_help_is_plain_text(cli_runs, command: tuple[str, ...]) -> None:
+    result = cli_runs[(*command, "--help")]
     assert result.returncode == 0, result.stderr
     assert "usage:" in result.stdout
     found = [markup for markup in _MARKUP if markup in result.stdout]
     assert not found, f"help of {command} shows docstring markup {found}:\n{result.stdout}"
 
 
-def test_bench_peers_runs_from_its_place_beside_the_package() -> None:
+def test_bench_peers_runs_from_its_place_beside_the_package(cli_runs) -> None:
     """``benchmarks/bench_peers.py`` (a script, not a command of the installed package) finds
     its adapters and the runner from where it lives; its help is plain text too."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_peers.py"
@@ -148,4 +194,4 @@ def test_bench_peers_runs_from_its_place_beside_the_package() -> None:
     assert "--peer-venvs" in result.stdout and "--workload" in result.stdout
     found = [markup for markup in _MARKUP if markup in result.stdout]
     assert not found, f"help of bench_peers.py shows docstring markup {found}:\n{result.stdout}"
-    assert "--peer-venvs" not in _run("bench", "--help", timeout=60).stdout
+    assert "--peer-venvs" not in cli_runs[("bench", "--help")].stdout

@@ -156,7 +156,13 @@ def test_restore_replays_at_most_one_checkpoint_interval_plus_in_flight(fraction
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+@pytest.mark.parametrize(
+    # spawn starts every worker of every epoch from a fresh interpreter (~40 s of imports on
+    # 2 cores): slow. forkserver ships the same lambdas with dill to processes without the
+    # parent's memory, and test_transport's [spawn] case runs spawned workers by default.
+    "method",
+    [pytest.param("spawn", marks=pytest.mark.slow), "forkserver"],
+)
 def test_spawn_and_forkserver_ship_lambdas_with_dill(method: str) -> None:
     def build() -> el.SavableDataset:
         offset = 1000

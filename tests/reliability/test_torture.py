@@ -5,6 +5,9 @@ a subprocess of its own session; it is killed with its workers at random steps a
 middle of checkpoint writes, ENERGY_LOADER_TORTURE_KILLS times (20 by default), and restarted
 each time from the newest intact checkpoint. Every step any run logged must equal the
 uninterrupted run's step, and together the runs must cover every step exactly once.
+
+The 20-kill run is marked slow (CI runs it in its own step); the default run kills the same
+job twice, once in a checkpoint write and once at a step, with the same checks.
 """
 
 from __future__ import annotations
@@ -50,9 +53,10 @@ def _records(log: Path) -> tuple[list[dict], dict]:
     return steps, header
 
 
-@pytest.mark.timeout(900)
-def test_repeated_sigkills_lose_and_repeat_nothing(tmp_path) -> None:
-    kills_wanted = int(os.environ.get("ENERGY_LOADER_TORTURE_KILLS", "20"))
+def _torture(tmp_path: Path, kills_wanted: int, kinds: tuple[str, ...] = ()) -> tuple[int, int]:
+    """Kill the job ``kills_wanted`` times, then check every run against the uninterrupted one.
+    ``kinds`` ("save" or "step") fixes what each kill is; past its end the kind is random.
+    Returns the kills and how many of them came during checkpoint writes."""
     assert _run(tmp_path / "reference-ckpt", tmp_path / "reference.jsonl") == 0
     reference, _ = _records(tmp_path / "reference.jsonl")
     total = len(reference)
@@ -66,7 +70,8 @@ def test_repeated_sigkills_lose_and_repeat_nothing(tmp_path) -> None:
         logs.append(log)
         plan: list[str] = []
         if kills < kills_wanted:
-            if rng.random() < 0.5:
+            kind = kinds[kills] if kills < len(kinds) else None
+            if kind == "save" or (kind is None and rng.random() < 0.5):
                 plan = ["--kill-save", str(rng.randint(1, 4)), "--seed", str(rng.randrange(10**6))]
             else:
                 low = max(0, resume_step + 1)
@@ -105,3 +110,15 @@ def test_repeated_sigkills_lose_and_repeat_nothing(tmp_path) -> None:
     )
     assert kills >= kills_wanted
     assert not list(directory.glob(".*.tmp")), "stale temporary checkpoint files were left"
+    return kills, write_kills
+
+
+@pytest.mark.timeout(300)
+def test_two_sigkills_in_a_write_and_at_a_step_lose_and_repeat_nothing(tmp_path) -> None:
+    assert _torture(tmp_path, 2, kinds=("save", "step")) == (2, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_repeated_sigkills_lose_and_repeat_nothing(tmp_path) -> None:
+    _torture(tmp_path, int(os.environ.get("ENERGY_LOADER_TORTURE_KILLS", "20")))
