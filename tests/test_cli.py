@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_commands
+
 
 def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -18,40 +20,6 @@ def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
         text=True,
         timeout=timeout,
     )
-
-
-# Runs ``python -m energy_loader ARGS`` for each ARGS of argv[1] (JSON) in this one interpreter,
-# as ``-m`` does (runpy, alter_sys), and prints each run's exit code, stdout and stderr (JSON).
-_MANY = """
-import contextlib, io, json, runpy, sys
-runs = []
-for args in json.loads(sys.argv[1]):
-    sys.argv = ["energy_loader", *args]
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_module("energy_loader", run_name="__main__", alter_sys=True)
-        except SystemExit as exit:
-            code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
-    runs.append([code, out.getvalue(), err.getvalue()])
-print(json.dumps(runs))
-"""
-
-
-def _run_many(*commands: tuple[str, ...], timeout: float = 120) -> list:
-    """Each command's returncode, stdout and stderr (a ``CompletedProcess``), from one process:
-    the commands that only parse arguments cost one torch import, not one each."""
-    result = subprocess.run(
-        [sys.executable, "-c", _MANY, json.dumps(commands)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert result.returncode == 0, result.stderr
-    return [
-        subprocess.CompletedProcess(["energy_loader", *command], code, out, err)
-        for command, (code, out, err) in zip(commands, json.loads(result.stdout), strict=True)
-    ]
 
 
 _HELP_COMMANDS = {
@@ -69,7 +37,7 @@ _USAGE_COMMANDS = ((), ("frobnicate",))
 def cli_runs() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
     """The help of every command and the usage errors, keyed by the arguments."""
     commands = [(*c, "--help") for c in _HELP_COMMANDS.values()] + list(_USAGE_COMMANDS)
-    return dict(zip(commands, _run_many(*commands), strict=True))
+    return dict(zip(commands, run_commands(*commands), strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +93,7 @@ def test_inspect_reads_a_checkpoint_the_demo_wrote(demo_run) -> None:
 def test_inspect_refuses_garbage_with_one_line_and_exit_2(tmp_path) -> None:
     garbage = tmp_path / "x.pt"
     garbage.write_bytes(b"\x00not a checkpoint")
-    result, missing = _run_many(
+    result, missing = run_commands(
         ("inspect", str(garbage)), ("inspect", str(tmp_path / "missing.pt"))
     )
     assert result.returncode == 2

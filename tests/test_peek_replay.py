@@ -12,7 +12,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import energy_loader as el
 from energy_loader.cli.pipelines import build_loader
 from energy_loader.cli.replay import loader_and_states, parse_steps, replay
 
-from .helpers import ROOT, run_command
+from .helpers import run_command, run_commands
 from .observe_pipelines import LENGTH, build
 
 SAVE, AFTER, SEED, RANKS = 7, 24, 5, 2
@@ -143,73 +142,19 @@ def test_replay_agrees_with_the_sample_log(saved_run) -> None:
 
 def test_replay_command_line(saved_run) -> None:
     _, states, streams, path, log_dir, _, _ = saved_run
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "ENERGY_LOADER_TEST_LOG_DIR": str(log_dir)}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "energy_loader",
-            "replay",
-            "--pipeline",
-            "tests.observe_pipelines:build",
-            str(path),
-            "--rank",
-            "1",
-            "--steps",
-            "3:9",
-            "--json",
-            "--seed",
-            str(SEED),
-            "--samples",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env=env,
-    )
+    pipeline = ("--pipeline", "tests.observe_pipelines:build")
+    result, text, inspect = run_commands(
+        ("replay", *pipeline, str(path), "--rank", "1", "--steps", "3:9", "--json",
+         "--seed", str(SEED), "--samples"),
+        ("replay", *pipeline, str(path), "--steps", "2", "--seed", str(SEED)),
+        ("inspect", str(path), "--json", *pipeline),
+        ENERGY_LOADER_TEST_LOG_DIR=str(log_dir),
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     assert [r["key"] for r in rows] == streams[1][3:9]
     assert all("sample" in r for r in rows)
-    text = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "energy_loader",
-            "replay",
-            "--pipeline",
-            "tests.observe_pipelines:build",
-            str(path),
-            "--steps",
-            "2",
-            "--seed",
-            str(SEED),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env=env,
-    )
     assert text.returncode == 0 and text.stdout.startswith("step 2: ")
-    inspect = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "energy_loader",
-            "inspect",
-            str(path),
-            "--json",
-            "--pipeline",
-            "tests.observe_pipelines:build",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env=env,
-    )
     assert inspect.returncode == 0, inspect.stderr
     summaries = [json.loads(line) for line in inspect.stdout.splitlines()]
     assert [s["rank"] for s in summaries] == [0, 1]
@@ -241,7 +186,11 @@ def test_replay_on_a_folder_of_rank_files_reads_only_the_rank_it_replays(saved_r
 
 def test_inspect_on_a_folder_of_rank_files_shows_every_rank(saved_run) -> None:
     _, states, _, _, log_dir, _, folder = saved_run
-    result = _command("inspect", str(folder), "--json", log_dir=log_dir)
+    result, text = run_commands(
+        ("inspect", str(folder), "--json"),
+        ("inspect", str(folder)),
+        ENERGY_LOADER_TEST_LOG_DIR=str(log_dir),
+    )
     assert result.returncode == 0, result.stderr
     summaries = [json.loads(line) for line in result.stdout.splitlines()]
     assert [s["where"] for s in summaries] == [
@@ -251,7 +200,6 @@ def test_inspect_on_a_folder_of_rank_files_shows_every_rank(saved_run) -> None:
     assert [s["rank"] for s in summaries] == [0, 1]
     assert [s["delivered"] for s in summaries] == [SAVE, SAVE]
     assert [s["epoch"] for s in summaries] == [s["epoch"] for s in states]
-    text = _command("inspect", str(folder), log_dir=log_dir)
     assert text.returncode == 0, text.stderr
     assert "loader_rank_00001_of_00002.pt:\nformat energy_loader.rank_state" in text.stdout
     assert "rank 1 of 2," in text.stdout
@@ -259,11 +207,11 @@ def test_inspect_on_a_folder_of_rank_files_shows_every_rank(saved_run) -> None:
 
 def test_a_folder_without_rank_files_is_one_line_naming_the_files_expected(tmp_path) -> None:
     (tmp_path / "notes.txt").write_text("not a state")
-    for args in (
-        ["inspect", str(tmp_path)],
-        ["replay", "--pipeline", "tests.observe_pipelines:build", str(tmp_path)],
+    for result in run_commands(
+        ("inspect", str(tmp_path)),
+        ("replay", "--pipeline", "tests.observe_pipelines:build", str(tmp_path)),
+        ENERGY_LOADER_TEST_LOG_DIR=str(tmp_path / "log"),
     ):
-        result = _command(*args, log_dir=tmp_path / "log")
         assert result.returncode == 2
         (line,) = result.stderr.strip().splitlines()
         assert f"{tmp_path} is a folder without per-rank state files" in line

@@ -12,7 +12,7 @@ import torch
 
 import energy_loader as el
 
-from ..helpers import run_command
+from ..helpers import run_command, run_commands
 from .dropin_helpers import build_shuffled_loader
 
 _run = run_command
@@ -33,11 +33,13 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
 
 def test_inspect_describes_a_drop_in_state(saved: tuple[Path, list[Any]]) -> None:
     folder, _ = saved
-    text = _run("inspect", str(folder / "checkpoint.pt"))
+    text, as_json = run_commands(
+        ("inspect", str(folder / "checkpoint.pt")), ("inspect", "--json", str(folder / "files"))
+    )
     assert text.returncode == 0, text.stderr
     assert "epoch 0, 2 of 6 batches handed out" in text.stdout
     assert "BatchSampler(RandomSampler)" in text.stdout
-    summary = json.loads(_run("inspect", "--json", str(folder / "files")).stdout)
+    summary = json.loads(as_json.stdout)
     assert (summary["epoch"], summary["batches_handed_out"]) == (0, 2)
     assert summary["fraction_through"] == pytest.approx(2 / 6)
 
