@@ -136,11 +136,10 @@ def write_rank_file(path: str | os.PathLike[str], state: dict[str, Any]) -> Path
     """
     if not isinstance(state, dict):
         raise TypeError(f"`state` must be a dict of plain data (got {type(state).__name__})")
-    check_plain(state, "state")
     header: dict[str, Any] = {"format": RANK_FILE_FORMAT, "version": RANK_FILE_VERSION}
     members: list[tuple[str, bytes]] = []
     if state.get("format") == RANK_STATE_FORMAT:
-        decoded = RankState.from_plain(state)
+        decoded = RankState.from_plain(state)  # checks that it is plain data, too
         config = _ENCODE(decoded.config).encode()
         # The rank state's own format tag and version go into the file's header, once.
         plain = decoded.to_plain(with_partitions=False)
@@ -154,6 +153,7 @@ def write_rank_file(path: str | os.PathLike[str], state: dict[str, Any]) -> Path
         header["crc32"] = [zlib.crc32(text) for text in texts]
         members = [(_PARTITIONS, b"".join(packed)), (_CONFIG, config)]
     else:
+        check_plain(state, "state")
         header["state"] = state
     members.insert(0, (_HEADER, _ENCODE(header).encode()))
     buffer = io.BytesIO()
