@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from .errors import StateFormatError, StateMismatchError, WorkerError
-from .loader.protocols import RankStateProtocols
+from .loader.protocols import RankStateProtocols, missing_slots_error
 from .process_groups import check_group_layout, data_parallel_layout, process_group_initialized
 from .state.plain import StateReader
 from .state.rank_file import RankFile, ReadTally, write_rank_file
@@ -613,11 +613,12 @@ def _slot_states(
             )
         missing = [key for key in keys if key not in file.slots]
         if missing:
-            loader._raise_missing_slots(
+            raise missing_slots_error(
+                loader.worker_config,
                 missing,
+                saved.num_partitions,
                 f"{file.path} does not hold (it holds {len(file.slots)} slots): files of "
                 "different saves mixed?",
-                saved,
             )
         header = {**file.header, "config": config}
         for key, entry in file.partitions(keys).items():

@@ -29,7 +29,19 @@ if TYPE_CHECKING:
     from .planner import Planner
     from .savable_loader import SavableDataLoader
 
-__all__ = ["RankStateProtocols"]
+__all__ = ["RankStateProtocols", "missing_slots_error"]
+
+
+def missing_slots_error(
+    config: WorkerConfig, missing: list[str], saved_partitions: int, where: str
+) -> StateMismatchError:
+    """The refusal for slots a rank runs that the saved leaves or files lack (``where``
+    completes the sentence: what lacks them, and what to do)."""
+    return StateMismatchError(
+        f"rank {config.rank} of world_size={config.world_size} runs slots "
+        f"{missing[:4]}{' ...' if len(missing) > 4 else ''} of the saved "
+        f"num_partitions={saved_partitions}, which {where}"
+    )
 
 
 class RankStateProtocols:
@@ -136,15 +148,16 @@ class RankStateProtocols:
         wanted = self.slots_to_run(first)
         missing = [key for key in wanted if key not in entries]
         if missing:
-            self._raise_missing_slots(
+            raise missing_slots_error(
+                self.worker_config,
                 missing,
+                first.num_partitions,
                 f"the state_dict lacks (it holds {len(entries)} leaves). A "
                 "torch.distributed.checkpoint load fills the slots a fresh loader lists for its "
                 f"own num_partitions={self._planner.num_partitions}: build the loader with "
                 f"num_partitions={first.num_partitions}, or load with "
                 "planner=energy_loader.dcp.LoadPlanner() (it lists the saved count's slots); "
                 "otherwise pass every rank's state_dict leaves",
-                first,
             )
         return self.states_of_slots({key: entries[key] for key in wanted})
 
@@ -159,14 +172,6 @@ class RankStateProtocols:
         return [
             slot_key(s) for s in rank_slots(config.rank, config.world_size, planner.num_partitions)
         ]
-
-    def _raise_missing_slots(self, missing: list[str], where: str, saved: RankState) -> None:
-        config = self.worker_config
-        raise StateMismatchError(
-            f"rank {config.rank} of world_size={config.world_size} runs slots "
-            f"{missing[:4]}{' ...' if len(missing) > 4 else ''} of the saved "
-            f"num_partitions={saved.num_partitions}, which {where}"
-        )
 
     def states_of_slots(self, leaves: dict[str, Any]) -> list[RankState]:
         """The saved rank states holding the slots this rank runs, from their leaves (JSON
