@@ -291,9 +291,10 @@ class ElasticJobMachine(RuleBasedStateMachine):
     """A job on one layout, saved and restored onto another layout at any step, repeatedly.
 
     The model is the job's stream ``G`` of an endless pipeline, computed on one rank in one
-    process; after every step of every rank the streams must have continued ``G`` exactly,
-    whether the states went through restore_state_global or through the partition leaves of
-    state_dict() (the torch.distributed.checkpoint form).
+    process (60 steps: the source's epochs over and over); after every step of every rank the
+    streams must have continued ``G`` exactly, whether the states went through
+    restore_state_global, through the partition leaves of state_dict() (the
+    torch.distributed.checkpoint form) or through per-rank files (each rank reading its slots).
     """
 
     @initialize(layout=st.sampled_from([(1, 0), (2, 0), (1, 2), (2, 2), (4, 0), (1, 3)]))
@@ -315,22 +316,28 @@ class ElasticJobMachine(RuleBasedStateMachine):
 
     @rule(
         layout=st.sampled_from([(1, 0), (2, 0), (1, 1), (2, 1), (4, 0), (1, 3), (2, 2)]),
-        via_leaves=st.booleans(),
+        via=st.sampled_from(["list", "leaves", "files"]),
     )
-    def move(self, layout: tuple[int, int], via_leaves: bool) -> None:
-        if via_leaves:
-            leaves: dict[str, str] = {}
+    def move(self, layout: tuple[int, int], via: str) -> None:
+        leaves: dict[str, str] = {}
+        states = []
+        with tempfile.TemporaryDirectory() as folder:
             for loader in self.loaders:
-                leaves.update(loader.state_dict())
-        else:
-            states = [json.loads(json.dumps(loader.save_state_rank())) for loader in self.loaders]
-        _close(self.loaders)
-        self.loaders = _loaders(self.build, *layout, _MACHINE_PARTITIONS)
-        for loader in self.loaders:
-            if via_leaves:
-                loader.load_state_dict(leaves)
-            else:
-                loader.restore_state_global(states)
+                if via == "leaves":
+                    leaves.update(loader.state_dict())
+                elif via == "files":
+                    eld.save_state_rank_file(loader, folder)
+                else:
+                    states.append(json.loads(json.dumps(loader.save_state_rank())))
+            _close(self.loaders)
+            self.loaders = _loaders(self.build, *layout, _MACHINE_PARTITIONS)
+            for loader in self.loaders:
+                if via == "leaves":
+                    loader.load_state_dict(leaves)
+                elif via == "files":
+                    eld.restore_state_rank_file(loader, folder)
+                else:
+                    loader.restore_state_global(states)
         self.iterators = [iter(loader) for loader in self.loaders]
 
     def teardown(self) -> None:
