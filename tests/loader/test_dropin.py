@@ -455,7 +455,12 @@ def test_save_and_restore_global_on_the_same_world_size() -> None:
     restored = el.SavableDataLoader(TENSORS, batch_size=4, shuffle=True)
     restored.restore_state_global(states)
     assert_same(list(restored), list(iterator))
-    two = [{**states[0], "world_size": 2}, {**states[0], "rank": 1, "world_size": 2}]
+    two = []
+    for rank in range(2):  # a 2-rank job's states (each rank's own loader, no process group)
+        config = el.WorkerConfig(rank=rank, world_size=2)
+        ranked = el.SavableDataLoader(TENSORS, batch_size=4, shuffle=True, worker_config=config)
+        next(iter(ranked))
+        two.append(ranked.save_state_rank())
     with pytest.raises(StateMismatchError, match="same world size"):
         el.SavableDataLoader(TENSORS, batch_size=4, shuffle=True).restore_state_global(two)
 

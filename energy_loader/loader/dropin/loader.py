@@ -63,7 +63,11 @@ class DropInDataLoader(SavableDataLoader):
     python ``random``, numpy's and torch's global RNGs are seeded from (epoch seed, index)
     before each ``__getitem__``, so random augmentation comes back identical after a restore;
     False leaves workers seeded as torch seeds them, and a restored ``__getitem__`` then draws
-    other numbers), ``items_per_transfer`` (most batches a worker sends in one trip), the
+    other numbers), ``verify_restore`` (default True: a restore re-runs the sampler to the
+    saved position and checks it against the state's proof -- the last batch's indices, the
+    sampler's generators at an epoch's end -- raising ``StateMismatchError`` if it re-made
+    another stream; False continues from the re-derived position unchecked),
+    ``items_per_transfer`` (most batches a worker sends in one trip), the
     ``transport_*`` options, ``worker_config`` (rank and world size; default from the
     environment). The other options of :class:`SavableDataLoader` are accepted for a
     one-word change and apply to iterable datasets (``checkpoint_every_n_samples``, ...).
@@ -108,6 +112,7 @@ class DropInDataLoader(SavableDataLoader):
         num_partitions: int | None = None,
         stall_warning: Any = True,
         seed_per_sample: bool = True,
+        verify_restore: bool = True,
     ) -> None:
         if isinstance(dataset, SavableDataset):
             raise TypeError(
@@ -134,6 +139,7 @@ class DropInDataLoader(SavableDataLoader):
             in_order=in_order,
         )
         require_bool(seed_per_sample, "seed_per_sample")
+        require_bool(verify_restore, "verify_restore")
         require_int(items_per_transfer, "items_per_transfer", minimum=1)
         validate_transport_settings(transport_codec, transport_inline_bytes, transport_arena_bytes)
         self.seed_per_sample = seed_per_sample
@@ -179,6 +185,7 @@ class DropInDataLoader(SavableDataLoader):
                 seed_per_sample=seed_per_sample,
                 items_per_transfer=items_per_transfer,
                 transport=transport,
+                verify_restore=verify_restore,
             )
 
     # -- iteration -------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
@@ -42,6 +43,18 @@ from ...workers.bundling import BUNDLE_SECONDS, bundle_bytes
 from ...workers.fetch import BatchFetcher, FetchResult, FetchTask, WorkerInit
 from ..planner import Dealing
 from ..progress import MAX_HELD_BACK
+from .position import (
+    Proof,
+    Replayed,
+    Units,
+    own_generators_digest,
+    plain_unit,
+    positioned_iterator,
+    saved_after_last_batch,
+    start_of,
+    unit_digest,
+    verify_replay,
+)
 from .sampling import (
     EpochStart,
     PrivateGlobal,
@@ -50,7 +63,6 @@ from .sampling import (
     epoch_global_state,
     epoch_seed,
     job_seed,
-    positioned_iterator,
     stateful_part,
 )
 from .state import JobStart, MapState, check_config
@@ -79,7 +91,7 @@ class _Epoch:
         self.ended = False  # its iterator reported the end (StopIteration)
         # A restored epoch: the positioned sampler iterator, and the loader's own generator
         # states to put back at the first pull (after the engine drew its base seed).
-        self.resume: tuple[Iterator[Any], list[torch.Tensor]] | None = None
+        self.resume: tuple[Units, list[torch.Tensor]] | None = None
         # A Stateful sampler's state_dict() after each unit pulled (by units pulled).
         self.snapshots: dict[int, Any] = {}
         # The base of the epoch's per-sample seeds, and the sampler's own stream of torch's
@@ -93,6 +105,12 @@ class _Epoch:
         self.units: int | None = None
         self.distributed_plain: tuple[Dealing, dict[str, int]] | None = None
         self.resumed = False  # continues a restored state's epoch (not a fresh one)
+        # The self-check's record (position.Proof): the units pulled and not yet long handed
+        # out, as (number, unit), and the digest of the sampler's generators at the epoch's
+        # end ("" until then).
+        self.recent: collections.deque[tuple[int, Any]] = collections.deque()
+        self.end_proof = ""
+        self.proven: tuple[int, Proof] | None = None  # the last proof made, by units used
 
     def sampling(self) -> contextlib.AbstractContextManager[Any]:
         """The context the sampler draws in: its private global stream, if it has one."""
@@ -122,12 +140,14 @@ class MapEngine:
         seed_per_sample: bool,
         items_per_transfer: int,
         transport: Transport | None,
+        verify_restore: bool = True,
     ) -> None:
         # No reference back to the loader (nor from the task sampler to this engine): a cycle
         # would leave the workers to the cyclic garbage collector, where torch's shutdown
         # waits seconds per worker.
         self.num_workers = loader.num_workers
         self.persistent_workers = loader.persistent_workers
+        self.verify = verify_restore  # restores check themselves (position.verify_replay)
         self.length = _length_of(loader)
         collate = loader.collate_fn
         if collate is torch.utils.data.default_collate:
@@ -246,14 +266,22 @@ class MapEngine:
         epoch with the sampler's generators where the saved one left them."""
         if self.needs_dealing(state):
             return self._resume_dealt(state)
-        start = _start_of(state)
-        iterator, after = positioned_iterator(
+        start = start_of(state)
+        replayed = positioned_iterator(
             self.index_sampler, self.rng, start, state.used, state.sampler_state, self.length
         )
+        if self.verify:
+            if state.distributed is not None and state.used and state.distributed["rank"] >= 0:
+                # Any rank's state restores every rank: check the saving rank's batch.
+                replayed = attrs.evolve(replayed, last=self._saving_rank_unit(state))
+            verify_replay(state, replayed, self.rng, self.config["sampler"])
+        iterator, after = replayed.iterator, replayed.after
         if iterator is None:
             self.rng.put_own(after)
             return _Epoch(state.epoch + 1)
         epoch = _Epoch(state.epoch)
+        if state.used:  # its last unit handed out, for the next save's proof
+            epoch.recent.append((state.used - 1, replayed.last))
         epoch.resumed = True
         epoch.start = start
         epoch.pulled = epoch.used = state.used
@@ -268,6 +296,23 @@ class MapEngine:
             epoch.dealing = Dealing(saved["offset"], saved["end"], saved["world"])
             epoch.units = self.length
         return epoch
+
+    def _saving_rank_unit(self, state: MapState, permutation: list[int] | None = None) -> Any:
+        """The last unit the rank that saved ``state`` handed out, from its dealing of the
+        epoch's permutation (a DistributedSampler's state restores every rank)."""
+        saved, sampler = state.distributed, self.distributed
+        assert saved is not None and sampler is not None
+        if permutation is None:
+            permutation = distributed_permutation(
+                _sampled_length(sampler), sampler.shuffle, sampler.seed, saved["epoch"]
+            )
+        indices = Dealing(saved["offset"], saved["end"], saved["world"]).indices(
+            permutation, saved["rank"]
+        )
+        size = state.config.get("batch_size")
+        if size is None:
+            return indices[state.used - 1] if state.used <= len(indices) else None
+        return indices[(state.used - 1) * size : state.used * size]
 
     def _deal_as_the_sampler(self, epoch: _Epoch, sampler: DistributedSampler[Any]) -> None:
         """The epoch is the sampler's own dealing (set before its first pull)."""
@@ -301,17 +346,20 @@ class MapEngine:
             _sampled_length(sampler), sampler.shuffle, sampler.seed, saved["epoch"]
         )
         units = _units_of(dealing.indices(permutation, sampler.rank), self)
-        saved_states = _start_of(state).states
+        if self.verify and state.used and saved["rank"] >= 0:
+            replayed = Replayed(None, [], self._saving_rank_unit(state, permutation))
+            verify_replay(state, replayed, self.rng, self.config["sampler"])
+        saved_states = start_of(state).states
         if saved_states is not None:  # the loader's generator as the saving job left it
             self.rng.put_own(saved_states)
         # Saved after its epoch's last batch: the next epoch (a drop_last batching may have
         # left indices of the saving dealing unused; they stay unused, as they would have).
-        if not units or _saved_after_last_batch(state):
+        if not units or saved_after_last_batch(state):
             return _Epoch(state.epoch + 1)
         epoch = _Epoch(state.epoch)
         epoch.resumed = True
         epoch.start = EpochStart(state.epoch, None, None)
-        epoch.resume = (iter(units), self.rng.capture())
+        epoch.resume = (Units(iter(units), 0, len(units)), self.rng.capture())
         epoch.sampler_epoch = saved["epoch"]
         epoch.dealing = dealing
         epoch.units = len(units)
@@ -329,7 +377,7 @@ class MapEngine:
         rng = self.rng
         with epoch.sampling():
             before = rng.capture() if rng.draws else None
-            iterator = iter(self.index_sampler)
+            iterator = Units(iter(self.index_sampler), 0, self.length)
             at_iter = None
             if before is not None and any(
                 not torch.equal(a, b) for a, b in zip(before, rng.capture())
@@ -346,7 +394,7 @@ class MapEngine:
     def _tasks(
         self,
         epoch: _Epoch,
-        iterator: Iterator[Any],
+        iterator: Units,
         at_iter: list[torch.Tensor] | None,
         after: list[torch.Tensor] | None,
     ) -> Iterator[FetchTask]:
@@ -359,6 +407,7 @@ class MapEngine:
             self._deal_as_the_sampler(epoch, self.distributed)
         seed = epoch.seed
         stateful = self.stateful
+        recent = epoch.recent
         if stateful is not None and epoch.pulled not in epoch.snapshots:
             epoch.snapshots[epoch.pulled] = stateful.state_dict()
         while True:
@@ -370,9 +419,12 @@ class MapEngine:
                     if unit is _END:
                         break
                     units.append(unit)
+                    recent.append((epoch.pulled, unit))
                     epoch.pulled += 1
                     if stateful is not None:
                         epoch.snapshots[epoch.pulled] = stateful.state_dict()
+                if iterator.ended and not epoch.end_proof:
+                    epoch.end_proof = own_generators_digest(self.rng, self.rng.capture()) or "-"
             if units:
                 yield FetchTask(epoch.pulled - len(units), tuple(units), seed)
             if len(units) < want:
@@ -418,6 +470,9 @@ class MapEngine:
 
     def handed(self, epoch: _Epoch) -> None:
         epoch.used += 1
+        recent = epoch.recent
+        while recent and recent[0][0] < epoch.used - MAX_HELD_BACK - 1:
+            recent.popleft()
         snapshots = epoch.snapshots
         if snapshots:
             for number in [n for n in snapshots if n < epoch.used - MAX_HELD_BACK]:
@@ -471,15 +526,32 @@ class MapEngine:
             rng_check,
             at_iter_check,
             self._distributed_of(epoch),
+            self._proof(epoch, used),
         )
+
+    def _proof(self, epoch: _Epoch, used: int) -> Proof:
+        """What a restore of the position after ``used`` units checks itself against."""
+        proven = epoch.proven
+        if proven is not None and proven[0] == used:
+            return proven[1]
+        last = ""
+        if used:
+            first = epoch.recent[0][0] if epoch.recent else used
+            if first <= used - 1:
+                last = unit_digest(epoch.recent[used - 1 - first][1])
+        units = self.length if epoch.units is None else epoch.units
+        end = epoch.end_proof if used == units and epoch.end_proof != "-" else ""
+        proof = Proof(last, end)
+        epoch.proven = (used, proof)
+        return proof
 
     def _distributed_of(self, epoch: _Epoch) -> dict[str, int] | None:
         if epoch.dealing is None:
             if self.distributed is None:
                 return None
             self._deal_as_the_sampler(epoch, self.distributed)  # iter() made, nothing pulled
-        dealing = epoch.dealing
-        assert dealing is not None
+        dealing, sampler = epoch.dealing, self.distributed
+        assert dealing is not None and sampler is not None
         cached = epoch.distributed_plain
         if cached is None or cached[0] is not dealing:  # once a dealing (so JSON is cached)
             plain = {
@@ -488,6 +560,7 @@ class MapEngine:
                 "end": dealing.end,
                 "world": dealing.world,
                 "units": -1 if epoch.units is None else epoch.units,
+                "rank": int(sampler.rank),  # the saving rank of the dealing
             }
             cached = epoch.distributed_plain = (dealing, plain)
         return cached[1]
@@ -513,15 +586,15 @@ class MapEngine:
             raise ValueError(
                 "nothing to peek before the first iter(): torch draws the epoch's order then"
             )
-        start = _start_of(state)
+        start = start_of(state)
         kept = self.rng.capture()
         try:
-            iterator, _ = positioned_iterator(
+            iterator = positioned_iterator(
                 self.index_sampler, self.rng, start, state.used, None, self.length
-            )
+            ).iterator
             if iterator is None:
                 return []
-            return [_plain_unit(unit) for _, unit in zip(range(count), iterator)]
+            return [plain_unit(unit) for _, unit in zip(range(count), iterator)]
         finally:
             self.rng.put(kept)
 
@@ -581,7 +654,7 @@ class MapEngine:
         if epoch is None:
             if pending is None:
                 return 0
-            return pending.epoch + int(_saved_after_last_batch(pending))
+            return pending.epoch + int(saved_after_last_batch(pending))
         return epoch.number + int(epoch.ended)
 
 
@@ -642,38 +715,6 @@ class _MapIterator:
         if length is None:
             raise TypeError("the sampler has no len()")
         return length
-
-
-def _start_of(state: MapState) -> EpochStart:
-    """How the saved epoch's index stream began, its generator states decoded."""
-    from .state import decode_generator_states
-
-    def decoded(texts: list[str] | None, name: str) -> list[torch.Tensor] | None:
-        return None if texts is None else decode_generator_states(texts, f"state.{name}")
-
-    return EpochStart(
-        state.epoch,
-        decoded(state.rng, "rng"),
-        decoded(state.rng_at_iter, "rng_at_iter"),
-        encoded=(state.rng, state.rng_at_iter),
-    )
-
-
-def _saved_after_last_batch(state: MapState) -> bool:
-    """Whether ``state`` was saved after its epoch's last batch (the next ``iter()`` runs the
-    next epoch). Counted in the saving loader's batches: under a DistributedSampler those of
-    the dealing it ran, which after a resize is shorter than ``batches_per_epoch``."""
-    units = state.config.get("batches_per_epoch")
-    if state.distributed is not None:
-        units = state.distributed["units"]
-    return state.started and state.used == units
-
-
-def _plain_unit(unit: Any) -> Any:
-    """A sampler's unit as plain data: a list of indices, or one index."""
-    if isinstance(unit, (list, tuple)):
-        return [int(index) if isinstance(index, int) else index for index in unit]
-    return int(unit) if isinstance(unit, int) else unit
 
 
 def _distributed_config(index_sampler: Any) -> dict[str, Any]:

@@ -47,7 +47,6 @@ __all__ = [
     "epoch_global_state",
     "epoch_seed",
     "job_seed",
-    "positioned_iterator",
     "stateful_part",
 ]
 
@@ -215,65 +214,3 @@ class PrivateGlobal:
         assert self._user is not None
         torch.default_generator.set_state(self._user)
         self._user = None
-
-
-def positioned_iterator(
-    index_sampler: Any,
-    rng: SamplerRng,
-    start: EpochStart,
-    used: int,
-    sampler_state: Any,
-    length: int | None,
-) -> tuple[Iterator[Any] | None, list[torch.Tensor]]:
-    """Run the sampler of a saved epoch up to its ``used`` units (of ``length``, if known),
-    loading nothing.
-
-    Returns the iterator (next: unit ``used``; None if the epoch has no units left) and the
-    states of the loader's own generators afterwards (to put back once the internal
-    DataLoader has drawn its base seed). torch's global generator is left as it was. Raises
-    ``StateMismatchError`` if the sampler yields fewer units than the state says were used.
-    """
-    user_global = torch.default_generator.get_state() if rng.uses_global else None
-    try:
-        stateful = stateful_part(index_sampler)
-        if start.at_iter is not None:
-            rng.put(start.at_iter)
-        elif start.states is not None:
-            rng.put(start.states)
-        if stateful is not None and sampler_state is not None:
-            stateful.load_state_dict(sampler_state)
-        iterator = iter(index_sampler)
-        if start.at_iter is not None and start.states is not None:
-            rng.put(start.states)
-        if stateful is None or sampler_state is None:
-            for done in range(used):
-                if next(iterator, _END) is _END:
-                    raise StateMismatchError(
-                        f"the sampler ran out after {done} batches of the saved epoch, but the "
-                        f"state says {used} were used: not the same sampler or dataset"
-                    )
-        # An epoch of known length whose units were all used is over: peeking would start
-        # the next one in a sampler that runs on across epochs (a Stateful one).
-        if used == length:
-            peeked = _END
-            if stateful is not None and sampler_state is not None:
-                # Let the sampler close its epoch, as the uninterrupted run's last pull did
-                # (a sampler that already did starts its next epoch anew at the next iter()).
-                next(iterator, None)
-        else:
-            peeked = next(iterator, _END)
-        after = rng.capture()
-    finally:
-        if user_global is not None:
-            torch.default_generator.set_state(user_global)
-    if peeked is _END:
-        return None, after
-    return _chained(peeked, iterator), after
-
-
-def _chained(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
-    yield first
-    yield from rest
-
-
-_END = object()

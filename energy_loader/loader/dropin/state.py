@@ -1,9 +1,10 @@
 """The drop-in loader's saved state: plain data, its own format name and version.
 
-Layout (format version 2)::
+Layout (format version 3; version 2, without ``proof`` and ``checks.position``, still
+restores, unchecked)::
 
     {
-      "format": "energy_loader.dropin_state", "version": 2,
+      "format": "energy_loader.dropin_state", "version": 3,
       "kind": "map" | "iterable",
       "rank": 0, "world_size": 1,
       "config": {...},            # what must match on restore (dataset, sampler, batching)
@@ -15,8 +16,11 @@ Layout (format version 2)::
       "rng": ["<base64>", ...] | null,      # the sampler's generators at its first pull
       "rng_at_iter": [...] | null,          # ... when iter(sampler) itself drew
       "sampler_state": {...} | null,        # a Stateful sampler's own state_dict()
-      "distributed": {"epoch": 2, "offset": 0, "end": 1000, "world": 4, "units": 8} | null,
-      "checks": {"job": "<hex>", "rng": "<hex>", "rng_at_iter": "<hex>"},
+      "distributed": {"epoch": 2, "offset": 0, "end": 1000, "world": 4, "units": 8,
+                      "rank": 1} | null,
+      "proof": {"last": "<hex>", "end": "<hex>"},  # what the restore checks itself against
+      "checks": {"job": "<hex>", "rng": "<hex>", "rng_at_iter": "<hex>",
+                 "position": "<hex>"},
       # iterable:
       "pipeline": {...}           # the rank state of the pipeline it runs (rank_state format)
     }
@@ -31,13 +35,21 @@ torch's base seed once (persistent workers) or every epoch, so that a restore on
 ``distributed`` (under a ``DistributedSampler``) is where the epoch's permutation is dealt
 from: the sampler's epoch, and the positions ``offset`` to ``end`` dealt to ``world`` ranks in
 ``units`` batches each (:class:`energy_loader.loader.planner.Dealing`), so that any rank's
-state restores every rank of any world size or batch size.
+state restores every rank of any world size or batch size; ``rank`` is the sampler's rank
+that saved it (the restore re-makes that rank's last batch to check itself).
+
+``proof`` lets a restore check its own result (:mod:`.position`): ``last`` is a digest of
+the last batch's indices the saving loader handed out, ``end`` (at an epoch's end) one of the
+sampler's own generators after the epoch's last pull; "" where there is nothing to prove.
 
 ``checks`` are digests of the fields a reader cannot check by their shape (a flipped byte in
-a generator state is another valid state): a state edited or damaged after saving is refused
-naming the field. A torch ``Generator`` state is a 5 KB byte tensor, stored as a base64 string
-built once per epoch (not per save). Nothing is pickled: the state passes ``json.dumps`` when
-the sampler's own state does, and ``torch.load(weights_only=True)`` always.
+a generator state is another valid state; so is a flipped digit in ``epoch`` or ``used``):
+``position`` covers every field that places the stream (``rank``, ``world_size``,
+``started``, ``epoch``, ``used``, ``sampler_state``, ``distributed``, ``proof``). A state
+edited or damaged after saving is refused naming the field. A torch ``Generator`` state is
+a 5 KB byte tensor, stored as a base64 string built once per epoch (not per save). Nothing
+is pickled: the state passes ``json.dumps`` when the sampler's own state does, and
+``torch.load(weights_only=True)`` always.
 """
 
 from __future__ import annotations
@@ -54,6 +66,7 @@ import torch
 from ...errors import StateFormatError, StateMismatchError
 from ...state.plain import StateReader
 from ...state.rank_state import is_partition_entries
+from .position import Proof
 
 __all__ = [
     "DROPIN_STATE_FORMAT",
@@ -68,7 +81,9 @@ __all__ = [
 ]
 
 DROPIN_STATE_FORMAT = "energy_loader.dropin_state"
-DROPIN_STATE_VERSION = 2
+DROPIN_STATE_VERSION = 3
+# Version 2 (no proof, no position digest) still restores, without the self-check.
+_READABLE_VERSIONS = (2, DROPIN_STATE_VERSION)
 
 # The byte size of a CPU generator's state (mt19937 plus its normal-distribution cache).
 GENERATOR_STATE_BYTES = int(torch.Generator().get_state().numel())
@@ -134,10 +149,10 @@ def read_header(state: Any, kind: str) -> StateReader:
             f"state.format is {found!r}; expected {DROPIN_STATE_FORMAT!r} (a drop-in state)"
         )
     version = reader.int("version")
-    if version != DROPIN_STATE_VERSION:
+    if version not in _READABLE_VERSIONS:
         raise StateFormatError(
-            f"state.version is {version}; this release reads version {DROPIN_STATE_VERSION} "
-            "(a state from a newer or older release?)"
+            f"state.version is {version}; this release reads versions "
+            f"{', '.join(map(str, _READABLE_VERSIONS))} (a state from a newer or older release?)"
         )
     saved_kind = reader.str("kind", choices=("map", "iterable"))
     if saved_kind != kind:
@@ -198,6 +213,24 @@ class MapState:
     # Under a DistributedSampler: the sampler's epoch and the epoch's dealing (planner.Dealing)
     # as {"epoch", "offset", "end", "world", "units"}; None otherwise.
     distributed: dict[str, int] | None = None
+    proof: Proof = attrs.field(factory=Proof)
+
+    def position_check(self) -> str:
+        """The digest of every field that places the stream (``checks.position``)."""
+        sampler = None if self.sampler_state is None else _canonical(self.sampler_state)
+        dealt = self.distributed
+        return digest(
+            "position",
+            self.rank,
+            self.world_size,
+            self.started,
+            self.epoch,
+            self.used,
+            sampler,
+            None if dealt is None else tuple(dealt.get(name) for name in _DEALT),
+            self.proof.last,
+            self.proof.end,
+        )
 
     def to_plain(self) -> dict[str, Any]:
         job = self.job
@@ -216,10 +249,12 @@ class MapState:
             "rng_at_iter": self.rng_at_iter,
             "sampler_state": self.sampler_state,
             "distributed": self.distributed,
+            "proof": {"last": self.proof.last, "end": self.proof.end},
             "checks": {
                 "job": "" if job is None else job.check(),
                 "rng": self.rng_check or digest("rng", self.rng),
                 "rng_at_iter": self.rng_at_iter_check or digest("rng_at_iter", self.rng_at_iter),
+                "position": self.position_check(),
             },
         }
 
@@ -230,19 +265,23 @@ class MapState:
         key = (self.config, self.job, self.rng, self.rng_at_iter, self.distributed)
         cached = _FRAGMENT_CACHE.get(id(self.config))
         if cached is not None and all(a is b for a, b in zip(cached[0], key)):
-            fragment = cached[1]
+            fragment, checks = cached[1], cached[2]
         else:
             plain = self.to_plain()
-            fragment = _encode({name: plain[name] for name in _EPOCH_CONSTANT})[1:]
+            fragment = _encode({name: plain[name] for name in _EPOCH_CONSTANT})[1:-1]
+            constant = {k: v for k, v in plain["checks"].items() if k != "position"}
+            checks = _encode(constant)[1:-1]
             _FRAGMENT_CACHE.clear()  # one engine's epoch at a time is what pays to keep
-            _FRAGMENT_CACHE[id(self.config)] = (key, fragment)
+            _FRAGMENT_CACHE[id(self.config)] = (key, fragment, checks)
         sampler = "null" if self.sampler_state is None else _encode(self.sampler_state)
         started = "true" if self.started else "false"
         return (
             f'{{"format":"{DROPIN_STATE_FORMAT}","version":{DROPIN_STATE_VERSION},'
             f'"kind":"map","rank":{int(self.rank)},"world_size":{int(self.world_size)},'
             f'"started":{started},"epoch":{int(self.epoch)},"used":{int(self.used)},'
-            f'"sampler_state":{sampler},{fragment}'
+            f'"sampler_state":{sampler},{fragment},'
+            f'"proof":{{"last":"{self.proof.last}","end":"{self.proof.end}"}},'
+            f'"checks":{{{checks},"position":"{self.position_check()}"}}}}'
         )
 
     @classmethod
@@ -268,7 +307,9 @@ class MapState:
                 decode_generator_states(value, f"state.{name}")  # size and encoding
             _verify(name, digest(name, value), checks.str(name))
             texts[name] = value
-        return cls(
+        legacy = reader.int("version") < DROPIN_STATE_VERSION
+        proof = Proof() if legacy else Proof(*(reader.sub("proof").str(n) for n in ("last", "end")))
+        decoded = cls(
             rank=reader.int("rank", minimum=0),
             world_size=reader.int("world_size", minimum=1),
             config=reader.raw("config"),
@@ -282,7 +323,15 @@ class MapState:
             rng_check=checks.str("rng"),
             rng_at_iter_check=checks.str("rng_at_iter"),
             distributed=_distributed(reader),
+            proof=proof,
         )
+        if not legacy and decoded.position_check() != checks.str("position"):
+            raise StateFormatError(
+                "the state's position (rank, world_size, started, epoch, used, sampler_state, "
+                "distributed, proof) does not match its digest in state.checks.position: the "
+                "state was edited or damaged after it was saved (restore from an intact copy)"
+            )
+        return decoded
 
 
 def _distributed(reader: StateReader) -> dict[str, int] | None:
@@ -291,16 +340,28 @@ def _distributed(reader: StateReader) -> dict[str, int] | None:
     fields = reader.sub("distributed")
     out = {name: fields.int(name) for name in ("epoch", "offset", "end", "units")}
     out["world"] = fields.int("world", minimum=1)
+    out["rank"] = fields.int("rank", minimum=0) if fields.has("rank") else -1  # version 2: none
     if out["offset"] > out["end"]:
         raise StateFormatError("state.distributed.offset must be <= state.distributed.end")
     return out
 
 
-_EPOCH_CONSTANT = ("config", "job", "rng", "rng_at_iter", "distributed", "checks")
+_EPOCH_CONSTANT = ("config", "job", "rng", "rng_at_iter", "distributed")
+# The distributed fields, in the order the position digest takes them.
+_DEALT = ("epoch", "offset", "end", "world", "units", "rank")
 _encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
-# id(config) -> ((config, job, rng, rng_at_iter, distributed), their JSON without its opening
-# brace); identity-checked on use.
-_FRAGMENT_CACHE: dict[int, tuple[tuple[Any, ...], str]] = {}
+# id(config) -> ((config, job, rng, rng_at_iter, distributed), their JSON without its braces,
+# the constant checks likewise); identity-checked on use.
+_FRAGMENT_CACHE: dict[int, tuple[tuple[Any, ...], str, str]] = {}
+
+
+def _canonical(value: Any) -> str:
+    """Plain data as canonical JSON (tuples and lists alike, keys sorted), for a digest that
+    holds across a JSON or ``torch.save`` round trip."""
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def _verify(name: str, actual: str, recorded: str) -> None:
