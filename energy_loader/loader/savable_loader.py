@@ -15,6 +15,7 @@ main process and its state is read directly (nothing to replay).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -50,6 +51,9 @@ from .torch_args import DEFAULT_BATCH_SIZE, PipelineTorchArgs, pipeline_with_tor
 from .unbundler import Unbundler
 
 __all__ = ["BasicDataLoader", "SavableDataLoader"]
+
+
+_EPOCH_OVER = object()
 
 
 def _identity(item: Any) -> Any:
@@ -239,6 +243,10 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
         )
         self._progress = Progress(max(1, workers), partitions // config.world_size)
         self._inner: Iterator[Any] | Unbundler | None = None
+        # Raw items pulled to learn whether a restored epoch has any left (see `epoch`), handed
+        # on by the next pulls; _EPOCH_OVER stands for the end found.
+        self._peeked: collections.deque[Any] = collections.deque()
+        self._restored = False  # restored, and not iterated since
         self._generation = 0
         self._failure: WorkerError | None = None
         self._metrics = make_metrics(self, args.stall)
@@ -261,6 +269,7 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
     def __iter__(self) -> _LoaderIterator:  # type: ignore[override]
         """Continue the current epoch if it has items left, otherwise start the next one."""
         progress = self._progress
+        self._restored = False
         continuation = progress.in_epoch and not progress.epoch_ended
         if not continuation:
             self._begin_epoch()
@@ -315,6 +324,14 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
 
     def _pull(self) -> WorkerItem:
         """The next raw item of the current epoch."""
+        if self._peeked:
+            item = self._peeked.popleft()
+            if item is _EPOCH_OVER:
+                raise StopIteration
+            return item  # type: ignore[no-any-return]
+        return self._pull_raw()
+
+    def _pull_raw(self) -> WorkerItem:
         inner = self._inner
         if inner is None:
             if self.num_workers > 0 and not self._fleet.running:
@@ -343,12 +360,33 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
         last. Once the end of an epoch has been reported (a ``for`` loop over the loader ran to
         its end), it is already the next epoch, the one the next ``iter()`` starts. A consumer
         that takes every item without pulling the end (``zip``, ``islice``,
-        ``range(len(loader))``) sees the finished epoch until the first item of the next; so
-        does a loader restored from a state saved right after an epoch's last item. Read it
-        right after the item it should describe.
+        ``range(len(loader))``) sees the finished epoch until the first item of the next. A
+        loader restored from a state saved right after an epoch's last item is already in the
+        next epoch (the next ``iter()`` starts it), as a map-style drop-in loader is: one rule
+        for every loader. Read it right after the item it should describe.
         """
         progress = self._progress
-        return progress.epoch + (1 if progress.epoch_ended else 0)
+        if progress.epoch_ended or (self._restored and self._restored_epoch_is_over()):
+            return progress.epoch + 1
+        return progress.epoch
+
+    def _restored_epoch_is_over(self) -> bool:
+        """Whether the epoch a restore continues has no item left: pulls (and keeps, for the
+        next ``iter()``) raw items until one is a sample or the epoch's end is found. Nothing
+        is counted as handed out, so a save in between is the restored state itself."""
+        if not self._progress.in_epoch:
+            return False
+        if not self._peeked:
+            while True:
+                try:
+                    item = self._pull_raw()
+                except StopIteration:
+                    self._peeked.append(_EPOCH_OVER)
+                    break
+                self._peeked.append(item)
+                if not item.is_end:
+                    break
+        return self._peeked[-1] is _EPOCH_OVER
 
     @property
     def num_partitions(self) -> int:
@@ -476,6 +514,7 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
             _warn_if_idle(planner.num_partitions, self._worker_config)
             self._planner = planner
         self._restore(plan)
+        self._restored = True
 
     def plan_restore(self, states: list[RankState]) -> RestorePlan:
         """Check ``states`` against this loader and plan its restore (changes nothing).
@@ -517,10 +556,12 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
         side.drop_runner()
         self._progress = Progress(max(1, self.num_workers), self._planner.layout().per_rank)
         self._new_generation()
+        self._restored = False
 
     def _new_generation(self) -> None:
         """Iterators made before this point belong to a position the loader left."""
         self._inner = None
+        self._peeked.clear()
         self._failure = None
         self._generation += 1
 

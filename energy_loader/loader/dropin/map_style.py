@@ -53,6 +53,7 @@ from .position import (
     saved_after_last_batch,
     start_of,
     unit_digest,
+    units_per_epoch,
     verify_replay,
 )
 from .sampling import (
@@ -806,6 +807,12 @@ def check_restorable(state: MapState, engine: MapEngine) -> None:
         )
     else:
         check_config(state.config, engine.config)
+    units = units_per_epoch(state)
+    if state.started and units is not None and state.used > units:
+        raise StateMismatchError(
+            f"state.used is {state.used}, but an epoch of the saving loader had {units} "
+            "batches: the position lies outside the epoch (an edited or foreign state)"
+        )
     if state.started and state.rng is not None and len(state.rng) != len(engine.rng.generators):
         raise StateMismatchError(
             f"the state holds {len(state.rng)} generator state(s) of the sampler, this loader's "
