@@ -671,6 +671,15 @@ def dropin_seeded_save(
                 dcp.save({"loader": loader}, checkpoint_id=folder / "dcp")
         loader.close()
         torch.save(seen, folder / f"run_rank{rank}.pt")
+    # Each rank restores its own state, but rank 1 from the second run: refused at iter().
+    from energy_loader.state.rank_file import read_rank_file
+
+    run = "per_rank" if rank == 0 else "per_rank_again"
+    loader = dropin_loader(0, length=length)
+    loader.restore_state_rank(
+        read_rank_file(workdir / run / "files" / f"loader_rank_0000{rank}_of_00002.pt")
+    )
+    save_json(workdir / f"mixed_iter_rank{rank}.json", outcome(lambda: iter(loader)))
 
 
 def dropin_seeded_restore(rank: int, world_size: int, workdir: Path, *, length: int) -> None:

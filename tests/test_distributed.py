@@ -596,6 +596,13 @@ def test_a_rank_file_of_another_run_mixed_into_a_folder_is_refused(
     states = [read_rank_file(mixed / f"loader_rank_0000{r}_of_00002.pt") for r in range(2)]
     with pytest.raises(el.StateMismatchError, match="another run's"):
         eld.restore_state_global(_simulated_dropin(0, 2), states)
+    # Each gloo rank restored its own state with restore_state_rank, rank 1 the other run's:
+    # every rank refuses at the first iter(), where the ranks agree on the job.
+    for rank in range(2):
+        outcome = _read(dropin_seeded_on_two_ranks / f"mixed_iter_rank{rank}.json")
+        assert isinstance(outcome, list)
+        kind, message = outcome
+        assert kind == "StateMismatchError" and "different jobs or runs" in message, message
 
 
 PREEMPTIONS = 30

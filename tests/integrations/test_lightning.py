@@ -25,7 +25,6 @@ from tests import distributed_helpers as dh
 from tests.loader.dropin_helpers import dealt_rest, distributed_order
 
 from .lightning_helpers import (
-    BATCH,
     DDP_SAMPLES,
     DROPIN_SAVE_AT,
     DROPIN_STOP_AT,

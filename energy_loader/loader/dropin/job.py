@@ -10,6 +10,12 @@ So, as torch's own ``DataLoader`` shares one base seed across ranks (rank 0's, b
 seed at the job's first ``iter()``, and on a random job id drawn there (kept across
 restores), so that the rank states of one save can be told from another run's.
 
+Which loaders. Those under a ``DistributedSampler`` of several replicas: their ranks share
+one dataset's epochs and every rank iterates them together (a state of one restores any
+layout). A loader with another sampler exchanges nothing (it may run on some ranks only,
+such as an evaluation on rank 0, and restores on the world size that saved it, each rank its
+own state): it keeps its own hash and no id, as before.
+
 How. At the first ``iter()`` of a job, and at the first after a restore, every rank of the
 loader's data-parallel group sends (restored?, seed, id, a fresh id) with one
 ``all_gather_object`` (torch puts it on the current CUDA device for NCCL, on the CPU for

@@ -155,6 +155,9 @@ class MapEngine:
         self.agreed = False  # whether the ranks agreed on self.job (at an iter())
         self.stateful = stateful_part(self.index_sampler)
         self.distributed = distributed_part(self.index_sampler)
+        # Whether the ranks share one dataset's epochs (and so one job seed): a loader without
+        # a DistributedSampler may run on some ranks only (evaluation on rank 0).
+        self.shares_job = self.distributed is not None and self.distributed.num_replicas > 1
         self.unit_size = 1 if loader.batch_size is None else int(loader.batch_size)
         self.drop_last = bool(loader.drop_last)
         self.items_per_transfer = items_per_transfer
@@ -210,7 +213,7 @@ class MapEngine:
             job = JobStart(job_seed(self.base_seed_generator), persistent)
         else:
             job = saved
-        if fresh or not self.agreed:  # one job seed and id for every rank (job.py)
+        if (fresh or not self.agreed) and self.shares_job:  # one job seed and id (job.py)
             job = agree_on_job(job, not fresh, self.worker_config)
             self.agreed = True
         self.job = job
