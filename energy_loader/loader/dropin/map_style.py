@@ -207,12 +207,11 @@ class MapEngine:
         if pending is not None:
             self.job = pending.job
         saved = self.job
-        fresh = saved is None or saved.seed is None
         if saved is None or saved.seed is None:  # the job's first iter()
             persistent = self.persistent_workers if saved is None else saved.persistent
-            job = JobStart(job_seed(self.base_seed_generator), persistent)
+            fresh, job = True, JobStart(job_seed(self.base_seed_generator), persistent)
         else:
-            job = saved
+            fresh, job = False, saved
         if (fresh or not self.agreed) and self.shares_job:  # one job seed and id (job.py)
             job = agree_on_job(job, not fresh, self.worker_config)
             self.agreed = True
