@@ -158,9 +158,10 @@ def check_one_save(states: Sequence[Any], *, across: bool) -> None:
         what = (
             "another run's or another job's state is mixed in"
             if len(ids) > 1
-            else "their ranks held their own job seeds (a release before job seeds were "
-            "shared, or no process group at the first iter()), so one rank's state cannot "
-            "continue the others' samples: restore on the world size that saved them"
+            else "their ranks held their own job seeds (no DistributedSampler, no process "
+            "group at the first iter(), or a release before job seeds were shared), so one "
+            "rank's state cannot continue the others' samples: restore on the world size "
+            "that saved them, each rank from its own state"
         )
         raise StateMismatchError(
             f"the rank states given do not belong to one save of one job ({listed}): {what}. "

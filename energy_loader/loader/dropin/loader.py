@@ -303,13 +303,13 @@ class DropInDataLoader(SavableDataLoader):
         config = self._worker_config
         if len(states) == 1:
             return states[0]  # this rank's own entry; restore_state_rank checks whose
+        if len(states) == config.world_size:
+            check_one_save(states, across=False)
+            return states[config.rank]  # its own entry (also the job's position)
         if states and self.restores_any_rank(states[0]):
             check_one_save(states, across=True)
             return states[0]  # the job's position: any rank's state
-        check_one_save(states, across=len(states) != config.world_size)
-        if len(states) != config.world_size:
-            raise _other_world_size(len(states), self)
-        return states[config.rank]
+        raise _other_world_size(len(states), self)
 
     def state_dict(self, *, held_back: int | None = None) -> dict[str, Any]:
         """This rank's state as ``{"rank_00001": "<JSON>"}`` (torch.distributed.checkpoint's
