@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from .errors import StateFormatError, StateMismatchError, WorkerError
+from .loader.dropin.job import check_one_save
 from .loader.protocols import RankStateProtocols, missing_slots_error
 from .process_groups import check_group_layout, data_parallel_layout, process_group_initialized
 from .state.plain import StateReader
@@ -370,6 +371,7 @@ def _scattered_entries(
     if group.rank == src_position:
         try:
             checked = _check_states_list(states)
+            check_one_save(checked, across=len(checked) != group.size)
             wanted = _wanted(loader, checked, group.size, range(group.size), group.rank)
             envelopes = [wanted[r] for r in range(group.size)]
         except Exception as error:
@@ -424,6 +426,7 @@ def restore_state_global(
     if src_rank is None:
         try:
             checked = _check_states_list(states)
+            check_one_save(checked, across=len(checked) != group.size)
             entries = _wanted(loader, checked, group.size, [group.rank], group.rank)[group.rank]
         except Exception as error:
             problem = error
@@ -539,9 +542,11 @@ def read_rank_state_files(
     partitions: rank ``r`` of ``R`` saved slots ``r, r + R, ...`` and rank ``r'`` of ``R'``
     runs slots ``r', r' + R', ...``, so the lowest rank's header (for the saved partition
     count) and, per needed file, its header and those slots' byte ranges are all it reads.
-    A drop-in loader's files hold whole states: the lowest rank's file and those
-    ``loader.saved_ranks_needed`` names are read (a drop-in loader restores on another world
-    size only under a ``DistributedSampler``). ``prefix=None`` takes the prefix the files
+    A drop-in loader's files hold whole states: its own file, or on another world size the
+    lowest rank's file and those ``loader.saved_ranks_needed`` names (a drop-in loader
+    restores on another world size only under a ``DistributedSampler``), and one more of the
+    save (rank 0's, or rank 1's for rank 0), so that files of different runs or saves mixed
+    in the folder are a ``StateMismatchError``. ``prefix=None`` takes the prefix the files
     have (see :func:`rank_state_files`). Changes nothing; raises as
     :func:`restore_state_rank_file` does; ``tally`` counts the bytes and files read.
     """
@@ -550,9 +555,11 @@ def read_rank_state_files(
         match = _RANK_FILE.fullmatch(rank_state_files(directory, None)[0].name)
         prefix = match.group(1) if match else "loader"
     path = rank_state_path(directory, loader, prefix)
-    if path.is_file():  # the same world size: this rank's own partitions, whatever the workers
+    if path.is_file() and loader.restores_by_slot:  # this rank's own partitions
         with RankFile(path, tally) as own:
             return [_decoded(loader, own)]
+    if path.is_file():  # a drop-in loader on the same world size: its own state, checked
+        return [_own_dropin_state(loader, Path(directory), prefix, path, tally)]
     files = _rank_files(Path(directory), prefix)
     if not files:
         _raise_missing(path, prefix)
@@ -575,7 +582,38 @@ def read_rank_state_files(
         for rank in loader.saved_ranks_needed(states[0]):
             if rank not in states:
                 states[rank] = _decoded(loader, open_rank(rank))
+        # A witness: another rank's file of the save, to tell a file of another run mixed in.
+        saved_rank = loader.worker_config.rank % len(files)
+        witness = (saved_rank or 1) if len(files) > 1 else None
+        seen = dict(states)
+        if witness is not None and witness not in seen:
+            seen[witness] = _decoded(loader, open_rank(witness))
+        _check_one_save_in(Path(directory), [seen[r] for r in sorted(seen)], across=True)
         return [states[r] for r in sorted(states)]
+
+
+def _check_one_save_in(directory: Path, states: list[Any], *, across: bool) -> None:
+    try:
+        check_one_save(states, across=across)
+    except StateMismatchError as error:
+        raise StateMismatchError(f"{directory}: {error}") from None
+
+
+def _own_dropin_state(
+    loader: SavableDataLoader, directory: Path, prefix: str, path: Path, tally: ReadTally | None
+) -> Any:
+    """A drop-in rank's own state from its file, checked against a witness file of the save
+    (rank 0's; rank 1's for rank 0) for the job and, under a DistributedSampler, the position:
+    a file of another run mixed into the folder is seen by at least one rank, each rank
+    reading two small files."""
+    with RankFile(path, tally) as own:
+        state = _decoded(loader, own)
+    files = _rank_files(directory, prefix)
+    witness = (0 if loader.worker_config.rank else 1) if len(files) > 1 else None
+    if witness is not None:
+        with RankFile(files[witness], tally) as other:
+            _check_one_save_in(directory, [_decoded(loader, other), state], across=False)
+    return state
 
 
 def _decoded(loader: SavableDataLoader, file: RankFile) -> Any:

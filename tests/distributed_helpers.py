@@ -615,6 +615,95 @@ def dropin_restore(
     torch.save(tails, workdir / f"dropin_tails_rank{rank}.pt")
 
 
+# -- one job seed per job, whatever each rank's seeding (docs/distributed.md) -------------------
+
+SEEDINGS = ("per_rank", "none")
+SEEDED_WAYS = ("full_list", "rank_file", "dcp")
+
+
+def _seed_as(seeding: str, rank: int) -> None:
+    """Seed this rank's global RNGs as a script does: ``per_rank`` (``1000 + rank``, a common
+    habit) or ``none`` (nothing of its own: each rank's generator from the OS)."""
+    import random
+
+    import numpy as np
+
+    if seeding == "per_rank":
+        torch.manual_seed(1000 + rank)
+        random.seed(1000 + rank)
+        np.random.seed(1000 + rank)
+    else:
+        torch.seed()
+
+
+def _plain(batch: dict[str, Any]) -> dict[str, Any]:
+    return {name: value.tolist() for name, value in batch.items()}
+
+
+def dropin_seeded_save(
+    rank: int, world_size: int, workdir: Path, *, stop: int, length: int
+) -> None:
+    """Per seeding (SEEDINGS), one uninterrupted job through DROPIN_EPOCHS that saves every way
+    after ``stop`` batches without stopping (gathered ``states.json``, per-rank ``files``,
+    ``dcp``) into ``workdir/<seeding>``, its batches in ``run_rank<r>.pt`` there. Then a second
+    run of the per-rank-seeded job (the same script started again) saves its files at the
+    same step into ``per_rank_again/files``: a rank file of another run of the same job."""
+    import torch.distributed.checkpoint as dcp
+
+    for seeding in (*SEEDINGS, "per_rank_again"):
+        folder = workdir / seeding
+        folder.mkdir(exist_ok=True)
+        _seed_as(seeding.removesuffix("_again"), rank)
+        loader = dropin_loader(0, length=length)
+        seen: list[Any] = []
+        for epoch in range(DROPIN_EPOCHS):
+            loader.sampler.set_epoch(epoch)
+            for batch in loader:
+                seen.append((epoch, _plain(batch)))
+                if len(seen) != stop:
+                    continue
+                eld.save_state_rank_file(loader, folder / "files")
+                if seeding.endswith("_again"):
+                    continue
+                states = loader.save_state_global(0)
+                if rank == 0:
+                    save_json(folder / "states.json", states)
+                dcp.save({"loader": loader}, checkpoint_id=folder / "dcp")
+        loader.close()
+        torch.save(seen, folder / f"run_rank{rank}.pt")
+    # Each rank restores its own state, but rank 1 from the second run: refused at iter().
+    from energy_loader.state.rank_file import read_rank_file
+
+    run = "per_rank" if rank == 0 else "per_rank_again"
+    loader = dropin_loader(0, length=length)
+    loader.restore_state_rank(
+        read_rank_file(workdir / run / "files" / f"loader_rank_0000{rank}_of_00002.pt")
+    )
+    save_json(workdir / f"mixed_iter_rank{rank}.json", outcome(lambda: iter(loader)))
+
+
+def dropin_seeded_restore(rank: int, world_size: int, workdir: Path, *, length: int) -> None:
+    """Fresh processes (seeded otherwise) restore each seeding's save every way and finish
+    the job: ``workdir/<seeding>/tails_<world_size>_rank<r>.pt``."""
+    import torch.distributed.checkpoint as dcp
+
+    for seeding in SEEDINGS:
+        folder = workdir / seeding
+        tails = {}
+        for way in SEEDED_WAYS:
+            torch.manual_seed(77 + rank)
+            loader = dropin_loader(0, length=length)
+            if way == "full_list":
+                loader.restore_state_global(json.loads((folder / "states.json").read_text()))
+            elif way == "rank_file":
+                eld.restore_state_rank_file(loader, folder / "files")
+            else:
+                dcp.load({"loader": loader}, checkpoint_id=folder / "dcp")
+            tails[way] = dropin_batches(loader)
+            loader.close()
+        torch.save(tails, folder / f"tails_{world_size}_rank{rank}.pt")
+
+
 # -- reads per rank at many ranks (tests/test_distributed.py, benchmarks/bench_ranks.py) ---------
 
 

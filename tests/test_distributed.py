@@ -506,6 +506,105 @@ def test_a_dropin_job_saved_on_two_ranks_resumes_on_another_number(
         assert 0 <= padding < world_size, way  # DistributedSampler's padding, nothing more
 
 
+# -- one job seed per job, whatever each rank's seeding ------------------------------------------
+
+
+def _augmentations(batches: list[Any], into: dict[tuple[int, int], Any]) -> int:
+    """Record (epoch, index) -> what ``__getitem__`` drew; a sample seen twice (the sampler's
+    padding) must have drawn the same. Returns how many samples were recorded."""
+    count = 0
+    for epoch, batch in batches:
+        for index, *drawn in zip(batch["index"], batch["python"], batch["numpy"],
+                                 batch["torch"], strict=True):  # fmt: skip
+            assert into.setdefault((epoch, index), tuple(drawn)) == tuple(drawn), (epoch, index)
+            count += 1
+    return count
+
+
+@pytest.fixture(scope="module")
+def dropin_seeded_on_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2-rank drop-in jobs seeded per rank and not at all, saved after 2 batches of epoch 0
+    every way (tests/distributed_helpers.dropin_seeded_save), and a second run's files."""
+    workdir = tmp_path_factory.mktemp("dropin_seeded")
+    dh.launch(dh.dropin_seeded_save, 2, workdir, timeout=60, stop=2, length=RESIZED_LENGTH)
+    return workdir
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [3, 1])
+def test_per_rank_or_no_seeding_gives_every_sample_its_augmentation_back_on_another_world_size(
+    dropin_seeded_on_two_ranks: Path, world_size: int, no_leftover_processes: None
+) -> None:
+    """2 gloo ranks seeded ``torch.manual_seed(1000 + rank)`` (and python's, numpy's), or not
+    seeded at all (each from the OS), save mid-epoch 0 and run on uninterrupted; fresh
+    processes restore on 3 and 1 ranks through the gathered list, per-rank files and DCP. The
+    oracle is the uninterrupted 2-rank run: every sample the restored job makes, in epoch 0's
+    rest and in epoch 1, drew what that run's ``__getitem__`` drew for the same index and
+    epoch, whichever rank makes it now (one job seed per job, agreed at the first iter())."""
+    workdir = dropin_seeded_on_two_ranks
+    dh.launch(dh.dropin_seeded_restore, world_size, workdir, timeout=60, length=RESIZED_LENGTH)
+    for seeding in dh.SEEDINGS:
+        folder = workdir / seeding
+        oracle: dict[tuple[int, int], Any] = {}
+        for rank in range(2):
+            _augmentations(torch.load(folder / f"run_rank{rank}.pt", weights_only=False), oracle)
+        tails = [
+            torch.load(folder / f"tails_{world_size}_rank{r}.pt", weights_only=False)
+            for r in range(world_size)
+        ]
+        for way in dh.SEEDED_WAYS:
+            restored: dict[tuple[int, int], Any] = {}
+            made = sum(_augmentations(tail[way], restored) for tail in tails)
+            assert made >= RESIZED_LENGTH, (seeding, way)  # epoch 1 whole, and epoch 0's rest
+            assert {e for e, _ in restored} == {0, 1}, (seeding, way)
+            differ = sorted(key for key, drawn in restored.items() if oracle[key] != drawn)
+            assert not differ, (seeding, way, f"{len(differ)} of {len(restored)} differ")
+
+
+def _simulated_dropin(rank: int, world_size: int) -> el.SavableDataLoader:
+    """dh.dropin_loader's setup as rank ``rank`` of ``world_size``, without a process group."""
+    from torch.utils.data import DistributedSampler
+
+    from tests.loader.dropin_helpers import Augmenting
+
+    dataset = Augmenting(RESIZED_LENGTH)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=5)
+    config = el.WorkerConfig(rank=rank, world_size=world_size)
+    return el.SavableDataLoader(dataset, batch_size=3, sampler=sampler, worker_config=config)
+
+
+def test_a_rank_file_of_another_run_mixed_into_a_folder_is_refused(
+    dropin_seeded_on_two_ranks: Path, tmp_path: Path
+) -> None:
+    """Rank 0's file of one run and rank 1's of another run of the same job (same script,
+    same seeds, saved at the same step): a folder of both is refused on the world size that
+    saved them and on another, and so is the gathered list of both states; each run's own
+    folder restores."""
+    first = dropin_seeded_on_two_ranks / "per_rank" / "files"
+    again = dropin_seeded_on_two_ranks / "per_rank_again" / "files"
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for source, name in ((first, "loader_rank_00000_of_00002.pt"),
+                         (again, "loader_rank_00001_of_00002.pt")):  # fmt: skip
+        (mixed / name).write_bytes((source / name).read_bytes())
+    for world_size in (2, 3):
+        for rank in range(world_size):
+            loader = _simulated_dropin(rank, world_size)
+            with pytest.raises(el.StateMismatchError, match="another run's"):
+                eld.restore_state_rank_file(loader, mixed)
+            eld.restore_state_rank_file(loader, again)  # one run's folder: fine
+    states = [read_rank_file(mixed / f"loader_rank_0000{r}_of_00002.pt") for r in range(2)]
+    with pytest.raises(el.StateMismatchError, match="another run's"):
+        eld.restore_state_global(_simulated_dropin(0, 2), states)
+    # Each gloo rank restored its own state with restore_state_rank, rank 1 the other run's:
+    # every rank refuses at the first iter(), where the ranks agree on the job.
+    for rank in range(2):
+        outcome = _read(dropin_seeded_on_two_ranks / f"mixed_iter_rank{rank}.json")
+        assert isinstance(outcome, list)
+        kind, message = outcome
+        assert kind == "StateMismatchError" and "different jobs or runs" in message, message
+
+
 PREEMPTIONS = 30
 
 

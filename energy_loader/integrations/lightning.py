@@ -111,7 +111,10 @@ def _count_the_resumed_epoch_as_the_loader_deals_it(trainer: Trainer) -> None:
     ``ready`` to its fetcher's count; ``on_train_epoch_start`` is skipped on a mid-epoch
     resume), this sets the epoch's counters
     to ``len(loader) - batches left``: the epoch then ends on the loader's last batch (and
-    ``batch_idx`` counts on from there). On the same layout it changes nothing.
+    ``batch_idx`` counts on from there). On the same layout it changes nothing. Without the
+    callback the loader refuses such a resume at the epoch's first batch
+    (:mod:`energy_loader.loader.dropin.trainers`); attaching ``held_back_source`` first (in
+    :meth:`SavableLoaderCallback.on_train_start`) is what tells it the count is corrected.
     """
     combined = getattr(trainer.fit_loop, "_combined_loader", None)
     loaders = [] if combined is None else list(combined.flattened)

@@ -25,7 +25,6 @@ from tests import distributed_helpers as dh
 from tests.loader.dropin_helpers import dealt_rest, distributed_order
 
 from .lightning_helpers import (
-    BATCH,
     DDP_SAMPLES,
     DROPIN_SAVE_AT,
     DROPIN_STOP_AT,
@@ -327,14 +326,23 @@ def test_ddp_dropin_checkpoint_resumes_on_another_number_of_devices(
     epoch 1 for its layout; every sample is augmented as in the uninterrupted 2-device run,
     and each epoch trains every sample once but for the padding.
 
-    Except on more devices without the callback: Lightning ends the resumed epoch after
-    ``len(loader)`` batches counted from the checkpoint's 5, so each rank skips the last
-    batches the new dealing gave it (docs/integrations-lightning.md); the callback makes
-    Lightning count the epoch as the loader deals it."""
+    Except on more devices without the callback: Lightning would end the resumed epoch
+    after ``len(loader)`` batches counted from the checkpoint's 5 and skip the last batches
+    the new dealing gave each rank (docs/integrations-lightning.md), so ``fit`` refuses before
+    the first batch, naming the callback (which makes Lightning count the epoch as the loader
+    deals it)."""
+    refused = devices > 2 and not callback
     dh.launch(
         dropin_resume, devices, dropin_ddp_run, timeout=150, torchrun_env=True, num_workers=1,
-        callback=callback,
+        callback=callback, exitcode=1 if refused else 0,
     )  # fmt: skip
+    if refused:
+        for rank in range(devices):
+            error = (dropin_ddp_run / f"error_rank{rank}.txt").read_text()
+            assert "StateMismatchError" in error and "SavableLoaderCallback()" in error, error
+            assert "5 batches of the resumed epoch left" in error, error
+            assert not (dropin_ddp_run / f"dropin_tail_False_on{devices}_rank{rank}.pt").exists()
+        return
     augmented = {  # (epoch, index) -> the augmented input the uninterrupted run trained on
         (epoch, index): x
         for rank in range(2)
@@ -357,14 +365,10 @@ def test_ddp_dropin_checkpoint_resumes_on_another_number_of_devices(
         for epoch, batch, xs in seen:
             assert xs == [augmented[epoch, index] for index in batch], (rank, epoch)
         by_epoch = [[i for e, batch, _ in seen if e == epoch for i in batch] for epoch in (0, 1)]
-        expected = dealt_rest(order, len(head), devices, rank)
-        if devices > 2 and not callback:  # Lightning stops at len(loader), 8 batches
-            expected = expected[: (-(-DDP_SAMPLES // devices) // BATCH - DROPIN_SAVE_AT) * BATCH]
-        assert by_epoch[0] == expected, rank
+        assert by_epoch[0] == dealt_rest(order, len(head), devices, rank), rank
         sampler = DistributedSampler(range(DDP_SAMPLES), num_replicas=devices, rank=rank, seed=0)
         sampler.set_epoch(1)
         assert by_epoch[1] == list(sampler), rank
         rest += by_epoch[0]
-    if devices < 2 or callback:
-        assert sorted(set(head + rest)) == list(range(DDP_SAMPLES))
-        assert len(head) + len(rest) - DDP_SAMPLES < devices  # DistributedSampler's padding
+    assert sorted(set(head + rest)) == list(range(DDP_SAMPLES))
+    assert len(head) + len(rest) - DDP_SAMPLES < devices  # DistributedSampler's padding

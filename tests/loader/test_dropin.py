@@ -496,3 +496,68 @@ def test_stats_count_the_batches_handed_out_the_saves_and_each_workers_share(
     assert sum(worker["items"] for worker in total["workers"]) == handed
     assert loader.stats()["since_last"]["items"] == 0
     loader.close()
+
+
+def _simulated_rank(rank: int, world_size: int, dataset: Any = TENSORS) -> el.SavableDataLoader:
+    """A drop-in loader as rank ``rank`` of ``world_size`` under a DistributedSampler, without
+    a process group (nothing is exchanged: each rank keeps its own job seed)."""
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=5)
+    config = el.WorkerConfig(rank=rank, world_size=world_size, num_workers=0)
+    return el.SavableDataLoader(dataset, batch_size=3, sampler=sampler, worker_config=config)
+
+
+def _saved_after(loader: el.SavableDataLoader, batches: int) -> dict[str, Any]:
+    iterator = iter(loader)
+    for _ in range(batches):
+        next(iterator)
+    return loader.save_state_rank()
+
+
+def test_rank_states_that_disagree_on_the_job_or_the_position_are_refused_together() -> None:
+    """Two ranks seeded per rank with no process group to share a seed: their states restore
+    each rank on the world size that saved them, but one rank's state cannot continue the
+    other's samples (another world size, or a list where rank 0's stands for every rank):
+    refused naming the seeds. States at different positions under a DistributedSampler
+    (two saves mixed) are refused naming them."""
+    states = []
+    for rank in range(2):
+        torch.manual_seed(1000 + rank)
+        states.append(_saved_after(_simulated_rank(rank, 2), 2))
+    assert states[0]["job"]["seed"] != states[1]["job"]["seed"]
+    entries = _simulated_rank(0, 2).state_dict_of_ranks(states)  # Lightning's callback's
+    for rank in range(2):  # each rank its own state: fine, as before
+        el.distributed.restore_state_global(_simulated_rank(rank, 2), states)
+        _simulated_rank(rank, 2).load_state_dict(entries)
+    with pytest.raises(StateMismatchError, match="held their own job seeds"):
+        el.distributed.restore_state_global(_simulated_rank(0, 3), states)
+    with pytest.raises(StateMismatchError, match="held their own job seeds"):
+        _simulated_rank(2, 3).load_state_dict(entries)
+    torch.manual_seed(0)
+    later = _saved_after(_simulated_rank(1, 2), 3)
+    torch.manual_seed(0)
+    mixed = [_saved_after(_simulated_rank(0, 2), 2), later]
+    with pytest.raises(StateMismatchError, match="epoch 0, 2 batches used; rank 1: epoch 0, 3"):
+        el.distributed.restore_state_global(_simulated_rank(0, 2), mixed)
+
+
+def test_a_state_saved_before_job_ids_restores_as_it_did() -> None:
+    """A state whose ``job`` has no ``id`` nor ``sampler_seed`` (same format version, an
+    earlier release) loads, its digest checked as that release wrote it, and continues as the
+    uninterrupted run; an edited seed in it is still refused."""
+    import hashlib
+
+    torch.manual_seed(0)
+    uninterrupted = list(el.SavableDataLoader(Augmenting(23), batch_size=4, shuffle=True))
+    torch.manual_seed(0)
+    saving = el.SavableDataLoader(Augmenting(23), batch_size=4, shuffle=True)
+    state = _saved_after(saving, 2)
+    seed, persistent = state["job"]["seed"], state["job"]["persistent"]
+    state["job"] = {"seed": seed, "persistent": persistent}
+    written = repr(("job", seed, persistent)).encode()  # that release's digest of the job
+    state["checks"]["job"] = hashlib.blake2b(written, digest_size=8).hexdigest()
+    restored = el.SavableDataLoader(Augmenting(23), batch_size=4, shuffle=True)
+    restored.load_state_dict(plain_roundtrip(state))
+    assert_same(list(restored), uninterrupted[2:])
+    state["job"]["seed"] = seed + 1
+    with pytest.raises(StateFormatError, match=r"state\.job"):
+        el.SavableDataLoader(Augmenting(23), batch_size=4, shuffle=True).load_state_dict(state)

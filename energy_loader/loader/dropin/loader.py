@@ -37,7 +37,9 @@ from ..progress import MAX_HELD_BACK
 from ..savable_loader import SavableDataLoader
 from ..torch_args import DEFAULT_BATCH_SIZE
 from .entries import ANY_RANK_KEY, is_rank_entries, rank_entries, rank_key, states_of_entries
+from .job import check_one_save
 from .map_style import MapEngine
+from .trainers import lightning_count_check, restored_by_lightning
 
 __all__ = ["DropInDataLoader"]
 
@@ -148,6 +150,8 @@ class DropInDataLoader(SavableDataLoader):
         self.transport_inline_bytes = transport_inline_bytes
         self.transport_arena_bytes = transport_arena_bytes
         self.held_back_source: Callable[[], int] | None = None
+        # Set by a load_state_dict() from Lightning: the saved epoch's batches used.
+        self._lightning_restored: int | None = None
         self._worker_config = _resolve_worker_config(worker_config, num_workers)
         if num_partitions not in (None, max(1, num_workers) * self._worker_config.world_size):
             raise ValueError(
@@ -192,7 +196,10 @@ class DropInDataLoader(SavableDataLoader):
 
     def __iter__(self) -> Any:
         """A new epoch, as torch's ``iter(loader)`` (the first after a restore continues it)."""
+        restored, self._lightning_restored = self._lightning_restored, None
         iterator = self._engine.iterate()
+        if restored is not None:  # Lightning loaded the state: will it count the epoch right?
+            iterator.before_first = lightning_count_check(self, restored)
         # The iterator keeps the loader alive (as torch's keeps its workers): dropping the
         # loader while iterating must not stop the workers under the iterator.
         iterator.owner = self
@@ -303,11 +310,13 @@ class DropInDataLoader(SavableDataLoader):
         config = self._worker_config
         if len(states) == 1:
             return states[0]  # this rank's own entry; restore_state_rank checks whose
+        if len(states) == config.world_size:
+            check_one_save(states, across=False)
+            return states[config.rank]  # its own entry (also the job's position)
         if states and self.restores_any_rank(states[0]):
+            check_one_save(states, across=True)
             return states[0]  # the job's position: any rank's state
-        if len(states) != config.world_size:
-            raise _other_world_size(len(states), self)
-        return states[config.rank]
+        raise _other_world_size(len(states), self)
 
     def state_dict(self, *, held_back: int | None = None) -> dict[str, Any]:
         """This rank's state as ``{"rank_00001": "<JSON>"}`` (torch.distributed.checkpoint's
@@ -343,13 +352,18 @@ class DropInDataLoader(SavableDataLoader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`'s or :meth:`state_dict_of_ranks`' output (this rank
         takes its own entry), or from a plain :meth:`save_state_rank` state."""
+        self._lightning_restored = None
         if is_rank_entries(state_dict):
             self.restore_from_states(states_of_entries(state_dict))
         else:
             self.restore_state_rank(state_dict)
+        pending = getattr(self._engine, "pending", None)
+        if pending is not None and pending.started and restored_by_lightning():
+            self._lightning_restored = pending.used  # checked at the next iter() (trainers.py)
 
     def reset_state(self) -> None:
         """Forget all progress: the next ``iter()`` starts epoch 0 as a fresh loader would."""
+        self._lightning_restored = None
         self._engine.reset()
 
     # -- the rest --------------------------------------------------------------------------------

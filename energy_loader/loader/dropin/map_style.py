@@ -28,7 +28,7 @@ import collections
 import contextlib
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -43,6 +43,7 @@ from ...workers.bundling import BUNDLE_SECONDS, bundle_bytes
 from ...workers.fetch import BatchFetcher, FetchResult, FetchTask, WorkerInit
 from ..planner import Dealing
 from ..progress import MAX_HELD_BACK
+from .job import agree_on_job
 from .position import (
     Proof,
     Replayed,
@@ -171,8 +172,13 @@ class MapEngine:
         self.base_fixup: str | None = None
         self.before_base_seed: torch.Tensor | None = None
         self.job: JobStart | None = None  # set at the job's first iter()
+        self.worker_config = loader.worker_config
+        self.agreed = False  # whether the ranks agreed on self.job (at an iter())
         self.stateful = stateful_part(self.index_sampler)
         self.distributed = distributed_part(self.index_sampler)
+        # Whether the ranks share one dataset's epochs (and so one job seed): a loader without
+        # a DistributedSampler may run on some ranks only (evaluation on rank 0).
+        self.shares_job = self.distributed is not None and self.distributed.num_replicas > 1
         self.unit_size = 1 if loader.batch_size is None else int(loader.batch_size)
         self.drop_last = bool(loader.drop_last)
         self.items_per_transfer = items_per_transfer
@@ -221,10 +227,16 @@ class MapEngine:
         previous = self.epoch
         if pending is not None:
             self.job = pending.job
-        job = self.job
-        if job is None or job.seed is None:  # the job's first iter()
-            persistent = self.persistent_workers if job is None else job.persistent
-            job = self.job = JobStart(job_seed(self.base_seed_generator), persistent)
+        saved = self.job
+        if saved is None or saved.seed is None:  # the job's first iter()
+            persistent = self.persistent_workers if saved is None else saved.persistent
+            fresh, job = True, JobStart(job_seed(self.base_seed_generator), persistent)
+        else:
+            fresh, job = False, saved
+        if (fresh or not self.agreed) and self.shares_job:  # one job seed and id (job.py)
+            job = agree_on_job(job, not fresh, self.worker_config)
+            self.agreed = True
+        self.job = job
         seed = job.seed
         assert seed is not None
         epoch = _Epoch(0 if previous is None else previous.number + 1)
@@ -233,7 +245,9 @@ class MapEngine:
         epoch.seed = epoch_seed(seed, epoch.number)
         rng = self.rng
         if rng.uses_global and rng.draws and epoch.number >= 1 and epoch.resume is None:
-            epoch.private = PrivateGlobal(epoch_global_state(seed, epoch.number))
+            order = job.order_seed
+            assert order is not None
+            epoch.private = PrivateGlobal(epoch_global_state(order, epoch.number))
         self.epoch = epoch
         self.bundle = 1
         self.trips = 0
@@ -620,6 +634,7 @@ class MapEngine:
         check_restorable(state, self)
         self.shutdown()
         self.pending = state
+        self.agreed = False  # the ranks agree on the restored job at the next iter()
         self.epoch = None
         self.generation += 1
 
@@ -636,6 +651,7 @@ class MapEngine:
             self.shutdown()
             return
         self.restore(self.save(0, 1, 0))
+        self.agreed = True  # the same job goes on: nothing to agree on again
 
     def shutdown(self) -> None:
         iterator = self.torch_iterator
@@ -672,6 +688,8 @@ class _MapIterator:
         self._decode_s = 0.0
         self._finished = False
         self.owner: Any = None  # the loader, kept alive while this iterator is
+        # Called once, before the first batch (the loader's check of its consumer, loader.py).
+        self.before_first: Callable[[], None] | None = None
 
     def __iter__(self) -> _MapIterator:
         return self
@@ -679,6 +697,9 @@ class _MapIterator:
     def __next__(self) -> Any:
         began = clock()
         engine = self._engine
+        if self.before_first is not None:
+            check, self.before_first = self.before_first, None
+            check()
         if self._finished:
             raise StopIteration
         if self._generation != engine.generation:

@@ -12,7 +12,7 @@ restores, unchecked)::
       "started": true,            # false: saved before the first epoch began
       "epoch": 3,                 # the epoch the position is in (0-based)
       "used": 17,                 # batches (index-sampler units) of it handed out
-      "job": {"seed": 123, "persistent": false},  # fixed at the job's first iter()
+      "job": {"seed": 123, "persistent": false, "id": 77, "sampler_seed": 123},  # see below
       "rng": ["<base64>", ...] | null,      # the sampler's generators at its first pull
       "rng_at_iter": [...] | null,          # ... when iter(sampler) itself drew
       "sampler_state": {...} | null,        # a Stateful sampler's own state_dict()
@@ -25,12 +25,18 @@ restores, unchecked)::
       "pipeline": {...}           # the rank state of the pipeline it runs (rank_state format)
     }
 
-``job`` holds what every epoch of the job derives from: ``seed`` (a hash of the generator
-that drives the loader -- its ``generator``, else torch's global one -- at the job's first
-``iter()``) gives each epoch's per-sample seeds and, from the second epoch on, the order of
-a sampler that draws from torch's global generator; ``persistent`` says whether the job draws
-torch's base seed once (persistent workers) or every epoch, so that a restore onto another
-``persistent_workers`` setting keeps the job's generator where the uninterrupted job has it.
+``job`` holds what every epoch of the job derives from, fixed at the job's first ``iter()``
+(:mod:`energy_loader.loader.dropin.job`): ``seed`` (a hash of the generator that drives the
+loader -- its ``generator``, else torch's global one -- of data-parallel rank 0, shared by
+every rank) gives each epoch's per-sample seeds; ``sampler_seed`` (the same hash of this
+rank's own generator) the order, from the second epoch on, of a sampler that draws from
+torch's global generator; ``id`` names the job (drawn at random on rank 0 and shared with
+the seed when torch.distributed runs several ranks, null otherwise), kept across restores so
+that the states of one save can be told from another run's; ``persistent`` says whether the
+job draws torch's base seed once (persistent workers) or every epoch, so that a restore onto
+another ``persistent_workers`` setting keeps the job's generator where the uninterrupted job
+has it. States saved before ``id`` and ``sampler_seed`` existed have neither: they read as
+``id`` null and ``sampler_seed`` equal to ``seed``.
 
 ``distributed`` (under a ``DistributedSampler``) is where the epoch's permutation is dealt
 from: the sampler's epoch, and the positions ``offset`` to ``end`` dealt to ``world`` ranks in
@@ -119,7 +125,12 @@ def digest(*parts: Any) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _job_check(seed: int | None, persistent: bool) -> str:
+def _job_check(seed: int | None, persistent: bool, id: int | None, sampler_seed: int | None) -> str:
+    return digest("job", seed, persistent, id, sampler_seed)
+
+
+def _legacy_job_check(seed: int | None, persistent: bool) -> str:
+    """The digest of a ``job`` saved before it had ``id`` and ``sampler_seed``."""
     return digest("job", seed, persistent)
 
 
@@ -182,16 +193,33 @@ def check_config(saved: Any, now: dict[str, Any]) -> None:
 class JobStart:
     """What every epoch of a drop-in job derives from, fixed at the job's first ``iter()``.
 
-    ``seed``: each epoch's per-sample seeds, and from the second epoch on the order of a
-    sampler that draws from torch's global generator. ``persistent``: whether the job draws
-    torch's base seed once (persistent workers) or once an epoch.
+    ``seed``: each epoch's per-sample seeds, one per job (every rank's). ``sampler_seed``:
+    this rank's own, from the second epoch on the order of a sampler that draws from torch's
+    global generator (None: ``seed``). ``id``: the job's name, shared by its ranks (None:
+    one process, or a job saved before ids). ``persistent``: whether the job draws torch's
+    base seed once (persistent workers) or once an epoch.
     """
 
     seed: int | None  # None: saved before the job's first iter(), which draws it
     persistent: bool
+    id: int | None = None
+    sampler_seed: int | None = None
+
+    @property
+    def order_seed(self) -> int | None:
+        """The seed of the sampler's own stream of torch's global generator (epochs >= 1)."""
+        return self.seed if self.sampler_seed is None else self.sampler_seed
 
     def check(self) -> str:
-        return _job_check(self.seed, self.persistent)
+        return _job_check(self.seed, self.persistent, self.id, self.sampler_seed)
+
+    def to_plain(self) -> dict[str, Any]:
+        return {
+            "seed": self.seed,
+            "persistent": self.persistent,
+            "id": self.id,
+            "sampler_seed": self.sampler_seed,
+        }
 
 
 @attrs.frozen
@@ -244,7 +272,7 @@ class MapState:
             "started": self.started,
             "epoch": self.epoch,
             "used": self.used,
-            "job": None if job is None else {"seed": job.seed, "persistent": job.persistent},
+            "job": None if job is None else job.to_plain(),
             "rng": self.rng,
             "rng_at_iter": self.rng_at_iter,
             "sampler_state": self.sampler_state,
@@ -291,10 +319,7 @@ class MapState:
         checks = reader.sub("checks")
         job = None
         if reader.raw("job") is not None:
-            job_reader = reader.sub("job")
-            seed = None if job_reader.raw("seed") is None else job_reader.int("seed")
-            job = JobStart(seed, job_reader.bool("persistent"))
-            _verify("job", job.check(), checks.str("job"))
+            job = _job(reader.sub("job"), checks.str("job"))
         started = reader.bool("started")
         if started and (job is None or job.seed is None):
             raise StateFormatError("state.job.seed is null in a state saved after the first iter()")
@@ -332,6 +357,23 @@ class MapState:
                 "state was edited or damaged after it was saved (restore from an intact copy)"
             )
         return decoded
+
+
+def _job(reader: StateReader, recorded: str) -> JobStart:
+    """The ``job`` block, its digest verified (a block saved before ``id`` existed too)."""
+
+    def optional_int(name: str) -> int | None:
+        return None if reader.raw(name) is None else reader.int(name, minimum=0)
+
+    persistent = reader.bool("persistent")
+    if not reader.has("id"):  # saved by a release before job ids: read as it was
+        job = JobStart(optional_int("seed"), persistent)
+        _verify("job", _legacy_job_check(job.seed, persistent), recorded)
+        return job
+    seed, sampler_seed = optional_int("seed"), optional_int("sampler_seed")
+    job = JobStart(seed, persistent, optional_int("id"), sampler_seed)
+    _verify("job", job.check(), recorded)
+    return job
 
 
 def _distributed(reader: StateReader) -> dict[str, int] | None:
@@ -394,6 +436,7 @@ def summarize_dropin_state(state: Any) -> dict[str, Any]:
         batches_per_epoch=per_epoch,
         epoch_over=bool(decoded.started and per_epoch is not None and decoded.used == per_epoch),
         job_seed=None if decoded.job is None else decoded.job.seed,
+        job_id=None if decoded.job is None else decoded.job.id,
         config=config,
     )
     if per_epoch:
