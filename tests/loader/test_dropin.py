@@ -458,6 +458,7 @@ def test_save_and_restore_global_on_the_same_world_size() -> None:
     two = []
     for rank in range(2):  # a 2-rank job's states (each rank's own loader, no process group)
         config = el.WorkerConfig(rank=rank, world_size=2)
+        torch.manual_seed(0)  # one job seed for both ranks
         ranked = el.SavableDataLoader(TENSORS, batch_size=4, shuffle=True, worker_config=config)
         next(iter(ranked))
         two.append(ranked.save_state_rank())

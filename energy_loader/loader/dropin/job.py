@@ -119,7 +119,12 @@ def _verdict(job: JobStart, everyone: list[Any]) -> JobStart:
 
 
 def _position(state: dict[str, Any]) -> tuple[Any, ...]:
-    return (state.get("started"), state.get("epoch"), state.get("used"), state.get("distributed"))
+    """The job's position a rank state names: the same on every rank of one save (the
+    dealing's ``rank`` and the last batch's proof are the rank's own)."""
+    dealt = state.get("distributed")
+    if isinstance(dealt, dict):
+        dealt = {name: value for name, value in dealt.items() if name != "rank"}
+    return (state.get("started"), state.get("epoch"), state.get("used"), dealt)
 
 
 def _job_of(state: dict[str, Any]) -> tuple[Any, Any]:
