@@ -61,7 +61,7 @@ def test_replay_prints_the_indices_and_samples_the_run_yielded_next(
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     assert [row["key"] for row in rows] == rest[1:3]
-    assert [[s["index"] for s in row["sample"]] for row in rows] == rest[1:3]
+    assert [row["sample"]["index"] for row in rows] == rest[1:3]  # the batches, collated
 
 
 def test_peek_keys_changes_nothing_and_agrees_with_the_run() -> None:
@@ -98,3 +98,115 @@ def test_replay_of_a_distributed_sampler_job_serves_any_rank_from_rank_0s_checkp
     expected = [batch["index"].tolist() for batch in list(make(1))[2:4]]
     rows = replay_dropin(make(1), [tmp_path / "checkpoint.pt"], 1, 0, 2)
     assert [row["key"] for row in rows] == expected
+
+
+def _main(command: str, *args: str) -> tuple[int, str, str]:
+    """``python -m energy_loader COMMAND ARGS`` in this process: exit code, stdout, stderr."""
+    import contextlib
+    import io
+
+    from energy_loader.cli import inspect as inspect_command
+    from energy_loader.cli import replay as replay_command
+
+    main = {"inspect": inspect_command.main, "replay": replay_command.main}[command]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return code, out.getvalue(), err.getvalue()
+
+
+def _as_lists(batch: dict[str, Any]) -> dict[str, Any]:
+    return {name: value.tolist() for name, value in batch.items()}
+
+
+def test_replay_samples_are_the_trained_augmentations_on_every_call(tmp_path: Path) -> None:
+    """Training ran 2 worker processes, ``__getitem__`` drawing from python's, numpy's and
+    torch's RNGs: the replayed batches are the ones training got after the save, twice."""
+    from .dropin_helpers import Augmenting
+
+    torch.manual_seed(0)
+    loader = el.SavableDataLoader(Augmenting(23), batch_size=4, shuffle=True, num_workers=2)
+    iterator = iter(loader)
+    next(iterator), next(iterator)
+    torch.save({"loader": loader.state_dict()}, tmp_path / "checkpoint.pt")
+    trained = [_as_lists(batch) for batch in iterator]
+    args = ("--pipeline", "tests.loader.dropin_helpers:build_augmenting_loader")
+    for _ in range(2):
+        code, out, err = _main(
+            "replay",
+            *args,
+            str(tmp_path / "checkpoint.pt"),
+            "--steps",
+            "1:4",
+            "--samples",
+            "--json",
+        )
+        assert code == 0, err
+        rows = [json.loads(line) for line in out.splitlines()]
+        assert [row["sample"] for row in rows] == trained[1:4]
+        assert [row["key"] for row in rows] == [batch["index"] for batch in trained[1:4]]
+
+
+@pytest.fixture(scope="module")
+def distributed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
+    """Two ranks of a DistributedSampler job (explicit num_replicas/rank, in this process),
+    saved by rank 0 after 2 batches; each rank's batches after the save."""
+    from .dropin_helpers import build_rank_loader
+
+    folder = tmp_path_factory.mktemp("distributed")
+    after = []
+    for rank in range(2):
+        torch.manual_seed(0)  # the same job seed on both ranks, as one script run twice
+        loader = build_rank_loader(rank, 2)
+        iterator = iter(loader)
+        next(iterator), next(iterator)
+        if rank == 0:
+            torch.save({"loader": loader.state_dict()}, folder / "checkpoint.pt")
+        after.append([_as_lists(batch) for batch in iterator])
+    return folder / "checkpoint.pt", after
+
+
+@pytest.mark.parametrize(
+    "builder", ["build_rank_loader", "build_rank_0_loader"], ids=["rank-parameters", "rank-0"]
+)
+def test_replay_rank_r_replays_rank_rs_batches(
+    distributed_run: tuple[Path, list[Any]], builder: str
+) -> None:
+    """A builder given rank/world_size builds rank R's sampler; one built for rank 0 is set
+    to rank R by replay: rank 1's samples are rank 1's, not rank 0's."""
+    checkpoint, after = distributed_run
+    for rank in range(2):
+        code, out, err = _main(
+            "replay", "--pipeline", f"tests.loader.dropin_helpers:{builder}", str(checkpoint),
+            "--rank", str(rank), "--steps", "0:3", "--samples", "--json",
+        )  # fmt: skip
+        assert code == 0, err
+        assert [json.loads(line)["sample"] for line in out.splitlines()] == after[rank][:3]
+
+
+def test_replay_refuses_a_rank_the_job_did_not_have_and_a_builder_needing_a_group(
+    distributed_run: tuple[Path, list[Any]],
+) -> None:
+    checkpoint, _ = distributed_run
+    code, out, err = _main(
+        "replay", "--pipeline", "tests.loader.dropin_helpers:build_rank_loader", str(checkpoint),
+        "--rank", "7",
+    )  # fmt: skip
+    assert (code, out) == (2, "")
+    assert "--rank 7: the checkpoint was saved by a job of 2 rank(s), ranks 0 to 1" in err
+    code, out, err = _main(
+        "replay", "--pipeline", "tests.loader.dropin_helpers:build_loader_of_the_process_group",
+        str(checkpoint), "--rank", "1",
+    )  # fmt: skip
+    assert (code, out) == (2, "")
+    assert "needs a torch.distributed process group" in err
+    assert "give the function `rank` and `world_size` parameters" in err
+
+
+def test_inspect_shows_the_job_seed(saved: tuple[Path, list[Any]]) -> None:
+    folder, _ = saved
+    state = torch.load(folder / "checkpoint.pt", weights_only=True)["data"]
+    seed = json.loads(next(iter(state.values())))["job"]["seed"]
+    code, out, err = _main("inspect", str(folder / "checkpoint.pt"))
+    assert code == 0, err
+    assert f"job seed: {seed} " in out
