@@ -17,6 +17,9 @@ fix what DCP's defaults cost or refuse once the job is large or its layout chang
   (~135 B per partition of the job); wrapped in this reader, the coordinator reads it from
   storage and broadcasts it to the other ranks.
 
+And :func:`read_loader_entries` reads a checkpoint's loader leaves in one process, without a
+process group (``python -m energy_loader inspect`` and ``replay`` on a DCP folder).
+
 Usage (each piece is optional and independent of the others)::
 
     import torch.distributed.checkpoint as dcp
@@ -49,6 +52,7 @@ import io
 import json
 import os
 import re
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -171,6 +175,11 @@ class LoadPlanner(DefaultLoadPlanner):
     waits for another). When P does not divide among this world size the template lists slot
     0 only, and the loader's refusal names the world sizes P runs on.
 
+    A loader stored under per-rank keys (``{rank_state_key(loader): loader}``) loads only on
+    the world size that saved it: on another one this planner raises
+    :class:`~energy_loader.StateMismatchError` naming both sizes and the recipe that resizes
+    (one key on every rank, ``{"loader": loader}``), where torch's says "Missing key".
+
     Templates that already list the saved slots, other keys (the model, a drop-in loader's
     ``rank_`` keys) and checkpoints without ``slot_`` keys under a template's prefix are left
     to torch. Same constructor as ``DefaultLoadPlanner``; the extra work is one pass over the
@@ -193,7 +202,10 @@ class LoadPlanner(DefaultLoadPlanner):
             if templates:
                 saved = _saved_slot_counts(metadata, templates)
                 for prefix, template in templates.items():
-                    if saved.get(prefix):
+                    # Under a per-rank key (rank_state_key's) a prefix holds one rank's slots,
+                    # not 0..P-1: left to torch (and refused below on another world size).
+                    per_rank = _RANK_KEY.fullmatch(prefix.rpartition(".")[2]) is not None
+                    if saved.get(prefix) and not per_rank:
                         _fit_template(template, prefix, saved[prefix], metadata)
         super().set_up_planner(state_dict, metadata, is_coordinator)
         if metadata is not None:
@@ -353,7 +365,9 @@ def read_loader_entries(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any
             continue
         paths[fqn] = path
     if template:
-        dcp_load(template, storage_reader=reader, planner=_PlainReadPlanner(), no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp_load(template, storage_reader=reader, planner=_PlainReadPlanner(), no_dist=True)
     nested: dict[Any, Any] = {}
     for fqn, path in paths.items():
         node = nested

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import energy_loader as el
 
@@ -162,8 +163,25 @@ def distributed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, lis
         next(iterator), next(iterator)
         if rank == 0:
             torch.save({"loader": loader.state_dict()}, folder / "checkpoint.pt")
+            # What dcp.save of the 2-rank job writes: every rank saves {"rank_any": JSON}
+            # under "loader", DCP keeps one (tests/distributed_helpers.py writes it for real).
+            dcp.save({"loader": loader.state_dict()}, checkpoint_id=folder / "dcp", no_dist=True)
         after.append([_as_lists(batch) for batch in iterator])
     return folder / "checkpoint.pt", after
+
+
+def test_inspect_and_replay_read_a_dcp_folder(distributed_run: tuple[Path, list[Any]]) -> None:
+    checkpoint, after = distributed_run
+    folder = checkpoint.parent / "dcp"
+    code, out, err = _main("inspect", str(folder))
+    assert code == 0, err
+    assert "loader rank 0:" in out and "epoch 0, 2 of 7 batches handed out" in out
+    code, out, err = _main(
+        "replay", "--pipeline", "tests.loader.dropin_helpers:build_rank_loader", str(folder),
+        "--rank", "1", "--steps", "0:3", "--samples", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    assert [json.loads(line)["sample"] for line in out.splitlines()] == after[1][:3]
 
 
 @pytest.mark.parametrize(
@@ -210,3 +228,35 @@ def test_inspect_shows_the_job_seed(saved: tuple[Path, list[Any]]) -> None:
     code, out, err = _main("inspect", str(folder / "checkpoint.pt"))
     assert code == 0, err
     assert f"job seed: {seed} " in out
+
+
+@pytest.fixture(scope="module")
+def dcp_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real 2-rank gloo job (tests/distributed_helpers.py dropin_save) stopped after 3
+    batches a rank, saved through ``dcp.save({"loader": loader})`` into ``dropin_dcp``."""
+    from tests import distributed_helpers as dh
+
+    workdir = tmp_path_factory.mktemp("dcp_job")
+    dh.launch(dh.dropin_save, 2, workdir, timeout=90, num_workers=0, stop=3)
+    return workdir
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_inspect_and_replay_read_a_dcp_checkpoint_of_a_real_2_rank_job(
+    dcp_job: Path,
+) -> None:
+    folder = dcp_job / "dropin_dcp"
+    code, out, err = _main("inspect", str(folder))
+    assert code == 0, err
+    assert "loader rank " in out and "epoch 0, 3 of 7 batches handed out" in out
+    assert "DistributedSampler" in out and "job seed: " in out
+    for rank in range(2):
+        run = torch.load(dcp_job / f"dropin_run_rank{rank}.pt", weights_only=True)
+        trained = [batch for _, batch in run["full"][3:6]]
+        code, out, err = _main(
+            "replay", "--pipeline", "tests.loader.dropin_helpers:build_rank_loader", str(folder),
+            "--rank", str(rank), "--steps", "0:3", "--samples", "--json",
+        )  # fmt: skip
+        assert code == 0, err
+        assert [json.loads(line)["sample"] for line in out.splitlines()] == trained
