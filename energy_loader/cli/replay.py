@@ -166,6 +166,14 @@ def saved_world_size(state: dict[str, Any]) -> int:
     return int(state["world_size"])
 
 
+def _saved_job_size(paths: list[Path], prefix: str | None) -> int:
+    """The saved job's number of ranks: a folder of per-rank files' count of files, one a
+    rank (none is read), else the first state's."""
+    if len(paths) == 1 and paths[0].is_dir() and not _is_dcp(paths[0]):
+        return len(rank_state_files(paths[0], prefix))
+    return saved_world_size(read_path(paths[0], prefix)[0][1])
+
+
 def check_rank(rank: int, world_size: int) -> None:
     """``ValueError`` unless ``rank`` is a rank of a saved job of ``world_size`` ranks."""
     if not 0 <= rank < world_size:
@@ -315,7 +323,7 @@ def main(argv: list[str]) -> int:
         for path in args.checkpoint:
             if not path.exists():
                 raise FileNotFoundError(f"{path}: no such file or folder")
-        world_size = saved_world_size(read_path(args.checkpoint[0], args.prefix)[0][1])
+        world_size = _saved_job_size(args.checkpoint, args.prefix)
         check_rank(args.rank, world_size)
         built = call_builder(args.pipeline, args.rank, world_size)
         if isinstance(built, DropInDataLoader):
