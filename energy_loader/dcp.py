@@ -68,7 +68,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner as _TorchLoadPlanne
 from torch.futures import Future
 
 from .errors import StateMismatchError
-from .loader.dropin.entries import RANK_KEY_PREFIX
+from .loader.dropin.entries import ANY_RANK_KEY, RANK_KEY_PREFIX
 from .state.rank_state import (
     PARTITION_KEY_PREFIX,
     SLOT_KEY_PREFIX,
@@ -306,8 +306,10 @@ def _template_layout(template: dict[str, Any]) -> tuple[int, int] | None:
 
 
 # The state_dict keys of a loader's leaves: a savable pipeline's slots (partitions, in the first
-# layout), a drop-in loader's ranks.
-_LOADER_LEAF_PREFIXES = (SLOT_KEY_PREFIX, PARTITION_KEY_PREFIX, RANK_KEY_PREFIX)
+# layout), a drop-in loader's ranks (rank_00001, or rank_any).
+_LOADER_LEAF = re.compile(
+    rf"(?:{SLOT_KEY_PREFIX}|{PARTITION_KEY_PREFIX}|{RANK_KEY_PREFIX})\d{{5}}|{ANY_RANK_KEY}"
+)
 
 
 def is_dcp_checkpoint(path: str | os.PathLike[str]) -> bool:
@@ -335,7 +337,8 @@ def read_loader_entries(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any
     saved under ``"app.loader"``), read in this process, without a process group.
 
     Reads the ``.metadata`` and, of the data, only the entries under a key that names a
-    loader's slot (``slot_00003``) or a drop-in loader's rank (``rank_00001``, ``rank_any``):
+    loader's slot (``slot_00003``) or a drop-in loader's rank (``rank_00001``, ``rank_any``),
+    exactly:
     the model's tensors are not read. What ``inspect`` and ``replay`` read DCP with.
     ``FileNotFoundError`` if the folder has no ``.metadata``.
     """
@@ -353,9 +356,7 @@ def read_loader_entries(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any
     paths: dict[str, tuple[Any, ...]] = {}
     for fqn, meta in metadata.state_dict_metadata.items():
         path = tuple(mappings.get(fqn) or fqn.split("."))
-        if not any(
-            isinstance(part, str) and part.startswith(_LOADER_LEAF_PREFIXES) for part in path
-        ):
+        if not any(isinstance(part, str) and _LOADER_LEAF.fullmatch(part) for part in path):
             continue
         if isinstance(meta, BytesStorageMetadata):
             template[fqn] = None

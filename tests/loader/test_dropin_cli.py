@@ -230,6 +230,13 @@ def test_inspect_shows_the_job_seed(saved: tuple[Path, list[Any]]) -> None:
     assert f"job seed: {seed} " in out
 
 
+def test_inspect_of_a_dcp_folder_without_a_loader_says_so(tmp_path: Path) -> None:
+    dcp.save({"model": {"weight": torch.zeros(3)}}, checkpoint_id=tmp_path, no_dist=True)
+    code, out, err = _main("inspect", str(tmp_path))
+    assert (code, out) == (2, "")
+    assert "a torch.distributed.checkpoint folder, but no energy_loader loader state" in err
+
+
 @pytest.fixture(scope="module")
 def dcp_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real 2-rank gloo job (tests/distributed_helpers.py dropin_save) stopped after 3
