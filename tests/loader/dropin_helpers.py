@@ -274,3 +274,10 @@ def build_loader_of_the_process_group() -> Any:
     dataset = Augmenting(40)
     sampler = DistributedSampler(dataset, shuffle=True, seed=5)
     return el.SavableDataLoader(dataset, batch_size=3, sampler=sampler)
+
+
+def build_unseeded_loader() -> Any:
+    """``build_shuffled_loader`` with ``seed_per_sample=False``: ``replay --samples`` warns."""
+    import energy_loader as el
+
+    return el.SavableDataLoader(Dicts(23), batch_size=4, shuffle=True, seed_per_sample=False)

@@ -221,6 +221,19 @@ def test_replay_refuses_a_rank_the_job_did_not_have_and_a_builder_needing_a_grou
     assert "give the function `rank` and `world_size` parameters" in err
 
 
+def test_replay_samples_of_a_loader_without_per_sample_seeds_warn(
+    saved: tuple[Path, list[Any]],
+) -> None:
+    folder, rest = saved
+    code, out, err = _main(
+        "replay", "--pipeline", "tests.loader.dropin_helpers:build_unseeded_loader",
+        str(folder / "checkpoint.pt"), "--steps", "0:1", "--samples", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "seed_per_sample=False" in err and "the samples may differ" in err
+    assert json.loads(out)["key"] == rest[0]
+
+
 def test_inspect_shows_the_job_seed(saved: tuple[Path, list[Any]]) -> None:
     folder, _ = saved
     state = torch.load(folder / "checkpoint.pt", weights_only=True)["data"]
