@@ -34,6 +34,9 @@ from energy_loader.cli.bench.workloads import (
     tokenize,
 )
 
+# The module docstring's first paragraph: a whole sentence (its first line is not).
+_DESCRIPTION = (__doc__ or "").split("\n\n")[0].replace("\n", " ")
+
 
 class Tokens(Dataset[Any]):
     def __init__(self, samples: int) -> None:
@@ -114,10 +117,18 @@ def run(loader_class: Any, samples: int, options: dict[str, Any], restores: bool
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repetitions", type=int, default=7)
-    parser.add_argument("--samples", type=int, default=60_000)
-    parser.add_argument("--no-seed-per-sample", action="store_true")
+    parser = argparse.ArgumentParser(description=_DESCRIPTION)
+    parser.add_argument(
+        "--repetitions", type=int, default=7, help="repetitions, in alternating order (default 7)"
+    )
+    parser.add_argument(
+        "--samples", type=int, default=60_000, help="samples in the dataset (default 60,000)"
+    )
+    parser.add_argument(
+        "--no-seed-per-sample",
+        action="store_true",
+        help="build the SavableDataLoader with seed_per_sample=False (no per-sample seeding)",
+    )
     args = parser.parse_args(argv)
     contenders: dict[str, tuple[Any, dict[str, Any]]] = {
         "torch DataLoader": (DataLoader, {}),
@@ -129,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     stateful = _stateful_loader_class()
     if stateful is not None:
         contenders["torchdata StatefulDataLoader"] = (stateful, {})
+    else:
+        print(
+            "torchdata is not installed: no StatefulDataLoader row (pip install "
+            "'energy_loader[bench]', or torchdata, to compare it)",
+            flush=True,
+        )
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
     for repetition in range(args.repetitions):
         order = list(contenders) if repetition % 2 == 0 else list(reversed(contenders))
@@ -169,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             + (str(all(r["exact"] for r in restored)) if restored else "-")
             + " |"
         )
+    if stateful is None:
+        print("| torchdata StatefulDataLoader | not run: torchdata is not installed | | | | | |")
     return 0
 
 

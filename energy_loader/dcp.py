@@ -17,6 +17,9 @@ fix what DCP's defaults cost or refuse once the job is large or its layout chang
   (~135 B per partition of the job); wrapped in this reader, the coordinator reads it from
   storage and broadcasts it to the other ranks.
 
+And :func:`read_loader_entries` reads a checkpoint's loader leaves in one process, without a
+process group (``python -m energy_loader inspect`` and ``replay`` on a DCP folder).
+
 Usage (each piece is optional and independent of the others)::
 
     import torch.distributed.checkpoint as dcp
@@ -45,23 +48,43 @@ import contextlib
 import dataclasses
 import gc
 import inspect
+import io
 import json
 import os
+import re
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import StorageReader
+from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
 from torch.distributed.checkpoint.planner import LoadPlanner as _TorchLoadPlanner
 from torch.futures import Future
 
-from .state.rank_state import SLOT_KEY_PREFIX, is_partition_entries, rank_slots, slot_key
+from .errors import StateMismatchError
+from .loader.dropin.entries import ANY_RANK_KEY, RANK_KEY_PREFIX
+from .state.rank_state import (
+    PARTITION_KEY_PREFIX,
+    SLOT_KEY_PREFIX,
+    is_partition_entries,
+    rank_slots,
+    slot_key,
+)
 
-__all__ = ["LoadPlanner", "SavePlanner", "SharedMetadataReader", "first_map_wins"]
+__all__ = [
+    "LoadPlanner",
+    "SavePlanner",
+    "SharedMetadataReader",
+    "first_map_wins",
+    "is_dcp_checkpoint",
+    "read_loader_entries",
+]
 
 
 # -- saving: the coordinator's global plan in linear time ----------------------------------------
@@ -152,6 +175,11 @@ class LoadPlanner(DefaultLoadPlanner):
     waits for another). When P does not divide among this world size the template lists slot
     0 only, and the loader's refusal names the world sizes P runs on.
 
+    A loader stored under per-rank keys (``{rank_state_key(loader): loader}``) loads only on
+    the world size that saved it: on another one this planner raises
+    :class:`~energy_loader.StateMismatchError` naming both sizes and the recipe that resizes
+    (one key on every rank, ``{"loader": loader}``), where torch's says "Missing key".
+
     Templates that already list the saved slots, other keys (the model, a drop-in loader's
     ``rank_`` keys) and checkpoints without ``slot_`` keys under a template's prefix are left
     to torch. Same constructor as ``DefaultLoadPlanner``; the extra work is one pass over the
@@ -174,9 +202,52 @@ class LoadPlanner(DefaultLoadPlanner):
             if templates:
                 saved = _saved_slot_counts(metadata, templates)
                 for prefix, template in templates.items():
-                    if saved.get(prefix):
+                    # Under a per-rank key (rank_state_key's) a prefix holds one rank's slots,
+                    # not 0..P-1: left to torch (and refused below on another world size).
+                    per_rank = _RANK_KEY.fullmatch(prefix.rpartition(".")[2]) is not None
+                    if saved.get(prefix) and not per_rank:
                         _fit_template(template, prefix, saved[prefix], metadata)
         super().set_up_planner(state_dict, metadata, is_coordinator)
+        if metadata is not None:
+            _refuse_rank_keys_of_another_size(self.state_dict, metadata)
+
+
+# A per-rank key (rank_state_key's): loader_rank_00003_of_00016.
+_RANK_KEY = re.compile(r"(.+)_rank_(\d{5})_of_(\d{5})")
+
+
+def _refuse_rank_keys_of_another_size(state_dict: Mapping[str, Any], metadata: Metadata) -> None:
+    """Raise ``StateMismatchError`` when the load looks for per-rank keys
+    (``loader_rank_00000_of_00003``) of a world size the checkpoint was not saved with: a
+    loader stored under :func:`~energy_loader.rank_state_key` only loads on the saving world
+    size, and torch would say no more than "Missing key in checkpoint state_dict"."""
+    saved = metadata.state_dict_metadata
+    for fqn in state_dict:
+        if fqn in saved:
+            continue
+        head, _, _ = fqn.partition(".")
+        match = _RANK_KEY.fullmatch(head)
+        if match is None:
+            continue
+        prefix = match.group(1)
+        sizes = sorted(
+            {
+                int(other.group(3))
+                for key in saved
+                if (other := _RANK_KEY.fullmatch(key.partition(".")[0])) is not None
+                and other.group(1) == prefix
+            }
+        )
+        if not sizes:
+            continue
+        raise StateMismatchError(
+            f"the checkpoint stores {prefix!r} under per-rank keys of {sizes[0]} rank(s) "
+            f"({prefix}_rank_00000_of_{sizes[0]:05d}, ...), this job of {int(match.group(3))} "
+            f"rank(s) looks for {head!r}: per-rank keys tie a checkpoint to the world size "
+            f"that saved it. Load it on {sizes[0]} rank(s), and save the loader under one key "
+            f"on every rank (dcp.save({{{prefix!r}: loader, ...}})), which loads on any world "
+            "size (docs/distributed.md)"
+        )
 
 
 def _loader_templates(value: Any, prefix: str) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -229,6 +300,82 @@ def _template_layout(template: dict[str, Any]) -> tuple[int, int] | None:
     if not (isinstance(rank, int) and isinstance(world_size, int) and 0 <= rank < world_size):
         return None
     return rank, world_size
+
+
+# -- reading: a checkpoint's loader leaves, without a process group ------------------------------
+
+
+# The state_dict keys of a loader's leaves: a savable pipeline's slots (partitions, in the first
+# layout), a drop-in loader's ranks (rank_00001, or rank_any).
+_LOADER_LEAF = re.compile(
+    rf"(?:{SLOT_KEY_PREFIX}|{PARTITION_KEY_PREFIX}|{RANK_KEY_PREFIX})\d{{5}}|{ANY_RANK_KEY}"
+)
+
+
+def is_dcp_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a folder written by ``torch.distributed.checkpoint.save`` (it holds
+    the ``.metadata`` file)."""
+    return os.path.isfile(os.path.join(path, ".metadata"))
+
+
+class _PlainReadPlanner(DefaultLoadPlanner):
+    """DCP's load planner for keys as given (not flattened again), whose non-tensor entries
+    are read with ``torch.load(weights_only=True)``: a loader's leaves are JSON strings (or
+    plain data), and nothing in a checkpoint is unpickled as objects (torch's own planner
+    reads them with ``weights_only=False``)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+def read_loader_entries(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The loader leaves of a DCP checkpoint folder, nested as they were saved:
+    ``{"loader": {"slot_00000": "<JSON>", ...}}`` (``{"app": {"loader": ...}}`` for a loader
+    saved under ``"app.loader"``), read in this process, without a process group.
+
+    Reads the ``.metadata`` and, of the data, only the entries under a key that names a
+    loader's slot (``slot_00003``) or a drop-in loader's rank (``rank_00001``, ``rank_any``),
+    exactly:
+    the model's tensors are not read. What ``inspect`` and ``replay`` read DCP with.
+    ``FileNotFoundError`` if the folder has no ``.metadata``.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    if not is_dcp_checkpoint(checkpoint_dir):
+        raise FileNotFoundError(
+            f"{checkpoint_dir}: not a torch.distributed.checkpoint folder (no .metadata file)"
+        )
+    reader = FileSystemReader(checkpoint_dir)
+    metadata = reader.read_metadata()
+    mappings = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
+    template: dict[str, Any] = {}
+    paths: dict[str, tuple[Any, ...]] = {}
+    for fqn, meta in metadata.state_dict_metadata.items():
+        path = tuple(mappings.get(fqn) or fqn.split("."))
+        if not any(isinstance(part, str) and _LOADER_LEAF.fullmatch(part) for part in path):
+            continue
+        if isinstance(meta, BytesStorageMetadata):
+            template[fqn] = None
+        elif isinstance(meta, TensorStorageMetadata):
+            template[fqn] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        else:
+            continue
+        paths[fqn] = path
+    if template:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp_load(template, storage_reader=reader, planner=_PlainReadPlanner(), no_dist=True)
+    nested: dict[Any, Any] = {}
+    for fqn, path in paths.items():
+        node = nested
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = template[fqn]
+    return nested
 
 
 # -- loading: the .metadata read once, broadcast to the other ranks ------------------------------

@@ -473,7 +473,9 @@ def rank_state_key(loader: SavableDataLoader | WorkerConfig, prefix: str = "load
         dcp.save({"model": model_state, "loader": loader}, checkpoint_id=path)
         dcp.load({"model": model_state, "loader": fresh_loader}, checkpoint_id=path)
 
-    A per-rank key would tie the checkpoint to the world size it was saved with.
+    A per-rank key would tie the checkpoint to the world size it was saved with:
+    :class:`energy_loader.dcp.LoadPlanner` refuses such a load on another world size with a
+    ``StateMismatchError`` naming this one-key recipe.
     """
     return _rank_stem(_config_of(loader), prefix)
 

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
@@ -168,6 +169,50 @@ def test_a_single_process_load_through_both_adopts_the_saved_count(tmp_path: Pat
     assert [next(iterator)["__restore_key__"] for _ in range(4)] == expected
     assert counting.metadata_bytes == (tmp_path / ".metadata").stat().st_size  # read locally
     fresh.close()
+
+
+def test_per_rank_keys_on_another_world_size_are_refused_naming_the_one_key_recipe(
+    tmp_path: Path,
+) -> None:
+    """What 2 ranks write under ``rank_state_key(loader)`` (a savable pipeline's and a drop-in
+    loader's), loaded by rank 0 of 3: our error naming the recipe that resizes; the same keys
+    on the saving world size still load."""
+    from tests.loader.dropin_helpers import build_rank_loader
+
+    def pipeline(rank: int, world_size: int) -> el.SavableDataLoader:
+        return _loader(rank, world_size, 6)
+
+    for make in (pipeline, build_rank_loader):
+        folder = tmp_path / make.__name__
+        saving = [make(rank, 2) for rank in range(2)]
+        for loader in saving:
+            iterator = iter(loader)
+            next(iterator), next(iterator)
+        layout = {
+            el.rank_state_key(el.WorkerConfig(rank=r, world_size=2)): saving[r] for r in (0, 1)
+        }
+        dcp.save(
+            {key: loader.state_dict() for key, loader in layout.items()},
+            checkpoint_id=folder,
+            no_dist=True,
+        )
+        fresh = make(0, 3)
+        key = el.rank_state_key(el.WorkerConfig(rank=0, world_size=3))
+        with pytest.raises(CheckpointException) as caught:  # DCP's wrapper of a rank's error
+            dcp.load({key: fresh}, checkpoint_id=folder, planner=el.dcp.LoadPlanner(), no_dist=True)
+        message = str(caught.value)
+        assert "stores 'loader' under per-rank keys of 2 rank(s)" in message
+        assert "looks for 'loader_rank_00000_of_00003'" in message
+        assert "dcp.save({'loader': loader, ...})" in message
+        same = make(0, 2)  # the saving world size: loads as before
+        dcp.load(
+            {"loader_rank_00000_of_00002": same},
+            checkpoint_id=folder,
+            planner=el.dcp.LoadPlanner(),
+            no_dist=True,
+        )
+        for loader in (*saving, fresh, same):
+            loader.close()
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.distributed.checkpoint as dcp
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -71,6 +72,9 @@ def saved_run(request, tmp_path_factory):
     states = [loader.save_state_rank() for loader in loaders]
     for loader in loaders:  # the same position, as per-rank files in one folder
         el.save_state_rank_file(loader, out / "ranks")
+    # ... and as the DCP folder the 2 ranks write: each its own slot leaves under "loader"
+    merged = {key: leaf for loader in loaders for key, leaf in loader.state_dict().items()}
+    dcp.save({"loader": merged}, checkpoint_id=out / "dcp", no_dist=True)
     streams = []
     for rank, loader in enumerate(loaders):
         keys, _ = _take(loader, iterators[rank], AFTER)
@@ -86,6 +90,10 @@ def saved_run(request, tmp_path_factory):
             if key not in keys:
                 keys.append(key)
     return workers, states, streams, path, out / "log", logged, out / "ranks"
+
+
+def _dcp_folder(saved_run: Any) -> Path:
+    return saved_run[6].parent / "dcp"
 
 
 @contextlib.contextmanager
@@ -203,6 +211,21 @@ def test_inspect_on_a_folder_of_rank_files_shows_every_rank(saved_run) -> None:
     assert text.returncode == 0, text.stderr
     assert "loader_rank_00001_of_00002.pt:\nformat energy_loader.rank_state" in text.stdout
     assert "rank 1 of 2," in text.stdout
+
+
+def test_inspect_and_replay_read_a_dcp_folder_without_a_process_group(saved_run) -> None:
+    from energy_loader.cli.inspect import read_path, summarize_rank_state
+
+    _, states, streams, _, log_dir, _, _ = saved_run
+    folder = _dcp_folder(saved_run)
+    summaries = [summarize_rank_state(state) for _, state in read_path(folder)]
+    assert [s["rank"] for s in summaries] == [0, 1]
+    assert [s["delivered"] for s in summaries] == [SAVE, SAVE]
+    assert [s["epoch"] for s in summaries] == [s["epoch"] for s in states]
+    for rank in range(RANKS):
+        with _logging_to(log_dir):
+            loader, read = loader_and_states(build(), [folder], rank, SEED)
+        assert [_plain(r["key"]) for r in replay(loader, read, 0, AFTER)] == streams[rank]
 
 
 def test_a_folder_without_rank_files_is_one_line_naming_the_files_expected(tmp_path) -> None:

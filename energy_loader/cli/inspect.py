@@ -1,9 +1,11 @@
 """``python -m energy_loader inspect PATH``: print a saved loader state as a readable tree.
 
 Reads a checkpoint file written by :func:`energy_loader.state.save_checkpoint` (or a
-:class:`~energy_loader.state.CheckpointDirectory`), a ``torch.save`` file, a JSON file, or a
+:class:`~energy_loader.state.CheckpointDirectory`), a ``torch.save`` file, a JSON file, a
 folder of per-rank files written by :func:`energy_loader.save_state_rank_file` (found as
-:func:`energy_loader.distributed.rank_state_files` finds them), and prints every loader state
+:func:`energy_loader.distributed.rank_state_files` finds them), or a
+``torch.distributed.checkpoint`` folder (its loader entries, read without a process group:
+:func:`energy_loader.dcp.read_loader_entries`), and prints every loader state
 found inside (a rank state, the list ``save_state_global`` returns, or the partition leaves of
 ``loader.state_dict()``): format version, layout and partitions, epoch and position, each
 partition's position, and the pipeline config. Anything unreadable is a one-line error that
@@ -44,12 +46,13 @@ _HELP = """usage: python -m energy_loader inspect PATH [--json] [--pipeline MODU
 
 Print every loader state saved in PATH: a checkpoint file (energy_loader's own, or any
 torch.save file) or a JSON file holding a rank state, the list of all ranks' states, or
-the partition entries of loader.state_dict(); or a folder of per-rank files
-(PREFIX_rank_00000_of_00008.pt ..., what save_state_rank_file writes), all of them. For
+the partition entries of loader.state_dict(); a folder of per-rank files
+(PREFIX_rank_00000_of_00008.pt ..., what save_state_rank_file writes), all of them; or a
+torch.distributed.checkpoint folder (dcp.save's, read without a process group). For
 each rank it shows the layout (ranks, workers, logical partitions), the epoch and
 position, where each partition stands and the pipeline; for the drop-in loader over a
-plain torch dataset, the epoch, the batches handed out of the epoch's and the dataset and
-sampling it must be restored with. Nothing in the file is executed.
+plain torch dataset, the epoch, the batches handed out of the epoch's, the job seed and the
+dataset and sampling it must be restored with. Nothing in the file is executed.
 Exit code 2 if PATH holds no readable loader state.
 
   --json                      one JSON object per state found: layout, partitions, epoch,
@@ -90,12 +93,16 @@ def _read(path: Path) -> Any:
 def read_path(path: Path, prefix: str | None = None) -> list[tuple[str, Any]]:
     """Every loader state in ``path``, with where it was found (plain data, not checked).
 
-    ``path`` is a state file (checkpoint, ``torch.save`` or JSON) or a folder of per-rank
+    ``path`` is a state file (checkpoint, ``torch.save`` or JSON), a folder of per-rank
     files of one :func:`~energy_loader.save_state_rank_file` save (``prefix``: theirs, or the
-    one prefix the folder's rank files have), read in rank order. ``FileNotFoundError`` for a
-    missing path or a folder without rank files (naming the file names expected),
+    one prefix the folder's rank files have), read in rank order, or a
+    ``torch.distributed.checkpoint`` folder (its loader entries, without a process group).
+    ``FileNotFoundError`` for a missing path or a folder without rank files (naming the file
+    names expected),
     ``StateFormatError`` for a file that holds no loader state, naming the path.
     """
+    if path.is_dir() and (path / ".metadata").is_file():
+        return _states_of_dcp(path)
     if path.is_dir():
         found: list[tuple[str, Any]] = []
         for file in rank_state_files(path, prefix):
@@ -111,6 +118,27 @@ def _states_of(path: Path) -> list[tuple[str, Any]]:
         raise StateFormatError(
             f"{path}: a readable file of {path.stat().st_size:,} bytes, but no energy_loader "
             "loader state inside"
+        )
+    return found
+
+
+def _states_of_dcp(path: Path) -> list[tuple[str, Any]]:
+    """The loader states of a ``torch.distributed.checkpoint`` folder (its loader leaves only,
+    read without a process group: :func:`energy_loader.dcp.read_loader_entries`)."""
+    from ..dcp import read_loader_entries
+
+    try:
+        entries = read_loader_entries(path)
+    except Exception as error:
+        raise StateFormatError(
+            f"{path}: a torch.distributed.checkpoint folder whose loader entries could not be "
+            f"read ({type(error).__name__}: {first_line(error)})"
+        ) from error
+    found = list(_find_states(entries))
+    if not found:
+        raise StateFormatError(
+            f"{path}: a torch.distributed.checkpoint folder, but no energy_loader loader state "
+            "inside (the loader goes in as dcp.save({'loader': loader, ...}))"
         )
     return found
 

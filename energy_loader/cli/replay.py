@@ -1,25 +1,30 @@
 """``python -m energy_loader replay``: the restore keys (or samples) of any steps of a saved job.
 
 Imports the user's function that builds the pipeline (or a loader), builds a loader with the
-saved layout for the chosen rank, reads the states that rank needs (from state files, or from a
-folder of per-rank files the way :func:`energy_loader.restore_state_rank_file` picks them), and
-runs :func:`energy_loader.loader.peek.future_items` from the
-saved states: no worker processes, nothing iterated from the epoch start, only the replayed
-and the requested items are made. Step 0 is the first item the rank yields after the saved
-position; steps run on across epoch ends as the training loop's next ``iter()`` would.
+saved layout for the chosen rank, reads the states that rank needs (from state files, a
+``torch.distributed.checkpoint`` folder, or a folder of per-rank files the way
+:func:`energy_loader.restore_state_rank_file` picks them), and runs
+:func:`energy_loader.loader.peek.future_items` from the saved states: no worker processes,
+nothing iterated from the epoch start, only the replayed and the requested items are made.
+Step 0 is the first item the rank yields after the saved position; steps run on across epoch
+ends as the training loop's next ``iter()`` would. A drop-in loader's batches are made by its
+own fetcher (:meth:`~energy_loader.loader.dropin.DropInDataLoader.peek_batches`).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ..distributed import rank_state_files, read_rank_state_files
-from ..errors import StateFormatError
+from ..errors import StateFormatError, StateMismatchError, first_line
 from ..loader.dropin import DropInDataLoader
+from ..loader.dropin.map_style import distributed_part, index_sampler_of
 from ..loader.dropin.state import DROPIN_STATE_FORMAT
 from ..state.rank_file import read_rank_file
 from ..state.rank_state import RankState
@@ -27,8 +32,10 @@ from .inspect import one_line, read_path
 from .pipelines import build_loader, load_builder
 
 __all__ = [
-    "add_dropin_samples",
     "build_loader",
+    "call_builder",
+    "check_rank",
+    "dropin_state_for",
     "load_builder",
     "loader_and_states",
     "main",
@@ -36,23 +43,33 @@ __all__ = [
     "read_states",
     "replay",
     "replay_dropin",
+    "saved_world_size",
 ]
 
 _HELP = """Print the restore keys (or samples) of steps A to B of one rank of a saved job.
 
 Step 0 is the first item the rank yields after the saved position. The pipeline is rebuilt
-by calling FUNCTION from MODULE with no arguments; it returns the pipeline (a SavableDataset)
-or a SavableDataLoader. For a SavableDataLoader over a plain torch dataset (the drop-in), the
-keys are the dataset indices of each batch, up to the end of the saved epoch, and --samples
-loads them from the dataset. The state is restored and only the items up to step B are made, in
-this process; nothing is iterated from the start of the epoch. The result equals what the
-training run yielded (or will yield) after saving."""
+by calling FUNCTION from MODULE: with rank=R and world_size=W (the --rank asked and the saved
+job's number of ranks) if it has parameters of those names, else with no arguments; it returns
+the pipeline (a SavableDataset) or a SavableDataLoader. No process group is made: a drop-in
+loader's DistributedSampler should be built as DistributedSampler(dataset,
+num_replicas=world_size, rank=rank); one built for another rank is set to rank R of W. --rank
+must be a rank of the saved job. For a SavableDataLoader over a plain torch dataset (the
+drop-in), the keys are the dataset indices of each batch, up to the end of the saved epoch,
+and --samples makes each batch as the workers made it (the same per-sample seeds, so random
+augmentation in __getitem__ is the trained one, and the collate_fn). The state is restored and
+only the items up to step B are made, in this process; nothing is iterated from the start of
+the epoch. The result equals what the training run yielded (or will yield) after saving."""
 
 _EPILOG = """examples:
   python -m energy_loader replay --pipeline train:build_pipeline ckpt/step-500.pt
   python -m energy_loader replay --pipeline train:build_pipeline ckpt/loader-states/ --rank 3
   python -m energy_loader replay --pipeline train:build_pipeline states.json --rank 1 \\
       --steps 10:20 --samples --json"""
+
+
+def _is_dcp(path: Path) -> bool:
+    return (path / ".metadata").is_file()
 
 
 def parse_steps(text: str) -> tuple[int, int]:
@@ -72,10 +89,11 @@ def parse_steps(text: str) -> tuple[int, int]:
 
 
 def read_states(paths: list[Path]) -> list[dict[str, Any]]:
-    """Every rank state in the files (checkpoint, torch.save or JSON), one per rank."""
+    """Every rank state in the files (checkpoint, torch.save or JSON) or DCP folders, one per
+    rank."""
     by_rank: dict[int, dict[str, Any]] = {}
     for path in paths:
-        if path.is_dir():
+        if path.is_dir() and not _is_dcp(path):
             raise ValueError(
                 f"{path} is a folder: give a folder of per-rank files alone, or state files only"
             )
@@ -93,7 +111,7 @@ def loader_and_states(
     files (``prefix``: theirs, or the one prefix its rank files have), from which only the
     files ``rank`` needs are read, as :func:`energy_loader.restore_state_rank_file` picks them.
     """
-    if len(paths) == 1 and paths[0].is_dir():
+    if len(paths) == 1 and paths[0].is_dir() and not _is_dcp(paths[0]):
         files = rank_state_files(paths[0], prefix)
         if not 0 <= rank < len(files):
             raise ValueError(
@@ -138,18 +156,65 @@ def replay(
     return rows
 
 
-def replay_dropin(
-    loader: DropInDataLoader,
-    paths: list[Path],
-    rank: int,
-    start: int,
-    stop: int,
-    prefix: str | None = None,
-) -> list[dict[str, Any]]:
-    """Steps ``start`` to ``stop`` after a drop-in loader's saved position: the dataset
-    indices of each batch (within the saved epoch), for ``rank``'s state in ``paths`` (any
-    rank's under a ``DistributedSampler``: the loader's own sampler says which part is
-    ``rank``'s)."""
+def saved_world_size(state: dict[str, Any]) -> int:
+    """The number of ranks of the job that saved ``state`` (plain): a drop-in's
+    ``DistributedSampler``'s ``num_replicas``, else the state's world size."""
+    if state.get("format") == DROPIN_STATE_FORMAT:
+        config = state.get("config")
+        if isinstance(config, dict) and isinstance(config.get("num_replicas"), int):
+            return int(config["num_replicas"])
+    return int(state["world_size"])
+
+
+def _saved_job_size(paths: list[Path], prefix: str | None) -> int:
+    """The saved job's number of ranks: a folder of per-rank files' count of files, one a
+    rank (none is read), else the first state's."""
+    if len(paths) == 1 and paths[0].is_dir() and not _is_dcp(paths[0]):
+        return len(rank_state_files(paths[0], prefix))
+    return saved_world_size(read_path(paths[0], prefix)[0][1])
+
+
+def check_rank(rank: int, world_size: int) -> None:
+    """``ValueError`` unless ``rank`` is a rank of a saved job of ``world_size`` ranks."""
+    if not 0 <= rank < world_size:
+        raise ValueError(
+            f"--rank {rank}: the checkpoint was saved by a job of {world_size} rank(s), "
+            f"ranks 0 to {world_size - 1}"
+        )
+
+
+def call_builder(spec: str, rank: int, world_size: int) -> Any:
+    """Call the ``--pipeline`` function: with ``rank=`` and ``world_size=`` (the rank asked, the
+    saved job's size) when it takes parameters of those names, so it can build rank ``rank``'s
+    ``DistributedSampler(dataset, num_replicas=world_size, rank=rank)`` without a process group;
+    with no arguments otherwise. A function that needs a process group gets an error saying so.
+    """
+    function: Callable[..., Any] = load_builder(spec)
+    try:
+        parameters: Mapping[str, Any] = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    takes_layout = "rank" in parameters and "world_size" in parameters
+    try:
+        return function(rank=rank, world_size=world_size) if takes_layout else function()
+    except (RuntimeError, ValueError) as error:
+        if "process group" not in str(error) or takes_layout:
+            raise
+        raise ValueError(
+            f"{spec} needs a torch.distributed process group ({first_line(error)}); replay runs "
+            "without one: give the function `rank` and `world_size` parameters (replay passes "
+            "the rank asked and the saved job's world size) and build "
+            "DistributedSampler(dataset, num_replicas=world_size, rank=rank)"
+        ) from error
+
+
+def dropin_state_for(
+    loader: DropInDataLoader, paths: list[Path], rank: int, prefix: str | None = None
+) -> dict[str, Any]:
+    """The saved drop-in state that ``rank`` replays from, with ``loader`` made rank
+    ``rank``'s: ``rank`` must be a rank of the saved job, and under a ``DistributedSampler``
+    the loader's sampler is set to ``rank`` of the saved ``num_replicas`` when it was built for
+    another (:meth:`~energy_loader.loader.dropin.DropInDataLoader.set_distributed_rank`)."""
     found = [state for path in paths for _, state in read_path(path, prefix)]
     states = {int(s["rank"]): s for s in found if s.get("format") == DROPIN_STATE_FORMAT}
     if not states:
@@ -157,21 +222,53 @@ def replay_dropin(
             "no drop-in loader state in the files given, but the --pipeline function returned "
             "a drop-in loader (over a plain dataset)"
         )
+    world_size = saved_world_size(next(iter(states.values())))
+    check_rank(rank, world_size)
     state = states.get(rank)
     if state is None:  # a DistributedSampler job's state serves every rank
         state = next(iter(states.values()))
         if not loader.restores_any_rank(state):
-            raise ValueError(f"--rank {rank}: the files hold the states of ranks {sorted(states)}")
+            raise ValueError(
+                f"--rank {rank}: the files hold the states of ranks {sorted(states)} only"
+            )
+    sampler = distributed_part(index_sampler_of(loader))
+    if loader.restores_any_rank(state):
+        if sampler is None:
+            raise StateMismatchError(
+                "the state was saved under a DistributedSampler; the --pipeline function's "
+                "loader has none: build it as training did"
+            )
+        if (sampler.num_replicas, sampler.rank) != (world_size, rank):
+            loader.set_distributed_rank(rank, world_size)
+    return state
+
+
+def replay_dropin(
+    loader: DropInDataLoader,
+    paths: list[Path],
+    rank: int,
+    start: int,
+    stop: int,
+    prefix: str | None = None,
+    *,
+    samples: bool = False,
+) -> list[dict[str, Any]]:
+    """Steps ``start`` to ``stop`` after a drop-in loader's saved position: the dataset
+    indices of each batch (within the saved epoch), for ``rank``'s state in ``paths`` (any
+    rank's under a ``DistributedSampler``: the loader's own sampler, set to ``rank``, says
+    which part is ``rank``'s). ``samples``: each batch too, made as training made it
+    (:meth:`~energy_loader.loader.dropin.DropInDataLoader.peek_batches`: the same
+    per-sample seeds and ``collate_fn``)."""
+    state = dropin_state_for(loader, paths, rank, prefix)
+    if samples:
+        made = loader.peek_batches(stop, state)
+        return [
+            {"step": step, "key": unit, "sample": batch}
+            for step, (unit, batch) in enumerate(made)
+            if step >= start
+        ]
     units = loader.peek_keys(stop, state)
     return [{"step": step, "key": unit} for step, unit in enumerate(units) if step >= start]
-
-
-def add_dropin_samples(loader: DropInDataLoader, rows: list[dict[str, Any]]) -> None:
-    """Each row's samples, loaded from the loader's dataset by index."""
-    dataset = loader.dataset
-    for row in rows:
-        unit = row["key"]
-        row["sample"] = [dataset[i] for i in unit] if isinstance(unit, list) else dataset[unit]
 
 
 def _plain(value: Any) -> Any:
@@ -199,7 +296,8 @@ def main(argv: list[str]) -> int:
         type=Path,
         metavar="CHECKPOINT",
         help="a checkpoint file, a per-rank file (several may be given), a JSON of all "
-        "ranks' states, or a folder of per-rank files (save_state_rank_file's), alone",
+        "ranks' states, a folder of per-rank files (save_state_rank_file's), alone, or a "
+        "torch.distributed.checkpoint folder (read without a process group)",
     )
     parser.add_argument(
         "--prefix",
@@ -225,11 +323,19 @@ def main(argv: list[str]) -> int:
         for path in args.checkpoint:
             if not path.exists():
                 raise FileNotFoundError(f"{path}: no such file or folder")
-        built = load_builder(args.pipeline)()
+        world_size = _saved_job_size(args.checkpoint, args.prefix)
+        check_rank(args.rank, world_size)
+        built = call_builder(args.pipeline, args.rank, world_size)
         if isinstance(built, DropInDataLoader):
-            rows = replay_dropin(built, args.checkpoint, args.rank, start, stop, args.prefix)
-            if args.samples:
-                add_dropin_samples(built, rows)
+            if args.samples and not built.seed_per_sample:
+                print(
+                    "replay: the loader has seed_per_sample=False, so random numbers drawn in "
+                    "__getitem__ were not seeded in training: the samples may differ",
+                    file=sys.stderr,
+                )
+            rows = replay_dropin(
+                built, args.checkpoint, args.rank, start, stop, args.prefix, samples=args.samples
+            )
         else:
             loader, states = loader_and_states(
                 built, args.checkpoint, args.rank, args.seed, args.prefix

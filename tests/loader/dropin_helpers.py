@@ -235,3 +235,49 @@ def build_shuffled_loader() -> Any:
     import energy_loader as el
 
     return el.SavableDataLoader(Dicts(23), batch_size=4, shuffle=True)
+
+
+def build_augmenting_loader() -> Any:
+    """A ``--pipeline`` function for ``replay --samples``: a drop-in loader over a dataset
+    whose ``__getitem__`` draws from python's, numpy's and torch's global RNGs."""
+    import energy_loader as el
+
+    return el.SavableDataLoader(Augmenting(23), batch_size=4, shuffle=True)
+
+
+def build_rank_loader(rank: int, world_size: int) -> Any:
+    """A ``--pipeline`` function taking the rank and world size ``replay`` passes: rank
+    ``rank``'s loader of ``tests/distributed_helpers.dropin_loader``'s job, built without a
+    process group."""
+    from torch.utils.data import DistributedSampler
+
+    import energy_loader as el
+
+    dataset = Augmenting(40)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=5)
+    return el.SavableDataLoader(dataset, batch_size=3, sampler=sampler)
+
+
+def build_rank_0_loader() -> Any:
+    """A ``--pipeline`` function that always builds rank 0 of 2 (``replay`` resets its
+    sampler to the rank asked)."""
+    return build_rank_loader(0, 2)
+
+
+def build_loader_of_the_process_group() -> Any:
+    """A ``--pipeline`` function as a training script writes it: the ``DistributedSampler``
+    asks the (absent) process group for the rank."""
+    from torch.utils.data import DistributedSampler
+
+    import energy_loader as el
+
+    dataset = Augmenting(40)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=5)
+    return el.SavableDataLoader(dataset, batch_size=3, sampler=sampler)
+
+
+def build_unseeded_loader() -> Any:
+    """``build_shuffled_loader`` with ``seed_per_sample=False``: ``replay --samples`` warns."""
+    import energy_loader as el
+
+    return el.SavableDataLoader(Dicts(23), batch_size=4, shuffle=True, seed_per_sample=False)

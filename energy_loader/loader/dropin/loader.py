@@ -403,6 +403,37 @@ class DropInDataLoader(SavableDataLoader):
             self._engine.check(saved)
         return list(self._engine.peek_units(n, saved))
 
+    def set_distributed_rank(self, rank: int, num_replicas: int) -> None:
+        """Point the loader's ``DistributedSampler`` at ``rank`` of ``num_replicas`` (its
+        ``num_samples`` and ``total_size`` recomputed as its constructor computes them), before
+        the first ``iter()``: how ``python -m energy_loader replay --rank R`` makes rank R's
+        loader out of one built for another rank, or without a process group.
+
+        Raises ``TypeError`` without a ``DistributedSampler`` and ``ValueError`` for a rank
+        outside ``range(num_replicas)`` or a loader that has iterated or restored already.
+        """
+        require_int(num_replicas, "num_replicas", minimum=1)
+        require_int(rank, "rank", minimum=0)
+        if rank >= num_replicas:
+            raise ValueError(f"rank must be in range({num_replicas}) (got {rank})")
+        if self._iterable:
+            raise TypeError("set_distributed_rank needs a map-style dataset's DistributedSampler")
+        self._engine.set_distributed_rank(self, rank, num_replicas)
+
+    def peek_batches(self, n: int, state: dict[str, Any]) -> list[tuple[Any, Any]]:
+        """The next ``n`` batches after the saved ``state`` (fewer if its epoch ends first),
+        each with its dataset indices (:meth:`peek_keys`), made in this process by the
+        loader's own fetcher, the one its workers run: with ``seed_per_sample`` each
+        ``dataset[index]`` draws from the same per-sample seeds (job seed, epoch, index) as
+        in training, and ``collate_fn`` makes the batch, so a random augmentation is the
+        trained one. Changes nothing (the global RNGs are put back); map-style datasets only.
+        """
+        units = self.peek_keys(n, state)
+        if not units:
+            return []
+        saved = self._engine.decode(state)
+        return list(zip(units, self._engine.make_units(units, saved), strict=True))
+
     def stats(self) -> dict[str, Any]:
         """Numbers since the previous call and in total, as a savable pipeline's loader gives
         them (docs/observability.md): waits of ``next()``, items/s, saves, and per worker the

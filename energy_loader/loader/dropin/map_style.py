@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -37,6 +38,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from ...errors import StateMismatchError
 from ...metrics import WORKER_FIELDS, LoaderMetrics, clock
+from ...rng import kept_rng_state
 from ...torch_internals import ExceptionWrapper, distributed_permutation, shut_down_workers_of
 from ...transport import Transport
 from ...workers.bundling import BUNDLE_SECONDS, bundle_bytes
@@ -612,6 +614,40 @@ class MapEngine:
             return [plain_unit(unit) for _, unit in zip(range(count), iterator)]
         finally:
             self.rng.put(kept)
+
+    def set_distributed_rank(self, loader: DropInDataLoader, rank: int, num_replicas: int) -> None:
+        """The ``DistributedSampler`` set to ``rank`` of ``num_replicas``, and what the engine
+        derived from it (the length, the config a state is checked against) again."""
+        sampler = self.distributed
+        if sampler is None:
+            raise TypeError(
+                "the loader's sampler is not a DistributedSampler: a rank has no part of its own"
+            )
+        if self.epoch is not None or self.pending is not None:
+            raise ValueError("set_distributed_rank must come before the first iter() or restore")
+        size = _sampled_length(sampler)
+        if sampler.drop_last and size % num_replicas:
+            sampler.num_samples = math.ceil((size - num_replicas) / num_replicas)
+        else:
+            sampler.num_samples = math.ceil(size / num_replicas)
+        sampler.total_size = sampler.num_samples * num_replicas
+        sampler.num_replicas, sampler.rank = num_replicas, rank
+        self.length = _length_of(loader)
+        self.config = _config_of(loader, self.rng)
+
+    def make_units(self, units: list[Any], saved: MapState) -> list[Any]:
+        """The batches of ``units`` (from :meth:`peek_units` of ``saved``) made in this process
+        as the workers made them in ``saved``'s epoch: by the loader's own fetcher, with the
+        epoch's per-sample seeds and the ``collate_fn`` (the global RNGs put back after)."""
+        job = saved.job
+        if not saved.started or job is None or job.seed is None:
+            raise ValueError("nothing was made before the first iter(): no batches to make")
+        task = FetchTask(saved.used, tuple(units), epoch_seed(job.seed, saved.epoch))
+        with kept_rng_state():  # the fetcher keeps them only when it seeds
+            result = self.fetcher[task]
+        if result.failure is not None:
+            raise result.failure
+        return result.batches()
 
     def stats(self) -> dict[str, Any]:
         return self.metrics.stats()

@@ -467,6 +467,12 @@ def describe_dropin_state(state: Any) -> str:
                 f"epoch {summary['epoch']}, {summary['batches_handed_out']:,} of "
                 f"{'?' if of is None else f'{of:,}'} batches handed out"
             )
+        seed = summary["job_seed"]
+        lines.append(
+            "job seed: drawn at the first iter()"
+            if seed is None
+            else f"job seed: {seed} (per-sample seeds derive from it, the epoch and the index)"
+        )
     lines.append("dataset and sampling:")
     lines += [f"  {name}: {value}" for name, value in config.items()]
     return "\n".join(lines)
