@@ -5,11 +5,13 @@ ranks."""
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import datasets
 import pytest
-from torch.utils.data import DataLoader
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import energy_loader as el
 
@@ -45,3 +47,97 @@ def test_a_restored_stream_runs_every_later_epoch_whole(workers: int) -> None:
     for _ in range(2):  # the epochs after it start at the first row, not at the saved one
         assert ids(restored) == epoch
     restored.close()
+
+
+def augment(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """A ``set_transform`` that draws: python ``random`` and torch, one draw each a row."""
+    return {
+        "id": batch["id"],
+        "py": [random.random() for _ in batch["id"]],
+        "torch": torch.rand(len(batch["id"])).tolist(),
+    }
+
+
+def augmented_table(n: int = 40) -> datasets.Dataset:
+    table = datasets.Dataset.from_dict({"id": list(range(n))})
+    table.set_transform(augment)
+    return table
+
+
+class OneByOne(Dataset[Any]):
+    """The same table without ``__getitems__``: torch's fetcher calls ``__getitem__`` per index."""
+
+    def __init__(self, table: datasets.Dataset) -> None:
+        self.table = table
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.table[index]
+
+
+def augmented_loader(data: Any, batch_size: int, workers: int = 0) -> el.SavableDataLoader:
+    torch.manual_seed(0)  # the job seed: every run of the job seeds alike
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=5)
+    return el.SavableDataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=workers)
+
+
+def rows(batches: Any) -> dict[int, tuple[float, float]]:
+    return {
+        int(i): (float(p), float(t))
+        for batch in batches
+        for i, p, t in zip(batch["id"], batch["py"], batch["torch"])
+    }
+
+
+def test_a_set_transform_draws_the_same_for_a_row_restored_into_another_batch_size() -> None:
+    assert hasattr(augmented_table(), "__getitems__")  # why this test exists
+    uninterrupted = rows(augmented_loader(augmented_table(), 4))
+    assert sorted(uninterrupted) == list(range(40))
+    # The __getitem__-only path seeds per index already: the table draws what it draws.
+    assert rows(augmented_loader(OneByOne(augmented_table()), 4)) == uninterrupted
+
+    saving = augmented_loader(augmented_table(), 4)
+    iterator = iter(saving)
+    before = rows(next(iterator) for _ in range(3))
+    state = saving.state_dict()
+    del iterator
+    restored = augmented_loader(augmented_table(), 6, workers=2)
+    restored.load_state_dict(state)
+    rest = rows(restored)
+    restored.close()
+    assert sorted([*before, *rest]) == list(range(40))
+    assert {**before, **rest} == uninterrupted  # every restored row drew what it drew before
+
+
+class BatchesOnly(Dataset[Any]):
+    """Reads only through ``__getitems__`` (its ``__getitem__`` is torch's stub)."""
+
+    def __init__(self, n: int, *, batched_result: bool = False) -> None:
+        self.n = n
+        self.batched_result = batched_result
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitems__(self, indices: list[int]) -> Any:
+        draws = [random.random() for _ in indices]
+        if self.batched_result:  # against torch's contract: one batch, not a list of samples
+            return {"id": indices, "py": draws}
+        return [{"id": i, "py": d, "torch": 0.0} for i, d in zip(indices, draws)]
+
+
+def test_a_getitems_only_dataset_is_read_one_index_at_a_time_or_refused_by_name() -> None:
+    four = rows(augmented_loader(BatchesOnly(24), 4))
+    assert sorted(four) == list(range(24))
+    assert rows(augmented_loader(BatchesOnly(24), 5)) == four
+    with pytest.raises(TypeError, match=r"__getitems__\(\[\d+\]\) returned dict.*seed_per_sample"):
+        next(iter(augmented_loader(BatchesOnly(24, batched_result=True), 4)))
+    loader = el.SavableDataLoader(
+        BatchesOnly(24, batched_result=True),
+        batch_size=4,
+        collate_fn=lambda b: b,
+        seed_per_sample=False,
+    )
+    assert next(iter(loader))["id"] == [0, 1, 2, 3]  # one call a batch, as torch calls it

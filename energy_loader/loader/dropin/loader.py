@@ -61,7 +61,8 @@ class DropInDataLoader(SavableDataLoader):
 
     Options of its own (keyword-only, after torch's): ``seed_per_sample`` (default True:
     python ``random``, numpy's and torch's global RNGs are seeded from (epoch seed, index)
-    before each ``__getitem__``, so random augmentation comes back identical after a restore;
+    before each ``__getitem__``, so random augmentation comes back identical after a restore,
+    on any layout (a dataset with ``__getitems__`` is then read one index at a time);
     False leaves workers seeded as torch seeds them, and a restored ``__getitem__`` then draws
     other numbers), ``items_per_transfer`` (most batches a worker sends in one trip), the
     ``transport_*`` options, ``worker_config`` (rank and world size; default from the
