@@ -5,10 +5,13 @@ ranks."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 from typing import Any
 
 import datasets
+import datasets.distributed
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -141,3 +144,33 @@ def test_a_getitems_only_dataset_is_read_one_index_at_a_time_or_refused_by_name(
         seed_per_sample=False,
     )
     assert next(iter(loader))["id"] == [0, 1, 2, 3]  # one call a batch, as torch calls it
+
+
+@pytest.mark.slow  # ~10-12 s: two rank processes importing datasets; the next test is the cheap one
+def test_an_unsplit_stream_on_two_ranks_is_refused_and_a_split_one_trains_in_step(
+    tmp_path: Path,
+) -> None:
+    from tests import distributed_helpers as dh
+
+    from .hf_rank_programs import split_or_refused
+
+    dh.launch(split_or_refused, 2, tmp_path, timeout=120)
+    seen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert len(seen[0]["refused"]) == 1 and len(seen[1]["refused"]) == 2
+    for refusal in [*seen[0]["refused"], *seen[1]["refused"]]:
+        assert "split_dataset_by_node" in refusal
+    assert "not split between the ranks" in seen[1]["refused"][0]
+    assert "for rank 0 of 2, but the loader runs as rank 1 of 2" in seen[1]["refused"][1]
+    # Each rank read its own half; together every row once (a plain-Python oracle).
+    assert not set(seen[0]["ids"]) & set(seen[1]["ids"])
+    assert sorted(seen[0]["ids"] + seen[1]["ids"]) == list(range(ROWS))
+
+
+def test_a_stream_split_for_another_layout_is_refused_in_one_process() -> None:
+    split = datasets.distributed.split_dataset_by_node(stream(), rank=1, world_size=2)
+    with pytest.raises(ValueError, match="for rank 1 of 2, but the loader runs as rank 0 of 1"):
+        el.SavableDataLoader(split, batch_size=2)
+    config = el.WorkerConfig(rank=1, world_size=2)
+    assert len(ids(el.SavableDataLoader(split, batch_size=2, worker_config=config))) == ROWS // 2
+    with pytest.raises(ValueError, match="not split between the ranks"):
+        el.SavableDataLoader(stream(), batch_size=2, worker_config=config)
