@@ -19,7 +19,7 @@ runs on a whole batch) is then read as torch reads one without it, ``dataset[ind
 index under that index's seed (``__getitems__([index])`` when ``__getitem__`` is torch's
 stub): one call per batch would draw one stream for the batch, and a sample restored into
 another batch (another batch size or world size) would draw other numbers. That costs the
-batched read's speed (docs/huggingface.md measures it); ``seed_per_sample=False`` keeps one
+batched read's speed (docs/sources/huggingface.md measures it); ``seed_per_sample=False`` keeps one
 ``__getitems__`` call per batch. In the main process (``num_workers=0``) the global RNG
 states are put back after each task, so the training loop's own randomness is not disturbed.
 
