@@ -51,6 +51,20 @@ def test_a_restored_stream_runs_every_later_epoch_whole(workers: int) -> None:
         assert ids(restored) == epoch
     restored.close()
 
+    # A chained restart: saved again inside the resumed epoch (the loaded copy's own state).
+    again = el.SavableDataLoader(stream(), batch_size=2, num_workers=workers)
+    again.load_state_dict(state)
+    iterator = iter(again)
+    more = ids(next(iterator) for _ in range(30))
+    chained = again.state_dict()
+    del iterator
+    again.close()
+    last = el.SavableDataLoader(stream(), batch_size=2, num_workers=workers)
+    last.load_state_dict(chained)
+    assert before + more + ids(last) == epoch
+    assert ids(last) == epoch
+    last.close()
+
 
 def augment(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
     """A ``set_transform`` that draws: python ``random`` and torch, one draw each a row."""
