@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import energy_loader as el
+from energy_loader.workers.fetch import draws_nothing
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -188,3 +189,13 @@ def test_a_stream_split_for_another_layout_is_refused_in_one_process() -> None:
     assert len(ids(el.SavableDataLoader(split, batch_size=2, worker_config=config))) == ROWS // 2
     with pytest.raises(ValueError, match="not split between the ranks"):
         el.SavableDataLoader(stream(), batch_size=2, worker_config=config)
+
+
+def test_a_table_without_a_transform_is_read_a_batch_a_call_and_a_late_transform_is_seen() -> None:
+    table = datasets.Dataset.from_dict({"id": list(range(40))})
+    assert draws_nothing(table)  # HF's formats are deterministic: batched reads stay
+    assert not draws_nothing(augmented_table())
+    assert not draws_nothing(OneByOne(table))
+    late = augmented_loader(table, 4)
+    table.set_transform(augment)  # after the loader was built, before it reads
+    assert rows(late) == rows(augmented_loader(augmented_table(), 4))
