@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset, Subset, get_worker_info
 
 from ..metrics import clock
 from ..rng import fold_key, kept_rng_state, seed_globals_for_sample
@@ -173,6 +173,8 @@ def draws_nothing(dataset: Any) -> bool:
     Face ``datasets.Dataset`` without a ``set_transform``/``with_transform`` (its formats are
     deterministic), read one batch a call whatever ``seed_per_sample`` (7x the rows/s of a
     row at a time for a two-column table). Checked per batch: a transform may be set late."""
+    if isinstance(dataset, Subset):  # torch's Subset reads through its dataset's __getitems__
+        return draws_nothing(dataset.dataset)
     module = sys.modules.get("datasets")  # not imported: no Hugging Face dataset here
     if module is None or not isinstance(dataset, module.Dataset):
         return False

@@ -14,7 +14,7 @@ import datasets
 import datasets.distributed
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 import energy_loader as el
 from energy_loader.workers.fetch import draws_nothing
@@ -196,6 +196,7 @@ def test_a_table_without_a_transform_is_read_a_batch_a_call_and_a_late_transform
     assert draws_nothing(table)  # HF's formats are deterministic: batched reads stay
     assert not draws_nothing(augmented_table())
     assert not draws_nothing(OneByOne(table))
+    assert draws_nothing(Subset(table, [3, 1])) and not draws_nothing(Subset(OneByOne(table), [1]))
     late = augmented_loader(table, 4)
     table.set_transform(augment)  # after the loader was built, before it reads
     assert rows(late) == rows(augmented_loader(augmented_table(), 4))
