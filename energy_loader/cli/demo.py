@@ -72,7 +72,8 @@ def augment(sample: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_pipeline(data_path: str, seed: int) -> BatchDataset:
-    source = IndexedSource(TokenFile(data_path), shuffle=True, seed=seed)
+    # reading token rows draws nothing: the augmentation runs (seeded) in the map
+    source = IndexedSource(TokenFile(data_path), shuffle=True, seed=seed, seed_per_sample=False)
     return BatchDataset(ShuffleBufferDataset(MapDataset(source, augment), size=500), batch_size=32)
 
 

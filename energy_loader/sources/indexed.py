@@ -12,6 +12,15 @@ shard's next sample. It is a number in the global order, not a per-worker count,
 release can re-slice it for a different number of workers.
 
 Restore key: ``(index,)``, the index into the data; ``restore_sample((i,))`` is ``data[i]``.
+
+Random reads. A dataset object's ``__getitem__`` may draw random numbers (an augmenting torch
+``Dataset``, a Hugging Face ``datasets.Dataset`` with a ``set_transform``). Those reads run
+under the sample's seed, as ``.map()`` functions do: python ``random``, numpy's global RNG
+and torch's default CPU generator are seeded from (pipeline seed, this source's salt, the
+restore key) before each read (~11 us), so a read draws the same numbers after a restore,
+in ``restore_sample`` and on any number of workers or ranks. Lists, tuples, ranges, numpy
+arrays and tensors draw nothing and are read unseeded; so is ``from_fn``'s function unless
+``seed_per_sample=True`` (the library's workloads read there and draw nothing).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from ..dataset import (
     EpochCursor,
     Key,
     SavableDataset,
+    apply_user_fn,
     callable_name,
 )
 from ..rng import stable_hash
@@ -45,7 +55,7 @@ class _IndexedCursor(StridedCursor):
         source = self.dataset
         length, stride = source.length, source.context.num_shards
         order = source.order_for_epoch(self.epoch)
-        getitem = source._getitem
+        getitem = source.read
         while self.position < length:
             if order is None:
                 indices: Iterable[int] = range(self.position, length, stride)
@@ -65,41 +75,74 @@ class IndexedSource(SavableDataset):
 
     ``data`` is anything with ``__len__`` and ``__getitem__(int)`` (a torch map-style
     dataset, a list, a numpy array...). With ``shuffle=True`` every epoch has its own order,
-    fixed by ``seed``. Example::
+    fixed by ``seed``. ``seed_per_sample`` (default: True for a dataset object, False for a
+    list, tuple, range, numpy array or tensor and for ``from_fn``) reads each sample under
+    its own seed, so a ``__getitem__`` or ``set_transform`` that draws random numbers draws
+    the same after a restore (module documentation). Example::
 
         source = IndexedSource(my_dataset, shuffle=True, seed=1234)
         source = IndexedSource.from_fn(length=10**10, fn=make_sample, shuffle=True)
     """
 
-    def __init__(self, data: Any, *, shuffle: bool = False, seed: int = 0) -> None:
+    def __init__(
+        self,
+        data: Any,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        seed_per_sample: bool | None = None,
+    ) -> None:
         super().__init__()
         if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
             raise TypeError(
                 "IndexedSource needs map-style data with __len__ and __getitem__ (got "
                 f"{type(data).__name__}); for a function use IndexedSource.from_fn(length, fn)"
             )
-        self._init(len(data), data.__getitem__, type(data).__name__, shuffle, seed)
+        if seed_per_sample is None:
+            seed_per_sample = not _draws_nothing(data)
+        self._init(len(data), data.__getitem__, type(data).__name__, shuffle, seed, seed_per_sample)
 
     @classmethod
     def from_fn(
-        cls, length: int, fn: Callable[[int], Any], *, shuffle: bool = False, seed: int = 0
+        cls,
+        length: int,
+        fn: Callable[[int], Any],
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        seed_per_sample: bool = False,
     ) -> IndexedSource:
-        """A source of ``length`` samples where sample ``i`` is ``fn(i)``."""
+        """A source of ``length`` samples where sample ``i`` is ``fn(i)``; with
+        ``seed_per_sample=True`` each call runs under sample ``i``'s seed (for an ``fn`` that
+        draws random numbers)."""
         require_callable(fn, "fn")
         self = cls.__new__(cls)
         SavableDataset.__init__(self)
-        self._init(length, fn, callable_name(fn), shuffle, seed)
+        self._init(length, fn, callable_name(fn), shuffle, seed, seed_per_sample)
         return self
 
     def _init(
-        self, length: Any, getitem: Callable[[int], Any], name: str, shuffle: Any, seed: Any
+        self,
+        length: Any,
+        getitem: Callable[[int], Any],
+        name: str,
+        shuffle: Any,
+        seed: Any,
+        seed_per_sample: Any,
     ) -> None:
         self.length = require_int(length, "length", minimum=0)
         require_bool(shuffle, "shuffle")
+        require_bool(seed_per_sample, "seed_per_sample")
         self.seed = require_int(seed, "seed", minimum=0)
         self.shuffle = shuffle
+        self.seed_per_sample = seed_per_sample
         self._getitem = getitem
         self._data_name = name
+        self.read: Callable[[int], Any] = self._seeded_read if seed_per_sample else getitem
+
+    def _seeded_read(self, index: int) -> Any:
+        """``data[index]`` under the sample's seed (key ``(index,)``), as a map function."""
+        return apply_user_fn(self._getitem, index, (index,), owner=self, seeded=True)
 
     def order_for_epoch(self, epoch: int) -> FeistelPermutation | None:
         """The epoch's global order (``None`` for the identity)."""
@@ -116,11 +159,13 @@ class IndexedSource(SavableDataset):
             "length": self.length,
             "shuffle": self.shuffle,
             "seed": self.seed,
+            # only when on: states saved unseeded (and before the option) keep their config
+            **({"seed_per_sample": True} if self.seed_per_sample else {}),
         }
 
     def restore_sample(self, key: Key) -> Any:
         self.validate_key(key)
-        return self._getitem(key[0])
+        return self.read(key[0])
 
     def can_restore_sample(self) -> bool:
         return True
@@ -138,3 +183,10 @@ class IndexedSource(SavableDataset):
         if start >= self.length:
             return 0
         return (self.length - start + context.num_shards - 1) // context.num_shards
+
+
+def _draws_nothing(data: Any) -> bool:
+    """Plain containers, whose reads draw no random numbers (read unseeded by default)."""
+    import torch
+
+    return isinstance(data, list | tuple | range | np.ndarray | torch.Tensor)

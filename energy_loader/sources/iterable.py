@@ -5,7 +5,12 @@ source, one copy per worker, as torch runs one copy per worker. What a state hol
 
 - a dataset with ``state_dict()``/``load_state_dict()`` (torchdata's ``Stateful`` protocol):
   its own ``state_dict()``, taken when the loader checkpoints the worker (every few items), so
-  a restore loads it and replays a bounded number of items;
+  a restore loads it and replays a bounded number of items. The loaded state places the
+  resumed epoch only: it is loaded into a shallow copy of the dataset that iterates that
+  epoch, and later epochs iterate the dataset itself, as the uninterrupted run does. (A
+  Hugging Face ``IterableDataset`` applies a loaded state to every ``iter()`` of the same
+  ``epoch``, and torch's loader never calls ``set_epoch``: loaded into the dataset itself,
+  every later epoch would start at the saved position.)
 - any other dataset: the number of items this copy yielded in the epoch. A restore iterates
   the dataset again from the start of the epoch and skips that many items (they are made and
   dropped: the cost of a restore grows with the position in the epoch).
@@ -24,6 +29,7 @@ Restore keys are ``(epoch, item number)``; samples cannot be rebuilt from them.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -76,8 +82,9 @@ class IterableSource(SavableDataset):
             else callable_name(self.worker_init_fn),
         }
 
-    def enter_worker(self) -> bool:
-        """Make ``get_worker_info()`` name this copy's worker; True inside a worker process."""
+    def enter_worker(self, dataset: Any = None) -> bool:
+        """Make ``get_worker_info()`` name this copy's worker (and ``dataset``, the object
+        being iterated, the user's dataset by default); True inside a worker process."""
         from torch.utils.data import get_worker_info
 
         from ..torch_internals import set_worker_info
@@ -89,7 +96,7 @@ class IterableSource(SavableDataset):
         set_worker_info(
             id=context.partition // max(1, context.world_size),
             num_workers=workers,
-            dataset=self.dataset,
+            dataset=self.dataset if dataset is None else dataset,
         )
         if not self._initialised:
             self._initialised = True
@@ -105,7 +112,7 @@ class _IterableCursor(EpochCursor):
         super().__init__(dataset)
         self.consumed = 0
         self.user_state: Any = None
-        self._live = False
+        self._live: Any = None  # the object being iterated: the dataset or a loaded copy
 
     def begin_epoch(self) -> None:
         self.consumed = 0
@@ -119,28 +126,44 @@ class _IterableCursor(EpochCursor):
             context = source.context
             seed_globals_for_sample(context.seed, -2, (context.partition, self.epoch))
         if self.user_state is not None:
-            user.load_state_dict(self.user_state)
+            user = loaded_copy(user, self.user_state)
+            if in_worker:
+                source.enter_worker(user)
             iterator = iter(user)
         else:
             iterator = iter(user)
             for _ in itertools.islice(iterator, self.consumed):
                 pass
-        self._live = True
+        self._live = user
         try:
             for sample in iterator:
                 key = (self.epoch, self.consumed)
                 self.consumed += 1
                 yield key, sample
         finally:
-            self._live = False
+            self._live = None
 
     def fields(self) -> dict[str, Any]:
         source = self.dataset
         state = None
-        if source.stateful and (self._live or self.user_state is not None):
-            state = source.dataset.state_dict() if self._live else self.user_state
+        if source.stateful and (self._live is not None or self.user_state is not None):
+            state = self._live.state_dict() if self._live is not None else self.user_state
         return {"consumed": self.consumed, "user_state": state}
 
     def load_fields(self, reader: StateReader) -> None:
         self.consumed = reader.int("consumed")
         self.user_state = reader.raw("user_state")
+
+
+def loaded_copy(dataset: Any, state: Any) -> Any:
+    """A shallow copy of ``dataset`` with ``state`` loaded into it; ``dataset`` is unchanged.
+
+    ``copy.copy`` follows the class's pickling methods, and a class whose ``__getstate__``
+    returns its own ``__dict__`` (a Hugging Face ``IterableDataset``) would get a copy that
+    shares it: the copy then gets a dict of its own.
+    """
+    view = copy.copy(dataset)
+    if view is not dataset and getattr(view, "__dict__", None) is getattr(dataset, "__dict__", 0):
+        view.__dict__ = dict(dataset.__dict__)
+    view.load_state_dict(state)
+    return view

@@ -4,17 +4,26 @@ The drop-in loader (:mod:`energy_loader.loader.dropin`) runs an internal torch D
 a :class:`BatchFetcher`. Its index stream stays in the main process, as in torch: every
 *task* the fetcher receives names one or several consecutive batches of the user's sampler
 (a bundle, :mod:`energy_loader.workers.bundling` says why) and the epoch's seed. For each
-batch, the fetcher loads the samples (``dataset.__getitems__`` when the dataset has it, else
-``dataset[index]`` per index, exactly as torch's fetcher), applies the user's ``collate_fn``
+batch, the fetcher loads the samples (``dataset[index]`` per index; one
+``dataset.__getitems__`` call per batch when the dataset has it and ``seed_per_sample`` is
+off, exactly as torch's fetcher), applies the user's ``collate_fn``
 and, in a worker process, encodes the bundle with the transport codec
 (:mod:`energy_loader.transport`).
 
 Per-sample seeding: with ``seed_per_sample`` (the default) python ``random``, numpy's global
 RNG and torch's default CPU generator are seeded from (epoch seed, sample index) before each
-``dataset[index]`` (from the batch's indices before ``__getitems__``), so random augmentation
-is a function of the epoch and the index: identical after a restore, whatever worker makes
-the sample. In the main process (``num_workers=0``) the global RNG states are put back after
-each task, so the training loop's own randomness is not disturbed.
+``dataset[index]``, so random augmentation is a function of the epoch and the index:
+identical after a restore, whatever worker makes the sample and whatever batch it is in. A
+dataset with ``__getitems__`` (a Hugging Face ``datasets.Dataset``, whose ``set_transform``
+runs on a whole batch) is then read as torch reads one without it, ``dataset[index]`` per
+index under that index's seed (``__getitems__([index])`` when ``__getitem__`` is torch's
+stub): one call per batch would draw one stream for the batch, and a sample restored into
+another batch (another batch size or world size) would draw other numbers. That costs the
+batched read's speed (docs/sources/huggingface.md measures it); ``seed_per_sample=False``
+keeps one ``__getitems__`` call per batch, and so does a ``datasets.Dataset`` without a
+transform (its reads draw nothing: :func:`draws_nothing`). In the main process
+(``num_workers=0``) the global RNG states are put back after each task, so the training
+loop's own randomness is not disturbed.
 
 Failures: an exception in the user's code ends the bundle; the batches made before it are
 delivered first and the exception is raised where torch would raise it.
@@ -23,11 +32,12 @@ delivered first and the exception is raised where torch would raise it.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset, Subset, get_worker_info
 
 from ..metrics import clock
 from ..rng import fold_key, kept_rng_state, seed_globals_for_sample
@@ -97,6 +107,8 @@ class BatchFetcher(Dataset[Any]):
         self.collate_fn = collate_fn
         self.auto_collation = auto_collation
         self.seed_per_sample = seed_per_sample
+        # A dataset that reads only through __getitems__ (its __getitem__ is torch's stub)
+        self._getitems_only = getattr(type(dataset), "__getitem__", None) is Dataset.__getitem__
         self.transport: WorkerTransport | None = None
         self._encode: Callable[[Any], Packet] | None = None
         self._worker_id: int | None = None
@@ -139,10 +151,13 @@ class BatchFetcher(Dataset[Any]):
                 seed_globals_for_sample(epoch_seed, _SEED_POSITION, unit)
             return self.collate_fn(dataset[unit])
         getitems = getattr(dataset, "__getitems__", None)
-        if getitems:
-            if seeded:
-                seed_globals_for_sample(epoch_seed, _SEED_POSITION, tuple(unit))
+        if getitems and (not seeded or draws_nothing(dataset)):
             samples = getitems(unit)
+        elif getitems and self._getitems_only:
+            samples = []
+            for index in unit:
+                seed_globals_for_sample(epoch_seed, _SEED_POSITION, index)
+                samples.append(_one_sample(getitems([index]), index))
         elif seeded:
             samples = []
             for index in unit:
@@ -151,6 +166,33 @@ class BatchFetcher(Dataset[Any]):
         else:
             samples = [dataset[index] for index in unit]
         return self.collate_fn(samples)
+
+
+def draws_nothing(dataset: Any) -> bool:
+    """Whether ``dataset``'s reads draw no random numbers, known without reading: a Hugging
+    Face ``datasets.Dataset`` without a ``set_transform``/``with_transform`` (its formats are
+    deterministic), read one batch a call whatever ``seed_per_sample`` (7x the rows/s of a
+    row at a time for a two-column table). Checked per batch: a transform may be set late."""
+    if isinstance(dataset, Subset):  # torch's Subset reads through its dataset's __getitems__
+        return draws_nothing(dataset.dataset)
+    module = sys.modules.get("datasets")  # not imported: no Hugging Face dataset here
+    if module is None or not isinstance(dataset, module.Dataset):
+        return False
+    return bool(dataset.format.get("type") != "custom")
+
+
+def _one_sample(samples: Any, index: Any) -> Any:
+    """The sample of ``__getitems__([index])``: torch's contract is a list of one sample."""
+    if isinstance(samples, Sequence) and not isinstance(samples, str | bytes) and len(samples) == 1:
+        return samples[0]
+    raise TypeError(
+        f"__getitems__([{index!r}]) returned {type(samples).__name__} "
+        f"{samples!r:.80}, not a list of one sample (torch's __getitems__ returns a list of "
+        "samples). With seed_per_sample=True the loader calls __getitems__ one index at a "
+        "time so that a sample's random augmentation does not depend on its batch; pass "
+        "seed_per_sample=False to call it once per batch (augmentations are then not "
+        "reproduced by a restore)"
+    )
 
 
 class WorkerInit:

@@ -73,3 +73,63 @@ def test_wrong_inputs_are_refused():
     assert not source.can_restore_sample()
     with pytest.raises(TypeError, match="cannot rebuild a sample"):
         source.restore_sample((0, 0))
+
+
+def _augment(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """A set_transform that draws: python random and torch, one draw each a row."""
+    import random
+
+    import torch
+
+    return {
+        "i": batch["i"],
+        "py": [random.random() for _ in batch["i"]],
+        "torch": torch.rand(len(batch["i"])).tolist(),
+    }
+
+
+def _augmented(n: int = 60) -> Dataset:
+    data = table(n)
+    data.set_transform(_augment)
+    return data
+
+
+def _rows(batches: Any) -> dict[int, tuple[float, float]]:
+    return {
+        int(i): (float(p), float(t))
+        for batch in batches
+        for i, p, t in zip(batch["i"], batch["py"], batch["torch"])
+    }
+
+
+def test_a_set_transform_draws_the_same_after_a_restore_on_other_workers(no_leftover_processes):
+    def loader(workers: int) -> el.SavableDataLoader:
+        source = IndexedSource(_augmented(), shuffle=True, seed=3)
+        return el.SavableDataLoader(source.batch(4), num_workers=workers, num_partitions=2)
+
+    uninterrupted = _rows(loader(2))
+    assert sorted(uninterrupted) == list(range(60))
+    saving = loader(2)
+    iterator = iter(saving)
+    before = _rows(next(iterator) for _ in range(5))
+    state = saving.save_state_global()
+    del iterator
+    saving.close()
+    restored = loader(1)  # another worker count: the rows move between processes
+    restored.restore_state_global(state)
+    rest = _rows(restored)
+    restored.close()
+    assert sorted([*before, *rest]) == list(range(60))
+    assert {**before, **rest} == uninterrupted  # every restored row drew what it drew before
+    source = IndexedSource(_augmented(), shuffle=True, seed=3)
+    sample = source.restore_sample((7,))
+    assert (sample["py"], sample["torch"]) == uninterrupted[7]
+
+
+def test_seeding_defaults_to_dataset_objects_and_stays_out_of_plain_states():
+    assert IndexedSource(_augmented()).seed_per_sample
+    assert not IndexedSource(list(range(5))).seed_per_sample
+    assert not IndexedSource.from_fn(5, lambda i: i).seed_per_sample
+    assert "seed_per_sample" not in IndexedSource(list(range(5))).config()
+    with pytest.raises(TypeError, match="seed_per_sample"):
+        IndexedSource(_augmented(), seed_per_sample=1)  # type: ignore[arg-type]

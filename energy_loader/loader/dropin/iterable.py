@@ -11,7 +11,9 @@ state, and the whole epoch so far from the start for any other dataset.
 
 Epochs follow the savable loader: ``iter(loader)`` after a ``break`` continues the epoch.
 The state restores on the same ``num_workers`` and world size (each worker's copy is one
-stream); another worker count is a ``StateMismatchError``.
+stream); another worker count is a ``StateMismatchError``. On several ranks the dataset reads
+its rank's part itself, as under torch; a Hugging Face stream that was not split for this
+rank is refused (:mod:`.hf_stream`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ...errors import StateMismatchError
 from ...sources.iterable import IterableSource
 from ...wrappers.batch import BatchDataset
 from ...wrappers.map import MapDataset
+from .hf_stream import check_stream_split
 from .state import DROPIN_STATE_FORMAT, DROPIN_STATE_VERSION, check_config, read_header
 
 if TYPE_CHECKING:
@@ -95,6 +98,7 @@ class IterableEngine:
         from ..savable_loader import SavableDataLoader
 
         seed_per_sample = options.pop("seed_per_sample")
+        check_stream_split(loader.dataset, loader.worker_config)
         source = IterableSource(
             loader.dataset, worker_init_fn=loader.worker_init_fn, seed_per_epoch=seed_per_sample
         )

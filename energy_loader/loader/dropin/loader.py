@@ -63,7 +63,8 @@ class DropInDataLoader(SavableDataLoader):
 
     Options of its own (keyword-only, after torch's): ``seed_per_sample`` (default True:
     python ``random``, numpy's and torch's global RNGs are seeded from (epoch seed, index)
-    before each ``__getitem__``, so random augmentation comes back identical after a restore;
+    before each ``__getitem__``, so random augmentation comes back identical after a restore,
+    on any layout (a dataset with ``__getitems__`` is then read one index at a time);
     False leaves workers seeded as torch seeds them, and a restored ``__getitem__`` then draws
     other numbers), ``verify_restore`` (default True: a restore re-runs the sampler to the
     saved position and checks it against the state's proof -- the last batch's indices, the
