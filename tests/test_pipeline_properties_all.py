@@ -19,10 +19,12 @@ from energy_loader.testing import END, check_resume, record_events
 from energy_loader.testing.strategies import PipelineSpec, pipelines, restart_chains
 from energy_loader.wrappers import __all__ as WRAPPERS
 
-# In process an example costs milliseconds: run more than the profile's default. With workers
-# an example costs seconds: a quarter of the profile's count, at least 8 (8 in CI).
+from .helpers import MODEL_EXAMPLES
+
+# In process an example costs milliseconds: run more than the profile's default (500 nightly).
+# With workers an example costs seconds: a quarter of the profile's count, at least 8 (8 in CI).
 _PROFILE = settings().max_examples
-IN_PROCESS = settings(max_examples=max(40, _PROFILE))
+IN_PROCESS = settings(max_examples=max(40, MODEL_EXAMPLES.max_examples))
 WITH_WORKERS = settings(max_examples=max(8, _PROFILE // 4))
 
 STAGE_NAMES = {

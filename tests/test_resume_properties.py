@@ -24,6 +24,8 @@ from energy_loader.testing.strategies import (
     restart_chains,
 )
 
+from .helpers import MODEL_EXAMPLES
+
 
 def _events(spec: PipelineSpec, workers: int, prefetch: int) -> list[Any]:
     loader = SavableDataLoader(spec.build(), num_workers=workers, prefetch_factor=prefetch)
@@ -31,6 +33,7 @@ def _events(spec: PipelineSpec, workers: int, prefetch: int) -> list[Any]:
     return events
 
 
+@MODEL_EXAMPLES
 @given(spec=pipelines(), data=st.data())
 def test_resume_is_exact_in_process(spec: PipelineSpec, data: st.DataObject) -> None:
     events = _events(spec, 0, 2)

@@ -18,18 +18,18 @@ loaders): saved at world size W, restored at W' with the ranks seeded alike, per
 at all. The model for another W' is the union of the indices per epoch, each index's
 augmentation the uninterrupted run's.
 
-``ENERGY_LOADER_HYPOTHESIS=nightly`` runs 500 examples of each property; CI runs 30.
+``ENERGY_LOADER_HYPOTHESIS=nightly`` runs 500 examples of each property; CI runs 30 (the
+ranks' property in its slow step).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils.data import (
     BatchSampler,
@@ -54,6 +54,7 @@ from energy_loader.testing.runs import (
     run_chain,
 )
 
+from ..helpers import MODEL_EXAMPLES
 from .dropin_helpers import (
     Augmenting,
     Dicts,
@@ -66,8 +67,6 @@ from .dropin_helpers import (
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
-NIGHTLY = os.environ.get("ENERGY_LOADER_HYPOTHESIS") == "nightly"
-EXAMPLES = settings(max_examples=500 if NIGHTLY else 30)
 EPOCHS = 3
 MAP_SAMPLERS = [
     "sequential",
@@ -222,7 +221,7 @@ def _chain(setup: dict[str, Any], full: ChainRun) -> Chain:
     return Chain(tuple(points), workers)
 
 
-@EXAMPLES
+@MODEL_EXAMPLES
 @given(_setups())
 def test_equal_to_torch_and_a_restarted_loop_equals_the_uninterrupted_one(
     setup: dict[str, Any],
@@ -328,7 +327,10 @@ def _rank_run(
     return out, state
 
 
-@EXAMPLES
+# ~30 s for 30 examples (9 loaders each): CI's slow step; test_dropin_elastic.py covers resized
+# ranks in the default run.
+@pytest.mark.slow
+@MODEL_EXAMPLES
 @given(_rank_setups())
 def test_simulated_ranks_resized_keep_every_index_and_its_augmentation(
     setup: dict[str, Any],
