@@ -127,7 +127,7 @@ def test_check_loader_resume_names_a_getitem_that_reads_the_clock() -> None:
 def test_check_loader_resume_tells_a_restore_that_went_elsewhere() -> None:
     with pytest.raises(
         ResumeMismatch,
-        match=r"resume is not exact \(num_workers=0 -> save after 1 batches \(in the loop\), "
+        match=r"resume is not exact \(num_workers=0 -> save after 1 batch \(in the loop\), "
         r"restore on num_workers=0\): batch 1 \(epoch 0, its batch 1\) differs \(batch\['call'\]"
         r".*the same dataset indices \(\[.*\]\) gave other samples after the restore",
     ):
@@ -149,7 +149,7 @@ class _PythonShuffle(Sampler[int]):
 def test_check_loader_resume_tells_a_sampler_the_restore_cannot_replay() -> None:
     with pytest.raises(
         ResumeMismatch,
-        match=r"save after 1 batches \(in the loop\).*: batch 1 \(epoch 0, its batch 1\) differs "
+        match=r"save after 1 batch \(in the loop\).*: batch 1 \(epoch 0, its batch 1\) differs "
         r".*the restore cannot reproduce the sampler's position: the sampler's order depends on "
         r"something the loader neither sees nor saves",
     ):

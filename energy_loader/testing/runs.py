@@ -67,9 +67,10 @@ class SavePoint:
     after_loop: bool = False
 
     def __str__(self) -> str:
+        count = f"{self.batches} batch{'' if self.batches == 1 else 'es'}"
         if self.after_loop:
-            return f"after {self.batches} batches, after the for loop ended"
-        return f"after {self.batches} batches (in the loop)" if self.batches else "at the start"
+            return f"after {count}, after the for loop ended"
+        return f"after {count} (in the loop)" if self.batches else "at the start"
 
 
 @attrs.frozen
