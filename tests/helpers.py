@@ -11,9 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hypothesis import settings
 
 import energy_loader as el
 from energy_loader.testing.strategies import AddNoise, MakeSample
+
+# The model-based properties' examples: 30 in CI, 500 with ENERGY_LOADER_HYPOTHESIS=nightly
+# (tests/conftest.py has the profiles; this sets only the count).
+MODEL_EXAMPLES = settings(
+    max_examples=500 if os.environ.get("ENERGY_LOADER_HYPOTHESIS") == "nightly" else 30
+)
 
 
 def make_sample(index: int) -> dict[str, Any]:

@@ -3,8 +3,9 @@
 Pipelines come from :func:`energy_loader.testing.strategies.pipelines`: map, filter, shuffle
 buffer, batch, gc, log, limit, repeat, epochize, concat, blend, packing, group batch and
 unbatch, stacked in any order that fits the samples flowing through. Each example saves at
-random stop points (and at the epoch edges in process), restores on a fresh loader, and
-compares the continuation with the uninterrupted run, with 0, 1 and 2 workers.
+random stop points (and at the epoch edges in process) and a chain of restarts, restores on
+a fresh loader, and compares the continuation with the uninterrupted run, with 0, 1 and 2
+workers.
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from energy_loader import SavableDataLoader
-from energy_loader.testing import check_resume, record_events
-from energy_loader.testing.strategies import PipelineSpec, pipelines
+from energy_loader.testing import END, check_resume, record_events
+from energy_loader.testing.strategies import PipelineSpec, pipelines, restart_chains
 from energy_loader.wrappers import __all__ as WRAPPERS
 
-# In process an example costs milliseconds: run more than the profile's default. With workers
-# an example costs seconds: a quarter of the profile's count, at least 8 (8 in CI).
+from .helpers import MODEL_EXAMPLES
+
+# In process an example costs milliseconds: run more than the profile's default (500 nightly).
+# With workers an example costs seconds: a quarter of the profile's count, at least 8 (8 in CI).
 _PROFILE = settings().max_examples
-IN_PROCESS = settings(max_examples=max(40, _PROFILE))
+IN_PROCESS = settings(max_examples=max(40, MODEL_EXAMPLES.max_examples))
 WITH_WORKERS = settings(max_examples=max(8, _PROFILE // 4))
 
 STAGE_NAMES = {
@@ -66,8 +69,9 @@ def test_the_generator_composes_every_wrapper_up_to_depth_six() -> None:
 def test_resume_is_exact_in_process(spec: PipelineSpec, data: st.DataObject) -> None:
     report = check_resume(spec.build, num_workers=0, epochs=2)
     extra = data.draw(st.lists(st.integers(0, report.events), max_size=2, unique=True))
-    if extra:
-        check_resume(spec.build, num_workers=0, epochs=2, stop_points=sorted(extra))
+    events = record_events(SavableDataLoader(spec.build()), 2)[0]
+    chain = data.draw(restart_chains(events, END), label="chain")
+    check_resume(spec.build, num_workers=0, epochs=2, stop_points=[*sorted(extra), chain])
 
 
 @pytest.mark.timeout(600)
@@ -82,9 +86,14 @@ def test_resume_is_exact_with_workers(
 ) -> None:
     kwargs = {"checkpoint_every_n_samples": data.draw(st.integers(1, 5), label="every_n")}
     loader = SavableDataLoader(spec.build(), num_workers=workers, **kwargs)
-    total = len(record_events(loader, 2)[0])
+    events = record_events(loader, 2)[0]
     del loader
-    stops = data.draw(st.lists(st.integers(0, total), min_size=1, max_size=2, unique=True))
+    stops = data.draw(st.lists(st.integers(0, len(events)), min_size=1, max_size=2, unique=True))
+    chain = data.draw(restart_chains(events, END, max_restarts=2), label="chain")
     check_resume(
-        spec.build, num_workers=workers, epochs=2, stop_points=sorted(stops), loader_kwargs=kwargs
+        spec.build,
+        num_workers=workers,
+        epochs=2,
+        stop_points=[*sorted(stops), chain],
+        loader_kwargs=kwargs,
     )

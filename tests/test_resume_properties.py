@@ -3,10 +3,13 @@
 Random pipelines (source, map with random draws, filter, shuffle buffers, batch, limit,
 repeat, gc, log), random worker counts, prefetch depths and items per transfer, random stop
 points (including the start, mid-epoch, right before and right after an epoch end, and inside
-the second epoch).
+the second epoch) and chains of restarts (save, restore, save again, possibly right after the
+load, restore, ...).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -14,20 +17,30 @@ from hypothesis import strategies as st
 
 from energy_loader import SavableDataLoader
 from energy_loader.testing import END, check_resume, record_events
-from energy_loader.testing.strategies import PipelineSpec, pipelines
+from energy_loader.testing.strategies import (
+    PipelineSpec,
+    edge_stop_points,
+    pipelines,
+    restart_chains,
+)
+
+from .helpers import MODEL_EXAMPLES
 
 
-def _events(spec: PipelineSpec, workers: int, prefetch: int) -> int:
+def _events(spec: PipelineSpec, workers: int, prefetch: int) -> list[Any]:
     loader = SavableDataLoader(spec.build(), num_workers=workers, prefetch_factor=prefetch)
     events, _ = record_events(loader, 2)
-    return len(events)
+    return events
 
 
+@MODEL_EXAMPLES
 @given(spec=pipelines(), data=st.data())
 def test_resume_is_exact_in_process(spec: PipelineSpec, data: st.DataObject) -> None:
-    total = _events(spec, 0, 2)
-    stops = data.draw(st.lists(st.integers(0, total), min_size=1, max_size=4, unique=True))
-    check_resume(spec.build, num_workers=0, epochs=2, stop_points=sorted(stops))
+    events = _events(spec, 0, 2)
+    point = st.one_of(st.integers(0, len(events)), edge_stop_points(events, END))
+    stops = data.draw(st.lists(point, min_size=1, max_size=4, unique=True))
+    chain = data.draw(restart_chains(events, END), label="chain")
+    check_resume(spec.build, num_workers=0, epochs=2, stop_points=[*sorted(stops), chain])
 
 
 @pytest.mark.timeout(600)
@@ -47,9 +60,10 @@ def test_resume_is_exact_with_workers(
         "items_per_transfer": data.draw(st.sampled_from([1, 3, 16]), label="items_per_transfer"),
     }
     loader = SavableDataLoader(spec.build(), num_workers=workers, **kwargs)
-    total = len(record_events(loader, 2)[0])
+    events = record_events(loader, 2)[0]
     del loader
-    stop = data.draw(st.integers(0, total), label="stop")
+    point = st.one_of(st.integers(0, len(events)), edge_stop_points(events, END))
+    stop = data.draw(st.one_of(point.map(lambda k: (k,)), restart_chains(events, END)))
     check_resume(
         spec.build, num_workers=workers, epochs=2, stop_points=[stop], loader_kwargs=kwargs
     )

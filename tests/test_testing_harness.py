@@ -1,13 +1,25 @@
-"""check_resume must fail loudly on a pipeline that does not resume exactly."""
+"""check_resume and check_loader_resume must fail loudly, and say why, on a setup that does
+not resume exactly, and pass one that does."""
 
 from __future__ import annotations
 
+import random
+import time
 from typing import Any
 
 import pytest
+import torch
+from torch.utils.data import Dataset, Sampler, SequentialSampler
 
 import energy_loader as el
-from energy_loader.testing import ResumeMismatch, check_resume, first_difference
+from energy_loader.testing import (
+    ResumeMismatch,
+    check_loader_resume,
+    check_resume,
+    first_difference,
+)
+
+from .loader.dropin_helpers import Augmenting
 
 
 class _CountCalls:
@@ -31,7 +43,8 @@ def test_check_resume_reports_the_first_divergence() -> None:
 
     with pytest.raises(
         ResumeMismatch,
-        match=r"first divergence at event 3: expected sample with restore key \(3,\)",
+        match=r"save after 3 batches \(in the loop\).*: batch 3 \(epoch 0, its batch 3\) differs "
+        r"\(batch\['call'\]: 4 vs 1\); the same dataset indices \(\(3,\)\) gave other samples",
     ):
         check_resume(build, stop_points=[3])
 
@@ -48,3 +61,102 @@ def test_first_difference_names_the_path() -> None:
     b = {"x": torch.tensor([1, 2]), "y": [1, {"z": 3}]}
     assert first_difference(a, b) == "sample['y'][1]['z']: 2 vs 3"
     assert first_difference(a, a) is None
+
+
+class _Clocked(Dataset[Any]):
+    """A ``__getitem__`` that reads the clock: no run repeats another."""
+
+    def __len__(self) -> int:
+        return 9
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"index": index, "stamp": time.time_ns()}
+
+
+class _Counting(Dataset[Any]):
+    """Counts its calls in the process that makes the samples: deterministic from a fresh
+    start, other numbers after a restore (which starts counting anew)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __len__(self) -> int:
+        return 9
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        self.calls += 1
+        return {"index": index, "call": self.calls}
+
+
+def _shuffled(dataset: Any) -> Any:
+    """A factory of shuffling loaders over a fresh ``dataset()`` each."""
+
+    def make(workers: int) -> Any:
+        generator = torch.Generator().manual_seed(3)
+        return el.SavableDataLoader(
+            dataset(), batch_size=2, shuffle=True, generator=generator, num_workers=workers
+        )
+
+    return make
+
+
+def test_check_loader_resume_passes_a_good_drop_in_setup_on_other_worker_counts() -> None:
+    report = check_loader_resume(
+        lambda workers: el.SavableDataLoader(
+            Augmenting(11), batch_size=3, sampler=SequentialSampler(range(11)), num_workers=workers
+        ),
+        num_workers=0,
+        restore_workers=(2, 0),
+        epochs=2,
+        draws=1,
+    )
+    assert report.events == 2 * 4 + 2  # four batches and an end per epoch
+    assert any(isinstance(points, tuple) for points in report.stop_points)  # a chain
+
+
+def test_check_loader_resume_names_a_getitem_that_reads_the_clock() -> None:
+    with pytest.raises(
+        ResumeMismatch,
+        match=r"the uninterrupted run itself is not reproducible: .*batch 0 \(epoch 0, its "
+        r"batch 0\) differs .*the same dataset indices \(\[.*\]\) gave other samples: "
+        r"__getitem__ \(or collate_fn\) depends on something besides the index",
+    ):
+        check_loader_resume(_shuffled(_Clocked), restore_workers=(0,), draws=0)
+
+
+def test_check_loader_resume_tells_a_restore_that_went_elsewhere() -> None:
+    with pytest.raises(
+        ResumeMismatch,
+        match=r"resume is not exact \(num_workers=0 -> save after 1 batch \(in the loop\), "
+        r"restore on num_workers=0\): batch 1 \(epoch 0, its batch 1\) differs \(batch\['call'\]"
+        r".*the same dataset indices \(\[.*\]\) gave other samples after the restore",
+    ):
+        check_loader_resume(_shuffled(_Counting), restore_workers=(0,), draws=0)
+
+
+class _PythonShuffle(Sampler[int]):
+    """Shuffles with python's global ``random``: a source the loader neither sees nor saves."""
+
+    def __len__(self) -> int:
+        return 9
+
+    def __iter__(self) -> Any:
+        order = list(range(9))
+        random.shuffle(order)
+        return iter(order)
+
+
+def test_check_loader_resume_tells_a_sampler_the_restore_cannot_replay() -> None:
+    with pytest.raises(
+        ResumeMismatch,
+        match=r"save after 1 batch \(in the loop\).*: batch 1 \(epoch 0, its batch 1\) differs "
+        r".*the restore cannot reproduce the sampler's position: the sampler's order depends on "
+        r"something the loader neither sees nor saves",
+    ):
+        check_loader_resume(
+            lambda workers: el.SavableDataLoader(
+                Augmenting(9), batch_size=2, sampler=_PythonShuffle(), num_workers=workers
+            ),
+            restore_workers=(0,),
+            draws=0,
+        )

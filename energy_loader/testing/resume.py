@@ -1,28 +1,40 @@
-"""check_resume: prove that save -> fresh loader -> restore -> continue is exact.
+"""check_resume and check_loader_resume: prove that save -> fresh loader -> restore ->
+continue is exact, for a pipeline or for any loader setup of yours.
 
-The uninterrupted run is recorded as a list of *events*: every sample, and an ``END`` event
-each time ``iter(loader)`` reported the end of an epoch. A stop point ``k`` means "the training
-loop consumed the first ``k`` events, then saved": stopping right before an ``END`` is a save
-after the last sample of an epoch, right after one is a save after the end was reported. The
-restored loader must then produce exactly ``events[k:]``: the same samples, restore keys
-included, and the same epoch ends.
+Both run the training loop of :mod:`.runs` uninterrupted and then killed and restarted at
+stop points, and compare every batch, with its epoch, to the uninterrupted run's. A stop point
+``k`` means "the loop consumed the first ``k`` events of the uninterrupted run, then saved",
+where the events are its samples (or batches) and an end after each ``for`` loop: stopping
+right before an end is a save at an epoch's last batch inside the loop, right after one a
+save after the loop. A tuple of stop points is a chain of restarts. On a difference,
+:mod:`.diagnosis` says why. :func:`record_events` and :func:`compare_events` are the plain
+event recorder and comparison other harnesses (real process groups) use.
 """
 
 from __future__ import annotations
 
-import io
-import json
+import random
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
-import torch
+from torch.utils.data import IterableDataset
 
 from ..dataset import SavableDataset, restore_key_of
 from ..loader import SavableDataLoader
+from ..validation import require_int
 from .compare import first_difference
+from .diagnosis import ResumeMismatch, compare_runs, diagnose
+from .runs import Chain, ChainRun, RunFailed, SavePoint, run_chain
 
-__all__ = ["END", "ResumeMismatch", "ResumeReport", "check_resume", "record_events"]
+__all__ = [
+    "END",
+    "ResumeMismatch",
+    "ResumeReport",
+    "check_loader_resume",
+    "check_resume",
+    "record_events",
+]
 
 
 class _End:
@@ -33,17 +45,15 @@ class _End:
 END: Any = _End()
 
 
-class ResumeMismatch(AssertionError):
-    """A restored loader diverged from the uninterrupted run; the message says where."""
-
-
 @attrs.frozen
 class ResumeReport:
-    """What :func:`check_resume` checked."""
+    """What :func:`check_resume` or :func:`check_loader_resume` checked: the uninterrupted
+    run's events (batches and loop ends), the epochs, each stop point or chain of stop
+    points, and the largest saved state (JSON characters, or bytes through ``torch.save``)."""
 
     events: int
     epochs: int
-    stop_points: tuple[int, ...]
+    stop_points: tuple[int | tuple[int, ...], ...]
     state_bytes: int
 
 
@@ -80,16 +90,6 @@ def record_events(
     return events, ended
 
 
-def _round_trip(state: dict[str, Any], via_torch: bool) -> tuple[dict[str, Any], int]:
-    text = json.dumps(state)
-    if not via_torch:
-        return json.loads(text), len(text)
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True), len(text)
-
-
 def _describe(event: Any) -> str:
     if event is END:
         return "END (end of epoch)"
@@ -124,62 +124,213 @@ def check_resume(
     *,
     num_workers: int = 0,
     epochs: int = 2,
-    stop_points: Sequence[int] | None = None,
+    stop_points: Sequence[int | Sequence[int]] | None = None,
     loader_kwargs: dict[str, Any] | None = None,
     check_restore_sample: bool = True,
 ) -> ResumeReport:
     """Check that a pipeline resumes exactly; raise :class:`ResumeMismatch` if not.
 
     ``build_fn()`` returns a fresh pipeline (a ``SavableDataset``, wrapped in a
-    ``SavableDataLoader(num_workers=..., **loader_kwargs)``) or a fresh loader. For each stop
-    point the loader is run to that point, its state goes through ``json`` (and, for every
-    other stop point, ``torch.save``/``torch.load(weights_only=True)``), a new loader from
-    ``build_fn()`` restores it, and its continuation must equal the uninterrupted run's (an
-    epoch whose items had all been taken when the state was saved is over: the restored
-    loader goes on with the next epoch).
+    ``SavableDataLoader(num_workers=..., **loader_kwargs)``) or a fresh loader. The run is the
+    loop of :mod:`energy_loader.testing.runs` (``while loader.epoch < epochs: for batch in
+    loader``). A stop point ``k`` means "the loop consumed the first ``k`` events of the
+    uninterrupted run (its samples, and an end after each ``for`` loop), then saved": right
+    before an end is inside the loop at the epoch's last sample, right after one is after the
+    loop. A tuple of stop points is a chain of restarts: save at the first, restore on a fresh
+    loader, run to the second, save again, ... (two equal points: save right after a load).
+    States go through ``json`` and ``torch.save``/``torch.load(weights_only=True)`` in turn.
+    Every restored run must equal the uninterrupted one, epochs included.
     Default stop points: the start, the first sample, mid-epoch, right before and right after
-    the first epoch end, and the last sample. Use it in your own test suite::
+    the first epoch end, the last sample, and a chain through the first epoch end. Use it in
+    your own test suite::
 
         def test_my_pipeline_resumes():
             check_resume(lambda: build_my_pipeline(small=True), num_workers=2)
     """
     kwargs = dict(loader_kwargs or {})
-    full, _ = record_events(_make_loader(build_fn, num_workers, kwargs), epochs)
-    if stop_points is None:
-        first_end = full.index(END)
-        stop_points = sorted({0, 1, first_end // 2, first_end, first_end + 1, len(full) - 1})
-    largest = 0
-    for number, stop in enumerate(stop_points):
-        if not 0 <= stop <= len(full):
-            raise ValueError(f"stop point {stop} is outside the run of {len(full)} events")
-        loader = _make_loader(build_fn, num_workers, kwargs)
-        head, ended = record_events(loader, epochs, stop=stop)
-        state, size = _round_trip(loader.save_state_rank(), via_torch=number % 2 == 1)
-        largest = max(largest, size)
-        del loader
-        if stop < len(full) and full[stop] is END:
-            # Every item of the epoch was taken: the epoch is over, and the restored loader's
-            # next iter() starts the next one without reporting this end again.
-            head, ended = [*head, END], ended + 1
-        restored = _make_loader(build_fn, num_workers, kwargs)
-        restored.restore_state_rank(state)
-        tail, _ = record_events(restored, epochs - ended)
-        problem = compare_events(full, head + tail)
-        if problem is not None:
-            raise ResumeMismatch(
-                f"resume after {stop} events (num_workers={num_workers}) is not exact: {problem}"
-            )
-        if check_restore_sample and tail:
-            sample = next((e for e in tail if e is not END), None)
-            key = restore_key_of(sample) if sample is not None else None
-            if key is not None:
-                rebuilt = restored.restore_sample(key)
-                detail = first_difference(sample, rebuilt)
-                if detail is not None:
-                    raise ResumeMismatch(
-                        f"restore_sample({key!r}) differs from the sample: {detail}"
-                    )
-        del restored
-    return ResumeReport(
-        events=len(full), epochs=epochs, stop_points=tuple(stop_points), state_bytes=largest
+
+    def make(workers: int) -> SavableDataLoader:
+        return _make_loader(build_fn, workers, kwargs)
+
+    problems: list[str] = []
+
+    def same_sample(loader: Any, sample: Any) -> None:
+        key = restore_key_of(sample)
+        if key is None:
+            return
+        detail = first_difference(sample, loader.restore_sample(key))
+        if detail is not None:
+            problems.append(f"restore_sample({key!r}) differs from the sample: {detail}")
+
+    return _check(
+        make,
+        num_workers=num_workers,
+        restore_workers=(num_workers,),
+        epochs=epochs,
+        stop_points=stop_points,
+        draws=0,
+        seed=0,
+        on_restored_batch=same_sample if check_restore_sample else None,
+        problems=problems,
     )
+
+
+def check_loader_resume(
+    make_loader: Callable[[int], Any],
+    *,
+    num_workers: int = 0,
+    restore_workers: Sequence[int] | None = None,
+    epochs: int = 2,
+    stop_points: Sequence[int | Sequence[int]] | None = None,
+    draws: int = 3,
+    seed: int = 0,
+) -> ResumeReport:
+    """Check that your own loader setup resumes exactly; raise :class:`ResumeMismatch` if not.
+
+    ``make_loader(num_workers)`` builds your loader as your training script does: your
+    dataset (map-style or iterable, not necessarily savable), sampler, ``collate_fn``,
+    ``batch_size``, ``persistent_workers``... in a ``SavableDataLoader`` with that many
+    workers. The check runs your training loop as scripts write it (global RNGs seeded at
+    program start, ``while loader.epoch < epochs``, ``sampler.set_epoch(loader.epoch)`` where
+    the sampler has it, every step drawing from the global RNGs) uninterrupted, then killed
+    and restarted at save points: the defaults of :func:`check_resume` (the start, mid-epoch,
+    an epoch's last batch inside the loop and after it, a chain of restarts with a save right
+    after a load) plus ``draws`` chains drawn from ``seed``. Restarts run on the worker
+    counts of ``restore_workers`` in turn (default: ``num_workers`` and one other; an
+    iterable dataset's state restores on the same count only, so ``num_workers`` alone).
+    Each restarted program's global RNGs are elsewhere than the saving one's.
+
+    On the first batch that differs the error says which batch, how the chain got there, and
+    why: the uninterrupted run is itself not reproducible (it ran twice and differed: a
+    ``__getitem__`` reading the clock, a sampler drawing from a generator nobody seeded), or
+    the restore went elsewhere (other dataset indices: the sampler's position was not
+    reproduced; the same indices: the samples' randomness differs), or the restored loop is
+    in another epoch. Example, in your test suite::
+
+        def test_my_loader_resumes():
+            check_loader_resume(
+                lambda n: SavableDataLoader(MyDataset(small=True), batch_size=4,
+                                            shuffle=True, num_workers=n),
+                num_workers=2,
+            )
+    """
+    require_int(num_workers, "num_workers", minimum=0)
+    require_int(draws, "draws", minimum=0)
+    if restore_workers is None:
+        probe = make_loader(num_workers)
+        iterable = isinstance(getattr(probe, "dataset", None), IterableDataset)
+        _close(probe)
+        restore_workers = (num_workers,) if iterable else (num_workers, 0 if num_workers else 2)
+    restore_workers = tuple(restore_workers)
+    if not restore_workers:
+        raise ValueError("`restore_workers` must name at least one worker count (got none)")
+    for count in restore_workers:
+        require_int(count, "restore_workers[...]", minimum=0)
+    return _check(
+        make_loader,
+        num_workers=num_workers,
+        restore_workers=restore_workers,
+        epochs=epochs,
+        stop_points=stop_points,
+        draws=draws,
+        seed=seed,
+    )
+
+
+def _close(loader: Any) -> None:
+    close = getattr(loader, "close", None)
+    if close is not None:
+        close()
+
+
+def _events_of(run: ChainRun) -> list[SavePoint]:
+    """The uninterrupted run's save points in event order: index ``k`` is "after the first
+    ``k`` events" (samples and loop ends)."""
+    points = [SavePoint(0)]
+    ends = list(run.ends)
+    for count in range(len(run.batches) + 1):
+        if count:
+            points.append(SavePoint(count))
+        while ends and ends[0] == count:
+            points.append(SavePoint(count, after_loop=True))
+            ends.pop(0)
+    return points
+
+
+def _default_stops(events: list[SavePoint]) -> list[tuple[int, ...]]:
+    total = len(events) - 1
+    first_end = next((k for k, p in enumerate(events) if p.after_loop), total) - 1
+    last = total - 1 if events[total].after_loop else total
+    singles = {0, min(1, total), first_end // 2, first_end, first_end + 1, last}
+    later = sorted({max(first_end + 1, (first_end + total) // 2), last})
+    chain = (first_end, first_end, *(k for k in later if k > first_end))
+    out: list[tuple[int, ...]] = [(k,) for k in sorted(singles) if 0 <= k <= total]
+    return [*out, chain] if all(0 <= k <= total for k in chain) else out
+
+
+def _check(
+    make: Callable[[int], Any],
+    *,
+    num_workers: int,
+    restore_workers: tuple[int, ...],
+    epochs: int,
+    stop_points: Sequence[int | Sequence[int]] | None,
+    draws: int,
+    seed: int,
+    on_restored_batch: Callable[[Any, Any], None] | None = None,
+    problems: list[str] | None = None,
+) -> ResumeReport:
+    """The shared core: the uninterrupted run, then each chain of stop points against it
+    (``problems``: what ``on_restored_batch`` found, raised once the batches are equal)."""
+    require_int(epochs, "epochs", minimum=1)
+    uninterrupted = Chain((), (num_workers,))
+    full = run_chain(make, uninterrupted, epochs, seed=seed)
+    events = _events_of(full)
+    total = len(events) - 1
+    chains = [_as_chain(stop) for stop in stop_points] if stop_points is not None else None
+    if chains is None:
+        chains = _default_stops(events)
+    draw = random.Random(seed)
+    for _ in range(draws):
+        chains.append(tuple(sorted(draw.randint(0, total) for _ in range(draw.randint(1, 3)))))
+    largest = 0
+    for number, stops in enumerate(chains):
+        for stop in stops:
+            if not 0 <= stop <= total:
+                raise ValueError(f"stop point {stop} is outside the run of {total} events")
+        if list(stops) != sorted(stops):
+            raise ValueError(f"the stop points of a chain must not decrease (got {list(stops)})")
+        workers = tuple(
+            restore_workers[(number + i) % len(restore_workers)] for i in range(len(stops))
+        )
+        chain = Chain(tuple(events[k] for k in stops), (num_workers, *workers))
+        try:
+            got = run_chain(
+                make,
+                chain,
+                epochs,
+                seed=seed,
+                first_via_torch=number % 2 == 1,
+                on_restored_batch=on_restored_batch,
+            )
+        except RunFailed as failure:
+            raise ResumeMismatch(f"{chain}: {failure}") from None
+        largest = max(largest, got.state_size)
+        difference = compare_runs(full.batches, got.batches)
+        if difference is not None:
+            why = diagnose(make, chain, epochs, seed, full, got, difference)
+            raise ResumeMismatch(f"resume is not exact ({chain}): {why}")
+        if problems:
+            raise ResumeMismatch(f"{chain}: {problems[0]}")
+    return ResumeReport(
+        events=total,
+        epochs=epochs,
+        stop_points=tuple(c[0] if len(c) == 1 else c for c in chains),
+        state_bytes=largest,
+    )
+
+
+def _as_chain(stop: int | Sequence[int]) -> tuple[int, ...]:
+    if isinstance(stop, int):
+        return (stop,)
+    return tuple(stop)

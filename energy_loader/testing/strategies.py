@@ -47,7 +47,9 @@ __all__ = [
     "MakeSample",
     "PipelineSpec",
     "RandomTokens",
+    "edge_stop_points",
     "pipelines",
+    "restart_chains",
     "stop_points",
 ]
 
@@ -314,3 +316,35 @@ def pipelines(
 def stop_points(total_events: int) -> st.SearchStrategy[int]:
     """A stop point among ``0..total_events`` (weighted towards the edges by hypothesis)."""
     return st.integers(0, total_events)
+
+
+def edge_stop_points(events: list[Any], end: Any) -> st.SearchStrategy[int]:
+    """A stop point at an epoch's edge of a run recorded as ``events`` (``end`` after each
+    epoch, as :func:`energy_loader.testing.record_events` records it): right before an end
+    (a save at the epoch's last sample inside the loop) or right after it (after the loop)."""
+    edges = sorted(
+        {k + shift for k, event in enumerate(events) if event is end for shift in (0, 1)}
+    )
+    return st.sampled_from(edges) if edges else st.just(0)
+
+
+def restart_chains(events: list[Any], end: Any, *, max_restarts: int = 3) -> st.SearchStrategy[Any]:
+    """A chain of stop points for ``check_resume`` (a tuple, not decreasing): save, restore,
+    save again, ... Points at the epoch edges, anywhere, and the previous point again (a save
+    right after a load, before any ``iter()``) are drawn alike."""
+    total = len(events)
+    point = st.one_of(edge_stop_points(events, end), st.integers(0, total))
+    return st.lists(point, min_size=2, max_size=max_restarts).flatmap(
+        lambda points: st.lists(st.booleans(), min_size=len(points), max_size=len(points)).map(
+            lambda again: _with_repeats(sorted(points), again)
+        )
+    )
+
+
+def _with_repeats(points: list[int], again: list[bool]) -> tuple[int, ...]:
+    """``points`` with each point after the first replaced by its predecessor where ``again``
+    says so (a save right after the load of the previous one)."""
+    out = [points[0]]
+    for point, repeat in zip(points[1:], again[1:]):
+        out.append(out[-1] if repeat else point)
+    return tuple(out)

@@ -1,14 +1,30 @@
-"""Property: for random datasets, samplers, torch arguments and kill points, the drop-in loader
-yields what torch's DataLoader yields, and a training loop killed and restarted yields exactly
-what the uninterrupted loop yields, through three epochs.
+"""Model-based properties of the drop-in loader: its run equals torch's DataLoader's, and a
+training loop killed and restarted (once or in a chain) equals its own uninterrupted run.
 
-The training loop is the one people write: torch's global RNG seeded at program start, every
-step drawing from it (dropout), ``set_epoch`` before each epoch, and a restart that may or may
-not put the global RNG state back, on another ``num_workers`` and ``persistent_workers``.
+The model is the uninterrupted run of the same setup, run once: a restarted run must hand
+out the same batches (keys, values, dtypes) in the same epochs, through three epochs. Setups
+are drawn: map-style and iterable datasets (a ``__getitem__`` that draws from python's,
+numpy's and torch's global RNGs among them), lengths the batch size divides and not,
+``drop_last``, every kind of sampler, 0-3 workers and another count on each restart,
+persistent workers. Save points are drawn among: before the first batch, mid-epoch, an
+epoch's last batch inside the loop, after the loop, right after a load before any
+``iter()``, and chains of those. The training loop is the one people write
+(:mod:`energy_loader.testing.runs`): global RNGs seeded at program start, every step drawing
+from them, ``set_epoch`` before each epoch, a restart that may or may not put the global RNG
+state back.
+
+Ranks are simulated in one process (several ``DistributedSampler(num_replicas=W, rank=r)``
+loaders): saved at world size W, restored at W' with the ranks seeded alike, per rank, or not
+at all. The model for another W' is the union of the indices per epoch, each index's
+augmentation the uninterrupted run's.
+
+``ENERGY_LOADER_HYPOTHESIS=nightly`` runs 500 examples of each property; CI runs 30 (the
+ranks' property in its slow step).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,6 +32,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils.data import (
+    BatchSampler,
     DataLoader,
     DistributedSampler,
     RandomSampler,
@@ -24,7 +41,20 @@ from torch.utils.data import (
 )
 
 import energy_loader as el
+from energy_loader.testing.diagnosis import compare_runs, diagnose
+from energy_loader.testing.runs import (
+    Batch,
+    Chain,
+    ChainRun,
+    SavePoint,
+    TrainingLoop,
+    load,
+    program_start,
+    round_trip,
+    run_chain,
+)
 
+from ..helpers import MODEL_EXAMPLES
 from .dropin_helpers import (
     Augmenting,
     Dicts,
@@ -33,17 +63,27 @@ from .dropin_helpers import (
     StatefulSharded,
     assert_same,
     run_epochs,
-    stop_and_resume,
 )
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 EPOCHS = 3
-MAP_SAMPLERS = ["sequential", "shuffle", "distributed", "weighted", "subset", "own", "stateful"]
+MAP_SAMPLERS = [
+    "sequential",
+    "shuffle",
+    "distributed",
+    "weighted",
+    "subset",
+    "own",
+    "stateful",
+    "batch_sampler",
+]
 # Samplers whose order torch draws from its global generator (the sampler has no generator of
 # its own, nor, for "shuffle", the loader): from the second epoch on the drop-in draws them
 # from the job's own stream (docs/loader.md).
-DRAW_FROM_GLOBAL = {"weighted", "subset"}
+DRAW_FROM_GLOBAL = {"weighted", "subset", "batch_sampler"}
+# Where a save point falls (drawn per point of a chain).
+WHERE = ["anywhere", "epoch_last_in_loop", "after_loop", "right_after_load"]
 
 
 @st.composite
@@ -55,22 +95,34 @@ def _setups(draw: st.DrawFn) -> dict[str, Any]:
         "num_workers": workers,
         "persistent_workers": workers > 0 and draw(st.booleans()),
     }
-    batch_size = draw(st.sampled_from([None, 1, 2, 3, 5]))
-    arguments["batch_size"] = batch_size
-    if batch_size is not None:
-        arguments["drop_last"] = draw(st.booleans())
     sampler, generator = None, False
     if not iterable:
         sampler = draw(st.sampled_from(MAP_SAMPLERS))
         generator = draw(st.booleans())
+    batch_size = draw(st.sampled_from([None, 1, 2, 3, 5]))
+    if sampler == "batch_sampler":
+        batch_size = draw(st.sampled_from([1, 2, 3, 5]))
+    else:
+        arguments["batch_size"] = batch_size
+    drop_last = batch_size is not None and draw(st.booleans())
+    if sampler != "batch_sampler" and batch_size is not None:
+        arguments["drop_last"] = drop_last
+    if draw(st.booleans()):  # a length the batch size divides
+        length = (batch_size or 1) * draw(st.integers(1, 23 // (batch_size or 1)))
+    else:
+        length = draw(st.integers(1, 23))
+    restarts = draw(st.integers(1, 3))
     return {
         "kind": kind,
-        "length": draw(st.integers(1, 14)),
+        "length": length,
         "arguments": arguments,
+        "batch_size": batch_size,
+        "drop_last": drop_last,
         "sampler": sampler,
         "generator": generator,
-        "stop_fraction": draw(st.floats(0, 1)),
-        "resume_workers": workers if iterable else draw(st.integers(0, 3)),
+        "where": [draw(st.sampled_from(WHERE)) for _ in range(restarts)],
+        "fractions": [draw(st.floats(0, 1)) for _ in range(restarts)],
+        "resume_workers": [workers if iterable else draw(st.integers(0, 3)) for _ in range(3)],
         "resume_persistent": draw(st.booleans()),
         "restore_rng": draw(st.booleans()),
     }
@@ -100,6 +152,10 @@ def _make(
         arguments["sampler"] = RandomSampler(range(length), generator=own)
     elif kind == "stateful":
         arguments["sampler"] = StatefulSampler(length, seed=length)
+    elif kind == "batch_sampler":  # the user's own batching over a sampler of the global RNG
+        arguments["batch_sampler"] = BatchSampler(
+            RandomSampler(range(length)), setup["batch_size"], setup["drop_last"]
+        )
     dataset = {
         "map": Dicts,
         "augmenting": Augmenting,
@@ -130,6 +186,42 @@ def _torch_epochs(setup: dict[str, Any]) -> list[Any]:
     return runs
 
 
+def _factory(setup: dict[str, Any]) -> Callable[[int], Any]:
+    """``make(num_workers)`` for one run: its first loader as drawn, its restarts with the
+    drawn ``persistent_workers``."""
+    calls = [0]
+
+    def make(workers: int) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            return _make(setup, el.SavableDataLoader)
+        return _make(setup, el.SavableDataLoader, workers, setup["resume_persistent"])
+
+    return make
+
+
+def _chain(setup: dict[str, Any], full: ChainRun) -> Chain:
+    """The drawn chain of save points over the uninterrupted run ``full``."""
+    total = len(full.batches)
+    ends = full.ends or [total]
+    points: list[SavePoint] = []
+    for where, fraction in zip(setup["where"], setup["fractions"]):
+        floor = points[-1] if points else SavePoint(0)
+        if where == "right_after_load" and points:
+            points.append(floor)
+            continue
+        if where in ("epoch_last_in_loop", "after_loop"):
+            later = [end for end in ends if SavePoint(end, where == "after_loop") >= floor]
+            end = later[min(len(later) - 1, int(fraction * len(later)))] if later else total
+            point = SavePoint(end, after_loop=where == "after_loop" and bool(later))
+        else:
+            point = SavePoint(floor.batches + round(fraction * (total - floor.batches)))
+        points.append(max(point, floor))
+    workers = (setup["arguments"]["num_workers"], *setup["resume_workers"][: len(points)])
+    return Chain(tuple(points), workers)
+
+
+@MODEL_EXAMPLES
 @given(_setups())
 def test_equal_to_torch_and_a_restarted_loop_equals_the_uninterrupted_one(
     setup: dict[str, Any],
@@ -142,23 +234,165 @@ def test_equal_to_torch_and_a_restarted_loop_equals_the_uninterrupted_one(
         same = 1 if departs else EPOCHS
         assert_same(ours[:same], theirs[:same])
         assert [len(epoch) for epoch in ours] == [len(epoch) for epoch in theirs]
-        total = sum(len(epoch) for epoch in theirs)
-    else:
-        total = len(_make(setup, DataLoader)) * EPOCHS
-    stop = round(setup["stop_fraction"] * total)
-    if setup["kind"].endswith("iterable") and 0 < stop == total:
-        # An iterable's loader.epoch after a restore at an epoch's last item is still that
-        # epoch (the savable loader's rule, docs/loader.md): the loop would run one more.
-        stop -= 1
-    stop_and_resume(
-        lambda count: _make(setup, el.SavableDataLoader),
-        setup["arguments"]["num_workers"],
-        setup["resume_workers"],
-        stop,
-        EPOCHS,
-        restore_rng=setup["restore_rng"],
-        set_epoch=_set_epoch,
-        resume_make=lambda count: _make(
-            setup, el.SavableDataLoader, count, setup["resume_persistent"]
-        ),
+    workers = setup["arguments"]["num_workers"]
+    full = run_chain(_factory(setup), Chain((), (workers,)), EPOCHS)
+    chain = _chain(setup, full)
+    got = run_chain(_factory(setup), chain, EPOCHS, restore_global_rngs=setup["restore_rng"])
+    difference = compare_runs(full.batches, got.batches)
+    if difference is not None:
+        why = diagnose(_factory(setup), chain, EPOCHS, 0, full, got, difference)
+        pytest.fail(f"{chain}: {why}")
+
+
+# -- simulated ranks -----------------------------------------------------------------------------
+
+SEEDINGS = ["equal", "per_rank", "none"]
+
+
+@st.composite
+def _rank_setups(draw: st.DrawFn) -> dict[str, Any]:
+    old = draw(st.integers(1, 3))
+    return {
+        "length": draw(st.integers(7, 23)),
+        "old": old,
+        "new": draw(st.integers(1, 3)),
+        "batch_size": draw(st.sampled_from([None, 1, 2, 3])),
+        "shuffle": draw(st.booleans()),
+        "drop_last": draw(st.booleans()),  # the sampler's
+        "seeding": draw(st.sampled_from(SEEDINGS)),
+        "unseeded": draw(st.integers(0, 2**30)),  # where an unseeded program's RNGs happen to be
+        "workers": draw(st.integers(0, 2)),
+        "new_workers": draw(st.integers(0, 2)),
+        "where": draw(st.sampled_from(WHERE[:3])),
+        "fraction": draw(st.floats(0, 1)),
+        "source_rank": draw(st.integers(0, old - 1)),
+        "own_states": draw(st.booleans()),
+        "via_torch": draw(st.booleans()),
+    }
+
+
+def _rank_seed(setup: dict[str, Any], rank: int, restarted: bool) -> int:
+    """The seed a rank's program starts from: the same on every rank, its own per rank
+    (``1000 + rank``), or none (each rank's global RNGs wherever they happen to be)."""
+    if setup["seeding"] == "equal":
+        return 0
+    if setup["seeding"] == "per_rank":
+        return 1000 + rank
+    return setup["unseeded"] + 7919 * rank + (104729 if restarted else 0)
+
+
+def _rank_loader(setup: dict[str, Any], world: int, rank: int, workers: int) -> Any:
+    dataset = Augmenting(setup["length"])
+    sampler = DistributedSampler(
+        dataset,
+        num_replicas=world,
+        rank=rank,
+        shuffle=setup["shuffle"],
+        seed=5,
+        drop_last=setup["drop_last"],
     )
+    return el.SavableDataLoader(
+        dataset, batch_size=setup["batch_size"], sampler=sampler, num_workers=workers
+    )
+
+
+def _samples(batches: list[Batch]) -> list[tuple[int, int, tuple[float, ...]]]:
+    """(epoch, index, augmentation) of every sample of the batches."""
+    out = []
+    for batch in batches:
+        value = batch.value
+        indices = value["index"]
+        if isinstance(indices, torch.Tensor) and indices.dim() == 1:
+            for row, index in enumerate(indices.tolist()):
+                drawn = (float(value["python"][row]), float(value["numpy"][row]))
+                out.append((batch.epoch, index, (*drawn, *value["torch"][row].tolist())))
+        else:
+            drawn = (float(value["python"]), float(value["numpy"]))
+            out.append((batch.epoch, int(indices), (*drawn, *value["torch"].tolist())))
+    return out
+
+
+def _rank_run(
+    setup: dict[str, Any], world: int, rank: int, workers: int, stop: SavePoint | None = None
+) -> tuple[list[Batch], Any]:
+    """One rank's program from the start: to the end, or to ``stop`` (then its state)."""
+    program_start(_rank_seed(setup, rank, restarted=False))
+    loader = _rank_loader(setup, world, rank, workers)
+    out: list[Batch] = []
+    loop = TrainingLoop(loader, EPOCHS, out, stop, restored=False)
+    stopped = loop.run()
+    state = round_trip(loader, setup["via_torch"])[0] if stop is not None else None
+    loader.close()
+    assert stop is None or stopped, f"rank {rank} never reached {stop}"
+    return out, state
+
+
+# ~30 s for 30 examples (9 loaders each): CI's slow step; test_dropin_elastic.py covers resized
+# ranks in the default run.
+@pytest.mark.slow
+@MODEL_EXAMPLES
+@given(_rank_setups())
+def test_simulated_ranks_resized_keep_every_index_and_its_augmentation(
+    setup: dict[str, Any],
+) -> None:
+    old, new, workers = setup["old"], setup["new"], setup["workers"]
+    full = [_rank_run(setup, old, rank, workers)[0] for rank in range(old)]
+    total = len(full[0])  # the ranks of a DistributedSampler run in lockstep
+    ends = _ends(full[0]) or [total]
+    if setup["where"] == "anywhere":
+        stop = SavePoint(round(setup["fraction"] * total))
+    else:
+        end = ends[min(len(ends) - 1, int(setup["fraction"] * len(ends)))]
+        stop = SavePoint(end, after_loop=setup["where"] == "after_loop")
+    heads, states = zip(*(_rank_run(setup, old, rank, workers, stop) for rank in range(old)))
+    tails = []
+    for rank in range(new):
+        program_start(_rank_seed(setup, rank, restarted=True))
+        loader = _rank_loader(setup, new, rank, setup["new_workers"])
+        own = new == old and setup["own_states"]
+        load(loader, states[rank if own else setup["source_rank"]])
+        out = [Batch(-1, number, None) for number in range(stop.batches)]  # (the head's place)
+        TrainingLoop(loader, EPOCHS, out, None, restored=True).run()
+        loader.close()
+        tails.append(out[stop.batches :])
+    if new == old:  # the same layout: every rank exactly its own uninterrupted run
+        for rank in range(old):
+            difference = compare_runs(full[rank], [*heads[rank], *tails[rank]])
+            assert difference is None, f"rank {rank}: {difference}"
+        return
+    reference: dict[tuple[int, int], tuple[float, ...]] = {}
+    for epoch, index, drawn in _samples([b for run in full for b in run]):
+        known = reference.setdefault((epoch, index), drawn)
+        assert known == drawn, f"epoch {epoch} index {index}: two augmentations in one run"
+    trained = _samples([b for run in heads for b in run] + [b for run in tails for b in run])
+    # The epochs the new layout runs from their start are DistributedSampler's own for W'
+    # (with drop_last, the tail dropped to a multiple of W'); an epoch the save cut in two
+    # is the saving job's (cut to a multiple of W).
+    resumed = _epoch_of(stop, full[0])
+    fresh = resumed if stop.batches in [0, *_ends(full[0])] else resumed + 1
+    for epoch in range(EPOCHS):
+        union = {index for e, index, _ in trained if e == epoch}
+        expected = {index for e, index in reference if e == epoch}
+        if epoch >= fresh and setup["drop_last"]:
+            length = setup["length"]
+            assert len(union) == length - length % new and union <= set(range(length))
+        else:
+            assert union == expected, f"epoch {epoch}: {sorted(union ^ expected)} differ"
+    for epoch, index, drawn in trained:
+        known = reference.get((epoch, index))
+        assert known is None or known == drawn, f"epoch {epoch} index {index}: augmentation"
+
+
+def _ends(run: list[Batch]) -> list[int]:
+    """The batch counts at which an epoch's for loop ended (every epoch has batches here)."""
+    return [
+        b.number + 1
+        for b, after in zip(run, [*run[1:], None])
+        if after is None or after.epoch != b.epoch
+    ]
+
+
+def _epoch_of(stop: SavePoint, run: list[Batch]) -> int:
+    """The epoch a restore from ``stop`` continues (the next one after an epoch's last batch)."""
+    ends = _ends(run)
+    return sum(1 for end in ends if end <= stop.batches)

@@ -1,0 +1,162 @@
+"""Why a restored run differs from the uninterrupted one: the first batch that differs, and
+whose fault it is.
+
+A difference has one of three causes, told apart by running again:
+
+- **the uninterrupted run is not reproducible**: run twice from the same seeds it differs
+  itself. Where the loader can tell a batch's dataset indices (``peek_keys``), other indices
+  mean the sampler draws from something nobody seeds or saves (the clock, ``os.urandom``, a
+  generator of its own); the same indices mean ``__getitem__`` or ``collate_fn`` is not a
+  function of the index and the global RNGs the loader seeds per sample (it reads the clock,
+  a counter, a file that changes);
+- **the restored loop is in another epoch** (``loader.epoch`` after the restore);
+- **the restore went elsewhere**: other dataset indices (the sampler's position, or its
+  draws at the epoch's end, were not reproduced), or the same indices with other samples
+  (the samples' randomness after the restore differs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from .compare import first_difference
+from .runs import UNREPLAYABLE, Batch, Chain, ChainRun, run_chain
+
+__all__ = ["Difference", "ResumeMismatch", "compare_runs", "diagnose"]
+
+
+class ResumeMismatch(AssertionError):
+    """A restored loader diverged from the uninterrupted run; the message says where and why."""
+
+
+@attrs.frozen
+class Difference:
+    """The first batch (its number in the run) where two runs differ, and how."""
+
+    number: int
+    detail: str
+    epoch_differs: bool = False
+
+
+def compare_runs(expected: Sequence[Batch], got: Sequence[Batch]) -> Difference | None:
+    """``None`` when both runs hand out the same batches in the same epochs, else the first
+    difference."""
+    for want, have in zip(expected, got):
+        if want.epoch != have.epoch:
+            return Difference(
+                want.number,
+                f"the loop was in epoch {have.epoch} where the uninterrupted run was in epoch "
+                f"{want.epoch}",
+                epoch_differs=True,
+            )
+        detail = first_difference(want.value, have.value, "batch")
+        if detail is not None:
+            return Difference(want.number, detail)
+    if len(expected) != len(got):
+        number = min(len(expected), len(got))
+        longer = expected if len(expected) > len(got) else got
+        return Difference(
+            number,
+            f"the uninterrupted run handed out {len(expected)} batches, this one {len(got)}: "
+            f"batch {number} (epoch {longer[number].epoch}) is "
+            f"{'missing' if longer is expected else 'one too many'}",
+        )
+    return None
+
+
+def _where(run: Sequence[Batch], number: int) -> str:
+    if number >= len(run):
+        return f"batch {number}"
+    epoch = run[number].epoch
+    in_epoch = sum(1 for batch in run[:number] if batch.epoch == epoch)
+    return f"batch {number} (epoch {epoch}, its batch {in_epoch})"
+
+
+def diagnose(
+    make: Callable[[int], Any],
+    chain: Chain,
+    epochs: int,
+    seed: int,
+    full: ChainRun,
+    got: ChainRun,
+    difference: Difference,
+) -> str:
+    """A sentence on the first difference between ``got`` (``chain``'s run) and ``full`` (the
+    uninterrupted run), and its cause (found by running both again, see the module's doc)."""
+    uninterrupted = Chain((), chain.workers[:1])
+    again = run_chain(make, uninterrupted, epochs, seed=seed)
+    repeat = compare_runs(full.batches, again.batches)
+    if repeat is not None:
+        number = repeat.number
+        first = run_chain(make, uninterrupted, epochs, seed=seed, peek_at=number).peeked
+        second = run_chain(make, uninterrupted, epochs, seed=seed, peek_at=number).peeked
+        return (
+            "the uninterrupted run itself is not reproducible: run twice from the same seeds, "
+            f"{_where(full.batches, number)} differs ({repeat.detail}); "
+            + _not_reproducible(first, second)
+        )
+    where = _where(full.batches, difference.number)
+    if difference.epoch_differs:
+        return (
+            f"{where}: {difference.detail} (the epoch loader.epoch gives after the restore is "
+            "not the uninterrupted run's: the loop skips or repeats an epoch)"
+        )
+    if difference.number >= min(len(full.batches), len(got.batches)):
+        return f"{where}: {difference.detail}"
+    theirs = run_chain(make, uninterrupted, epochs, seed=seed, peek_at=difference.number).peeked
+    ours = run_chain(make, chain, epochs, seed=seed, peek_at=difference.number).peeked
+    return f"{where} differs ({difference.detail}); " + _restore_went_elsewhere(theirs, ours)
+
+
+_UNSEEN_SOURCE = (
+    "the sampler's order depends on something the loader neither sees nor saves (re-run "
+    "with python's, numpy's and torch's global RNGs elsewhere it gives other indices: it "
+    "draws from python's random or numpy's global RNG, the clock, os.urandom); give it a "
+    "seeded torch.Generator (generator=) or a state_dict()/load_state_dict()"
+)
+
+
+def _not_reproducible(first: Any, second: Any) -> str:
+    if UNREPLAYABLE in (first, second):
+        return _UNSEEN_SOURCE
+    if first is None or second is None:
+        return (
+            "the loader cannot tell the batch's dataset indices (an iterable dataset, or a "
+            "sampler with its own state): the dataset, collate_fn or sampler depends on "
+            "something besides the seeds (the clock, a counter, a generator nobody seeds)"
+        )
+    if first != second:
+        return (
+            f"its dataset indices differ ({first} vs {second}): the sampler draws from "
+            "something nobody seeds or saves (the clock, os.urandom, a generator of its own); "
+            "give it a seeded torch.Generator (generator=) or a state_dict()/load_state_dict()"
+        )
+    return (
+        f"the same dataset indices ({first}) gave other samples: __getitem__ (or collate_fn) "
+        "depends on something besides the index and the global RNGs the loader seeds per "
+        "sample (it reads the clock, a counter, a file that changes, or a generator of its "
+        "own); make it a function of the index and those RNGs"
+    )
+
+
+def _restore_went_elsewhere(theirs: Any, ours: Any) -> str:
+    if UNREPLAYABLE in (theirs, ours):
+        return "the restore cannot reproduce the sampler's position: " + _UNSEEN_SOURCE
+    if theirs is None or ours is None:
+        return (
+            "the restore went elsewhere (the loader cannot tell the batch's dataset indices: "
+            "an iterable dataset, or a sampler with its own state, restored to another "
+            "position, or samples whose randomness differs after the restore)"
+        )
+    if theirs != ours:
+        return (
+            f"the restored loader hands out other dataset indices ({ours}, the uninterrupted "
+            f"run {theirs}): the restore did not reproduce the sampler's position or its draws"
+        )
+    return (
+        f"the same dataset indices ({ours}) gave other samples after the restore: the "
+        "samples' randomness (or the dataset's own state) differs from the uninterrupted run's"
+    )
