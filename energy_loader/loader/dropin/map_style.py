@@ -857,7 +857,12 @@ _DEALT_FREELY = ("batches_per_epoch", "batch_size", "num_replicas")
 
 def check_restorable(state: MapState, engine: MapEngine) -> None:
     """Raise ``StateMismatchError`` for a state this engine cannot continue."""
-    if engine.needs_dealing(state):
+    # A DistributedSampler job's position restores any layout; one saved before its first
+    # iter() has nothing dealt yet, so it restores any layout as it is.
+    unstarted_distributed = (
+        not state.started and engine.distributed is not None and "distributed" in state.config
+    )
+    if engine.needs_dealing(state) or unstarted_distributed:
         check_config(
             {k: v for k, v in state.config.items() if k not in _DEALT_FREELY},
             {k: v for k, v in engine.config.items() if k not in _DEALT_FREELY},
