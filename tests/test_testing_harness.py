@@ -149,9 +149,8 @@ class _PythonShuffle(Sampler[int]):
 def test_check_loader_resume_tells_a_sampler_the_restore_cannot_replay() -> None:
     with pytest.raises(
         ResumeMismatch,
-        match=r"save after 1 batch \(in the loop\).*: batch 1 \(epoch 0, its batch 1\) differs "
-        r".*the restore cannot reproduce the sampler's position: the sampler's order depends on "
-        r"something the loader neither sees nor saves",
+        match=r"save after 1 batch \(in the loop\).*: the restore refused to continue: the "
+        r"restore re-ran the sampler BatchSampler\(_PythonShuffle\) .* does not replay",
     ):
         check_loader_resume(
             lambda workers: el.SavableDataLoader(

@@ -21,6 +21,7 @@ import attrs
 from torch.utils.data import IterableDataset
 
 from ..dataset import SavableDataset, restore_key_of
+from ..errors import StateMismatchError
 from ..loader import SavableDataLoader
 from ..validation import require_int
 from .compare import first_difference
@@ -315,6 +316,8 @@ def _check(
             )
         except RunFailed as failure:
             raise ResumeMismatch(f"{chain}: {failure}") from None
+        except StateMismatchError as refusal:  # the restore checked itself: not resumable
+            raise ResumeMismatch(f"{chain}: the restore refused to continue: {refusal}") from None
         largest = max(largest, got.state_size)
         difference = compare_runs(full.batches, got.batches)
         if difference is not None:
