@@ -36,9 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .errors import StateFormatError, StateMismatchError, WorkerError
+from .errors import StateFormatError, StateMismatchError, WorkerError, missing_slots_error
 from .loader.dropin.job import check_one_save
-from .loader.protocols import RankStateProtocols, missing_slots_error
 from .process_groups import check_group_layout, data_parallel_layout, process_group_initialized
 from .state.plain import StateReader
 from .state.rank_file import RankFile, ReadTally, write_rank_file
@@ -47,6 +46,7 @@ from .worker import WorkerConfig
 
 if TYPE_CHECKING:
     from .loader import SavableDataLoader
+    from .loader.protocols import RankStateProtocols
 
 __all__ = [
     "check_group_layout",

@@ -11,6 +11,11 @@ crashed".
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .worker import WorkerConfig
+
 __all__ = [
     "DownloadError",
     "EnergyLoaderError",
@@ -20,6 +25,7 @@ __all__ = [
     "StateMismatchError",
     "WorkerError",
     "first_line",
+    "missing_slots_error",
 ]
 
 
@@ -89,3 +95,15 @@ class StreamError(EnergyLoaderError, RuntimeError):
     """A stream source's ``fetch_fn`` or ``is_exhausted`` raised or returned something
     invalid, or no batch arrived within ``fetch_timeout``.
     """
+
+
+def missing_slots_error(
+    config: WorkerConfig, missing: list[str], saved_partitions: int, where: str
+) -> StateMismatchError:
+    """The refusal for slots a rank runs that the saved leaves or files lack (``where``
+    completes the sentence: what lacks them, and what to do)."""
+    return StateMismatchError(
+        f"rank {config.rank} of world_size={config.world_size} runs slots "
+        f"{missing[:4]}{' ...' if len(missing) > 4 else ''} of the saved "
+        f"num_partitions={saved_partitions}, which {where}"
+    )

@@ -24,8 +24,9 @@ from typing import Any
 from ..distributed import rank_state_files, read_rank_state_files
 from ..errors import StateFormatError, StateMismatchError, first_line
 from ..loader.dropin import DropInDataLoader
-from ..loader.dropin.map_style import distributed_part, index_sampler_of
+from ..loader.dropin.map_style import index_sampler_of
 from ..loader.dropin.state import DROPIN_STATE_FORMAT
+from ..loader.dropin.stream import distributed_part
 from ..state.rank_file import read_rank_file
 from ..state.rank_state import RankState
 from .inspect import one_line, read_path

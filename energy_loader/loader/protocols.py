@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from ..errors import StateMismatchError
+from ..errors import StateMismatchError, missing_slots_error
 from ..state.rank_state import (
     PARTITION_KEY_PREFIX,
     RankState,
@@ -29,19 +29,7 @@ if TYPE_CHECKING:
     from .planner import Planner
     from .savable_loader import SavableDataLoader
 
-__all__ = ["RankStateProtocols", "missing_slots_error"]
-
-
-def missing_slots_error(
-    config: WorkerConfig, missing: list[str], saved_partitions: int, where: str
-) -> StateMismatchError:
-    """The refusal for slots a rank runs that the saved leaves or files lack (``where``
-    completes the sentence: what lacks them, and what to do)."""
-    return StateMismatchError(
-        f"rank {config.rank} of world_size={config.world_size} runs slots "
-        f"{missing[:4]}{' ...' if len(missing) > 4 else ''} of the saved "
-        f"num_partitions={saved_partitions}, which {where}"
-    )
+__all__ = ["RankStateProtocols"]
 
 
 class RankStateProtocols:

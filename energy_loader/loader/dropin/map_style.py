@@ -25,51 +25,47 @@ no batches left (saved after its last batch).
 from __future__ import annotations
 
 import collections
-import contextlib
 import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-import attrs
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Sampler
 
-from ...errors import StateMismatchError
 from ...metrics import WORKER_FIELDS, LoaderMetrics, clock
 from ...rng import kept_rng_state
-from ...torch_internals import ExceptionWrapper, distributed_permutation, shut_down_workers_of
+from ...torch_internals import ExceptionWrapper, shut_down_workers_of
 from ...transport import Transport
 from ...workers.bundling import BUNDLE_SECONDS, bundle_bytes
 from ...workers.fetch import BatchFetcher, FetchResult, FetchTask, WorkerInit
-from ..planner import Dealing
 from ..progress import MAX_HELD_BACK
 from .job import agree_on_job
 from .position import (
-    Proof,
-    Replayed,
     Units,
     own_generators_digest,
     plain_unit,
     positioned_iterator,
     saved_after_last_batch,
     start_of,
-    unit_digest,
-    units_per_epoch,
-    verify_replay,
 )
 from .sampling import (
-    EpochStart,
     PrivateGlobal,
     SamplerRng,
     describe_chain,
     epoch_global_state,
     epoch_seed,
     job_seed,
-    stateful_part,
 )
-from .state import JobStart, MapState, check_config
+from .state import JobStart, MapState
+from .stream import (
+    Epoch,
+    IndexStream,
+    check_restorable,
+    distributed_config,
+    sampled_length,
+)
 
 if TYPE_CHECKING:
     from .loader import DropInDataLoader
@@ -81,44 +77,6 @@ _END = object()
 
 def _identity(item: Any) -> Any:
     return item
-
-
-class _Epoch:
-    """Where the current epoch's index stream stands (main process)."""
-
-    def __init__(self, number: int) -> None:
-        self.number = number
-        self.start: EpochStart | None = None
-        self.pulled = 0  # units taken from the sampler
-        self.used = 0  # units handed out (or failed) to the user
-        self.exhausted = False
-        self.ended = False  # its iterator reported the end (StopIteration)
-        # A restored epoch: the positioned sampler iterator, and the loader's own generator
-        # states to put back at the first pull (after the engine drew its base seed).
-        self.resume: tuple[Units, list[torch.Tensor]] | None = None
-        # A Stateful sampler's state_dict() after each unit pulled (by units pulled).
-        self.snapshots: dict[int, Any] = {}
-        # The base of the epoch's per-sample seeds, and the sampler's own stream of torch's
-        # global generator (epochs >= 1 of a loader without a generator; sampling.py).
-        self.seed = 0
-        self.private: PrivateGlobal | None = None
-        # Under a DistributedSampler: its epoch, the dealing of the permutation this epoch
-        # runs, and that dealing's units per rank (planner.Dealing).
-        self.sampler_epoch = 0
-        self.dealing: Dealing | None = None
-        self.units: int | None = None
-        self.distributed_plain: tuple[Dealing, dict[str, int]] | None = None
-        self.resumed = False  # continues a restored state's epoch (not a fresh one)
-        # The self-check's record (position.Proof): the units pulled and not yet long handed
-        # out, as (number, unit), and the digest of the sampler's generators at the epoch's
-        # end ("" until then).
-        self.recent: collections.deque[tuple[int, Any]] = collections.deque()
-        self.end_proof = ""
-        self.proven: tuple[int, Proof] | None = None  # the last proof made, by units used
-
-    def sampling(self) -> contextlib.AbstractContextManager[Any]:
-        """The context the sampler draws in: its private global stream, if it has one."""
-        return self.private if self.private is not None else contextlib.nullcontext()
 
 
 class _TaskSampler(Sampler[FetchTask]):
@@ -151,8 +109,6 @@ class MapEngine:
         # waits seconds per worker.
         self.num_workers = loader.num_workers
         self.persistent_workers = loader.persistent_workers
-        self.verify = verify_restore  # restores check themselves (position.verify_replay)
-        self.length = _length_of(loader)
         collate = loader.collate_fn
         if collate is torch.utils.data.default_collate:
             # The same batches (tuples excepted, see default_collate), stacked straight into
@@ -166,8 +122,22 @@ class MapEngine:
             auto_collation=loader.batch_sampler is not None,
             seed_per_sample=seed_per_sample,
         )
-        self.index_sampler = index_sampler_of(loader)
-        self.rng = SamplerRng(loader.generator, self.index_sampler)
+        index_sampler = index_sampler_of(loader)
+        self.rng = rng = SamplerRng(loader.generator, index_sampler)
+        # The index stream and where it stands (stream.py): what a save records, what a
+        # restore re-derives and checks.
+        self.stream = IndexStream(
+            index_sampler,
+            rng,
+            length=_length_of(loader),
+            config=_config_of(loader, rng),
+            unit_size=1 if loader.batch_size is None else int(loader.batch_size),
+            drop_last=bool(loader.drop_last),
+            verify=verify_restore,
+        )
+        self.index_sampler = index_sampler
+        self.stateful = self.stream.stateful
+        self.distributed = self.stream.distributed
         self.base_seed_generator = loader.generator or torch.default_generator
         # The base-seed draw this iter() must take back ("undo") or add ("draw") so that the
         # loader's generator moves as in the uninterrupted job (see iterate()).
@@ -176,13 +146,9 @@ class MapEngine:
         self.job: JobStart | None = None  # set at the job's first iter()
         self.worker_config = loader.worker_config
         self.agreed = False  # whether the ranks agreed on self.job (at an iter())
-        self.stateful = stateful_part(self.index_sampler)
-        self.distributed = distributed_part(self.index_sampler)
         # Whether the ranks share one dataset's epochs (and so one job seed): a loader without
         # a DistributedSampler may run on some ranks only (evaluation on rank 0).
         self.shares_job = self.distributed is not None and self.distributed.num_replicas > 1
-        self.unit_size = 1 if loader.batch_size is None else int(loader.batch_size)
-        self.drop_last = bool(loader.drop_last)
         self.items_per_transfer = items_per_transfer
         self.max_bytes = bundle_bytes(None if transport is None else transport.arena_bytes)
         self.bundle = 1
@@ -204,17 +170,26 @@ class MapEngine:
                 persistent_workers=loader.persistent_workers,
                 pin_memory_device=loader.pin_memory_device,
             )
-        self.epoch: _Epoch | None = None  # None: never iterated
+        self.epoch: Epoch | None = None  # None: never iterated
         self.pending: MapState | None = None  # a restore waiting for the next iter()
         self.generation = 0
         self.torch_iterator: Any = None
-        self.config = _config_of(loader, self.rng)
         # stats(): the main process's waits and saves, and per worker what its trips took.
         workers = max(1, loader.num_workers)
         self.worker_counters = [dict.fromkeys(WORKER_FIELDS, 0.0) for _ in range(workers)]
         self.trips = 0
         self.born = clock()
         self.metrics = LoaderMetrics(workers, self._poll, None)
+
+    @property
+    def length(self) -> int | None:
+        """Batches per epoch (the sampler's ``len()``), None without one."""
+        return self.stream.length
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """What a state must agree with (dataset, sampler, generators, batching)."""
+        return self.stream.config
 
     def _poll(self) -> tuple[list[dict[str, float] | None], list[int]]:
         now = clock() - self.born
@@ -241,9 +216,9 @@ class MapEngine:
         self.job = job
         seed = job.seed
         assert seed is not None
-        epoch = _Epoch(0 if previous is None else previous.number + 1)
+        epoch = Epoch(0 if previous is None else previous.number + 1)
         if pending is not None and pending.started:
-            epoch = self._resume(pending)
+            epoch = self.stream.resume(pending)
         epoch.seed = epoch_seed(seed, epoch.number)
         rng = self.rng
         if rng.uses_global and rng.draws and epoch.number >= 1 and epoch.resume is None:
@@ -278,110 +253,6 @@ class MapEngine:
         self._fix_base_seed()  # if no pull happened inside iter() (num_workers=0)
         return _MapIterator(self, self.torch_iterator, self.generation)
 
-    def _resume(self, state: MapState) -> _Epoch:
-        """The saved epoch positioned after its used units, or, if none are left, the next
-        epoch with the sampler's generators where the saved one left them."""
-        if self.needs_dealing(state):
-            return self._resume_dealt(state)
-        start = start_of(state)
-        replayed = positioned_iterator(
-            self.index_sampler, self.rng, start, state.used, state.sampler_state, self.length
-        )
-        if self.verify:
-            if state.distributed is not None and state.used and state.distributed["rank"] >= 0:
-                # Any rank's state restores every rank: check the saving rank's batch.
-                replayed = attrs.evolve(replayed, last=self._saving_rank_unit(state))
-            verify_replay(state, replayed, self.rng, self.config["sampler"])
-        iterator, after = replayed.iterator, replayed.after
-        if iterator is None:
-            self.rng.put_own(after)
-            return _Epoch(state.epoch + 1)
-        epoch = _Epoch(state.epoch)
-        if state.used:  # its last unit handed out, for the next save's proof
-            epoch.recent.append((state.used - 1, replayed.last))
-        epoch.resumed = True
-        epoch.start = start
-        epoch.pulled = epoch.used = state.used
-        epoch.resume = (iterator, after)
-        if self.rng.uses_global and self.rng.draws and state.epoch >= 1:
-            epoch.private = PrivateGlobal(after[0])
-        if self.stateful is not None:
-            epoch.snapshots[state.used] = state.sampler_state
-        if state.distributed is not None:
-            saved = state.distributed
-            epoch.sampler_epoch = saved["epoch"]
-            epoch.dealing = Dealing(saved["offset"], saved["end"], saved["world"])
-            epoch.units = self.length
-        return epoch
-
-    def _saving_rank_unit(self, state: MapState, permutation: list[int] | None = None) -> Any:
-        """The last unit the rank that saved ``state`` handed out, from its dealing of the
-        epoch's permutation (a DistributedSampler's state restores every rank)."""
-        saved, sampler = state.distributed, self.distributed
-        assert saved is not None and sampler is not None
-        if permutation is None:
-            permutation = distributed_permutation(
-                _sampled_length(sampler), sampler.shuffle, sampler.seed, saved["epoch"]
-            )
-        indices = Dealing(saved["offset"], saved["end"], saved["world"]).indices(
-            permutation, saved["rank"]
-        )
-        size = state.config.get("batch_size")
-        if size is None:
-            return indices[state.used - 1] if state.used <= len(indices) else None
-        return indices[(state.used - 1) * size : state.used * size]
-
-    def _deal_as_the_sampler(self, epoch: _Epoch, sampler: DistributedSampler[Any]) -> None:
-        """The epoch is the sampler's own dealing (set before its first pull)."""
-        epoch.sampler_epoch = int(sampler.epoch)
-        end = sampler.total_size if sampler.drop_last else _sampled_length(sampler)
-        epoch.dealing = Dealing(0, end, sampler.num_replicas)
-        epoch.units = self.length
-
-    def needs_dealing(self, state: MapState) -> bool:
-        """Whether ``state`` continues on a new dealing of its epoch's permutation: saved under
-        a DistributedSampler on another world size or batch size, or already dealt anew."""
-        saved = state.distributed
-        if saved is None or self.distributed is None or not state.started:
-            return False
-        return (
-            saved["offset"] > 0
-            or saved["world"] != self.distributed.num_replicas
-            or state.config.get("batch_size") != self.config["batch_size"]
-        )
-
-    def _resume_dealt(self, state: MapState) -> _Epoch:
-        """The saved epoch continued from the job's position, its rest dealt to this layout."""
-        saved = state.distributed
-        assert saved is not None and self.distributed is not None
-        sampler = self.distributed
-        old = Dealing(saved["offset"], saved["end"], saved["world"])
-        saved_unit = state.config.get("batch_size") or 1
-        consumed = min(state.used * saved_unit, old.per_rank())
-        dealing = old.continued(consumed, sampler.num_replicas)
-        permutation = distributed_permutation(
-            _sampled_length(sampler), sampler.shuffle, sampler.seed, saved["epoch"]
-        )
-        units = _units_of(dealing.indices(permutation, sampler.rank), self)
-        if self.verify and state.used and saved["rank"] >= 0:
-            replayed = Replayed(None, [], self._saving_rank_unit(state, permutation))
-            verify_replay(state, replayed, self.rng, self.config["sampler"])
-        saved_states = start_of(state).states
-        if saved_states is not None:  # the loader's generator as the saving job left it
-            self.rng.put_own(saved_states)
-        # Saved after its epoch's last batch: the next epoch (a drop_last batching may have
-        # left indices of the saving dealing unused; they stay unused, as they would have).
-        if not units or saved_after_last_batch(state):
-            return _Epoch(state.epoch + 1)
-        epoch = _Epoch(state.epoch)
-        epoch.resumed = True
-        epoch.start = EpochStart(state.epoch, None, None)
-        epoch.resume = (Units(iter(units), 0, len(units)), self.rng.capture())
-        epoch.sampler_epoch = saved["epoch"]
-        epoch.dealing = dealing
-        epoch.units = len(units)
-        return epoch
-
     def open_stream(self) -> Iterator[FetchTask]:
         """The epoch's task stream (torch may open it twice; the one it pulls is used)."""
         epoch = self.epoch
@@ -410,7 +281,7 @@ class MapEngine:
 
     def _tasks(
         self,
-        epoch: _Epoch,
+        epoch: Epoch,
         iterator: Units,
         at_iter: list[torch.Tensor] | None,
         after: list[torch.Tensor] | None,
@@ -419,9 +290,9 @@ class MapEngine:
         if after is not None:
             self.rng.put_own(after)
         elif epoch.start is None:
-            epoch.start = self.capture_start(epoch, at_iter)
+            epoch.start = self.stream.capture_start(epoch, at_iter)
         if epoch.dealing is None and self.distributed is not None:
-            self._deal_as_the_sampler(epoch, self.distributed)
+            self.stream.deal_as_the_sampler(epoch, self.distributed)
         seed = epoch.seed
         stateful = self.stateful
         recent = epoch.recent
@@ -457,14 +328,6 @@ class MapEngine:
             torch.empty((), dtype=torch.int64).random_(generator=self.base_seed_generator)
         self.before_base_seed = None
 
-    def capture_start(self, epoch: _Epoch, at_iter: list[torch.Tensor] | None) -> EpochStart:
-        """The generators' states before the sampler's first pull (in its own stream)."""
-        if not self.rng.recorded:
-            return EpochStart(epoch.number, None, None)
-        with epoch.sampling():
-            states = self.rng.capture()
-        return EpochStart(epoch.number, states, at_iter)
-
     def received(self, result: FetchResult) -> None:
         """Count the trip for ``stats()`` (the worker that made it: torch deals trips to its
         workers in turn), and adapt the bundle size to what it cost: grow while units are
@@ -485,7 +348,7 @@ class MapEngine:
             target = min(target, int(self.max_bytes / per_bytes))
         self.bundle = max(1, min(2 * self.bundle, target))
 
-    def handed(self, epoch: _Epoch) -> None:
+    def handed(self, epoch: Epoch) -> None:
         epoch.used += 1
         recent = epoch.recent
         while recent and recent[0][0] < epoch.used - MAX_HELD_BACK - 1:
@@ -522,7 +385,7 @@ class MapEngine:
                 "epoch, so there is no position that many batches back"
             )
         if epoch.start is None:  # iter() made, nothing pulled yet: the stream starts now
-            epoch.start = self.capture_start(epoch, None)
+            epoch.start = self.stream.capture_start(epoch, None)
         rng, at_iter, rng_check, at_iter_check = epoch.start.encoded()
         sampler_state = None
         if self.stateful is not None:
@@ -542,51 +405,15 @@ class MapEngine:
             sampler_state,
             rng_check,
             at_iter_check,
-            self._distributed_of(epoch),
-            self._proof(epoch, used),
+            self.stream.distributed_of(epoch),
+            self.stream.proof(epoch, used),
         )
-
-    def _proof(self, epoch: _Epoch, used: int) -> Proof:
-        """What a restore of the position after ``used`` units checks itself against."""
-        proven = epoch.proven
-        if proven is not None and proven[0] == used:
-            return proven[1]
-        last = ""
-        if used:
-            first = epoch.recent[0][0] if epoch.recent else used
-            if first <= used - 1:
-                last = unit_digest(epoch.recent[used - 1 - first][1])
-        units = self.length if epoch.units is None else epoch.units
-        end = epoch.end_proof if used == units and epoch.end_proof != "-" else ""
-        proof = Proof(last, end)
-        epoch.proven = (used, proof)
-        return proof
-
-    def _distributed_of(self, epoch: _Epoch) -> dict[str, int] | None:
-        if epoch.dealing is None:
-            if self.distributed is None:
-                return None
-            self._deal_as_the_sampler(epoch, self.distributed)  # iter() made, nothing pulled
-        dealing, sampler = epoch.dealing, self.distributed
-        assert dealing is not None and sampler is not None
-        cached = epoch.distributed_plain
-        if cached is None or cached[0] is not dealing:  # once a dealing (so JSON is cached)
-            plain = {
-                "epoch": int(epoch.sampler_epoch),
-                "offset": dealing.offset,
-                "end": dealing.end,
-                "world": dealing.world,
-                "units": -1 if epoch.units is None else epoch.units,
-                "rank": int(sampler.rank),  # the saving rank of the dealing
-            }
-            cached = epoch.distributed_plain = (dealing, plain)
-        return cached[1]
 
     def decode(self, state: Any) -> MapState:
         return MapState.from_plain(state)
 
     def check(self, state: MapState) -> None:
-        check_restorable(state, self)
+        check_restorable(state, self.stream)
 
     def peek_units(self, count: int, saved: MapState | None = None) -> list[Any]:
         """The units (a batch's indices, or an index) of the next ``count`` batches of the
@@ -625,15 +452,15 @@ class MapEngine:
             )
         if self.epoch is not None or self.pending is not None:
             raise ValueError("set_distributed_rank must come before the first iter() or restore")
-        size = _sampled_length(sampler)
+        size = sampled_length(sampler)
         if sampler.drop_last and size % num_replicas:
             sampler.num_samples = math.ceil((size - num_replicas) / num_replicas)
         else:
             sampler.num_samples = math.ceil(size / num_replicas)
         sampler.total_size = sampler.num_samples * num_replicas
         sampler.num_replicas, sampler.rank = num_replicas, rank
-        self.length = _length_of(loader)
-        self.config = _config_of(loader, self.rng)
+        self.stream.length = _length_of(loader)
+        self.stream.config = _config_of(loader, self.rng)
 
     def make_units(self, units: list[Any], saved: MapState) -> list[Any]:
         """The batches of ``units`` (from :meth:`peek_units` of ``saved``) made in this process
@@ -667,7 +494,7 @@ class MapEngine:
         return "DistributedSampler" in str(state.config.get("sampler"))
 
     def restore(self, state: MapState) -> None:
-        check_restorable(state, self)
+        check_restorable(state, self.stream)
         self.shutdown()
         self.pending = state
         self.agreed = False  # the ranks agree on the restored job at the next iter()
@@ -775,21 +602,6 @@ class _MapIterator:
         return length
 
 
-def _distributed_config(index_sampler: Any) -> dict[str, Any]:
-    """A DistributedSampler's settings (its rank is the layout's, not the job's)."""
-    sampler = distributed_part(index_sampler)
-    if sampler is None:
-        return {}
-    return {
-        "num_replicas": sampler.num_replicas,
-        "distributed": {
-            "shuffle": bool(sampler.shuffle),
-            "seed": int(sampler.seed),
-            "drop_last": bool(sampler.drop_last),
-        },
-    }
-
-
 def _config_of(loader: DropInDataLoader, rng: SamplerRng) -> dict[str, Any]:
     """What a state must agree with: dataset, sampler, generators and batching (not the
     workers)."""
@@ -808,7 +620,7 @@ def _config_of(loader: DropInDataLoader, rng: SamplerRng) -> dict[str, Any]:
         "dataset_length": length,
         "sampler": describe_chain(index_sampler),
         "generators": list(rng.kinds),
-        **_distributed_config(index_sampler),
+        **distributed_config(index_sampler),
         "batches_per_epoch": units,
         "batch_size": None if loader.batch_size is None else int(loader.batch_size),
         "drop_last": bool(loader.drop_last),
@@ -825,58 +637,3 @@ def _length_of(loader: DataLoader) -> int | None:
 def index_sampler_of(loader: DataLoader) -> Any:
     """What torch draws indices from: the batch sampler when batching, else the sampler."""
     return loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
-
-
-def _units_of(indices: list[int], engine: MapEngine) -> list[Any]:
-    """A rank's indices as the loader's units: batches of ``batch_size`` (the last one
-    dropped if short and ``drop_last``), or the indices themselves without batching."""
-    if engine.config["batch_size"] is None:
-        return list(indices)
-    size = engine.unit_size
-    units = [indices[i : i + size] for i in range(0, len(indices), size)]
-    if units and engine.drop_last and len(units[-1]) < size:
-        units.pop()
-    return units
-
-
-def _sampled_length(sampler: DistributedSampler[Any]) -> int:
-    return len(sampler.dataset)  # type: ignore[arg-type]  # DistributedSampler needs a len()
-
-
-def distributed_part(index_sampler: Any) -> DistributedSampler[Any] | None:
-    """The ``DistributedSampler`` of the sampler chain (a batch sampler's inner one), or None."""
-    for sampler in (index_sampler, getattr(index_sampler, "sampler", None)):
-        if isinstance(sampler, DistributedSampler):
-            return sampler
-    return None
-
-
-# What may differ when a DistributedSampler job continues on another layout or batch size.
-_DEALT_FREELY = ("batches_per_epoch", "batch_size", "num_replicas")
-
-
-def check_restorable(state: MapState, engine: MapEngine) -> None:
-    """Raise ``StateMismatchError`` for a state this engine cannot continue."""
-    # A DistributedSampler job's position restores any layout; one saved before its first
-    # iter() has nothing dealt yet, so it restores any layout as it is.
-    unstarted_distributed = (
-        not state.started and engine.distributed is not None and "distributed" in state.config
-    )
-    if engine.needs_dealing(state) or unstarted_distributed:
-        check_config(
-            {k: v for k, v in state.config.items() if k not in _DEALT_FREELY},
-            {k: v for k, v in engine.config.items() if k not in _DEALT_FREELY},
-        )
-    else:
-        check_config(state.config, engine.config)
-    units = units_per_epoch(state)
-    if state.started and units is not None and state.used > units:
-        raise StateMismatchError(
-            f"state.used is {state.used}, but an epoch of the saving loader had {units} "
-            "batches: the position lies outside the epoch (an edited or foreign state)"
-        )
-    if state.started and state.rng is not None and len(state.rng) != len(engine.rng.generators):
-        raise StateMismatchError(
-            f"the state holds {len(state.rng)} generator state(s) of the sampler, this loader's "
-            f"sampler is driven by {len(engine.rng.generators)}: not the same sampler setup"
-        )

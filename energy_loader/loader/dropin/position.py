@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
 
 from ...errors import StateMismatchError
 from .sampling import EpochStart, SamplerRng, stateful_part
-
-if TYPE_CHECKING:
-    from .state import MapState
+from .state import MapState, Proof, decode_generator_states
 
 __all__ = [
     "Proof",
@@ -121,19 +119,8 @@ def own_generators_digest(rng: SamplerRng, states: Sequence[torch.Tensor]) -> st
     return hasher.hexdigest()
 
 
-@attrs.frozen
-class Proof:
-    """What a state carries to check its restore: ``last``, the digest of the last unit handed
-    out ("" before the first); ``end``, at an epoch's end, the digest of the sampler's own
-    generators after the epoch's last pull ("" elsewhere, or without own generators)."""
-
-    last: str = ""
-    end: str = ""
-
-
 def start_of(state: MapState) -> EpochStart:
     """How the saved epoch's index stream began, its generator states decoded."""
-    from .state import decode_generator_states
 
     def decoded(texts: list[str] | None, name: str) -> list[torch.Tensor] | None:
         return None if texts is None else decode_generator_states(texts, f"state.{name}")

@@ -72,10 +72,10 @@ import torch
 from ...errors import StateFormatError, StateMismatchError
 from ...state.plain import StateReader
 from ...state.rank_state import is_partition_entries
-from .position import Proof
 
 __all__ = [
     "DROPIN_STATE_FORMAT",
+    "Proof",
     "DROPIN_STATE_VERSION",
     "JobStart",
     "MapState",
@@ -187,6 +187,16 @@ def check_config(saved: Any, now: dict[str, Any]) -> None:
         raise StateMismatchError(
             "the state belongs to another dataset or sampling setup: " + "; ".join(differences)
         )
+
+
+@attrs.frozen
+class Proof:
+    """What a state carries to check its restore: ``last``, the digest of the last unit handed
+    out ("" before the first); ``end``, at an epoch's end, the digest of the sampler's own
+    generators after the epoch's last pull ("" elsewhere, or without own generators)."""
+
+    last: str = ""
+    end: str = ""
 
 
 @attrs.frozen

@@ -1,0 +1,336 @@
+"""The map-style drop-in's index stream and where it stands: the pure part of a save and a
+restore.
+
+:class:`IndexStream` owns what places the stream -- the user's sampler, the generators that
+drive it (:class:`~energy_loader.loader.dropin.sampling.SamplerRng`), the dealing of a
+``DistributedSampler``'s permutation (:class:`~energy_loader.loader.planner.Dealing`) -- and
+turns a saved position into a running :class:`Epoch` (:meth:`IndexStream.resume`) and a
+running epoch back into a position's fields (:meth:`~IndexStream.proof`,
+:meth:`~IndexStream.distributed_of`). It loads no sample and knows no worker: the engine
+(:mod:`.map_style`) only runs it. How one unit is pulled and how a re-run is checked:
+:mod:`.position`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import Any
+
+import attrs
+import torch
+from torch.utils.data import DistributedSampler
+
+from ...errors import StateMismatchError
+from ...torch_internals import distributed_permutation
+from ..planner import Dealing
+from .position import (
+    Proof,
+    Replayed,
+    Units,
+    positioned_iterator,
+    saved_after_last_batch,
+    start_of,
+    unit_digest,
+    units_per_epoch,
+    verify_replay,
+)
+from .sampling import EpochStart, PrivateGlobal, SamplerRng, stateful_part
+from .state import MapState, check_config
+
+__all__ = [
+    "Epoch",
+    "IndexStream",
+    "check_restorable",
+    "distributed_config",
+    "distributed_part",
+    "sampled_length",
+    "units_of",
+]
+
+
+class Epoch:
+    """Where the current epoch's index stream stands (main process)."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.start: EpochStart | None = None
+        self.pulled = 0  # units taken from the sampler
+        self.used = 0  # units handed out (or failed) to the user
+        self.exhausted = False
+        self.ended = False  # its iterator reported the end (StopIteration)
+        # A restored epoch: the positioned sampler iterator, and the loader's own generator
+        # states to put back at the first pull (after the engine drew its base seed).
+        self.resume: tuple[Units, list[torch.Tensor]] | None = None
+        # A Stateful sampler's state_dict() after each unit pulled (by units pulled).
+        self.snapshots: dict[int, Any] = {}
+        # The base of the epoch's per-sample seeds, and the sampler's own stream of torch's
+        # global generator (epochs >= 1 of a loader without a generator; sampling.py).
+        self.seed = 0
+        self.private: PrivateGlobal | None = None
+        # Under a DistributedSampler: its epoch, the dealing of the permutation this epoch
+        # runs, and that dealing's units per rank (planner.Dealing).
+        self.sampler_epoch = 0
+        self.dealing: Dealing | None = None
+        self.units: int | None = None
+        self.distributed_plain: tuple[Dealing, dict[str, int]] | None = None
+        self.resumed = False  # continues a restored state's epoch (not a fresh one)
+        # The self-check's record (position.Proof): the units pulled and not yet long handed
+        # out, as (number, unit), and the digest of the sampler's generators at the epoch's
+        # end ("" until then).
+        self.recent: collections.deque[tuple[int, Any]] = collections.deque()
+        self.end_proof = ""
+        self.proven: tuple[int, Proof] | None = None  # the last proof made, by units used
+
+    def sampling(self) -> contextlib.AbstractContextManager[Any]:
+        """The context the sampler draws in: its private global stream, if it has one."""
+        return self.private if self.private is not None else contextlib.nullcontext()
+
+
+class IndexStream:
+    """The loader's index stream: its sampler and generators, what a position of it is, and
+    how a saved position is re-derived (one per loader, owned by the engine).
+
+    ``length`` is the sampler's ``len()`` (None without one); ``config`` what a state must
+    agree with; ``unit_size`` and ``drop_last`` how a dealt rank's indices are batched;
+    ``verify`` whether a restore checks itself (:func:`~.position.verify_replay`).
+    """
+
+    def __init__(
+        self,
+        index_sampler: Any,
+        rng: SamplerRng,
+        *,
+        length: int | None,
+        config: dict[str, Any],
+        unit_size: int,
+        drop_last: bool,
+        verify: bool,
+    ) -> None:
+        self.index_sampler = index_sampler
+        self.rng = rng
+        self.length = length
+        self.config = config
+        self.unit_size = unit_size
+        self.drop_last = drop_last
+        self.verify = verify
+        self.stateful = stateful_part(index_sampler)
+        self.distributed = distributed_part(index_sampler)
+
+    def resume(self, state: MapState) -> Epoch:
+        """The saved epoch positioned after its used units, or, if none are left, the next
+        epoch with the sampler's generators where the saved one left them."""
+        if self.needs_dealing(state):
+            return self._resume_dealt(state)
+        start = start_of(state)
+        replayed = positioned_iterator(
+            self.index_sampler, self.rng, start, state.used, state.sampler_state, self.length
+        )
+        if self.verify:
+            if state.distributed is not None and state.used and state.distributed["rank"] >= 0:
+                # Any rank's state restores every rank: check the saving rank's batch.
+                replayed = attrs.evolve(replayed, last=self._saving_rank_unit(state))
+            verify_replay(state, replayed, self.rng, self.config["sampler"])
+        iterator, after = replayed.iterator, replayed.after
+        if iterator is None:
+            self.rng.put_own(after)
+            return Epoch(state.epoch + 1)
+        epoch = Epoch(state.epoch)
+        if state.used:  # its last unit handed out, for the next save's proof
+            epoch.recent.append((state.used - 1, replayed.last))
+        epoch.resumed = True
+        epoch.start = start
+        epoch.pulled = epoch.used = state.used
+        epoch.resume = (iterator, after)
+        if self.rng.uses_global and self.rng.draws and state.epoch >= 1:
+            epoch.private = PrivateGlobal(after[0])
+        if self.stateful is not None:
+            epoch.snapshots[state.used] = state.sampler_state
+        if state.distributed is not None:
+            saved = state.distributed
+            epoch.sampler_epoch = saved["epoch"]
+            epoch.dealing = Dealing(saved["offset"], saved["end"], saved["world"])
+            epoch.units = self.length
+        return epoch
+
+    def _saving_rank_unit(self, state: MapState, permutation: list[int] | None = None) -> Any:
+        """The last unit the rank that saved ``state`` handed out, from its dealing of the
+        epoch's permutation (a DistributedSampler's state restores every rank)."""
+        saved, sampler = state.distributed, self.distributed
+        assert saved is not None and sampler is not None
+        if permutation is None:
+            permutation = distributed_permutation(
+                sampled_length(sampler), sampler.shuffle, sampler.seed, saved["epoch"]
+            )
+        indices = Dealing(saved["offset"], saved["end"], saved["world"]).indices(
+            permutation, saved["rank"]
+        )
+        size = state.config.get("batch_size")
+        if size is None:
+            return indices[state.used - 1] if state.used <= len(indices) else None
+        return indices[(state.used - 1) * size : state.used * size]
+
+    def deal_as_the_sampler(self, epoch: Epoch, sampler: DistributedSampler[Any]) -> None:
+        """The epoch is the sampler's own dealing (set before its first pull)."""
+        epoch.sampler_epoch = int(sampler.epoch)
+        end = sampler.total_size if sampler.drop_last else sampled_length(sampler)
+        epoch.dealing = Dealing(0, end, sampler.num_replicas)
+        epoch.units = self.length
+
+    def needs_dealing(self, state: MapState) -> bool:
+        """Whether ``state`` continues on a new dealing of its epoch's permutation: saved under
+        a DistributedSampler on another world size or batch size, or already dealt anew."""
+        saved = state.distributed
+        if saved is None or self.distributed is None or not state.started:
+            return False
+        return (
+            saved["offset"] > 0
+            or saved["world"] != self.distributed.num_replicas
+            or state.config.get("batch_size") != self.config["batch_size"]
+        )
+
+    def _resume_dealt(self, state: MapState) -> Epoch:
+        """The saved epoch continued from the job's position, its rest dealt to this layout."""
+        saved = state.distributed
+        assert saved is not None and self.distributed is not None
+        sampler = self.distributed
+        old = Dealing(saved["offset"], saved["end"], saved["world"])
+        saved_unit = state.config.get("batch_size") or 1
+        consumed = min(state.used * saved_unit, old.per_rank())
+        dealing = old.continued(consumed, sampler.num_replicas)
+        permutation = distributed_permutation(
+            sampled_length(sampler), sampler.shuffle, sampler.seed, saved["epoch"]
+        )
+        units = units_of(dealing.indices(permutation, sampler.rank), self)
+        if self.verify and state.used and saved["rank"] >= 0:
+            replayed = Replayed(None, [], self._saving_rank_unit(state, permutation))
+            verify_replay(state, replayed, self.rng, self.config["sampler"])
+        saved_states = start_of(state).states
+        if saved_states is not None:  # the loader's generator as the saving job left it
+            self.rng.put_own(saved_states)
+        # Saved after its epoch's last batch: the next epoch (a drop_last batching may have
+        # left indices of the saving dealing unused; they stay unused, as they would have).
+        if not units or saved_after_last_batch(state):
+            return Epoch(state.epoch + 1)
+        epoch = Epoch(state.epoch)
+        epoch.resumed = True
+        epoch.start = EpochStart(state.epoch, None, None)
+        epoch.resume = (Units(iter(units), 0, len(units)), self.rng.capture())
+        epoch.sampler_epoch = saved["epoch"]
+        epoch.dealing = dealing
+        epoch.units = len(units)
+        return epoch
+
+    def capture_start(self, epoch: Epoch, at_iter: list[torch.Tensor] | None) -> EpochStart:
+        """The generators' states before the sampler's first pull (in its own stream)."""
+        if not self.rng.recorded:
+            return EpochStart(epoch.number, None, None)
+        with epoch.sampling():
+            states = self.rng.capture()
+        return EpochStart(epoch.number, states, at_iter)
+
+    def proof(self, epoch: Epoch, used: int) -> Proof:
+        """What a restore of the position after ``used`` units checks itself against."""
+        proven = epoch.proven
+        if proven is not None and proven[0] == used:
+            return proven[1]
+        last = ""
+        if used:
+            first = epoch.recent[0][0] if epoch.recent else used
+            if first <= used - 1:
+                last = unit_digest(epoch.recent[used - 1 - first][1])
+        units = self.length if epoch.units is None else epoch.units
+        end = epoch.end_proof if used == units and epoch.end_proof != "-" else ""
+        proof = Proof(last, end)
+        epoch.proven = (used, proof)
+        return proof
+
+    def distributed_of(self, epoch: Epoch) -> dict[str, int] | None:
+        if epoch.dealing is None:
+            if self.distributed is None:
+                return None
+            self.deal_as_the_sampler(epoch, self.distributed)  # iter() made, nothing pulled
+        dealing, sampler = epoch.dealing, self.distributed
+        assert dealing is not None and sampler is not None
+        cached = epoch.distributed_plain
+        if cached is None or cached[0] is not dealing:  # once a dealing (so JSON is cached)
+            plain = {
+                "epoch": int(epoch.sampler_epoch),
+                "offset": dealing.offset,
+                "end": dealing.end,
+                "world": dealing.world,
+                "units": -1 if epoch.units is None else epoch.units,
+                "rank": int(sampler.rank),  # the saving rank of the dealing
+            }
+            cached = epoch.distributed_plain = (dealing, plain)
+        return cached[1]
+
+
+def distributed_config(index_sampler: Any) -> dict[str, Any]:
+    """A DistributedSampler's settings (its rank is the layout's, not the job's)."""
+    sampler = distributed_part(index_sampler)
+    if sampler is None:
+        return {}
+    return {
+        "num_replicas": sampler.num_replicas,
+        "distributed": {
+            "shuffle": bool(sampler.shuffle),
+            "seed": int(sampler.seed),
+            "drop_last": bool(sampler.drop_last),
+        },
+    }
+
+
+def units_of(indices: list[int], stream: IndexStream) -> list[Any]:
+    """A rank's indices as the loader's units: batches of ``batch_size`` (the last one
+    dropped if short and ``drop_last``), or the indices themselves without batching."""
+    if stream.config["batch_size"] is None:
+        return list(indices)
+    size = stream.unit_size
+    units = [indices[i : i + size] for i in range(0, len(indices), size)]
+    if units and stream.drop_last and len(units[-1]) < size:
+        units.pop()
+    return units
+
+
+def sampled_length(sampler: DistributedSampler[Any]) -> int:
+    return len(sampler.dataset)  # type: ignore[arg-type]  # DistributedSampler needs a len()
+
+
+def distributed_part(index_sampler: Any) -> DistributedSampler[Any] | None:
+    """The ``DistributedSampler`` of the sampler chain (a batch sampler's inner one), or None."""
+    for sampler in (index_sampler, getattr(index_sampler, "sampler", None)):
+        if isinstance(sampler, DistributedSampler):
+            return sampler
+    return None
+
+
+def check_restorable(state: MapState, stream: IndexStream) -> None:
+    """Raise ``StateMismatchError`` for a state this loader's stream cannot continue."""
+    # A DistributedSampler job's position restores any layout; one saved before its first
+    # iter() has nothing dealt yet, so it restores any layout as it is.
+    unstarted_distributed = (
+        not state.started and stream.distributed is not None and "distributed" in state.config
+    )
+    if stream.needs_dealing(state) or unstarted_distributed:
+        check_config(
+            {k: v for k, v in state.config.items() if k not in _DEALT_FREELY},
+            {k: v for k, v in stream.config.items() if k not in _DEALT_FREELY},
+        )
+    else:
+        check_config(state.config, stream.config)
+    units = units_per_epoch(state)
+    if state.started and units is not None and state.used > units:
+        raise StateMismatchError(
+            f"state.used is {state.used}, but an epoch of the saving loader had {units} "
+            "batches: the position lies outside the epoch (an edited or foreign state)"
+        )
+    if state.started and state.rng is not None and len(state.rng) != len(stream.rng.generators):
+        raise StateMismatchError(
+            f"the state holds {len(state.rng)} generator state(s) of the sampler, this loader's "
+            f"sampler is driven by {len(stream.rng.generators)}: not the same sampler setup"
+        )
+
+
+# What may differ when a DistributedSampler job continues on another layout or batch size.
+_DEALT_FREELY = ("batches_per_epoch", "batch_size", "num_replicas")
