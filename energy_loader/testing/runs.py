@@ -130,8 +130,8 @@ def round_trip(loader: Any, via_torch: bool) -> tuple[Any, int]:
     """Save the loader's state as a checkpoint holds it: ``save_state_rank()`` through
     ``json``, or ``state_dict()`` through ``torch.save``/``torch.load(weights_only=True)``
     (a state ``json`` cannot hold, a stateful sampler's own, goes the second way). Returns
-    ``(how, state as loaded)`` for :func:`load` and the state's size in JSON characters or
-    bytes."""
+    ``(how, state as loaded)`` for :func:`load` and the state's size in JSON characters (in
+    ``torch.save`` bytes for a state JSON cannot hold)."""
     if not via_torch:
         state = loader.save_state_rank()
         try:
@@ -140,9 +140,13 @@ def round_trip(loader: Any, via_torch: bool) -> tuple[Any, int]:
             via_torch = True
         else:
             return ("rank", json.loads(text)), len(text)
+    state_dict = loader.state_dict()
     buffer = io.BytesIO()
-    torch.save(loader.state_dict(), buffer)
-    size = buffer.tell()
+    torch.save(state_dict, buffer)
+    try:  # the rank state's own size, as the json path measures it
+        size = len(json.dumps(loader.save_state_rank()))
+    except (TypeError, ValueError):
+        size = buffer.tell()
     buffer.seek(0)
     return ("dict", torch.load(buffer, weights_only=True)), size
 
