@@ -13,10 +13,11 @@ restore, run by :class:`~energy_loader.loader.dropin.map_style.MapEngine`.
   function of the epoch alone.
 - :func:`positioned_iterator` re-runs a saved epoch's sampler to its position, loading
   nothing.
-- :class:`Proof` is what a state carries to check its own restore: a digest of the last unit
-  the saving loader handed out, and at an epoch's end a digest of the sampler's generators.
-  A restore that re-derives another position raises ``StateMismatchError`` naming the
-  sampler, instead of continuing another stream (:func:`verify_replay`).
+- :func:`verify_replay` checks a re-run against the state's
+  :class:`~energy_loader.loader.dropin.state.Proof` (a digest of the last unit the saving
+  loader handed out, and at an epoch's end a digest of the sampler's generators): a restore
+  that re-derives another position raises ``StateMismatchError`` naming the sampler, instead
+  of continuing another stream.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ import torch
 
 from ...errors import StateMismatchError
 from .sampling import EpochStart, SamplerRng, stateful_part
-from .state import MapState, Proof, decode_generator_states
+from .state import MapState, decode_generator_states
 
 __all__ = [
-    "Proof",
+    "Replayed",
     "Units",
     "own_generators_digest",
     "plain_unit",
@@ -41,6 +42,7 @@ __all__ = [
     "saved_after_last_batch",
     "start_of",
     "unit_digest",
+    "units_per_epoch",
     "verify_replay",
 ]
 

@@ -25,7 +25,6 @@ from ...errors import StateMismatchError
 from ...torch_internals import distributed_permutation
 from ..planner import Dealing
 from .position import (
-    Proof,
     Replayed,
     Units,
     positioned_iterator,
@@ -36,7 +35,7 @@ from .position import (
     verify_replay,
 )
 from .sampling import EpochStart, PrivateGlobal, SamplerRng, stateful_part
-from .state import MapState, check_config
+from .state import MapState, Proof, check_config
 
 __all__ = [
     "Epoch",
@@ -75,7 +74,7 @@ class Epoch:
         self.units: int | None = None
         self.distributed_plain: tuple[Dealing, dict[str, int]] | None = None
         self.resumed = False  # continues a restored state's epoch (not a fresh one)
-        # The self-check's record (position.Proof): the units pulled and not yet long handed
+        # The self-check's record (state.Proof): the units pulled and not yet long handed
         # out, as (number, unit), and the digest of the sampler's generators at the epoch's
         # end ("" until then).
         self.recent: collections.deque[tuple[int, Any]] = collections.deque()
