@@ -258,3 +258,29 @@ def test_one_epoch_rule_a_restore_at_an_epochs_last_batch_is_in_the_next_epoch(k
         trained += [(restored.epoch, batch.tolist()) for batch in restored]
     assert [epoch for epoch, _ in trained] == [1, 1, 2, 2]
     assert [b for _, b in trained] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]] * 2
+
+
+def test_a_distributed_state_saved_again_on_another_rank_checks_that_rank() -> None:
+    """Any rank's state restores every rank: a restore on rank 1 of rank 0's state, saved
+    again before its first batch, carries rank 1's proof, which rank 0 then checks against
+    rank 1's dealing (a chained restart through the other rank)."""
+    from torch.utils.data import DistributedSampler
+
+    def make(rank: int) -> Any:
+        sampler = DistributedSampler(_Indexed(23), num_replicas=2, rank=rank, seed=3)
+        return el.SavableDataLoader(_Indexed(23), batch_size=3, sampler=sampler)
+
+    uninterrupted = [_batches(make(rank)) for rank in range(2)]
+    saving = make(0)
+    iterator = iter(saving)
+    next(iterator), next(iterator)
+    first = json.loads(json.dumps(saving.state_dict()))
+    second_rank = make(1)
+    second_rank.load_state_dict(first)
+    iterator = iter(second_rank)
+    again = json.loads(json.dumps(second_rank.state_dict()))  # before its first batch
+    assert [b.tolist() for b in iterator] == uninterrupted[1][2:]
+    for rank in range(2):
+        restored = make(rank)
+        restored.load_state_dict(again)
+        assert _batches(restored) == uninterrupted[rank][2:]

@@ -34,6 +34,7 @@ from .sampling import EpochStart, SamplerRng, stateful_part
 from .state import MapState, decode_generator_states
 
 __all__ = [
+    "NOT_REPLAYED",
     "Replayed",
     "Units",
     "own_generators_digest",
@@ -47,6 +48,9 @@ __all__ = [
 ]
 
 _NONE: Any = object()
+# Replayed.last when no unit was re-made (position 0, or a Stateful sampler that loaded its own
+# state).
+NOT_REPLAYED: Any = _NONE
 
 
 class Units:

@@ -25,6 +25,7 @@ from ...errors import StateMismatchError
 from ...torch_internals import distributed_permutation
 from ..planner import Dealing
 from .position import (
+    NOT_REPLAYED,
     Replayed,
     Units,
     positioned_iterator,
@@ -125,6 +126,7 @@ class IndexStream:
         replayed = positioned_iterator(
             self.index_sampler, self.rng, start, state.used, state.sampler_state, self.length
         )
+        own_last = replayed.last  # this rank's unit `used - 1`, if one was re-made
         if self.verify:
             if state.distributed is not None and state.used and state.distributed["rank"] >= 0:
                 # Any rank's state restores every rank: check the saving rank's batch.
@@ -135,8 +137,8 @@ class IndexStream:
             self.rng.put_own(after)
             return Epoch(state.epoch + 1)
         epoch = Epoch(state.epoch)
-        if state.used:  # its last unit handed out, for the next save's proof
-            epoch.recent.append((state.used - 1, replayed.last))
+        if state.used and own_last is not NOT_REPLAYED:  # for the next save's proof
+            epoch.recent.append((state.used - 1, own_last))
         epoch.resumed = True
         epoch.start = start
         epoch.pulled = epoch.used = state.used
