@@ -284,3 +284,25 @@ def test_a_distributed_state_saved_again_on_another_rank_checks_that_rank() -> N
         restored = make(rank)
         restored.load_state_dict(again)
         assert _batches(restored) == uninterrupted[rank][2:]
+
+
+def test_a_restored_distributed_epoch_is_the_saved_sampler_epochs_whatever_set_epoch_said() -> None:
+    """The resumed epoch continues the permutation of the sampler epoch it was saved in, even
+    when the restarted script calls ``set_epoch`` with another number before ``iter()``."""
+    from torch.utils.data import DistributedSampler
+
+    def make() -> Any:
+        sampler = DistributedSampler(_Indexed(20), num_replicas=2, rank=1, seed=3)
+        return el.SavableDataLoader(_Indexed(20), batch_size=3, sampler=sampler)
+
+    loader = make()
+    loader.sampler.set_epoch(5)
+    expected = _batches(loader)
+    saving = make()
+    saving.sampler.set_epoch(5)
+    iterator = iter(saving)
+    next(iterator)
+    restored = make()
+    restored.load_state_dict(saving.state_dict())
+    restored.sampler.set_epoch(0)  # a script that numbers epochs otherwise
+    assert _batches(restored) == expected[1:]

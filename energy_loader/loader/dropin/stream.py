@@ -123,12 +123,18 @@ class IndexStream:
         if self.needs_dealing(state):
             return self._resume_dealt(state)
         start = start_of(state)
+        saved = state.distributed
+        if saved is not None and self.distributed is not None:
+            # The saved epoch is the sampler epoch's permutation, whatever set_epoch() the
+            # restarted script called before this iter() (as a resized restore deals it).
+            self.distributed.set_epoch(saved["epoch"])
         replayed = positioned_iterator(
             self.index_sampler, self.rng, start, state.used, state.sampler_state, self.length
         )
         own_last = replayed.last  # this rank's unit `used - 1`, if one was re-made
         if self.verify:
-            if state.distributed is not None and state.used and state.distributed["rank"] >= 0:
+            other_rank = saved is not None and saved["rank"] not in (-1, self.distributed_rank)
+            if other_rank and state.used:
                 # Any rank's state restores every rank: check the saving rank's batch.
                 replayed = attrs.evolve(replayed, last=self._saving_rank_unit(state))
             verify_replay(state, replayed, self.rng, self.config["sampler"])
@@ -147,12 +153,16 @@ class IndexStream:
             epoch.private = PrivateGlobal(after[0])
         if self.stateful is not None:
             epoch.snapshots[state.used] = state.sampler_state
-        if state.distributed is not None:
-            saved = state.distributed
+        if saved is not None:
             epoch.sampler_epoch = saved["epoch"]
             epoch.dealing = Dealing(saved["offset"], saved["end"], saved["world"])
             epoch.units = self.length
         return epoch
+
+    @property
+    def distributed_rank(self) -> int | None:
+        """This loader's rank in its ``DistributedSampler`` (None without one)."""
+        return None if self.distributed is None else int(self.distributed.rank)
 
     def _saving_rank_unit(self, state: MapState, permutation: list[int] | None = None) -> Any:
         """The last unit the rank that saved ``state`` handed out, from its dealing of the
