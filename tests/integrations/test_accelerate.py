@@ -21,7 +21,6 @@ from accelerate.data_loader import prepare_data_loader
 import energy_loader as el
 from energy_loader.integrations.accelerate import AcceleratedLoader, prepare_loader
 from tests import distributed_helpers as dh
-
 from tests.integrations.conftest import stop_workers
 
 from .accelerate_helpers import NoisySamples, pipeline, resume_on_ranks, train, train_on_ranks
