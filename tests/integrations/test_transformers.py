@@ -256,11 +256,14 @@ def test_two_processes_set_epoch_refusal_and_resume_on_one_and_two(tmp_path: Pat
         expected = [th.distributed_permutation(e, 2, rank) for e in range(2)]
         assert _by_epoch(runs["full"]["trained"], 5) == expected
         assert runs["head"]["trained"] == runs["full"]["trained"][:7]
-    one = th.run(tmp_path / "run", th.loader("distributed"), resume=True)
-    epoch_1 = _rows_of_ranks(1, 2, 2) + [row for batch in one.trained for row in batch]
-    assert sorted(epoch_1) == list(range(th.ROWS))
     dh.launch(th.resume_on_ranks, 2, tmp_path, timeout=300, torchrun_env=True)
     for rank, runs in enumerate(read):
         tail = json.loads((tmp_path / f"tail_rank{rank}.json").read_text())
         assert runs["head"]["trained"] + tail["trained"] == runs["full"]["trained"]
         assert runs["head"]["epochs"] + tail["epochs"] == runs["full"]["epochs"]
+    # (the run above saved a last checkpoint: name the one to resume)
+    checkpoint = str(tmp_path / "run" / "checkpoint-7")
+    one = th.run(tmp_path / "run", th.loader("distributed"), resume=checkpoint)
+    epoch_1 = _rows_of_ranks(1, 2, 2) + [row for batch in one.trained for row in batch]
+    assert sorted(epoch_1) == list(range(th.ROWS))
+    assert len(one.trained) == 6 and one.epochs == pytest.approx([1.5, 1.6, 1.7, 1.8, 1.9, 2])

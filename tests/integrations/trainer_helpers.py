@@ -141,11 +141,14 @@ def trainer(
     )
 
 
-def run(out: Path, data: el.SavableDataLoader, resume: bool = False, **options: Any) -> Recording:
-    """Train (or resume from the last checkpoint in ``out``), stop the loader's workers."""
+def run(
+    out: Path, data: el.SavableDataLoader, resume: bool | str = False, **options: Any
+) -> Recording:
+    """Train (or resume from the last checkpoint in ``out``, or from the checkpoint folder
+    ``resume``), stop the loader's workers."""
     run_ = trainer(out, data, **options)
     try:
-        run_.train(resume_from_checkpoint=True if resume else None)
+        run_.train(resume_from_checkpoint=resume or None)
     finally:
         stop_workers(data)
     return run_
