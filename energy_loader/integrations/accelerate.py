@@ -3,7 +3,10 @@
 ``accelerator.prepare(loader)`` cannot keep a ``SavableDataLoader``: Accelerate builds a new
 ``DataLoader`` over ``loader.dataset`` (for a savable loader that is its internal worker-side
 dataset, not the pipeline), shards or dispatches its batches across processes a second time,
-and saves nothing of its position. :func:`prepare_loader` is the replacement::
+and saves nothing of its position, so it raises a ``TypeError`` naming
+:func:`prepare_loader` at the call (the loader's ``_is_accelerate_prepared`` attribute,
+which ``Accelerator.prepare_data_loader`` reads first). :func:`prepare_loader` is the
+replacement::
 
     from energy_loader.integrations.accelerate import prepare_loader
 

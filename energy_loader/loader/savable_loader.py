@@ -584,6 +584,26 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
         self._inner = None
         self._fleet.close()
 
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        """Refuses ``accelerator.prepare(loader)`` at the call, for every savable loader.
+
+        ``Accelerator.prepare_data_loader`` (which ``prepare`` and its DeepSpeed/FSDP paths go
+        through) reads this attribute of a DataLoader before anything else. A savable loader
+        cannot be prepared: Accelerate would rebuild a plain DataLoader over ``loader.dataset``
+        (a pipeline's internal worker-side dataset, or a drop-in's dataset without its
+        position) and save no position. Raising here turns that into a ``TypeError`` at
+        ``prepare`` instead of a silent loss of the position (drop-in) or an error from inside
+        a worker at the first batch (pipeline), without patching Accelerate.
+        """
+        raise TypeError(
+            f"accelerator.prepare() cannot take a {type(self).__name__}: it would rebuild a "
+            "plain DataLoader that saves no position (and, for a pipeline, cannot read it). "
+            "Use energy_loader.integrations.accelerate.prepare_loader(accelerator, loader) "
+            "instead: it puts the batches on accelerator.device and saves the loader's "
+            "position with accelerator.save_state()"
+        )
+
     def __enter__(self) -> SavableDataLoader:
         return self
 

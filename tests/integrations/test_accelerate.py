@@ -16,12 +16,14 @@ from typing import Any
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.data_loader import prepare_data_loader
 
 import energy_loader as el
 from energy_loader.integrations.accelerate import AcceleratedLoader, prepare_loader
 from tests import distributed_helpers as dh
+from tests.integrations.conftest import stop_workers
 
-from .accelerate_helpers import pipeline, resume_on_ranks, train, train_on_ranks
+from .accelerate_helpers import NoisySamples, pipeline, resume_on_ranks, train, train_on_ranks
 
 SAVE_AT = 2  # the step (0-based) after which the killed run saves; it is killed 2 steps later
 
@@ -37,18 +39,37 @@ def test_save_state_mid_epoch_and_load_state_resume_exactly(tmp_path: Path, work
     assert torch.equal(resumed_weight, final_weight)
 
 
+@pytest.mark.parametrize("dropin", [False, True], ids=["pipeline", "dropin"])
+def test_accelerator_prepare_refuses_a_savable_loader_at_the_call(dropin: bool) -> None:
+    accelerator = Accelerator(cpu=True)
+    if dropin:
+        loader = el.SavableDataLoader(NoisySamples(8), batch_size=4, num_workers=2)
+    else:
+        loader = el.SavableDataLoader(pipeline(), num_workers=2)
+    name = type(loader).__name__
+    with pytest.raises(TypeError, match=rf"prepare\(\) cannot take a {name}.*prepare_loader"):
+        accelerator.prepare(loader)
+    model = torch.nn.Linear(1, 1)
+    with pytest.raises(TypeError, match="prepare_loader"):  # among other objects too
+        accelerator.prepare(model, loader)
+    assert accelerator._dataloaders == []
+    # The loader itself is untouched and still works.
+    assert next(iter(loader)) is not None
+    stop_workers(loader)
+
+
 @pytest.mark.parametrize("workers", [0, 2])
-def test_iterating_what_accelerator_prepare_made_of_the_loader_is_a_clear_error(
+def test_iterating_what_accelerate_made_of_a_pipeline_loader_is_a_clear_error(
     workers: int,
 ) -> None:
-    accelerator = Accelerator(cpu=True)
+    """accelerate's module-level prepare_data_loader skips Accelerator.prepare's check: the
+    pipeline's internal dataset still refuses to be iterated by any DataLoader but its own."""
     loader = el.SavableDataLoader(pipeline(), num_workers=workers)
-    prepared = accelerator.prepare(loader)
+    prepared = prepare_data_loader(loader, put_on_device=False)
     with pytest.raises(
         TypeError, match=r"use energy_loader\.integrations\.accelerate\.prepare_loader"
     ):
         next(iter(prepared))
-    # The loader itself is untouched and still works.
     assert next(iter(loader)) is not None
     loader.close()
 
@@ -57,7 +78,7 @@ def test_prepare_loader_refuses_what_would_break_the_loader() -> None:
     accelerator = Accelerator(cpu=True)
     loader = el.SavableDataLoader(pipeline())
     with pytest.raises(TypeError, match=r"what accelerator.prepare\(\) made of a Savable"):
-        prepare_loader(accelerator, accelerator.prepare(loader))
+        prepare_loader(accelerator, prepare_data_loader(loader, put_on_device=False))
     with pytest.raises(TypeError, match=r"`accelerator` must be an accelerate\.Accelerator"):
         prepare_loader("cpu", loader)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="`loader` must be an energy_loader SavableDataLoader"):
