@@ -123,11 +123,12 @@ class IndexStream:
         if self.needs_dealing(state):
             return self._resume_dealt(state)
         start = start_of(state)
-        saved = state.distributed
-        if saved is not None and self.distributed is not None:
+        saved, sampler = state.distributed, self.distributed
+        user_epoch = 0 if sampler is None else int(sampler.epoch)
+        if saved is not None and sampler is not None:
             # The saved epoch is the sampler epoch's permutation, whatever set_epoch() the
             # restarted script called before this iter() (as a resized restore deals it).
-            self.distributed.set_epoch(saved["epoch"])
+            sampler.set_epoch(saved["epoch"])
         replayed = positioned_iterator(
             self.index_sampler, self.rng, start, state.used, state.sampler_state, self.length
         )
@@ -140,6 +141,8 @@ class IndexStream:
             verify_replay(state, replayed, self.rng, self.config["sampler"])
         iterator, after = replayed.iterator, replayed.after
         if iterator is None:
+            if sampler is not None:  # the next epoch is the one the script set
+                sampler.set_epoch(user_epoch)
             self.rng.put_own(after)
             return Epoch(state.epoch + 1)
         epoch = Epoch(state.epoch)
