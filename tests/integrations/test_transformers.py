@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
 import energy_loader as el
 from energy_loader.integrations.transformers import SavableLoaderTrainer, _check_sharding
@@ -45,18 +45,6 @@ class RecordingTrainer(SavableLoaderTrainer):
         assert set(inputs) == {"input_ids", "labels"}, "the restore key must not reach the model"
         self.trained.append(inputs["input_ids"][:, 0].tolist())
         return super().training_step(model, inputs, *args)
-
-
-class StopAt(TrainerCallback):
-    """A preemption: stop right after step ``step`` (its checkpoint is saved first)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        if state.global_step == self.step:
-            control.should_training_stop = True
-        return control
 
 
 def _trainer(
@@ -99,7 +87,7 @@ def test_resume_from_checkpoint_trains_on_exactly_the_remaining_batches(
     stop_workers(reference.train_loader)
     assert len(reference.trained) == TOTAL_STEPS
 
-    stopped = _trainer(tmp_path / "run", workers, stop, callbacks=[StopAt(stop)])
+    stopped = _trainer(tmp_path / "run", workers, stop, callbacks=[th.StopAt(stop)])
     stopped.train()
     stop_workers(stopped.train_loader)
     assert len(stopped.trained) == stop
