@@ -27,7 +27,10 @@ def test_a_child_is_found_and_its_cpu_and_switches_are_counted() -> None:
         while True:
             assert child.pid in processes.descendants(os.getpid())
             spent = processes.counters([child.pid])[child.pid]
-            if spent.cpu_s >= 0.25 or time.monotonic() > deadline:
+            # Done spinning, and switched out at least once: on an idle machine a spinning
+            # child may run unpreempted, but it blocks on stdin (a voluntary switch) right after.
+            switched = spent.voluntary_switches + spent.involuntary_switches > 0
+            if (spent.cpu_s >= 0.25 and switched) or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
         assert spent.cpu_s >= 0.25  # burned at least what it spun for
