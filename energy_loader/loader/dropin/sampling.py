@@ -38,6 +38,7 @@ from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 from ...dataset import is_stateful
 from ...errors import StateMismatchError
 from ...rng import fold_key, stable_hash
+from ...state.digests import digest
 
 __all__ = [
     "EpochStart",
@@ -162,8 +163,6 @@ class EpochStart:
                 None if self.at_iter is None else encode_generator_states(self.at_iter),
             )
         if self._checks is None:
-            from .state import digest
-
             rng, at_iter = self._encoded
             self._checks = (digest("rng", rng), digest("rng_at_iter", at_iter))
         return (*self._encoded, *self._checks)
@@ -171,8 +170,8 @@ class EpochStart:
 
 def job_seed(generator: torch.Generator) -> int:
     """The seed of a job: a hash of the state of the generator that drives its loader."""
-    digest = hashlib.blake2b(generator.get_state().numpy().tobytes(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+    raw = hashlib.blake2b(generator.get_state().numpy().tobytes(), digest_size=8).digest()
+    return int.from_bytes(raw, "little")
 
 
 def epoch_seed(seed: int, epoch: int) -> int:

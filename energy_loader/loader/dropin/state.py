@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import base64
 import functools
-import hashlib
 import json
 from typing import Any
 
@@ -70,6 +69,7 @@ import attrs
 import torch
 
 from ...errors import StateFormatError, StateMismatchError
+from ...state.digests import digest
 from ...state.plain import StateReader
 from ...state.rank_state import is_partition_entries
 
@@ -117,11 +117,6 @@ def decode_generator_states(texts: list[Any], path: str) -> list[torch.Tensor]:
             )
         out.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
     return out
-
-
-def digest(*parts: Any) -> str:
-    """A short hex digest of plain values (their ``repr``), for ``checks``."""
-    return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,0 +1,73 @@
+"""Short digests that let a restore check the state it was given, and its own result.
+
+A saved state carries, beside the fields that place the stream, digests of them (``checks``):
+a flipped digit, a field edited by hand or a leaf of another save spliced in is a
+``StateFormatError`` at load, not a silent jump to another position. It also carries a
+*proof*: a digest of what the saving loader handed out last (the restore key of each
+partition's last item, the indices of the drop-in's last batch), which the restore re-makes
+and compares before it yields anything new.
+
+Digests are of plain values (``repr`` of ints, strs, floats, bools, None and tuples of them),
+or, for a pipeline checkpoint, of its canonical JSON, so they are the same in every process and
+every run and survive ``json``, ``torch.save`` and ``torch.distributed.checkpoint`` round trips.
+They are 64-bit BLAKE2b: a check against accidents and mix-ups, not a signature.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+__all__ = ["KeyDigest", "checkpoint_digest", "digest", "key_digest", "last_digest"]
+
+
+def digest(*parts: Any) -> str:
+    """A short hex digest of plain values (their ``repr``)."""
+    return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()
+
+
+def checkpoint_digest(checkpoint: Any) -> str:
+    """A digest of a pipeline checkpoint (plain data) as canonical JSON: lists and tuples
+    alike, keys sorted, so a checkpoint reads the same after any round trip."""
+    text = json.dumps(checkpoint, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+class KeyDigest(str):
+    """A restore key's digest as a state saved it (the key itself is not kept)."""
+
+    __slots__ = ()
+
+
+def _plain_key(key: Any) -> Any:
+    if isinstance(key, (list, tuple)):
+        return tuple(_plain_key(part) for part in key)
+    return key
+
+
+# The keys whose digests were asked for last, by identity: a save asks again for the same
+# key objects (each partition's last item) until new items come.
+_RECENT: dict[int, tuple[Any, str]] = {}
+_RECENT_SIZE = 256
+
+
+def key_digest(key: Any) -> str:
+    """The digest of one restore key (a batch's: of its samples' keys). A key that went
+    through JSON (lists) has the digest of the tuples it was."""
+    found = _RECENT.get(id(key))
+    if found is not None and found[0] is key:
+        return found[1]
+    value = digest("key", _plain_key(key))
+    if len(_RECENT) >= _RECENT_SIZE:
+        _RECENT.clear()
+    _RECENT[id(key)] = (key, value)
+    return value
+
+
+def last_digest(last: Any) -> str | None:
+    """What a state saves of the last item handed out: ``None`` (nothing, or a sample that
+    carries no key), a saved :class:`KeyDigest` as it was, or a key's digest."""
+    if last is None or isinstance(last, KeyDigest):
+        return last
+    return key_digest(last)
