@@ -25,6 +25,7 @@ from .errors import (
     StateMismatchError,
     StreamError,
     WorkerError,
+    WorkerStateMismatchError,
 )
 from .loader import BasicDataLoader, SavableDataLoader
 from .metrics import StallPolicy
@@ -97,6 +98,7 @@ __all__ = [
     "WorkerConfig",
     "WorkerContext",
     "WorkerError",
+    "WorkerStateMismatchError",
     "current_worker",
     "data_parallel_ranks",
     "dcp",

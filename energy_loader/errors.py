@@ -24,6 +24,7 @@ __all__ = [
     "StateFormatError",
     "StateMismatchError",
     "WorkerError",
+    "WorkerStateMismatchError",
     "first_line",
     "missing_slots_error",
 ]
@@ -74,6 +75,13 @@ class WorkerError(EnergyLoaderError, RuntimeError):
         super().__init__(message)
         self.worker_id = worker_id
         self.original_traceback = original_traceback
+
+
+class WorkerStateMismatchError(WorkerError, StateMismatchError):
+    """A worker found that the state it restored does not continue the saved stream: the
+    items it replayed from a partition's checkpoint are not the ones the saving loader
+    handed out. Both a :class:`WorkerError` (it happened in a worker process, whose
+    traceback it carries) and a :class:`StateMismatchError` (what it means)."""
 
 
 class SourceDataError(EnergyLoaderError, ValueError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -21,6 +22,27 @@ from energy_loader.testing.strategies import AddNoise, MakeSample
 MODEL_EXAMPLES = settings(
     max_examples=500 if os.environ.get("ENERGY_LOADER_HYPOTHESIS") == "nightly" else 30
 )
+
+
+def resealed(state: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a pipeline rank state with its digests recomputed after an edit, so that a
+    test reaches the checks beneath them (a state edited and then re-checked by hand)."""
+    from energy_loader.state.rank_state import PartitionState, RankState, WorkerSlots
+
+    out = copy.deepcopy(state)
+    for entry in out["partitions"]:
+        fields = {name: entry[name] for name in ("partition", "checkpoint", "skip", "done", "last")}
+        entry["check"] = PartitionState(**fields).check()
+    header = {
+        name: value
+        for name, value in out.items()
+        if name not in ("format", "version", "checks", "partitions")
+    }
+    header["workers"] = tuple(
+        WorkerSlots(tuple(w["partitions"]), w["next"], w["done"]) for w in out["workers"]
+    )
+    out["checks"] = {"position": RankState(**header, partitions=()).position_check()}
+    return out
 
 
 def make_sample(index: int) -> dict[str, Any]:

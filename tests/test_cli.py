@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from energy_loader.state import RANK_STATE_VERSION
 from tests.helpers import run_commands
 
 
@@ -82,7 +83,7 @@ def test_inspect_reads_a_checkpoint_the_demo_wrote(demo_run) -> None:
     checkpoint = sorted((out / "checkpoints").glob("*.pt"))[-1]
     result = _run("inspect", str(checkpoint))
     assert result.returncode == 0, result.stderr
-    assert "format energy_loader.rank_state version 2" in result.stdout
+    assert f"format energy_loader.rank_state version {RANK_STATE_VERSION}" in result.stdout
     assert "rank 0 of 1, 2 workers, 2 logical partitions (1 per worker)" in result.stdout
     assert "items handed out by rank 0 in this epoch; global position" in result.stdout
     assert "partition 1: epoch " in result.stdout

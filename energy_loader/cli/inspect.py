@@ -50,7 +50,7 @@ the partition entries of loader.state_dict(); a folder of per-rank files
 (PREFIX_rank_00000_of_00008.pt ..., what save_state_rank_file writes), all of them; or a
 torch.distributed.checkpoint folder (dcp.save's, read without a process group). For
 each rank it shows the layout (ranks, workers, logical partitions), the epoch and
-position, where each partition stands and the pipeline; for the drop-in loader over a
+position, the seed, where each partition stands and the pipeline; for the drop-in loader over a
 plain torch dataset, the epoch, the batches handed out of the epoch's, the job seed and the
 dataset and sampling it must be restored with. Nothing in the file is executed.
 Exit code 2 if PATH holds no readable loader state.
@@ -219,6 +219,8 @@ def describe_rank_state(state: Any) -> str:
         f"rank {decoded.rank} of {decoded.world_size}, {decoded.num_workers} workers, "
         f"{decoded.num_partitions} logical partitions ({per_worker} per worker)",
         where,
+        "seed: "
+        + ("not recorded (a version 2 state)" if decoded.seed is None else str(decoded.seed)),
         f"next worker: {decoded.next_worker}",
         "workers:",
     ]
@@ -230,9 +232,14 @@ def describe_rank_state(state: Any) -> str:
         for partition in worker.partitions:
             entry = entries[partition]
             ended = ", ended its epoch" if entry.done else ""
+            proof = (
+                " (the last checked against the item handed out)"
+                if entry.skip and entry.last
+                else ""
+            )
             lines.append(
                 f"      partition {partition}: {_position(entry.checkpoint)}; replay "
-                f"{entry.skip} items{ended}"
+                f"{entry.skip} items{proof}{ended}"
             )
     lines.append("pipeline (outermost first):")
     lines += [f"  {line}" for line in _config_chain(decoded.config)]
@@ -249,6 +256,7 @@ def summarize_rank_state(state: Any, length: int | None = None) -> dict[str, Any
         "world_size": decoded.world_size,
         "num_workers": decoded.num_workers,
         "num_partitions": decoded.num_partitions,
+        "seed": decoded.seed,
         "epoch": decoded.epoch,
         "in_epoch": decoded.in_epoch,
         "epoch_ended": decoded.epoch_ended,
@@ -262,6 +270,7 @@ def summarize_rank_state(state: Any, length: int | None = None) -> dict[str, Any
                 "position": _position(p.checkpoint),
                 "skip": p.skip,
                 "done": p.done,
+                "last": p.last,
             }
             for p in decoded.partitions
         ],

@@ -28,7 +28,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from ..errors import WorkerError
+from ..errors import StateMismatchError, WorkerError, WorkerStateMismatchError
 from ..state.positions import Position, PositionBook, Snapshot
 from ..torch_internals import (
     has_iterator,
@@ -125,10 +125,11 @@ class WorkerFleet:
 
     # -- what the workers sent -------------------------------------------------------------
 
-    def receive(self, item: WorkerItem) -> None:
-        """File what came with ``item`` (its snapshots, which partition made it)."""
+    def receive(self, item: WorkerItem, key: Any = None) -> None:
+        """File what came with ``item`` (its snapshots, which partition made it) and the
+        restore key its sample carried (``None``: none, or an end marker)."""
         if self._books:
-            self._books[item.worker].receive(item.number, item.slot, item.snapshots)
+            self._books[item.worker].receive(item.number, item.slot, item.snapshots, key)
 
     def positions(self, mark: Mark) -> list[Position] | None:
         """Each logical worker's partitions' (checkpoint, skip, done) and its next slot at
@@ -220,7 +221,8 @@ class WorkerFleet:
         if physical is not None:
             logical = (physical + offset) % self.num_workers
         who = f"worker {logical}" if logical is not None else "a worker"
-        return WorkerError(
+        kind = WorkerStateMismatchError if isinstance(error, StateMismatchError) else WorkerError
+        return kind(
             f"{who} of the data loader failed: {type(error).__name__}: {text}",
             worker_id=logical,
             original_traceback=text,

@@ -30,8 +30,9 @@ import attrs
 
 from ..dataset import SavableDataset
 from ..errors import StateFormatError, StateMismatchError
+from ..state.digests import last_digest
 from ..state.fingerprint import ConfigDifference, config_differences, describe_differences
-from ..state.positions import Position
+from ..state.positions import Position, Standing
 from ..state.rank_state import PartitionState, RankState, WorkerSlots
 from ..worker import WorkerConfig
 from ..workers.protocol import RunPlan
@@ -108,9 +109,17 @@ class Planner:
         for partition in slots.partitions:
             restore = None if plan.restores is None else plan.restores[partition]
             if restore is not None:
-                entries.append((restore.checkpoint, restore.skip, restore.done))
+                entries.append(
+                    Standing(
+                        restore.checkpoint,
+                        restore.skip,
+                        restore.done,
+                        restore.checkpoint_check,
+                        restore.last,
+                    )
+                )
             else:
-                entries.append((self.fresh_checkpoint(partition), 0, False))
+                entries.append(Standing(self.fresh_checkpoint(partition), 0, False, None, None))
         return entries, slots.next
 
     def rank_state(
@@ -131,8 +140,17 @@ class Planner:
         for logical, (entries, following) in enumerate(positions):
             slots = plan.workers[logical]
             workers.append(WorkerSlots(slots.partitions, following, done[logical]))
-            for partition, (checkpoint, skip, ended) in zip(slots.partitions, entries):
-                partitions.append(PartitionState(partition, checkpoint, skip, ended))
+            for partition, entry in zip(slots.partitions, entries):
+                partitions.append(
+                    PartitionState(
+                        partition,
+                        entry.checkpoint,
+                        entry.skip,
+                        entry.done,
+                        last_digest(entry.last),
+                        entry.check,
+                    )
+                )
         return self._rank_state(
             self.config.rank,
             workers=tuple(workers),
@@ -193,6 +211,7 @@ class Planner:
             num_workers=config.num_workers,
             num_partitions=self.num_partitions,
             config=self.pipeline_config,
+            seed=config.seed,
             **fields,
         )
 
@@ -248,6 +267,7 @@ class Planner:
         checkpoint is decoded here, in the main process, so errors surface before any worker
         starts).
         """
+        _check_common(states, self.num_partitions, self.config.world_size)
         scale = 1
         for state in states:
             scale = self._replay_scale(state)
@@ -269,7 +289,15 @@ class Planner:
         )
 
     def _replay_scale(self, state: RankState) -> int:
-        """Raise ``StateMismatchError`` unless the pipeline fits; returns the replay scale."""
+        """Raise ``StateMismatchError`` unless the pipeline and the seed fit; returns the
+        replay scale."""
+        if state.seed is not None and state.seed != self.config.seed:
+            raise StateMismatchError(
+                f"the state was saved by a loader with WorkerConfig seed={state.seed}; this "
+                f"loader has seed={self.config.seed}, which seeds its shuffles and per-sample "
+                f"draws differently. Build the loader with seed={state.seed} to continue that "
+                "stream"
+            )
         differences = config_differences(state.config, self.pipeline_config)
         scale = _batch_size_scale(differences, self.pipeline_config)
         if scale is None:
@@ -345,23 +373,49 @@ def _describe(numbers: Any) -> str:
 
 
 def _check_common(states: Sequence[RankState], num_partitions: int, world_size: int) -> RankState:
-    """The saved states agree with each other and with ``num_partitions``; returns the first."""
+    """The saved states are those of one save of one job, with ``num_partitions``; returns
+    the first.
+
+    One save: the same layout, seed and epoch, the same assignment start, and, since the
+    ranks of a synchronous job hand out items in lockstep, the same count handed out by
+    every rank still in the epoch (a rank whose shorter epoch already ended has handed out
+    no more than they have).
+    """
     if not states:
         raise StateMismatchError("no rank state to restore from")
     first = states[0]
     for state in states:
         _check_partition_count(state, num_partitions, world_size)
-        for name in ("world_size", "num_workers", "epoch"):
+        for name in ("world_size", "num_workers", "seed", "epoch", "start"):
             if getattr(state, name) != getattr(first, name):
-                raise StateMismatchError(
-                    f"the rank states disagree: rank {first.rank} has {name}="
-                    f"{getattr(first, name)}, rank {state.rank} has {getattr(state, name)}; "
-                    "pass the states of one save of one job"
-                )
+                _disagree(first, state, name)
     ranks = [state.rank for state in states]
     if len(set(ranks)) != len(ranks):
         raise StateMismatchError(f"the rank states list a rank twice: ranks {ranks}")
+    running = [s for s in states if not s.epoch_ended]
+    for state in running:
+        if state.delivered != running[0].delivered:
+            _disagree(running[0], state, "delivered")
+    if running:
+        for state in states:
+            if state.epoch_ended and state.delivered > running[0].delivered:
+                _disagree(running[0], state, "delivered")
     return first
+
+
+def _disagree(first: RankState, other: RankState, name: str) -> None:
+    what = {
+        "seed": " (their WorkerConfig seeds differ: the partitions of a job are seeded apart "
+        "already, so give every rank the same seed)",
+        "delivered": " items handed out in the epoch (states of different saves, or of "
+        "different runs, are mixed)",
+        "start": " as the start of the epoch's assignment (states of different saves mixed?)",
+    }.get(name, "")
+    raise StateMismatchError(
+        f"the rank states disagree: rank {first.rank} has {name}={getattr(first, name)}, rank "
+        f"{other.rank} has {name}={getattr(other, name)}{what}; pass the states of one save of "
+        "one job"
+    )
 
 
 def _check_partition_count(state: RankState, num_partitions: int, world_size: int) -> None:
@@ -380,6 +434,14 @@ def _check_partition_count(state: RankState, num_partitions: int, world_size: in
         f"{state.world_size} x num_workers={state.num_workers}); this loader runs "
         f"num_partitions={num_partitions}. {advice}"
     )
+
+
+def _scaled(entry: PartitionState, scale: int) -> PartitionState:
+    """``entry`` replayed with ``scale`` times smaller batches: ``scale`` times the items, and
+    no proof to check (the saved one names a batch of the old size)."""
+    if scale == 1:
+        return entry
+    return attrs.evolve(entry, skip=entry.skip * scale, last=None)
 
 
 def plan_restore(
@@ -406,7 +468,7 @@ def plan_restore(
     own = next((s for s in states if s.rank == rank), None)
     same_layout = first.world_size == world_size and first.num_workers == num_workers
     if own is not None and same_layout and not own.epoch_ended:
-        restores = {p.partition: attrs.evolve(p, skip=p.skip * scale) for p in own.partitions}
+        restores = {p.partition: _scaled(p, scale) for p in own.partitions}
         return RestorePlan(
             workers=own.workers,
             restores=restores,
@@ -452,7 +514,7 @@ def plan_restore(
     for p in needed:
         entry, rank_ended = available[p]
         done = False if ended else (entry.done or rank_ended)
-        restores[p] = attrs.evolve(entry, skip=entry.skip * scale, done=done)
+        restores[p] = attrs.evolve(_scaled(entry, scale), done=done)
     return RestorePlan(
         workers=layout.worker_slots(rank),
         restores=restores,

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 from torch.utils.data import DataLoader
 
-from ..dataset import SavableDataset
+from ..dataset import SavableDataset, restore_key_of
 from ..errors import StateFormatError, WorkerError
 from ..metrics import clock
 from ..state.positions import Position
@@ -315,7 +315,7 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
                 failure = self._fleet.error_of(error, self._worker_side.offset)
                 self._fail(failure)
                 raise failure from error
-            self._fleet.receive(item)
+            self._fleet.receive(item, None if item.is_end else restore_key_of(sample))
             progress.handed_out(item.worker, item.number, item.slot, item.is_end)
             if item.is_end:
                 continue

@@ -13,11 +13,11 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 
-__all__ = ["CheckpointRing", "Position", "PositionBook", "Snapshot"]
+__all__ = ["CheckpointRing", "Position", "PositionBook", "Snapshot", "Standing"]
 
 
 class CheckpointRing:
@@ -80,27 +80,46 @@ class Snapshot:
 
     ``skips`` are items of each partition still to be replayed on top of its state (nonzero
     only for the snapshot a restored worker starts from), ``done`` which partitions had ended
-    their epoch, ``next`` whose turn came next.
+    their epoch, ``next`` whose turn came next. ``checks`` are the states' digests where the
+    worker process computed them (off the training loop's thread), else ``None``. ``lasts``
+    are the restore keys of each partition's last item handed out (or their saved digests):
+    a worker sends none, the book that files a snapshot knows them from the items.
     """
 
     states: tuple[dict[str, Any], ...]
     skips: tuple[int, ...]
     done: tuple[bool, ...]
     next: int
+    checks: tuple[str | None, ...] | None = None
+    lasts: tuple[Any, ...] | None = None
 
     @classmethod
-    def at(cls, entries: Sequence[tuple[dict[str, Any], int, bool]], following: int) -> Snapshot:
-        """The snapshot of a position: per partition (checkpoint, skip, done), then ``next``."""
+    def at(cls, entries: Sequence[Standing], following: int) -> Snapshot:
+        """The snapshot of a position: each partition's standing, then ``next``."""
         return cls(
-            tuple(state for state, _, _ in entries),
-            tuple(skip for _, skip, _ in entries),
-            tuple(done for _, _, done in entries),
+            tuple(entry.checkpoint for entry in entries),
+            tuple(entry.skip for entry in entries),
+            tuple(entry.done for entry in entries),
             following,
+            tuple(entry.check for entry in entries),
+            tuple(entry.last for entry in entries),
         )
 
 
-# Where a worker stands: per partition (checkpoint, skip, done), then whose turn is next.
-Position = tuple[list[tuple[dict[str, Any], int, bool]], int]
+class Standing(NamedTuple):
+    """Where one partition stands: a checkpoint, items to replay on top of it, whether it
+    ended its epoch, the checkpoint's digest (``None``: not computed yet) and the restore key
+    of its last item handed out (or that key's saved digest; ``None``: none)."""
+
+    checkpoint: dict[str, Any]
+    skip: int
+    done: bool
+    check: str | None
+    last: Any
+
+
+# Where a worker stands: each partition's standing, then whose turn is next.
+Position = tuple[list[Standing], int]
 
 
 class PositionBook(CheckpointRing):
@@ -117,10 +136,24 @@ class PositionBook(CheckpointRing):
 
     def __init__(self, capacity: int, in_flight: int) -> None:
         super().__init__(capacity, in_flight)
-        self.events: collections.deque[tuple[int, int]] = collections.deque()
+        self.events: collections.deque[tuple[int, int, Any]] = collections.deque()
         # The index of the worker's last end marker: snapshots at or before it belong to an
         # epoch the worker has finished (main-process books only).
         self.boundary = -2
+        # Each slot's last item's restore key so far: what a snapshot filed now records.
+        self._lasts: list[Any] = []
+
+    def add(self, index: int, state: Any, *, optional: bool = False) -> bool:
+        """File snapshot ``state`` taken after item ``index`` with the slots' last keys: its
+        own when it brings them (where a restored worker starts), else the book's."""
+        count = len(state.states)
+        if state.lasts is not None:
+            self._lasts = list(state.lasts)
+        else:
+            if len(self._lasts) != count:
+                self._lasts = [None] * count
+            state = attrs.evolve(state, lasts=tuple(self._lasts))
+        return super().add(index, state, optional=optional)
 
     def _dropped_through(self, oldest: int) -> None:
         events = self.events
@@ -132,19 +165,30 @@ class PositionBook(CheckpointRing):
             self._entries.clear()
             self.events.clear()
 
-    def receive(self, index: int, slot: int, snapshots: Any) -> None:
-        """Record a worker's item ``index`` (made by ``slot``; -1 for an end marker) and the
-        snapshots that came with it."""
+    def record(self, index: int, slot: int, key: Any) -> None:
+        """Item ``index`` was made by ``slot`` and carried restore key ``key`` (or None)."""
+        self.events.append((index, slot, key))
+        lasts = self._lasts
+        if slot < len(lasts):
+            lasts[slot] = key
+
+    def lasts(self) -> tuple[Any, ...]:
+        """Each slot's last item's restore key, as of the newest item recorded."""
+        return tuple(self._lasts)
+
+    def receive(self, index: int, slot: int, snapshots: Any, key: Any = None) -> None:
+        """Record a worker's item ``index`` (made by ``slot``, carrying ``key``; slot -1 for
+        an end marker) and the snapshots that came with it."""
         if snapshots:
             for taken_at, snapshot in snapshots:
                 self.add(taken_at, snapshot)
         if slot >= 0:
-            self.events.append((index, slot))
+            self.record(index, slot, key)
         else:
             self.boundary = index
 
     def position_at(self, last_index: int, *, epoch_ended: bool = True) -> Position:
-        """Each partition's (checkpoint, skip, done) and the next slot after ``last_index``.
+        """Each partition's standing and the next slot after ``last_index``.
 
         ``epoch_ended=False``: the worker has not ended the rank's current epoch. If the
         newest snapshot is then one of an epoch it *has* ended (its next epoch's first
@@ -156,10 +200,19 @@ class PositionBook(CheckpointRing):
             index, snapshot = self._find(last_index)
             events = [e for e in self.events if index < e[0] <= last_index]
         skips, following = list(snapshot.skips), snapshot.next
+        lasts = list(snapshot.lasts or (None,) * len(skips))
         count = len(skips)
-        for _, slot in events:
+        for _, slot, key in events:
             skips[slot] += 1
+            lasts[slot] = key
             following = (slot + 1) % count
+        checks = snapshot.checks or (None,) * count
         if not epoch_ended and index <= self.boundary:
-            return [(s, k, False) for s, k in zip(snapshot.states, skips)], 0
-        return [(s, k, d) for s, k, d in zip(snapshot.states, skips, snapshot.done)], following
+            return [
+                Standing(s, k, False, c, last)
+                for s, k, c, last in zip(snapshot.states, skips, checks, lasts)
+            ], 0
+        return [
+            Standing(s, k, d, c, last)
+            for s, k, d, c, last in zip(snapshot.states, skips, snapshot.done, checks, lasts)
+        ], following

@@ -6,7 +6,7 @@ header of each file it needs and the byte ranges of the partitions it now runs, 
 files::
 
     rank.json         {"format": "energy_loader.rank_file", "version": 1,
-                       "state_version": 2,
+                       "state_version": 3,
                        "state": <the rank state (of that version) without its format tag,
                                  "version", "config" and "partitions">,
                        "config_digest": "<SHA-256 of config.json, 16 hex digits>",

@@ -1,12 +1,13 @@
 """The saved state of one rank's loader: attrs classes and their plain-data codec.
 
-Layout (format version 2)::
+Layout (format version 3)::
 
     {
       "format": "energy_loader.rank_state",
-      "version": 2,
+      "version": 3,
       "rank": 0, "world_size": 1, "num_workers": 2,
       "num_partitions": 4,        # P: logical partitions of the whole job
+      "seed": 0,                  # the WorkerConfig seed every partition ran with
       "config": {...},            # the pipeline's config(), for mismatch messages
       "epoch": 3,                 # the loader's epoch (0 for the first)
       "in_epoch": true,           # an iterator of this epoch was started
@@ -25,10 +26,20 @@ Layout (format version 2)::
         {"partition": 0,
          "checkpoint": {...},     # the partition's pipeline state at a rolling checkpoint
          "skip": 3,               # items of this partition to replay from it
-         "done": false},          # this partition already ended the current epoch
+         "done": false,           # this partition already ended the current epoch
+         "last": "9c0d...",       # digest of the restore key of the partition's last item
+                                  # handed out (null: none yet, or it carried no key)
+         "check": "51e2..."},     # digest of this entry (the checkpoint as canonical JSON)
         ...
-      ]
+      ],
+      "checks": {"position": "7f3a..."}   # digest of every other field but "config"
     }
+
+The digests (:mod:`energy_loader.state.digests`) make a field edited or damaged after the save
+a ``StateFormatError`` at load; ``config`` is compared with the pipeline instead. ``last`` is
+the restore's proof: a partition that replays items from its checkpoint re-makes the last one
+the saving loader handed out, and a different key is a ``StateMismatchError`` before anything
+new is yielded. Version 2 (without ``seed``, ``last`` and the checks) is still read, unchecked.
 
 Everything is plain data: ``json.dumps`` and ``torch.load(weights_only=True)`` accept it. Any
 change to this shape bumps :data:`RANK_STATE_VERSION` and is a breaking changelog entry.
@@ -41,6 +52,7 @@ from typing import Any
 import attrs
 
 from ..errors import StateFormatError, StateMismatchError
+from .digests import KeyDigest, checkpoint_digest, digest
 from .plain import StateReader, check_plain, is_keyed_by, json_leaf
 
 __all__ = [
@@ -54,17 +66,32 @@ __all__ = [
 RANK_STATE_FORMAT = "energy_loader.rank_state"
 # The drop-in loader's format (energy_loader.loader.dropin.state), named in a refusal only.
 _DROPIN_STATE_FORMAT = "energy_loader.dropin_state"
-RANK_STATE_VERSION = 2
+RANK_STATE_VERSION = 3
+# Version 2 (before seeds, proofs and checks) is still restored, without the checks.
+_READABLE_VERSIONS = (2, 3)
 
 
 @attrs.frozen
 class PartitionState:
-    """Where one logical partition stands: a pipeline checkpoint plus items to replay."""
+    """Where one logical partition stands: a pipeline checkpoint plus items to replay.
+
+    ``last`` is the digest of the restore key of the last item the partition handed out (the
+    restore's proof), ``None`` when there is none to check. ``checkpoint_check`` is the
+    checkpoint's digest when the worker that took it already computed it (else it is
+    computed when the state is encoded).
+    """
 
     partition: int
     checkpoint: dict[str, Any]
     skip: int = 0
     done: bool = False
+    last: str | None = None
+    checkpoint_check: str | None = attrs.field(default=None, eq=False)
+
+    def check(self) -> str:
+        """The digest of this entry, as ``to_plain`` writes it."""
+        checkpoint = self.checkpoint_check or checkpoint_digest(self.checkpoint)
+        return digest("partition", self.partition, checkpoint, self.skip, self.done, self.last)
 
     def to_plain(self) -> dict[str, Any]:
         return {
@@ -72,10 +99,14 @@ class PartitionState:
             "checkpoint": self.checkpoint,
             "skip": self.skip,
             "done": self.done,
+            "last": self.last,
+            "check": self.check(),
         }
 
     @classmethod
-    def from_reader(cls, reader: StateReader) -> PartitionState:
+    def from_reader(cls, reader: StateReader, version: int = RANK_STATE_VERSION) -> PartitionState:
+        """Decode one entry; its ``check`` is verified by :meth:`verify` (after the whole
+        state's structure, so a malformed field is named before a mismatched digest)."""
         checkpoint = reader.raw("checkpoint")
         StateReader(checkpoint, f"{reader.path}.checkpoint")
         skip, done = reader.int("skip"), reader.bool("done")
@@ -84,7 +115,35 @@ class PartitionState:
                 f"{reader.path}: a partition that had ended its epoch has nothing to replay "
                 f"(skip {skip})"
             )
-        return cls(partition=reader.int("partition"), checkpoint=checkpoint, skip=skip, done=done)
+        partition = reader.int("partition")
+        if version < 3:
+            return cls(partition=partition, checkpoint=checkpoint, skip=skip, done=done)
+        last = reader.raw("last")
+        if last is not None and not isinstance(last, str):
+            raise StateFormatError(f"{reader.path}.last must be a digest string or null")
+        reader.str("check")
+        return cls(
+            partition=partition,
+            checkpoint=checkpoint,
+            skip=skip,
+            done=done,
+            last=None if last is None else KeyDigest(last),
+        )
+
+    def verify(self, saved: str, path: str) -> PartitionState:
+        """This entry with its checkpoint's digest, if ``saved`` (the entry's ``check``) is
+        its digest; ``StateFormatError`` otherwise."""
+        try:
+            checked = attrs.evolve(self, checkpoint_check=checkpoint_digest(self.checkpoint))
+        except (TypeError, ValueError) as error:
+            raise StateFormatError(f"{path}.checkpoint is not plain data ({error})") from None
+        if checked.check() != saved:
+            raise StateFormatError(
+                f"{path}.check does not match the partition's fields (its checkpoint, skip, "
+                "done or last): the state was edited or damaged after it was saved; restore "
+                "from an intact state"
+            )
+        return checked
 
 
 @attrs.frozen
@@ -135,6 +194,26 @@ class RankState:
     next_worker: int
     workers: tuple[WorkerSlots, ...]
     partitions: tuple[PartitionState, ...]
+    # The WorkerConfig seed the partitions ran with (None: a version 2 state, which had none).
+    seed: int | None = None
+
+    def position_check(self) -> str:
+        """The digest of every field but ``config`` and the partitions (``checks.position``)."""
+        return digest(
+            "rank_state",
+            self.rank,
+            self.world_size,
+            self.num_workers,
+            self.num_partitions,
+            self.seed,
+            self.epoch,
+            self.in_epoch,
+            self.epoch_ended,
+            self.delivered,
+            self.start,
+            self.next_worker,
+            tuple((w.partitions, w.next, w.done) for w in self.workers),
+        )
 
     def stream_position(self) -> int:
         """The job's position ``B`` (mod ``P``) seen from this rank, from which its partitions'
@@ -164,6 +243,7 @@ class RankState:
             "world_size": self.world_size,
             "num_workers": self.num_workers,
             "num_partitions": self.num_partitions,
+            "seed": self.seed,
             "config": self.config,
             "epoch": self.epoch,
             "in_epoch": self.in_epoch,
@@ -172,6 +252,7 @@ class RankState:
             "start": self.start,
             "next_worker": self.next_worker,
             "workers": [w.to_plain() for w in self.workers],
+            "checks": {"position": self.position_check()},
         }
         if with_partitions:
             plain["partitions"] = [p.to_plain() for p in self.partitions]
@@ -202,10 +283,11 @@ class RankState:
                 "(is this a loader state from energy_loader.save_state_rank()?)"
             )
         version = reader.int("version")
-        if version != RANK_STATE_VERSION:
+        if version not in _READABLE_VERSIONS:
             raise StateFormatError(
-                f"state.version is {version}; this energy_loader reads version "
-                f"{RANK_STATE_VERSION} (a state from a newer or older release?)"
+                f"state.version is {version}; this energy_loader reads versions "
+                f"{', '.join(map(str, _READABLE_VERSIONS))} (a state from a newer or older "
+                "release?)"
             )
         num_workers = reader.int("num_workers")
         world_size = reader.int("world_size", minimum=1)
@@ -228,7 +310,7 @@ class RankState:
                 f"{max(1, num_workers)}"
             )
         partitions = tuple(
-            PartitionState.from_reader(StateReader(p, f"state.partitions[{i}]"))
+            PartitionState.from_reader(StateReader(p, f"state.partitions[{i}]"), version)
             for i, p in enumerate(reader.list("partitions"))
         )
         _check_partitions(
@@ -247,7 +329,7 @@ class RankState:
         config = reader.raw("config")
         StateReader(config, "state.config")
         check_plain(data, "state")
-        return cls(
+        state = cls(
             rank=rank,
             world_size=world_size,
             num_workers=num_workers,
@@ -261,7 +343,29 @@ class RankState:
             next_worker=next_worker,
             workers=workers,
             partitions=partitions,
+            seed=None if version < 3 else reader.int("seed"),
         )
+        if version < 3:
+            return state
+        saved_checks = [
+            (StateReader(p, f"state.partitions[{i}]").str("check"), f"state.partitions[{i}]")
+            for i, p in enumerate(reader.list("partitions"))
+        ]
+        state = attrs.evolve(
+            state,
+            partitions=tuple(
+                entry.verify(saved, path) for entry, (saved, path) in zip(partitions, saved_checks)
+            ),
+        )
+        if state.position_check() != reader.sub("checks").str("position"):
+            raise StateFormatError(
+                "state.checks.position does not match the state's fields (rank, world_size, "
+                "num_workers, num_partitions, seed, epoch, in_epoch, epoch_ended, delivered, "
+                "start, next_worker, workers): the state was edited or damaged after it was "
+                "saved, or pieces of different saves were put together; restore from an intact "
+                "state"
+            )
+        return state
 
 
 def _check_partitions(

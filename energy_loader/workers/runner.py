@@ -42,7 +42,8 @@ from torch.utils.data import get_worker_info
 from ..dataset import SavableDataset, attach_restore_key
 from ..errors import StateMismatchError
 from ..metrics import WorkerCounters, clock
-from ..state.positions import Position, PositionBook, Snapshot
+from ..state.digests import checkpoint_digest, key_digest
+from ..state.positions import Position, PositionBook, Snapshot, Standing
 from ..state.rank_state import PartitionState
 from ..worker import active_worker, enter_worker, leave_worker, set_process_worker
 from .commands import CommandServer, exit_without_flushing_if_orphaned
@@ -160,28 +161,33 @@ class Runner:
             for slot in self.slots:
                 slot.pipeline.reset_state()
                 states.append(slot.pipeline.save_state())
-            return Snapshot(tuple(states), (0,) * len(states), (False,) * len(states), 0)
-        return Snapshot.at([(r.checkpoint, r.skip, r.done) for r in self.restores], self.next)
+            count = len(states)
+            return Snapshot(tuple(states), (0,) * count, (False,) * count, 0, None, (None,) * count)
+        standing = [
+            Standing(r.checkpoint, r.skip, r.done, r.checkpoint_check, r.last)
+            for r in self.restores
+        ]
+        return Snapshot.at(standing, self.next)
 
     def snapshot(self) -> Snapshot:
-        """Every partition's state now (iterating thread only, between items)."""
+        """Every partition's state now (iterating thread only, between items). In a worker
+        process the states' digests are computed here, off the training loop's thread."""
         slots = self.slots
+        states = tuple(slot.pipeline.save_state() for slot in slots)
         return Snapshot(
-            tuple(slot.pipeline.save_state() for slot in slots),
+            states,
             (0,) * len(slots),
             tuple(slot.done for slot in slots),
             self.next,
+            None if self.outbox is None else tuple(map(checkpoint_digest, states)),
         )
 
     def position_at(self, last_index: int) -> Position:
-        """Where each partition stands after item ``last_index`` (iterating thread).
-
-        At the newest item that is a fresh snapshot, with nothing to replay; before it (a
-        held-back save) the book answers as it does for the command thread.
-        """
-        if self.started and last_index == self.index:
-            now = self.snapshot()
-            return [(s, 0, d) for s, d in zip(now.states, now.done)], now.next
+        """Where each partition stands after item ``last_index`` (iterating thread): the
+        book's newest snapshot at or before it and the items since, as a worker process's
+        book in the main process answers. A restore then replays those items and checks
+        that the last one is what was handed out (a fresh snapshot would leave it nothing
+        to check), and a save costs no pipeline ``save_state()``."""
         return self.book.position_at(last_index)
 
     def _checkpoint(self, *, optional: bool = False) -> None:
@@ -231,13 +237,25 @@ class Runner:
             slot.done = True
             return
         slot.iterator = iterator = pipeline.iter_keyed()
+        pair: Any = None
         for replayed in range(restore.skip):
-            if next(iterator, _END) is _END:
+            pair = next(iterator, _END)
+            if pair is _END:
                 raise StateMismatchError(
                     f"partition {slot.partition}: the pipeline ended after {replayed} of "
                     f"the {restore.skip} samples to replay from its checkpoint; is the "
                     "pipeline deterministic (same data, functions and seed)?"
                 )
+        # The proof: the last item replayed is the last one the saving loader handed out.
+        if restore.skip and restore.last is not None and key_digest(pair[0]) != restore.last:
+            raise StateMismatchError(
+                f"partition {slot.partition}: the restore replayed {restore.skip} item(s) from "
+                f"its checkpoint, but the last one (restore key {pair[0]!r}) is not the one the "
+                "saving loader handed out there: the pipeline does not make the same items "
+                "again (a function, filter or source that changed, or that depends on "
+                "something besides the sample and its seed, such as the clock or an unseeded "
+                "generator). Restore with the pipeline that saved the state"
+            )
 
     def _begin_epoch(self) -> None:
         for slot in self.slots:
@@ -304,14 +322,14 @@ class Runner:
         every_n = settings.every_n * max(1, len(self.slots) // 2)
         counters = self.counters
         # Without workers the runner keeps the book; with them the main process does.
-        events = self.book.events if self.outbox is None else None
+        book = self.book if self.outbox is None else None
         began = clock()  # busy from here to each yield; idle while torch holds the generator
         sample: Any
         while (step := self.next_pair()) is not None:
             position, (key, sample) = step
             self.index += 1
-            if events is not None:
-                events.append((self.index, position))
+            if book is not None:
+                book.record(self.index, position, key)
             if self.index - self.last_checkpoint_index >= every_n:
                 self._checkpoint()
             elif (

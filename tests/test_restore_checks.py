@@ -1,0 +1,209 @@
+"""A pipeline's restore checks itself: a state of another stream is refused, never continued.
+
+Each partition's state carries the digest of the restore key of the last item it handed out
+(the proof), and the replay from its checkpoint must re-make that item; the fields that place
+the stream are covered by digests; the rank states of one save must agree on the seed and on
+their position. The oracle of each test is the uninterrupted run or a state edited by hand.
+"""
+
+from __future__ import annotations
+
+import copy
+import secrets
+
+import pytest
+
+import energy_loader as el
+from energy_loader.state.digests import key_digest
+from energy_loader.testing.strategies import MakeSample
+from tests.helpers import indices, reference_pipeline
+
+# What the filter keeps: a module global, so a test can change the pipeline's behaviour between
+# the saving run and the restoring one without changing its config (as edited code would).
+_KEEP = {"modulus": 3}
+
+
+def _kept(sample: dict) -> bool:
+    return sample["index"] % _KEEP["modulus"] != 0
+
+
+def _coin(sample: dict) -> bool:
+    return secrets.randbelow(2) == 0  # from the OS: no seed makes it repeat
+
+
+def _filtered(predicate) -> el.SavableDataset:
+    source = el.IndexedSource.from_fn(240, MakeSample(), shuffle=True, seed=3)
+    return el.BatchDataset(el.FilterDataset(source, predicate), batch_size=4)
+
+
+def _loader(pipeline: el.SavableDataset, workers: int, **options) -> el.SavableDataLoader:
+    return el.SavableDataLoader(
+        pipeline, num_workers=workers, checkpoint_every_n_samples=8, **options
+    )
+
+
+def _saved_at(loader: el.SavableDataLoader, steps: int) -> tuple[dict, list[list[int]]]:
+    iterator = iter(loader)
+    for _ in range(steps):
+        next(iterator)
+    state = loader.save_state_rank()
+    return state, [indices(batch) for batch in iterator]
+
+
+@pytest.fixture(autouse=True)
+def _restore_the_filter():
+    yield
+    _KEEP["modulus"] = 3
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_filter_that_changed_since_the_save_is_refused_before_any_new_item(workers) -> None:
+    state, rest = _saved_at(_loader(_filtered(_kept), workers), 11)
+    assert any(p["skip"] and p["last"] for p in state["partitions"])  # something to re-make
+    _KEEP["modulus"] = 5
+    changed = _loader(_filtered(_kept), workers)
+    changed.restore_state_rank(state)
+    with pytest.raises(el.StateMismatchError, match="not the one the saving loader handed out"):
+        next(iter(changed))
+    # The same pipeline as saved continues exactly, in a fresh loader and in the refused one.
+    _KEEP["modulus"] = 3
+    for loader in (_loader(_filtered(_kept), workers), changed):
+        loader.restore_state_rank(state)
+        assert [indices(batch) for batch in loader] == rest
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_filter_that_draws_from_the_os_is_refused(workers) -> None:
+    state, _ = _saved_at(_loader(_filtered(_coin), workers), 9)
+    again = _loader(_filtered(_coin), workers)
+    again.restore_state_rank(state)
+    with pytest.raises(el.StateMismatchError, match="depends on something besides the sample"):
+        list(again)
+
+
+def test_the_proof_is_the_key_of_the_last_item_each_partition_handed_out() -> None:
+    loader = el.SavableDataLoader(reference_pipeline(200, 8, 4), num_partitions=2)
+    iterator = iter(loader)
+    batches = [next(iterator) for _ in range(5)]
+    state = loader.save_state_rank()
+    # One worker takes its two partitions in turn: batches 0, 2, 4 from one, 1, 3 the other.
+    lasts = {p["partition"]: p["last"] for p in state["partitions"]}
+    assert lasts == {
+        0: key_digest(batches[4]["__restore_key__"]),
+        1: key_digest(batches[3]["__restore_key__"]),
+    }
+
+
+def test_a_restored_loader_saved_again_keeps_the_proof_and_checks_it_again() -> None:
+    state, rest = _saved_at(_loader(_filtered(_kept), 0), 11)
+    restored = _loader(_filtered(_kept), 0)
+    restored.restore_state_rank(state)
+    again = restored.save_state_rank()  # before any item: the restored position itself
+    assert [p["last"] for p in again["partitions"]] == [p["last"] for p in state["partitions"]]
+    _KEEP["modulus"] = 5
+    changed = _loader(_filtered(_kept), 0)
+    changed.restore_state_rank(again)
+    with pytest.raises(el.StateMismatchError):
+        next(iter(changed))
+    _KEEP["modulus"] = 3
+    fresh = _loader(_filtered(_kept), 0)
+    fresh.restore_state_rank(again)
+    assert [indices(batch) for batch in fresh] == rest
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda s: s.update(delivered=s["delivered"] + 1), r"checks\.position does not match"),
+        (lambda s: s.update(epoch=1), r"checks\.position does not match"),
+        (lambda s: s.update(seed=1), r"checks\.position does not match"),
+        (
+            lambda s: s["workers"][0].update(next=1 - s["workers"][0]["next"]),
+            r"checks\.position does not match",
+        ),
+        (lambda s: s["partitions"][0].update(skip=2), r"partitions\[0\]\.check does not match"),
+        (
+            lambda s: s["partitions"][0]["checkpoint"]["inner"].update(counter=1),
+            r"partitions\[0\]\.check does not match",
+        ),
+        (
+            lambda s: s["partitions"][0].update(last="0" * 16),
+            r"partitions\[0\]\.check does not match",
+        ),
+    ],
+)
+def test_a_field_that_places_the_stream_edited_after_the_save_is_refused(edit, message) -> None:
+    loader = el.SavableDataLoader(reference_pipeline(200, 8, 4), num_partitions=2)
+    state, rest = _saved_at(loader, 7)
+    edited = copy.deepcopy(state)
+    edit(edited)
+    fresh = el.SavableDataLoader(reference_pipeline(200, 8, 4), num_partitions=2)
+    with pytest.raises(el.StateFormatError, match=message):
+        fresh.restore_state_rank(edited)
+    fresh.restore_state_rank(state)
+    assert [indices(batch) for batch in fresh] == rest
+
+
+def _ranks(world: int, seeds, steps: int) -> list[dict]:
+    states = []
+    for rank in range(world):
+        config = el.WorkerConfig(rank=rank, world_size=world, seed=seeds[rank])
+        loader = el.SavableDataLoader(reference_pipeline(200, 8, 4), worker_config=config)
+        states.append(_saved_at(loader, steps[rank])[0])
+    return states
+
+
+def _one_rank(seed: int = 0) -> el.SavableDataLoader:
+    config = el.WorkerConfig(rank=0, world_size=1, seed=seed)
+    return el.SavableDataLoader(reference_pipeline(200, 8, 4), worker_config=config)
+
+
+def test_rank_states_of_different_saves_are_refused() -> None:
+    states = _ranks(2, [0, 0], [3, 6])
+    with pytest.raises(
+        el.StateMismatchError, match="rank 0 has delivered=3, rank 1 has delivered=6"
+    ):
+        _one_rank().restore_state_global(states)
+
+
+def test_rank_states_with_their_own_seeds_are_refused_on_another_world_size() -> None:
+    # Partition 1 ran under seed 1001: continuing it under 1000 would give other draws.
+    states = _ranks(2, [1000, 1001], [4, 4])
+    with pytest.raises(el.StateMismatchError, match="seed=1000, rank 1 has seed=1001"):
+        _one_rank(1000).restore_state_global(states)
+
+
+def test_a_loader_with_another_seed_refuses_the_state() -> None:
+    (state,) = _ranks(1, [5], [4])
+    with pytest.raises(el.StateMismatchError, match="seed=5; this loader has seed=0"):
+        _one_rank(0).restore_state_rank(state)
+
+
+def test_rank_states_of_one_save_restore_on_another_world_size() -> None:
+    # The oracle: the two ranks' uninterrupted continuations, interleaved as one rank takes them.
+    runs = []
+    for rank in range(2):
+        config = el.WorkerConfig(rank=rank, world_size=2, seed=9)
+        runs.append(
+            _saved_at(el.SavableDataLoader(reference_pipeline(200, 8, 4), worker_config=config), 4)
+        )
+    one = _one_rank(9)
+    one.restore_state_global([state for state, _ in runs])
+    resumed = [indices(batch) for batch in one]
+    expected = [batch for pair in zip(runs[0][1], runs[1][1]) for batch in pair]
+    assert resumed[: len(expected)] == expected
+
+
+def test_a_version_2_state_still_restores_exactly_without_the_checks() -> None:
+    state, rest = _saved_at(_loader(_filtered(_kept), 0), 11)
+    old = copy.deepcopy(state)
+    old["version"] = 2
+    for name in ("seed", "checks"):
+        del old[name]
+    for entry in old["partitions"]:
+        del entry["last"], entry["check"]
+    loader = _loader(_filtered(_kept), 0)
+    loader.restore_state_rank(old)
+    assert [indices(batch) for batch in loader] == rest
