@@ -38,6 +38,7 @@ import attrs
 
 from .errors import StateFormatError, StateMismatchError, WorkerError, missing_slots_error
 from .loader.dropin.job import check_one_save
+from .loader.planner import check_states_of_one_save
 from .process_groups import check_group_layout, data_parallel_layout, process_group_initialized
 from .state.plain import StateReader
 from .state.rank_file import RankFile, ReadTally, write_rank_file
@@ -460,7 +461,11 @@ def _rank_stem(config: WorkerConfig, prefix: str) -> str:
         raise ValueError(
             f"`prefix` must be a non-empty name without path separators (got {prefix!r})"
         )
-    return f"{prefix}_rank_{config.rank:05d}_of_{config.world_size:05d}"
+    return _rank_file_stem(prefix, config.rank, config.world_size)
+
+
+def _rank_file_stem(prefix: str, rank: int, world_size: int) -> str:
+    return f"{prefix}_rank_{rank:05d}_of_{world_size:05d}"
 
 
 def rank_state_key(loader: SavableDataLoader | WorkerConfig, prefix: str = "loader") -> str:
@@ -515,7 +520,8 @@ def restore_state_rank_file(
 ) -> None:
     """Restore this rank from the files in ``directory`` written by :func:`save_state_rank_file`.
 
-    No collective. On the world size that saved them a rank reads its own file. On another
+    No collective. On the world size that saved them a rank reads its own file (and one
+    other rank's header, to tell a file of another save). On another
     (the same ``num_partitions``) it reads, of each file that holds partitions it now runs,
     the file's header and those partitions' bytes, and the pipeline config once
     (:func:`read_rank_state_files`): about what its own file would hold, whatever the old and
@@ -539,7 +545,9 @@ def read_rank_state_files(
     """The saved states ``loader``'s rank restores from, read from ``directory``'s rank files.
 
     What :func:`restore_state_rank_file` restores from, without restoring. This rank's own
-    file when the world size is the one that saved them. Otherwise, for a savable pipeline,
+    file when the world size is the one that saved them (checked against the header of one
+    other rank's file of the save, so a file of another save left in the folder is a
+    ``StateMismatchError``). Otherwise, for a savable pipeline,
     the states of the saved ranks whose slots this rank now runs, each holding only those
     partitions: rank ``r`` of ``R`` saved slots ``r, r + R, ...`` and rank ``r'`` of ``R'``
     runs slots ``r', r' + R', ...``, so the lowest rank's header (for the saved partition
@@ -559,7 +567,9 @@ def read_rank_state_files(
     path = rank_state_path(directory, loader, prefix)
     if path.is_file() and loader.restores_by_slot:  # this rank's own partitions
         with RankFile(path, tally) as own:
-            return [_decoded(loader, own)]
+            state = _decoded(loader, own)
+        _check_pipeline_witness(loader, path, state, own.config_digest, prefix, tally)
+        return [state]
     if path.is_file():  # a drop-in loader on the same world size: its own state, checked
         return [_own_dropin_state(loader, Path(directory), prefix, path, tally)]
     files = _rank_files(Path(directory), prefix)
@@ -599,6 +609,45 @@ def _check_one_save_in(directory: Path, states: list[Any], *, across: bool) -> N
         check_one_save(states, across=across)
     except StateMismatchError as error:
         raise StateMismatchError(f"{directory}: {error}") from None
+
+
+def _check_pipeline_witness(
+    loader: SavableDataLoader,
+    path: Path,
+    state: Any,
+    config_digest: str,
+    prefix: str,
+    tally: ReadTally | None,
+) -> None:
+    """A pipeline rank's own state checked against the header of one other rank's file of
+    the save (rank 0's; rank 1's for rank 0), found by its name (no directory listing): a
+    file of another save or run left in the folder (a rank that did not write this time) is
+    a ``StateMismatchError`` on at least one rank. Reads one small header."""
+    config = loader.worker_config
+    if config.world_size < 2 or not isinstance(state, RankState) or state.seed is None:
+        return
+    witness = path.parent / (
+        _rank_file_stem(prefix, 0 if config.rank else 1, config.world_size) + ".pt"
+    )
+    if not witness.is_file():
+        return  # an incomplete folder: the rank whose file is missing refuses itself
+    with RankFile(witness, tally) as other:
+        if not other.split:
+            return  # a file of an earlier release: whole, and without a seed to compare
+        header = RankState.from_plain(
+            {**other.header, "config": state.config, "partitions": []}, complete=False
+        )
+        if other.config_digest != config_digest:
+            raise StateMismatchError(
+                f"{path.parent}: {witness.name} holds another pipeline config than "
+                f"{path.name}: files of different saves or runs are mixed in the folder"
+            )
+    try:
+        check_states_of_one_save([header, state])
+    except StateMismatchError as error:
+        raise StateMismatchError(
+            f"{path.parent}: {error} ({path.name} and {witness.name} are not of one save)"
+        ) from None
 
 
 def _own_dropin_state(

@@ -391,8 +391,9 @@ def test_reads_per_rank_stay_flat_when_eight_ranks_resume_on_eight_and_six(
     through DCP and per-rank files. Each continues the job's stream exactly; a DCP rank reads
     the .metadata and its own slots only, so after the resize it reads within 2x of a
     same-layout restore (counted by the storage reader); a file restore reads the rank's own
-    file, or after the resize the headers and its own slots of a few files: within 2x of what
-    a rank of 6 reads restoring a 6-rank save (counted by the files' reader)."""
+    file and another's header, or after the resize the headers and its own slots of a few
+    files: within 2x of what a rank of 6 reads restoring a 6-rank save (counted by the files'
+    reader)."""
     partitions, length, steps = 24, 960, 4
     dh.launch(
         dh.scale_save,
@@ -439,7 +440,8 @@ def test_reads_per_rank_stay_flat_when_eight_ranks_resume_on_eight_and_six(
     file_size = (tmp_path / "files" / "loader_rank_00000_of_00008.pt").stat().st_size
     assert max(reads[8]["dcp"]) <= 2 * min(reads[8]["dcp"]), reads
     assert max(reads[6]["dcp"]) <= 2 * min(reads[8]["dcp"]), reads
-    assert max(reads[8]["files"]) <= file_size, reads  # its own file, no more
+    # Its own file, and one other rank's header (~0.3 KB: the witness of one save), no more.
+    assert max(reads[8]["files"]) <= file_size + 512, reads
     # After the resize: the headers and its own slots' bytes of the files holding them, within
     # 2x of what a rank of that layout reads from its own file.
     assert max(reads[6]["files"]) <= 2 * min(own_six), (reads, own_six)

@@ -207,3 +207,33 @@ def test_a_version_2_state_still_restores_exactly_without_the_checks() -> None:
     loader = _loader(_filtered(_kept), 0)
     loader.restore_state_rank(old)
     assert [indices(batch) for batch in loader] == rest
+
+
+def _rank_loader(rank: int, world: int = 2) -> el.SavableDataLoader:
+    config = el.WorkerConfig(rank=rank, world_size=world, seed=4)
+    return el.SavableDataLoader(reference_pipeline(200, 8, 4), worker_config=config)
+
+
+def test_a_rank_file_left_from_another_save_is_refused_by_its_witness(tmp_path) -> None:
+    # Two saves of a 2-rank job into two folders; then rank 1's file of the later save is
+    # copied over the earlier folder's (a rank that wrote this time, into a reused folder).
+    rests = {}
+    for folder, steps in (("early", 3), ("late", 6)):
+        for rank in range(2):
+            loader = _rank_loader(rank)
+            iterator = iter(loader)
+            for _ in range(steps):
+                next(iterator)
+            el.save_state_rank_file(loader, tmp_path / folder)
+            rests[folder, rank] = [indices(batch) for batch in iterator]
+    for rank in range(2):  # one save: each rank continues exactly from its own file
+        loader = _rank_loader(rank)
+        el.restore_state_rank_file(loader, tmp_path / "early")
+        assert [indices(batch) for batch in loader] == rests["early", rank]
+    late = el.rank_state_path(tmp_path / "late", _rank_loader(1))
+    late.replace(el.rank_state_path(tmp_path / "early", _rank_loader(1)))
+    for rank in range(2):  # rank 0 reads rank 1's header, rank 1 reads rank 0's
+        with pytest.raises(
+            el.StateMismatchError, match=r"delivered=3.*delivered=6|delivered=6.*delivered=3"
+        ):
+            el.restore_state_rank_file(_rank_loader(rank), tmp_path / "early")

@@ -38,7 +38,7 @@ from ..worker import WorkerConfig
 from ..workers.protocol import RunPlan
 from .partitions import PartitionLayout, world_sizes_for
 
-__all__ = ["Planner", "RestorePlan", "plan_restore"]
+__all__ = ["Planner", "RestorePlan", "check_states_of_one_save", "plan_restore"]
 
 _PASS_THROUGH_TYPES = ("MapDataset", "FilterDataset", "GcDataset")
 
@@ -374,19 +374,27 @@ def _describe(numbers: Any) -> str:
 
 def _check_common(states: Sequence[RankState], num_partitions: int, world_size: int) -> RankState:
     """The saved states are those of one save of one job, with ``num_partitions``; returns
-    the first.
-
-    One save: the same layout, seed and epoch, the same assignment start, and, since the
-    ranks of a synchronous job hand out items in lockstep, the same count handed out by
-    every rank still in the epoch (a rank whose shorter epoch already ended has handed out
-    no more than they have).
-    """
+    the first."""
     if not states:
         raise StateMismatchError("no rank state to restore from")
-    first = states[0]
     for state in states:
         _check_partition_count(state, num_partitions, world_size)
-        for name in ("world_size", "num_workers", "seed", "epoch", "start"):
+    check_states_of_one_save(states)
+    return states[0]
+
+
+def check_states_of_one_save(states: Sequence[RankState]) -> None:
+    """``StateMismatchError`` unless ``states`` (some ranks' states, or headers) can be the
+    rank states of one save of one job.
+
+    One save: the same layout, seed and epoch, the same assignment start, each rank once,
+    and, since the ranks of a synchronous job hand out items in lockstep, the same count
+    handed out by every rank still in the epoch (a rank whose shorter epoch already ended
+    has handed out no more than they have).
+    """
+    first = states[0]
+    for state in states:
+        for name in ("world_size", "num_workers", "num_partitions", "seed", "epoch", "start"):
             if getattr(state, name) != getattr(first, name):
                 _disagree(first, state, name)
     ranks = [state.rank for state in states]
@@ -400,7 +408,6 @@ def _check_common(states: Sequence[RankState], num_partitions: int, world_size: 
         for state in states:
             if state.epoch_ended and state.delivered > running[0].delivered:
                 _disagree(running[0], state, "delivered")
-    return first
 
 
 def _disagree(first: RankState, other: RankState, name: str) -> None:

@@ -40,12 +40,6 @@ class KeyDigest(str):
     __slots__ = ()
 
 
-def _plain_key(key: Any) -> Any:
-    if isinstance(key, (list, tuple)):
-        return tuple(_plain_key(part) for part in key)
-    return key
-
-
 # The keys whose digests were asked for last, by identity: a save asks again for the same
 # key objects (each partition's last item) until new items come.
 _RECENT: dict[int, tuple[Any, str]] = {}
@@ -53,12 +47,12 @@ _RECENT_SIZE = 256
 
 
 def key_digest(key: Any) -> str:
-    """The digest of one restore key (a batch's: of its samples' keys). A key that went
-    through JSON (lists) has the digest of the tuples it was."""
+    """The digest of one restore key (a batch's: of its samples' keys), as the pipeline made
+    it (tuples; the replay that checks it makes the same types)."""
     found = _RECENT.get(id(key))
     if found is not None and found[0] is key:
         return found[1]
-    value = digest("key", _plain_key(key))
+    value = digest("key", key)
     if len(_RECENT) >= _RECENT_SIZE:
         _RECENT.clear()
     _RECENT[id(key)] = (key, value)
