@@ -42,7 +42,7 @@ from .loader.planner import check_states_of_one_save
 from .process_groups import check_group_layout, data_parallel_layout, process_group_initialized
 from .state.plain import StateReader
 from .state.rank_file import RankFile, ReadTally, write_rank_file
-from .state.rank_state import SLOT_KEY_PREFIX, RankState
+from .state.rank_state import RANK_STATE_FORMAT, SLOT_KEY_PREFIX, RankState
 from .worker import WorkerConfig
 
 if TYPE_CHECKING:
@@ -341,6 +341,19 @@ def _check_states_list(states: Any) -> list[Any]:
     return list(states)
 
 
+def _check_pipeline_save(states: list[Any]) -> None:
+    """``StateMismatchError`` unless the pipeline rank states of a list agree as the states of
+    one save (:func:`~energy_loader.loader.planner.check_states_of_one_save`), even where
+    each rank will restore from its own entry alone. Reads the headers only."""
+    headers = [
+        RankState.from_plain({**state, "partitions": []}, complete=False)
+        for state in states
+        if isinstance(state, dict) and state.get("format") == RANK_STATE_FORMAT
+    ]
+    if len(headers) > 1:
+        check_states_of_one_save(headers)
+
+
 def _wanted(
     loader: SavableDataLoader, states: list[Any], size: int, ranks: Sequence[int], own: int
 ) -> dict[int, list[Any]]:
@@ -373,6 +386,7 @@ def _scattered_entries(
         try:
             checked = _check_states_list(states)
             check_one_save(checked, across=len(checked) != group.size)
+            _check_pipeline_save(checked)
             wanted = _wanted(loader, checked, group.size, range(group.size), group.rank)
             envelopes = [wanted[r] for r in range(group.size)]
         except Exception as error:
@@ -428,6 +442,7 @@ def restore_state_global(
         try:
             checked = _check_states_list(states)
             check_one_save(checked, across=len(checked) != group.size)
+            _check_pipeline_save(checked)
             entries = _wanted(loader, checked, group.size, [group.rank], group.rank)[group.rank]
         except Exception as error:
             problem = error

@@ -12,11 +12,13 @@ import copy
 import secrets
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import energy_loader as el
 from energy_loader.state.digests import key_digest
-from energy_loader.testing.strategies import MakeSample
-from tests.helpers import indices, reference_pipeline
+from energy_loader.testing.strategies import AddNoise, MakeSample
+from tests.helpers import MODEL_EXAMPLES, indices, reference_pipeline
 
 # What the filter keeps: a module global, so a test can change the pipeline's behaviour between
 # the saving run and the restoring one without changing its config (as edited code would).
@@ -237,3 +239,64 @@ def test_a_rank_file_left_from_another_save_is_refused_by_its_witness(tmp_path) 
             el.StateMismatchError, match=r"delivered=3.*delivered=6|delivered=6.*delivered=3"
         ):
             el.restore_state_rank_file(_rank_loader(rank), tmp_path / "early")
+
+
+def _small(length: int) -> el.SavableDataset:
+    source = el.IndexedSource.from_fn(length, MakeSample(), shuffle=True, seed=11)
+    return el.MapDataset(source, AddNoise())
+
+
+@MODEL_EXAMPLES
+@given(
+    length=st.integers(7, 40),
+    saved=st.sampled_from([1, 2, 3]),
+    restored=st.sampled_from([1, 2, 3]),
+    steps=st.integers(0, 16),
+    stale=st.one_of(st.none(), st.tuples(st.integers(0, 2), st.integers(0, 16))),
+)
+def test_rank_states_continue_the_job_exactly_or_are_refused(
+    length: int, saved: int, restored: int, steps: int, stale
+) -> None:
+    """Drawn jobs of 1-3 ranks (6 partitions, some ending before others) saved after drawn
+    steps, one rank's state maybe from another step, restored on 1-3 ranks: the restore is
+    refused, or the rest of the epoch is every item the saving job had not handed out, each
+    once, with the uninterrupted run's augmentation (the model: one uninterrupted pass)."""
+    model = {sample["index"]: sample["noise"] for sample in _all_of(length)}
+    if stale is not None and (saved < 2 or stale[0] >= saved):
+        stale = None  # a stale state needs another rank's to disagree with
+    states, handed_out = [], []
+    for rank in range(saved):
+        at = steps if stale is None or stale[0] != rank else stale[1]
+        config = el.WorkerConfig(rank=rank, world_size=saved, seed=2)
+        loader = el.SavableDataLoader(_small(length), worker_config=config, num_partitions=6)
+        iterator = iter(loader)
+        taken = [sample for _, sample in zip(range(at), iterator)]
+        states.append(loader.save_state_rank())
+        if at == steps:
+            handed_out += taken
+    resumed = []
+    try:
+        for rank in range(restored):
+            config = el.WorkerConfig(rank=rank, world_size=restored, seed=2)
+            loader = el.SavableDataLoader(_small(length), worker_config=config, num_partitions=6)
+            loader.restore_state_global(states)
+            for sample in loader:
+                if loader.epoch != 0:  # the epoch had nothing left: this is the next one
+                    break
+                resumed.append(sample)
+    except el.StateMismatchError:
+        assert stale is not None and stale[1] != steps, "refused a state of one save"
+        return
+    if stale is not None and stale[1] != steps:
+        # Accepted although one rank stood elsewhere: only if its state is the same position
+        # (its epoch had ended at both points).
+        assert states[stale[0]]["epoch_ended"], "a state of another save was continued"
+        return
+    seen = [sample["index"] for sample in handed_out + resumed]
+    assert sorted(seen) == list(range(length)), "items lost or repeated"
+    assert all(sample["noise"] == model[sample["index"]] for sample in resumed)
+
+
+def _all_of(length: int) -> list[dict]:
+    config = el.WorkerConfig(rank=0, world_size=1, seed=2)
+    return list(el.SavableDataLoader(_small(length), worker_config=config, num_partitions=6))

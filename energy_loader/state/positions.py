@@ -172,10 +172,6 @@ class PositionBook(CheckpointRing):
         if slot < len(lasts):
             lasts[slot] = key
 
-    def lasts(self) -> tuple[Any, ...]:
-        """Each slot's last item's restore key, as of the newest item recorded."""
-        return tuple(self._lasts)
-
     def receive(self, index: int, slot: int, snapshots: Any, key: Any = None) -> None:
         """Record a worker's item ``index`` (made by ``slot``, carrying ``key``; slot -1 for
         an end marker) and the snapshots that came with it."""

@@ -248,9 +248,11 @@ class Runner:
                 )
         # The proof: the last item replayed is the last one the saving loader handed out.
         if restore.skip and restore.last is not None and key_digest(pair[0]) != restore.last:
+            shown = repr(pair[0])
+            shown = shown if len(shown) <= 160 else shown[:150] + " ...)"
             raise StateMismatchError(
                 f"partition {slot.partition}: the restore replayed {restore.skip} item(s) from "
-                f"its checkpoint, but the last one (restore key {pair[0]!r}) is not the one the "
+                f"its checkpoint, but the last one (restore key {shown}) is not the one the "
                 "saving loader handed out there: the pipeline does not make the same items "
                 "again (a function, filter or source that changed, or that depends on "
                 "something besides the sample and its seed, such as the clock or an unseeded "
