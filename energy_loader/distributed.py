@@ -341,17 +341,18 @@ def _check_states_list(states: Any) -> list[Any]:
     return list(states)
 
 
-def _check_pipeline_save(states: list[Any]) -> None:
+def _check_pipeline_save(states: list[Any], *, across: bool) -> None:
     """``StateMismatchError`` unless the pipeline rank states of a list agree as the states of
-    one save (:func:`~energy_loader.loader.planner.check_states_of_one_save`), even where
-    each rank will restore from its own entry alone. Reads the headers only."""
+    one save (:func:`~energy_loader.loader.planner.check_states_of_one_save`; ``across``: on
+    another world size), even where each rank will restore from its own entry alone. Reads
+    the headers only."""
     headers = [
         RankState.from_plain({**state, "partitions": []}, complete=False)
         for state in states
         if isinstance(state, dict) and state.get("format") == RANK_STATE_FORMAT
     ]
     if len(headers) > 1:
-        check_states_of_one_save(headers)
+        check_states_of_one_save(headers, across=across)
 
 
 def _wanted(
@@ -386,7 +387,7 @@ def _scattered_entries(
         try:
             checked = _check_states_list(states)
             check_one_save(checked, across=len(checked) != group.size)
-            _check_pipeline_save(checked)
+            _check_pipeline_save(checked, across=len(checked) != group.size)
             wanted = _wanted(loader, checked, group.size, range(group.size), group.rank)
             envelopes = [wanted[r] for r in range(group.size)]
         except Exception as error:
@@ -442,7 +443,7 @@ def restore_state_global(
         try:
             checked = _check_states_list(states)
             check_one_save(checked, across=len(checked) != group.size)
-            _check_pipeline_save(checked)
+            _check_pipeline_save(checked, across=len(checked) != group.size)
             entries = _wanted(loader, checked, group.size, [group.rank], group.rank)[group.rank]
         except Exception as error:
             problem = error
@@ -658,7 +659,7 @@ def _check_pipeline_witness(
                 f"{path.name}: files of different saves or runs are mixed in the folder"
             )
     try:
-        check_states_of_one_save([header, state])
+        check_states_of_one_save([header, state], across=False)
     except StateMismatchError as error:
         raise StateMismatchError(
             f"{path.parent}: {error} ({path.name} and {witness.name} are not of one save)"

@@ -177,6 +177,30 @@ def test_rank_states_with_their_own_seeds_are_refused_on_another_world_size() ->
         _one_rank(1000).restore_state_global(states)
 
 
+def test_rank_states_with_their_own_seeds_restore_on_their_own_world_size(tmp_path) -> None:
+    # Each rank continues its own partitions under its own seed: exact, through the list
+    # and through the files (whose witness compares positions, not seeds).
+    rests, states = [], []
+    for rank in range(2):
+        config = el.WorkerConfig(rank=rank, world_size=2, seed=1000 + rank)
+        loader = el.SavableDataLoader(reference_pipeline(200, 8, 4), worker_config=config)
+        iterator = iter(loader)
+        for _ in range(4):
+            next(iterator)
+        states.append(loader.save_state_rank())
+        el.save_state_rank_file(loader, tmp_path)
+        rests.append([indices(batch) for batch in iterator])
+    for rank in range(2):
+        for restore in (
+            lambda loader: loader.restore_state_global(states),
+            lambda loader: el.restore_state_rank_file(loader, tmp_path),
+        ):
+            config = el.WorkerConfig(rank=rank, world_size=2, seed=1000 + rank)
+            loader = el.SavableDataLoader(reference_pipeline(200, 8, 4), worker_config=config)
+            restore(loader)
+            assert [indices(batch) for batch in loader] == rests[rank]
+
+
 def test_a_loader_with_another_seed_refuses_the_state() -> None:
     (state,) = _ranks(1, [5], [4])
     with pytest.raises(el.StateMismatchError, match="seed=5; this loader has seed=0"):

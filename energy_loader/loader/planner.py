@@ -379,22 +379,26 @@ def _check_common(states: Sequence[RankState], num_partitions: int, world_size: 
         raise StateMismatchError("no rank state to restore from")
     for state in states:
         _check_partition_count(state, num_partitions, world_size)
-    check_states_of_one_save(states)
+    check_states_of_one_save(states, across=states[0].world_size != world_size)
     return states[0]
 
 
-def check_states_of_one_save(states: Sequence[RankState]) -> None:
+def check_states_of_one_save(states: Sequence[RankState], *, across: bool = True) -> None:
     """``StateMismatchError`` unless ``states`` (some ranks' states, or headers) can be the
     rank states of one save of one job.
 
-    One save: the same layout, seed and epoch, the same assignment start, each rank once,
-    and, since the ranks of a synchronous job hand out items in lockstep, the same count
-    handed out by every rank still in the epoch (a rank whose shorter epoch already ended
-    has handed out no more than they have).
+    One save: the same layout and epoch, the same assignment start, each rank once, and,
+    since the ranks of a synchronous job hand out items in lockstep, the same count handed
+    out by every rank still in the epoch (a rank whose shorter epoch already ended has handed
+    out no more than they have). ``across``: partitions will move to other ranks (another
+    world size), so the ranks' seeds must agree too: a partition continued under another
+    rank's seed would draw other numbers. On the world size that saved them every rank
+    continues its own partitions under its own seed, exactly.
     """
     first = states[0]
+    names = ("world_size", "num_workers", "num_partitions", "epoch", "start")
     for state in states:
-        for name in ("world_size", "num_workers", "num_partitions", "seed", "epoch", "start"):
+        for name in (*names, "seed") if across else names:
             if getattr(state, name) != getattr(first, name):
                 _disagree(first, state, name)
     ranks = [state.rank for state in states]
@@ -412,8 +416,10 @@ def check_states_of_one_save(states: Sequence[RankState]) -> None:
 
 def _disagree(first: RankState, other: RankState, name: str) -> None:
     what = {
-        "seed": " (their WorkerConfig seeds differ: the partitions of a job are seeded apart "
-        "already, so give every rank the same seed)",
+        "seed": " (their WorkerConfig seeds differ, so a partition that moves to another rank "
+        "would draw other numbers there: such states restore on the world size that saved "
+        "them only. The partitions of a job are seeded apart already: give every rank the same "
+        "seed)",
         "delivered": " items handed out in the epoch (states of different saves, or of "
         "different runs, are mixed)",
         "start": " as the start of the epoch's assignment (states of different saves mixed?)",
