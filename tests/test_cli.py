@@ -86,6 +86,7 @@ def test_inspect_reads_a_checkpoint_the_demo_wrote(demo_run) -> None:
     assert f"format energy_loader.rank_state version {RANK_STATE_VERSION}" in result.stdout
     assert "rank 0 of 1, 2 workers, 2 logical partitions (1 per worker)" in result.stdout
     assert "items handed out by rank 0 in this epoch; global position" in result.stdout
+    assert "\nseed: 0\n" in result.stdout  # the demo's loader runs with the default seed
     assert "partition 1: epoch " in result.stdout
     assert "ShuffleBufferDataset(size=500)" in result.stdout
 
