@@ -74,10 +74,11 @@ def test_stall_warning_fires_once_for_a_slow_source(caplog) -> None:
     warnings = [r for r in caplog.records if "waited for data" in r.getMessage()]
     assert 1 <= len(warnings) <= 3, [r.getMessage() for r in warnings]
     # A sleeping map keeps the workers busy: saturated, unless load on the machine made one
-    # worker lag (then the straggler diagnosis is as right).
-    message = warnings[0].getMessage()
-    assert "saturated" in message or "slow source" in message, message
-    assert "Likely cause" in message
+    # worker lag (then the straggler diagnosis is as right). The first window may hold the
+    # workers' start (busy less: "bursts"), so some window, not necessarily the first, says so.
+    messages = [warning.getMessage() for warning in warnings]
+    assert any("saturated" in m or "slow source" in m for m in messages), messages
+    assert all("Likely cause" in m for m in messages), messages
     assert "stall_warning=False" in warnings[0].getMessage()
     loader._shutdown_workers()
 
