@@ -44,10 +44,10 @@ def test_check_resume_reports_the_first_divergence() -> None:
     with pytest.raises(
         ResumeMismatch,
         match=r"save after 3 batches \(in the loop\).*: batch 3 \(epoch 0, its batch 3\) differs "
-        r"\(batch\['call'\]: 4 vs 1\); the same dataset indices \(\(3,\)\) gave other samples",
+        r"\(batch\['call'\]: 4 vs 2\); the same dataset indices \(\(3,\)\) gave other samples",
     ):
-        # A rolling checkpoint at every item: the restore replays nothing, so the counter
-        # starts anew at the first resumed batch (a replay would run it up to where it was).
+        # A rolling checkpoint at every item: the restore replays one item only (the last one
+        # handed out, to check it), so the counter is at 2, not 4, at the first resumed batch.
         check_resume(build, stop_points=[3], loader_kwargs={"checkpoint_every_n_samples": 1})
 
 

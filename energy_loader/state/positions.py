@@ -80,7 +80,8 @@ class Snapshot:
 
     ``skips`` are items of each partition still to be replayed on top of its state (nonzero
     only for the snapshot a restored worker starts from), ``done`` which partitions had ended
-    their epoch, ``next`` whose turn came next. ``checks`` are the states' digests where the
+    their epoch, ``next`` whose turn came next, ``era`` which of the worker's epochs it was
+    taken in. ``checks`` are the states' digests where the
     worker process computed them (off the training loop's thread), else ``None``. ``lasts``
     are the restore keys of each partition's last item handed out (or their saved digests):
     a worker sends none, the book that files a snapshot knows them from the items.
@@ -92,6 +93,9 @@ class Snapshot:
     next: int
     checks: tuple[str | None, ...] | None = None
     lasts: tuple[Any, ...] | None = None
+    # How many epochs the worker had begun since it started: snapshots of one era belong to
+    # one epoch of its partitions.
+    era: int = 0
 
     @classmethod
     def at(cls, entries: Sequence[Standing], following: int) -> Snapshot:
@@ -174,14 +178,22 @@ class PositionBook(CheckpointRing):
 
     def receive(self, index: int, slot: int, snapshots: Any, key: Any = None) -> None:
         """Record a worker's item ``index`` (made by ``slot``, carrying ``key``; slot -1 for
-        an end marker) and the snapshots that came with it."""
-        if snapshots:
-            for taken_at, snapshot in snapshots:
+        an end marker) and the snapshots that came with it.
+
+        A snapshot travels with the first item that leaves after it was taken: one taken
+        before this item (``taken_at < index``) is filed before it, one taken right after
+        making it (``taken_at == index``) after it, so that the last keys it records are
+        those of the items up to ``taken_at``."""
+        for taken_at, snapshot in snapshots or ():
+            if taken_at < index:
                 self.add(taken_at, snapshot)
         if slot >= 0:
             self.record(index, slot, key)
         else:
             self.boundary = index
+        for taken_at, snapshot in snapshots or ():
+            if taken_at >= index:
+                self.add(taken_at, snapshot)
 
     def position_at(self, last_index: int, *, epoch_ended: bool = True) -> Position:
         """Each partition's standing and the next slot after ``last_index``.
@@ -195,6 +207,8 @@ class PositionBook(CheckpointRing):
         with self._lock:
             index, snapshot = self._find(last_index)
             events = [e for e in self.events if index < e[0] <= last_index]
+            earlier = [(i, s) for i, s in self._entries if i < index and s.era == snapshot.era]
+            before = [e for e in self.events if e[0] <= index] if earlier else []
         skips, following = list(snapshot.skips), snapshot.next
         lasts = list(snapshot.lasts or (None,) * len(skips))
         count = len(skips)
@@ -208,7 +222,41 @@ class PositionBook(CheckpointRing):
                 Standing(s, k, False, c, last)
                 for s, k, c, last in zip(snapshot.states, skips, checks, lasts)
             ], 0
-        return [
+        standings = [
             Standing(s, k, d, c, last)
             for s, k, d, c, last in zip(snapshot.states, skips, snapshot.done, checks, lasts)
-        ], following
+        ]
+        for slot, standing in enumerate(standings):
+            if not standing.skip and not standing.done and standing.last is not None:
+                standings[slot] = _remade(slot, standing, earlier, before + events) or standing
+        return standings, following
+
+
+def _remade(
+    slot: int,
+    standing: Standing,
+    earlier: list[tuple[int, Snapshot]],
+    events: list[tuple[int, int, Any]],
+) -> Standing | None:
+    """``slot``'s standing from the newest earlier snapshot (of the same epoch) before its
+    last item, so that a restore re-makes that item and checks it against the proof; None
+    when no such snapshot is kept.
+
+    A snapshot taken right after a partition's last item leaves a restore nothing to re-make:
+    about one save in ``checkpoint_every_n_samples`` of a partition, and nearly every save
+    when items are slower than ``checkpoint_every_sec``. Partitions are placed one by one, so
+    this one partition replays from an earlier snapshot (one more item or a few) while the
+    others keep the newest.
+    """
+    made = [index for index, made_by, _ in events if made_by == slot]
+    if not made:
+        return None
+    last_made = made[-1]
+    for taken_at, snapshot in reversed(earlier):
+        if taken_at < last_made:
+            if snapshot.done[slot]:
+                return None
+            skip = snapshot.skips[slot] + sum(index > taken_at for index in made)
+            check = snapshot.checks[slot] if snapshot.checks else None
+            return Standing(snapshot.states[slot], skip, False, check, standing.last)
+    return None

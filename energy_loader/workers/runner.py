@@ -120,6 +120,7 @@ class Runner:
             self.slots.append(Slot(partition, pipeline))
         self.next = assignment.next
         self.index = -1
+        self.era = 0  # epochs begun since the runner started (Snapshot.era)
         self.last_checkpoint_index = -1
         self.last_checkpoint_time = time.monotonic()
         self.started = False
@@ -180,6 +181,7 @@ class Runner:
             tuple(slot.done for slot in slots),
             self.next,
             None if self.outbox is None else tuple(map(checkpoint_digest, states)),
+            era=self.era,
         )
 
     def position_at(self, last_index: int) -> Position:
@@ -260,6 +262,7 @@ class Runner:
             )
 
     def _begin_epoch(self) -> None:
+        self.era += 1
         for slot in self.slots:
             slot.iterator = slot.pipeline.iter_keyed()
             slot.done = False
