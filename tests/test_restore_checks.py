@@ -9,6 +9,7 @@ their position. The oracle of each test is the uninterrupted run or a state edit
 from __future__ import annotations
 
 import copy
+import json
 import secrets
 import time
 
@@ -76,6 +77,29 @@ def test_a_filter_that_changed_since_the_save_is_refused_before_any_new_item(wor
     for loader in (_loader(_filtered(_kept), workers), changed):
         loader.restore_state_rank(state)
         assert [indices(batch) for batch in loader] == rest
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("entry", ["state_dict", "rank_file"])
+def test_the_proof_is_checked_through_every_entry_point(entry, tmp_path) -> None:
+    # The same refusal whichever way the state travelled: DCP's leaves (state_dict) or a file.
+    loader = _loader(_filtered(_kept), 2)
+    iterator = iter(loader)
+    for _ in range(11):
+        next(iterator)
+    if entry == "state_dict":
+        saved = json.loads(json.dumps(loader.state_dict()))
+    else:
+        el.save_state_rank_file(loader, tmp_path)
+    loader._shutdown_workers()
+    _KEEP["modulus"] = 5
+    changed = _loader(_filtered(_kept), 2)
+    if entry == "state_dict":
+        changed.load_state_dict(saved)
+    else:
+        el.restore_state_rank_file(changed, tmp_path)
+    with pytest.raises(el.StateMismatchError, match="not the one the saving loader handed out"):
+        next(iter(changed))
 
 
 @pytest.mark.timeout(120)
