@@ -27,27 +27,22 @@ of the group learns of it and raises.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .errors import StateFormatError, StateMismatchError, WorkerError, missing_slots_error
-from .loader.dropin.job import check_one_save
-from .loader.planner import check_states_of_one_save
+from .errors import StateFormatError, StateMismatchError, WorkerError
 from .process_groups import check_group_layout, data_parallel_layout, process_group_initialized
 from .state.plain import StateReader
-from .state.rank_file import RankFile, ReadTally, write_rank_file
-from .state.rank_state import RANK_STATE_FORMAT, SLOT_KEY_PREFIX, RankState
+from .state.rank_file import ReadTally, write_rank_file
+from .state.rank_folder import RankFolder, rank_file_name, rank_state_files
 from .worker import WorkerConfig
 
-if TYPE_CHECKING:
-    from .loader import SavableDataLoader
-    from .loader.protocols import RankStateProtocols
+if TYPE_CHECKING:  # structurally: this module never imports the loader at run time
+    from .loader.engine import Engine, EngineOwner
 
 __all__ = [
     "check_group_layout",
@@ -135,7 +130,7 @@ def _check_layout(config: WorkerConfig, group: _Group) -> None:
         )
 
 
-def data_parallel_ranks(loader: SavableDataLoader | WorkerConfig) -> list[int]:
+def data_parallel_ranks(loader: EngineOwner | WorkerConfig) -> list[int]:
     """The global ranks of the loader's data-parallel group, in data-parallel-rank order.
 
     Use it to pick a ``dst_rank``/``src_rank`` that belongs to the group, e.g. with
@@ -154,30 +149,34 @@ def data_parallel_ranks(loader: SavableDataLoader | WorkerConfig) -> list[int]:
 # -- argument checks ---------------------------------------------------------------------------
 
 
-def _is_loader(value: Any) -> bool:
-    """A loader of this library, told by its interface (this module never imports the loader:
-    the loader's collective methods call into it)."""
-    return isinstance(getattr(value, "worker_config", None), WorkerConfig) and hasattr(
-        value, "saves_state"
-    )
+def _engine_of(value: Any) -> Engine | None:
+    """The engine of a loader of this library, told by its interface: this module knows the
+    engine protocol (:mod:`energy_loader.loader.engine`), never the loader classes."""
+    engine = getattr(value, "engine", None)
+    if isinstance(getattr(engine, "worker_config", None), WorkerConfig):
+        return engine  # type: ignore[no-any-return]
+    return None
 
 
 def _config_of(loader: Any) -> WorkerConfig:
     if isinstance(loader, WorkerConfig):
         return loader
-    if _is_loader(loader):
-        return loader.worker_config  # type: ignore[no-any-return]
+    engine = _engine_of(loader)
+    if engine is not None:
+        return engine.worker_config
     raise TypeError(f"expected a SavableDataLoader or a WorkerConfig (got {type(loader).__name__})")
 
 
-def _require_loader(loader: Any) -> SavableDataLoader:
-    if not _is_loader(loader):
+def _require_loader(loader: Any) -> Engine:
+    """The engine of ``loader``, a loader that saves state (``TypeError`` otherwise)."""
+    engine = _engine_of(loader)
+    if engine is None:
         raise TypeError(f"`loader` must be a SavableDataLoader (got {type(loader).__name__})")
-    if not loader.saves_state:
+    if not getattr(loader, "saves_state", True):
         raise TypeError(
             f"`loader` is a {type(loader).__name__}, which saves no state; use SavableDataLoader"
         )
-    return loader  # type: ignore[no-any-return]
+    return engine
 
 
 def _require_rank(value: Any, name: str) -> int:
@@ -253,7 +252,7 @@ def _agree(group: _Group, action: str, problem: BaseException | None) -> None:
 
 
 def save_state_global(
-    loader: SavableDataLoader, dst_rank: int, *, held_back: int = 0
+    loader: EngineOwner, dst_rank: int, *, held_back: int = 0
 ) -> list[dict[str, Any]] | None:
     """Gather every data-parallel rank's state to ``dst_rank``: a list there, ``None`` elsewhere.
 
@@ -281,15 +280,15 @@ def save_state_global(
     """
     import torch.distributed as dist
 
-    loader = _require_loader(loader)
+    engine = _require_loader(loader)
     dst_rank = _require_rank(dst_rank, "dst_rank")
-    group = _group_of(loader.worker_config)
+    group = _group_of(engine.worker_config)
     _require_collective(group, "save_state_global")
     dst_position = group.position_of(dst_rank, "dst_rank")
     problem: BaseException | None = None
     try:
-        _check_layout(loader.worker_config, group)
-        payload: dict[str, Any] | _Refusal = loader.save_state_rank(held_back=held_back)
+        _check_layout(engine.worker_config, group)
+        payload: dict[str, Any] | _Refusal = engine.save(held_back)
     except Exception as error:
         problem, payload = error, _Refusal.of(error)
     gathered: list[Any] | None = [None] * group.size if group.rank == dst_position else None
@@ -341,43 +340,29 @@ def _check_states_list(states: Any) -> list[Any]:
     return list(states)
 
 
-def _check_pipeline_save(states: list[Any], *, across: bool) -> None:
-    """``StateMismatchError`` unless the pipeline rank states of a list agree as the states of
-    one save (:func:`~energy_loader.loader.planner.check_states_of_one_save`; ``across``: on
-    another world size), even where each rank will restore from its own entry alone. Reads
-    the headers only."""
-    headers = [
-        RankState.from_plain({**state, "partitions": []}, complete=False)
-        for state in states
-        if isinstance(state, dict) and state.get("format") == RANK_STATE_FORMAT
-    ]
-    if len(headers) > 1:
-        check_states_of_one_save(headers, across=across)
-
-
 def _wanted(
-    loader: SavableDataLoader, states: list[Any], size: int, ranks: Sequence[int], own: int
+    engine: Engine, states: list[Any], size: int, ranks: Sequence[int], own: int
 ) -> dict[int, list[Any]]:
     """The states each data-parallel rank in ``ranks`` of a group of ``size`` needs.
 
     Its own on the world size that saved them; on another, the lowest rank's (the job's
     position) and those of the saved ranks that ran the partitions it now runs
-    (``loader.saved_ranks_needed``): a few states per rank, not all of them, so a rank decodes
+    (``engine.saved_ranks_needed``): a few states per rank, not all of them, so a rank decodes
     and checks only those. ``own`` (this process's rank) is asked first: a loader that
     restores on the saved world size only refuses there.
     """
     if len(states) == size:
         return {r: [states[r]] for r in ranks}
-    (first,) = loader.decode_states([states[0]])
-    needed = {own: loader.saved_ranks_needed(first)}
+    (first,) = engine.decode([states[0]])
+    needed = {own: engine.saved_ranks_needed(first, own)}
     for rank in ranks:
         if rank not in needed:  # the scatter's source, for the other ranks of its layout
-            needed[rank] = loader.saved_ranks_needed(first, rank)
+            needed[rank] = engine.saved_ranks_needed(first, rank)
     return {r: [states[i] for i in sorted({0, *needed[r]})] for r in ranks}
 
 
 def _scattered_entries(
-    loader: SavableDataLoader, states: Any, group: _Group, src_position: int, src_rank: int
+    engine: Engine, states: Any, group: _Group, src_position: int, src_rank: int
 ) -> Any:
     """The states this rank needs (sent by ``src_rank``), or the src's refusal."""
     import torch.distributed as dist
@@ -386,9 +371,8 @@ def _scattered_entries(
     if group.rank == src_position:
         try:
             checked = _check_states_list(states)
-            check_one_save(checked, across=len(checked) != group.size)
-            _check_pipeline_save(checked, across=len(checked) != group.size)
-            wanted = _wanted(loader, checked, group.size, range(group.size), group.rank)
+            engine.check_one_save(checked, across=len(checked) != group.size)
+            wanted = _wanted(engine, checked, group.size, range(group.size), group.rank)
             envelopes = [wanted[r] for r in range(group.size)]
         except Exception as error:
             refusal = _Refusal(type(error).__name__, f"{error} (found by src_rank {src_rank})")
@@ -401,7 +385,7 @@ def _scattered_entries(
 
 
 def restore_state_global(
-    loader: SavableDataLoader,
+    loader: EngineOwner,
     states: Sequence[dict[str, Any]] | None,
     *,
     src_rank: int | None = None,
@@ -433,43 +417,37 @@ def restore_state_global(
         states = json.load(open(path)) if dist.get_rank() == 0 else None
         restore_state_global(loader, states, src_rank=0)
     """
-    loader = _require_loader(loader)
+    engine = _require_loader(loader)
     if src_rank is not None:
         src_rank = _require_rank(src_rank, "src_rank")
-    group = _group_of(loader.worker_config)
+    group = _group_of(engine.worker_config)
     problem: BaseException | None = None
     entries: Any = None
     if src_rank is None:
         try:
             checked = _check_states_list(states)
-            check_one_save(checked, across=len(checked) != group.size)
-            _check_pipeline_save(checked, across=len(checked) != group.size)
-            entries = _wanted(loader, checked, group.size, [group.rank], group.rank)[group.rank]
+            engine.check_one_save(checked, across=len(checked) != group.size)
+            entries = _wanted(engine, checked, group.size, [group.rank], group.rank)[group.rank]
         except Exception as error:
             problem = error
     else:
         _require_collective(group, "restore_state_global with a src_rank")
         src_position = group.position_of(src_rank, "src_rank")
-        entries = _scattered_entries(loader, states, group, src_position, src_rank)
-    decoded: list[Any] = []
+        entries = _scattered_entries(engine, states, group, src_position, src_rank)
+    plan: Any = None
     if problem is None:
         try:
             if isinstance(entries, _Refusal):
                 raise _ERROR_CLASSES.get(entries.kind, RuntimeError)(entries.message)
-            _check_layout(loader.worker_config, group)
-            decoded = loader.decode_states(entries)
-            loader.plan_restore(decoded)
+            _check_layout(engine.worker_config, group)
+            plan = engine.plan(engine.decode(entries))
         except Exception as error:
             problem = error
     _agree(group, "restore_state_global", problem)
-    loader.restore_from_states(decoded)
+    engine.apply(plan)
 
 
 # -- each rank its own state: DCP keys and per-rank files ------------------------------------------
-
-
-# The name save_state_rank_file gives a rank's file: PREFIX_rank_00003_of_00008.pt.
-_RANK_FILE = re.compile(r"(.+)_rank_(\d{5})_of_(\d{5})\.pt")
 
 
 def _rank_stem(config: WorkerConfig, prefix: str) -> str:
@@ -477,14 +455,10 @@ def _rank_stem(config: WorkerConfig, prefix: str) -> str:
         raise ValueError(
             f"`prefix` must be a non-empty name without path separators (got {prefix!r})"
         )
-    return _rank_file_stem(prefix, config.rank, config.world_size)
+    return rank_file_name(prefix, config.rank, config.world_size)
 
 
-def _rank_file_stem(prefix: str, rank: int, world_size: int) -> str:
-    return f"{prefix}_rank_{rank:05d}_of_{world_size:05d}"
-
-
-def rank_state_key(loader: SavableDataLoader | WorkerConfig, prefix: str = "loader") -> str:
+def rank_state_key(loader: EngineOwner | WorkerConfig, prefix: str = "loader") -> str:
     """A per-rank name, ``loader_rank_00003_of_00016``, for things saved once per rank.
 
     Not needed for ``torch.distributed.checkpoint``: ``loader.state_dict()`` holds one JSON
@@ -503,7 +477,7 @@ def rank_state_key(loader: SavableDataLoader | WorkerConfig, prefix: str = "load
 
 def rank_state_path(
     directory: str | os.PathLike[str],
-    loader: SavableDataLoader | WorkerConfig,
+    loader: EngineOwner | WorkerConfig,
     prefix: str = "loader",
 ) -> Path:
     """This rank's state file in ``directory``: ``loader_rank_00003_of_00008.pt``."""
@@ -511,7 +485,7 @@ def rank_state_path(
 
 
 def save_state_rank_file(
-    loader: SavableDataLoader, directory: str | os.PathLike[str], prefix: str = "loader"
+    loader: EngineOwner, directory: str | os.PathLike[str], prefix: str = "loader"
 ) -> Path:
     """Write this rank's state to its own file in ``directory``; returns the path.
 
@@ -523,12 +497,12 @@ def save_state_rank_file(
     needed. Tensor-parallel peers share a data-parallel rank and so a file name: each rename
     is atomic and their states are equivalent, or let one peer write.
     """
-    loader = _require_loader(loader)
-    return write_rank_file(rank_state_path(directory, loader, prefix), loader.save_state_rank())
+    engine = _require_loader(loader)
+    return write_rank_file(rank_state_path(directory, loader, prefix), engine.save(0))
 
 
 def restore_state_rank_file(
-    loader: SavableDataLoader,
+    loader: EngineOwner,
     directory: str | os.PathLike[str],
     prefix: str = "loader",
     *,
@@ -547,12 +521,12 @@ def restore_state_rank_file(
     differs. ``tally`` (a :class:`~energy_loader.state.rank_file.ReadTally`) counts the bytes
     and files read.
     """
-    loader = _require_loader(loader)
-    loader.restore_from_states(read_rank_state_files(loader, directory, prefix, tally=tally))
+    engine = _require_loader(loader)
+    engine.apply(engine.plan(read_rank_state_files(loader, directory, prefix, tally=tally)))
 
 
 def read_rank_state_files(
-    loader: SavableDataLoader,
+    loader: EngineOwner,
     directory: str | os.PathLike[str],
     prefix: str | None = "loader",
     *,
@@ -576,238 +550,9 @@ def read_rank_state_files(
     have (see :func:`rank_state_files`). Changes nothing; raises as
     :func:`restore_state_rank_file` does; ``tally`` counts the bytes and files read.
     """
-    loader = _require_loader(loader)
-    if prefix is None:
-        match = _RANK_FILE.fullmatch(rank_state_files(directory, None)[0].name)
-        prefix = match.group(1) if match else "loader"
-    path = rank_state_path(directory, loader, prefix)
-    if path.is_file() and loader.restores_by_slot:  # this rank's own partitions
-        with RankFile(path, tally) as own:
-            state = _decoded(loader, own)
-        _check_pipeline_witness(loader, path, state, own.config_digest, prefix, tally)
-        return [state]
-    if path.is_file():  # a drop-in loader on the same world size: its own state, checked
-        return [_own_dropin_state(loader, Path(directory), prefix, path, tally)]
-    files = _rank_files(Path(directory), prefix)
-    if not files:
-        _raise_missing(path, prefix)
-    with contextlib.ExitStack() as stack:
-        opened: dict[int, RankFile] = {}
-
-        def open_rank(rank: int) -> RankFile:
-            if rank not in opened:
-                opened[rank] = stack.enter_context(RankFile(files[rank], tally))
-            return opened[rank]
-
-        if loader.restores_by_slot:
-            # The saved rank holding this rank's first slot (r' % R) if the partition count
-            # is the loader's; its header names the saved count, which a loader built
-            # without num_partitions adopts.
-            first = open_rank(loader.worker_config.rank % len(files))
-            if first.split:
-                return _slot_states(loader, first, open_rank)
-        states = {0: _decoded(loader, open_rank(0))}
-        for rank in loader.saved_ranks_needed(states[0]):
-            if rank not in states:
-                states[rank] = _decoded(loader, open_rank(rank))
-        # A witness: another rank's file of the save, to tell a file of another run mixed in.
-        saved_rank = loader.worker_config.rank % len(files)
-        witness = (saved_rank or 1) if len(files) > 1 else None
-        seen = dict(states)
-        if witness is not None and witness not in seen:
-            seen[witness] = _decoded(loader, open_rank(witness))
-        _check_one_save_in(Path(directory), [seen[r] for r in sorted(seen)], across=True)
-        return [states[r] for r in sorted(states)]
-
-
-def _check_one_save_in(directory: Path, states: list[Any], *, across: bool) -> None:
-    try:
-        check_one_save(states, across=across)
-    except StateMismatchError as error:
-        raise StateMismatchError(f"{directory}: {error}") from None
-
-
-def _check_pipeline_witness(
-    loader: SavableDataLoader,
-    path: Path,
-    state: Any,
-    config_digest: str,
-    prefix: str,
-    tally: ReadTally | None,
-) -> None:
-    """A pipeline rank's own state checked against the header of one other rank's file of
-    the save (rank 0's; rank 1's for rank 0), found by its name (no directory listing): a
-    file of another save or run left in the folder (a rank that did not write this time) is
-    a ``StateMismatchError`` on at least one rank. Reads one small header."""
-    config = loader.worker_config
-    if config.world_size < 2 or not isinstance(state, RankState) or state.seed is None:
-        return
-    witness = path.parent / (
-        _rank_file_stem(prefix, 0 if config.rank else 1, config.world_size) + ".pt"
-    )
-    if not witness.is_file():
-        return  # an incomplete folder: the rank whose file is missing refuses itself
-    with RankFile(witness, tally) as other:
-        if not other.split:
-            return  # a file of an earlier release: whole, and without a seed to compare
-        header = RankState.from_plain(
-            {**other.header, "config": state.config, "partitions": []}, complete=False
-        )
-        if other.config_digest != config_digest:
-            raise StateMismatchError(
-                f"{path.parent}: {witness.name} holds another pipeline config than "
-                f"{path.name}: files of different saves or runs are mixed in the folder"
-            )
-    try:
-        check_states_of_one_save([header, state], across=False)
-    except StateMismatchError as error:
-        raise StateMismatchError(
-            f"{path.parent}: {error} ({path.name} and {witness.name} are not of one save)"
-        ) from None
-
-
-def _own_dropin_state(
-    loader: SavableDataLoader, directory: Path, prefix: str, path: Path, tally: ReadTally | None
-) -> Any:
-    """A drop-in rank's own state from its file, checked against a witness file of the save
-    (rank 0's; rank 1's for rank 0) for the job and, under a DistributedSampler, the position:
-    a file of another run mixed into the folder is seen by at least one rank, each rank
-    reading two small files."""
-    with RankFile(path, tally) as own:
-        state = _decoded(loader, own)
-    files = _rank_files(directory, prefix)
-    witness = (0 if loader.worker_config.rank else 1) if len(files) > 1 else None
-    if witness is not None:
-        with RankFile(files[witness], tally) as other:
-            _check_one_save_in(directory, [_decoded(loader, other), state], across=False)
-    return state
-
-
-def _decoded(loader: SavableDataLoader, file: RankFile) -> Any:
-    """A rank file's whole state, decoded by the loader (``StateFormatError`` naming it)."""
-    try:
-        (state,) = loader.decode_states([file.state()])
-    except StateFormatError as error:
-        raise StateFormatError(f"{file.path}: {error}") from None
-    return state
-
-
-def _slot_states(
-    loader: RankStateProtocols, first: RankFile, open_rank: Callable[[int], RankFile]
-) -> list[RankState]:
-    """The saved states, holding only the slots ``loader``'s rank runs, from a resized job's
-    rank files (``first``: one of them, opened; its header gives the saved layout and its
-    config the pipeline's, which the other files must share)."""
-    config = first.config()
-    try:
-        saved = RankState.from_plain(
-            {**first.header, "config": config, "partitions": []}, complete=False
-        )
-    except StateFormatError as error:
-        raise StateFormatError(f"{first.path}: {error}") from None
-    by_file: dict[int, list[str]] = {}
-    for key in loader.slots_to_run(saved):
-        by_file.setdefault(int(key[len(SLOT_KEY_PREFIX) :]) % saved.world_size, []).append(key)
-    leaves: dict[str, Any] = {}
-    for rank, keys in sorted(by_file.items()):
-        file = open_rank(rank)
-        if file.config_digest != first.config_digest:
-            raise StateMismatchError(
-                f"{file.path} and {first.path.name} hold different pipeline configs: files of "
-                "different saves mixed in one folder? Keep the files of one save together"
-            )
-        missing = [key for key in keys if key not in file.slots]
-        if missing:
-            raise missing_slots_error(
-                loader.worker_config,
-                missing,
-                saved.num_partitions,
-                f"{file.path} does not hold (it holds {len(file.slots)} slots): files of "
-                "different saves mixed?",
-            )
-        header = {**file.header, "config": config}
-        for key, entry in file.partitions(keys).items():
-            leaves[key] = {"rank_state": header, "partition": entry}
-    try:
-        return loader.states_of_slots(leaves)
-    except StateFormatError as error:
-        raise StateFormatError(f"{first.path.parent}: {error}") from None
-
-
-def rank_state_files(
-    directory: str | os.PathLike[str], prefix: str | None = "loader"
-) -> list[Path]:
-    """The state files of one :func:`save_state_rank_file` save in ``directory``, in rank order.
-
-    ``prefix=None`` takes whatever prefix the files were saved with (several prefixes are a
-    ``ValueError`` naming them). ``directory`` that is not a folder, or holds no such files, is
-    a ``FileNotFoundError`` naming the file names expected; files of several world sizes, or
-    an incomplete set, a ``StateMismatchError``. Nothing is read but the file names.
-    """
-    folder = Path(directory)
-    if not folder.is_dir():
-        what = "a file" if folder.exists() else "not there"
-        raise FileNotFoundError(f"{folder} is {what}, not a folder of per-rank state files")
-    files = _rank_files(folder, prefix)
-    if not files:
-        expected = f"{prefix or 'PREFIX'}_rank_NNNNN_of_NNNNN.pt"
-        others = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
-        holds = (
-            "it is empty"
-            if not others
-            else f"it holds {len(others)} other entr{'y' if len(others) == 1 else 'ies'} "
-            f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
-        )
-        raise FileNotFoundError(
-            f"{folder} is a folder without per-rank state files: expected files named "
-            f"{expected} (e.g. {prefix or 'loader'}_rank_00000_of_00002.pt, what "
-            f"save_state_rank_file writes), but {holds}"
-        )
-    return files
-
-
-def _rank_files(directory: Path, prefix: str | None) -> list[Path]:
-    """The state files of one save in ``directory``, in rank order (checked complete).
-
-    ``prefix=None``: the files of whichever single prefix the directory holds.
-    """
-    found: dict[str, dict[int, dict[int, Path]]] = {}
-    for candidate in directory.glob(f"{'*' if prefix is None else prefix}_rank_*_of_*.pt"):
-        match = _RANK_FILE.fullmatch(candidate.name)
-        if match and (prefix is None or match.group(1) == prefix):
-            by_size = found.setdefault(match.group(1), {})
-            by_size.setdefault(int(match.group(3)), {})[int(match.group(2))] = candidate
-    if not found:
-        return []
-    if len(found) > 1:
-        raise ValueError(
-            f"{directory} holds the per-rank state files of several prefixes {sorted(found)}; "
-            "name the prefix they were saved with"
-        )
-    (sizes,) = found.values()
-    if len(sizes) > 1:
-        raise StateMismatchError(
-            f"{directory} holds state files of several world sizes {sorted(sizes)}; keep the "
-            "files of one save in a directory"
-        )
-    ((size, files),) = sizes.items()
-    missing = [r for r in range(size) if r not in files]
-    if missing:
-        raise StateMismatchError(
-            f"{directory} holds state files of world size {size} but not those of ranks "
-            f"{missing}: an incomplete save"
-        )
-    return [files[r] for r in range(size)]
-
-
-def _raise_missing(path: Path, prefix: str) -> None:
-    others = sorted(p.name for p in path.parent.glob(f"{prefix}_rank_*_of_*.pt"))
-    if others:
-        raise StateMismatchError(
-            f"{path.name} is not in {path.parent}, which holds {len(others)} state files of "
-            f"another layout ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}); "
-            "restore with the data-parallel world size they were saved with"
-        )
-    raise FileNotFoundError(
-        f"no loader state file {path.name} in {path.parent}; save_state_rank_file writes it"
-    )
+    engine = _require_loader(loader)
+    config = engine.worker_config
+    if prefix is not None:
+        _rank_stem(config, prefix)
+    with RankFolder(directory, prefix, config.rank, config.world_size, tally) as folder:
+        return engine.read_rank_files(folder)

@@ -8,7 +8,7 @@ saved layout for the chosen rank, reads the states that rank needs (from state f
 nothing iterated from the epoch start, only the replayed and the requested items are made.
 Step 0 is the first item the rank yields after the saved position; steps run on across epoch
 ends as the training loop's next ``iter()`` would. A drop-in loader's batches are made by its
-own fetcher (:meth:`~energy_loader.loader.dropin.DropInDataLoader.peek_batches`).
+own fetcher (:meth:`~energy_loader.SavableDataLoader.peek_batches`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ from typing import Any
 
 from ..distributed import rank_state_files, read_rank_state_files
 from ..errors import StateFormatError, StateMismatchError, first_line
-from ..loader.dropin import DropInDataLoader
+from ..loader.dropin import runs_dropin
 from ..loader.dropin.map_style import index_sampler_of
+from ..loader.dropin.restore import DropInRestore
 from ..loader.dropin.state import DROPIN_STATE_FORMAT
 from ..loader.dropin.stream import distributed_part
+from ..loader.savable_loader import SavableDataLoader
 from ..state.rank_file import read_rank_file
 from ..state.rank_state import RankState
 from .inspect import one_line, read_path
@@ -210,12 +212,15 @@ def call_builder(spec: str, rank: int, world_size: int) -> Any:
 
 
 def dropin_state_for(
-    loader: DropInDataLoader, paths: list[Path], rank: int, prefix: str | None = None
+    loader: SavableDataLoader, paths: list[Path], rank: int, prefix: str | None = None
 ) -> dict[str, Any]:
     """The saved drop-in state that ``rank`` replays from, with ``loader`` made rank
     ``rank``'s: ``rank`` must be a rank of the saved job, and under a ``DistributedSampler``
     the loader's sampler is set to ``rank`` of the saved ``num_replicas`` when it was built for
-    another (:meth:`~energy_loader.loader.dropin.DropInDataLoader.set_distributed_rank`)."""
+    another (:meth:`~energy_loader.SavableDataLoader.set_distributed_rank`)."""
+    engine = loader.engine
+    if not isinstance(engine, DropInRestore):
+        raise TypeError("dropin_state_for needs a loader over a plain dataset (a drop-in)")
     found = [state for path in paths for _, state in read_path(path, prefix)]
     states = {int(s["rank"]): s for s in found if s.get("format") == DROPIN_STATE_FORMAT}
     if not states:
@@ -228,12 +233,12 @@ def dropin_state_for(
     state = states.get(rank)
     if state is None:  # a DistributedSampler job's state serves every rank
         state = next(iter(states.values()))
-        if not loader.restores_any_rank(state):
+        if not engine.restores_any_rank(state):
             raise ValueError(
                 f"--rank {rank}: the files hold the states of ranks {sorted(states)} only"
             )
     sampler = distributed_part(index_sampler_of(loader))
-    if loader.restores_any_rank(state):
+    if engine.restores_any_rank(state):
         if sampler is None:
             raise StateMismatchError(
                 "the state was saved under a DistributedSampler; the --pipeline function's "
@@ -245,7 +250,7 @@ def dropin_state_for(
 
 
 def replay_dropin(
-    loader: DropInDataLoader,
+    loader: SavableDataLoader,
     paths: list[Path],
     rank: int,
     start: int,
@@ -258,7 +263,7 @@ def replay_dropin(
     indices of each batch (within the saved epoch), for ``rank``'s state in ``paths`` (any
     rank's under a ``DistributedSampler``: the loader's own sampler, set to ``rank``, says
     which part is ``rank``'s). ``samples``: each batch too, made as training made it
-    (:meth:`~energy_loader.loader.dropin.DropInDataLoader.peek_batches`: the same
+    (:meth:`~energy_loader.SavableDataLoader.peek_batches`: the same
     per-sample seeds and ``collate_fn``)."""
     state = dropin_state_for(loader, paths, rank, prefix)
     if samples:
@@ -327,7 +332,7 @@ def main(argv: list[str]) -> int:
         world_size = _saved_job_size(args.checkpoint, args.prefix)
         check_rank(args.rank, world_size)
         built = call_builder(args.pipeline, args.rank, world_size)
-        if isinstance(built, DropInDataLoader):
+        if runs_dropin(built):
             if args.samples and not built.seed_per_sample:
                 print(
                     "replay: the loader has seed_per_sample=False, so random numbers drawn in "

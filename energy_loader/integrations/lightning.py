@@ -59,7 +59,7 @@ from ..dataset import is_stateful
 from ..distributed import process_group_initialized, save_state_global
 from ..errors import EnergyLoaderError
 from ..loader import SavableDataLoader
-from ..loader.dropin import DropInDataLoader
+from ..loader.dropin import runs_dropin
 
 try:  # the unified package, if the user has it; otherwise the standalone one
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -118,7 +118,7 @@ def _count_the_resumed_epoch_as_the_loader_deals_it(trainer: Trainer) -> None:
     """
     combined = getattr(trainer.fit_loop, "_combined_loader", None)
     loaders = [] if combined is None else list(combined.flattened)
-    if len(loaders) != 1 or not isinstance(loaders[0], DropInDataLoader):
+    if len(loaders) != 1 or not runs_dropin(loaders[0]):
         return
     left = loaders[0].resumed_batches_left
     if left is None or trainer.num_training_batches != len(loaders[0]):

@@ -74,7 +74,7 @@ except ImportError as error:  # pragma: no cover - the dev extra installs transf
 from ..dataset import RESTORE_KEY
 from ..distributed import read_rank_state_files, save_state_rank_file
 from ..loader import SavableDataLoader
-from ..loader.dropin import DropInDataLoader
+from ..loader.dropin import runs_dropin
 
 __all__ = ["STATE_PREFIX", "SavableLoaderTrainer", "TrainerLoader"]
 
@@ -94,7 +94,7 @@ _RANK_BLIND_SAMPLERS = (
 def _sampler_chain(loader: SavableDataLoader) -> list[Any]:
     """A map-style drop-in loader's samplers, outermost first (batch sampler, its sampler,
     the loader's sampler), each once; none for a pipeline or an iterable dataset."""
-    if not isinstance(loader, DropInDataLoader) or isinstance(loader.dataset, IterableDataset):
+    if not runs_dropin(loader) or isinstance(loader.dataset, IterableDataset):
         return []
     batch_sampler = loader.batch_sampler
     candidates = [batch_sampler, getattr(batch_sampler, "sampler", None), loader.sampler]
@@ -281,7 +281,7 @@ class SavableLoaderTrainer(Trainer):  # type: ignore[misc]
         except TypeError:
             length = None
         world = loader.worker_config.world_size
-        pipeline = not isinstance(loader, DropInDataLoader)
+        pipeline = not runs_dropin(loader)
         if pipeline and length is not None and saved_world != world:
             raise ValueError(
                 f"the checkpoint's loader state was saved on {saved_world} process(es), this "

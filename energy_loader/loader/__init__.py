@@ -1,10 +1,14 @@
 """The main-process side of the loader.
 
 - :mod:`~energy_loader.loader.savable_loader`: :class:`SavableDataLoader` (torch's
-  ``DataLoader`` subclass users hold) and :class:`BasicDataLoader`;
-- :mod:`~energy_loader.loader.dropin`: ``DropInDataLoader``, what ``SavableDataLoader`` becomes
-  over a plain map-style or iterable dataset (torch's behaviour, exact resume);
-- :mod:`~energy_loader.loader.protocols`: ``state_dict``/``load_state_dict`` and gather/scatter;
+  ``DataLoader`` subclass users hold), which picks one engine, and :class:`BasicDataLoader`;
+- :mod:`~energy_loader.loader.engine`: the protocol every engine implements, and the one
+  restore path (decode, check, plan, apply);
+- :mod:`~energy_loader.loader.pipeline_engine`: savable pipelines (partitions, progress,
+  positions), with :mod:`~energy_loader.loader.pipeline_states` (their states out of leaves
+  and rank files);
+- :mod:`~energy_loader.loader.dropin`: the map-style and iterable engines (torch's behaviour,
+  exact resume);
 - :mod:`~energy_loader.loader.torch_args`: torch's batching arguments given with a pipeline;
 - :mod:`~energy_loader.loader.fleet`: the worker processes seen from here: channels, books,
   requests and replies, shutdown, error attribution;
@@ -19,7 +23,7 @@
 The worker-process side is :mod:`energy_loader.workers`; it never imports this package.
 """
 
-from .dropin import DropInDataLoader  # registers itself as SavableDataLoader.dropin_class
+from .dropin import DropInDataLoader
 from .savable_loader import BasicDataLoader, SavableDataLoader
 
 __all__ = ["BasicDataLoader", "DropInDataLoader", "SavableDataLoader"]

@@ -39,7 +39,7 @@ from .partitions import next_worker
 from .planner import Planner
 
 if TYPE_CHECKING:
-    from .savable_loader import SavableDataLoader
+    from .pipeline_engine import PipelineEngine
 
 __all__ = ["future_items", "peek_keys"]
 
@@ -104,18 +104,17 @@ def future_items(
         current = [planner.ended_rank_state(ended, plan.start)]
 
 
-def peek_keys(loader: SavableDataLoader, n: int) -> list[Key]:
-    """The restore keys of the next ``n`` items ``loader`` yields (see the module docstring)."""
+def peek_keys(engine: PipelineEngine, n: int) -> list[Key]:
+    """The restore keys of the next ``n`` items ``engine``'s loader yields (see the module
+    docstring)."""
     require_int(n, "n", minimum=0)
-    if not getattr(loader, "saves_state", False):
-        raise TypeError("peek_keys needs a SavableDataLoader (BasicDataLoader keeps no state)")
     keys: list[Key] = []
     if n == 0:
         return keys
-    state = RankState.from_plain(loader.save_state_rank())
+    state = engine.record(0)
     with kept_rng_state():
         for key, _ in future_items(
-            loader.planner_for([state]), loader.checkpoint_settings, [state]
+            engine.planner_for([state]), engine.checkpoint_settings, [state]
         ):
             keys.append(key)
             if len(keys) == n:

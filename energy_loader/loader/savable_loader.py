@@ -1,113 +1,47 @@
 """SavableDataLoader and BasicDataLoader: the DataLoader subclasses users hold.
 
-:class:`SavableDataLoader` is a ``torch.utils.data.DataLoader`` whose workers run a
-:class:`~energy_loader.workers.side.WorkerSideDataset`. It keeps the epoch's
-:class:`~energy_loader.loader.progress.Progress` (per logical worker the last item the user
-received, whether that worker ended the epoch, which worker is due next) and delegates the
-rest: its :class:`~energy_loader.loader.fleet.WorkerFleet` files the snapshots that arrive with
-the items and answers where each worker stands, and its
-:class:`~energy_loader.loader.planner.Planner` turns that into a saved state, or saved states
-into a restore plan. So ``save_state_rank()`` needs no message to any worker, and
-``restore_state_rank()`` hands each worker its checkpoint and replay count and rotates the
-workers so the one that was due next is first. With ``num_workers=0`` the pipeline runs in the
-main process and its state is read directly (nothing to replay).
+:class:`SavableDataLoader` is a ``torch.utils.data.DataLoader`` that picks one engine at
+construction (:mod:`energy_loader.loader.engine`) and hands every public method to it: a
+savable pipeline runs on the :class:`~energy_loader.loader.pipeline_engine.PipelineEngine`,
+any other map-style or iterable dataset on a drop-in engine with torch's behaviour for
+torch's arguments (:mod:`energy_loader.loader.dropin`). ``type(loader) is SavableDataLoader``
+for every dataset. Each method here is a few lines: argument checks, then the engine.
+
+Not here: running workers, saving, planning a restore (the engines), process groups
+(:mod:`energy_loader.distributed`, which the collective methods call).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import warnings
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from torch.utils.data import DataLoader
 
-from ..dataset import SavableDataset, restore_key_of
-from ..errors import StateFormatError, WorkerError
-from ..metrics import clock
-from ..state.positions import Position
-from ..state.rank_state import (
-    RankState,
-)
-from ..transport import (
-    DEFAULT_ARENA_BYTES,
-    DEFAULT_INLINE_BYTES,
-    decode,
-)
+from .. import distributed
+from ..dataset import SavableDataset
+from ..transport import DEFAULT_ARENA_BYTES, DEFAULT_INLINE_BYTES
 from ..validation import require_bool, require_int
 from ..worker import WorkerConfig
 from ..workers.bundling import DEFAULT_ITEMS_PER_TRANSFER
-from ..workers.protocol import CheckpointSettings, RunPlan, WorkerItem
-from ..workers.side import WorkerSideDataset
+from ..workers.protocol import CheckpointSettings
 from .arguments import resolve_arguments
-from .fleet import WorkerFleet
-from .observing import ObservedLoader, make_metrics
-from .partitions import idle_workers_warning
-from .planner import Planner, RestorePlan
-from .progress import Mark, Progress
-from .protocols import RankStateProtocols
+from .dropin.build import dropin_engine
+from .dropin.map_style import MapEngine
+from .dropin.peeking import make_units, peek_units
+from .dropin.trainers import lightning_count_check, restored_by_lightning
+from .engine import Engine
+from .pipeline_engine import PipelineEngine
+from .planner import Planner
 from .torch_args import DEFAULT_BATCH_SIZE, PipelineTorchArgs, pipeline_with_torch_args
-from .unbundler import Unbundler
 
 __all__ = ["BasicDataLoader", "SavableDataLoader"]
 
 
-_EPOCH_OVER = object()
-
-
-def _identity(item: Any) -> Any:
-    return item
-
-
-class _LoaderIterator:
-    """What ``iter(loader)`` returns: the loader's epoch stream, item by item.
-
-    An iterator made while an epoch is in progress *continues* it. If a continuation finds
-    nothing left (every item of the epoch had been handed out, the end just not reported
-    yet), the epoch is over and the iterator rolls straight into the next.
-    """
-
-    def __init__(self, loader: SavableDataLoader, continuation: bool) -> None:
-        self._loader = loader
-        self._generation = loader._generation
-        self._continuation = continuation
-        self._finished = False
-        loader._metrics.new_iterator()
-
-    def __iter__(self) -> _LoaderIterator:
-        return self
-
-    def __next__(self) -> Any:
-        if self._finished:
-            raise StopIteration
-        loader = self._loader
-        if self._generation != loader._generation:
-            raise RuntimeError(
-                "this iterator belongs to a loader state that was since restored or reset; "
-                "call iter(loader) again"
-            )
-        while True:
-            try:
-                sample = loader._next_sample()
-            except StopIteration:
-                if self._continuation:
-                    # Everything of the epoch had been handed out: roll into the next one.
-                    self._continuation = False
-                    loader._begin_epoch()
-                    self._generation = loader._generation
-                    continue
-                self._finished = True
-                raise
-            self._continuation = False
-            return sample
-
-    def __len__(self) -> int:
-        return len(self._loader)
-
-
-class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
-    """A torch DataLoader over a savable pipeline that saves its exact position.
+class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
+    """A torch DataLoader that saves its exact position, over a savable pipeline or any
+    dataset.
 
     Example::
 
@@ -120,11 +54,10 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
         loader = SavableDataLoader(build_pipeline(), num_workers=2)
         loader.load_state_dict(torch.load(path, weights_only=True)["data"])
 
-    Over any other dataset (map-style or iterable) it becomes a
-    :class:`~energy_loader.loader.dropin.DropInDataLoader`: torch's behaviour for torch's
-    arguments, with exact resume. Over a pipeline, torch's ``batch_size``, ``collate_fn`` and
-    ``drop_last`` add a ``BatchDataset``; ``shuffle``, samplers and ``generator`` are refused
-    with the savable way.
+    Over any other dataset (map-style or iterable) it is a drop-in for torch's DataLoader:
+    torch's behaviour for torch's arguments, with exact resume (docs/loader.md). Over a
+    pipeline, torch's ``batch_size``, ``collate_fn`` and ``drop_last`` add a ``BatchDataset``;
+    ``shuffle``, samplers and ``generator`` are refused with the savable way.
 
     Each worker snapshots its partitions every ``checkpoint_every_n_samples`` items (and after
     an item when ``checkpoint_every_sec`` seconds have passed) and sends the snapshots with its
@@ -134,32 +67,24 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
     ``break``), otherwise starts the next; workers are persistent. Items travel up to
     ``items_per_transfer`` a trip through :mod:`energy_loader.transport`'s codec (inline below
     ``transport_inline_bytes``, through a shared-memory arena of ``transport_arena_bytes``
-    above; ``transport_codec=False`` uses torch's). ``stats()``, ``peek_keys(n)`` and
-    ``stall_warning``: :mod:`energy_loader.loader.observing`. Every option: docs/loader.md.
+    above; ``transport_codec=False`` uses torch's). ``seed_per_sample`` (drop-in loaders):
+    seed the global RNGs per sample so random augmentation in ``__getitem__`` comes back
+    identical. ``verify_restore`` (default True): a restore re-makes what the saving loader
+    handed out last and checks it against the state's proof, raising ``StateMismatchError``
+    if it made another stream; False continues unchecked. ``stats()``, ``peek_keys(n)`` and
+    ``stall_warning``: :mod:`energy_loader.metrics`. Every option: docs/loader.md.
+
+    Thread-safety: one thread iterates and saves.
     """
 
+    # Set by integrations whose trainer fetches ahead of training (see state_dict()).
+    held_back_source: Callable[[], int] | None = None
     # Whether this loader keeps and saves state (BasicDataLoader does not).
     saves_state = True
 
-    # The loader class for datasets that are not savable pipelines; energy_loader.loader.dropin
-    # registers DropInDataLoader here when it is imported (the package imports it).
-    dropin_class: ClassVar[type[SavableDataLoader] | None] = None
-
-    def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any) -> SavableDataLoader:
-        # Any dataset that is not a savable pipeline runs as a drop-in for torch's DataLoader
-        # (energy_loader.loader.dropin): still a SavableDataLoader, with torch's behaviour.
-        if cls is SavableDataLoader and not isinstance(dataset, SavableDataset):
-            if SavableDataLoader.dropin_class is None:
-                raise TypeError(
-                    "the loader runs a SavableDataset pipeline; import energy_loader (not "
-                    "only energy_loader.loader.savable_loader) to run plain datasets"
-                )
-            return super().__new__(SavableDataLoader.dropin_class)
-        return super().__new__(cls)
-
     def __init__(
         self,
-        dataset: SavableDataset,
+        dataset: Any,
         batch_size: int | None = DEFAULT_BATCH_SIZE,
         shuffle: bool | None = None,
         sampler: Any = None,
@@ -191,166 +116,130 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
         num_partitions: int | None = None,
         stall_warning: Any = True,
         seed_per_sample: bool = True,
+        verify_restore: bool = True,
     ) -> None:
-        if isinstance(dataset, SavableDataset):
-            # torch's batching arguments as their savable equivalent (or a clear refusal).
-            torch_args = PipelineTorchArgs(
-                batch_size=batch_size,
-                shuffle=shuffle,
-                sampler=sampler,
-                batch_sampler=batch_sampler,
-                collate_fn=collate_fn,
-                drop_last=drop_last,
-                generator=generator,
+        # Set by a load_state_dict() from Lightning: the saved epoch's batches used.
+        self._lightning_restored: int | None = None
+        self.seed_per_sample = seed_per_sample
+        self.verify_restore = verify_restore
+        self.items_per_transfer = items_per_transfer
+        self.transport_codec = transport_codec
+        self.transport_inline_bytes = transport_inline_bytes
+        self.transport_arena_bytes = transport_arena_bytes
+        options = {
+            "checkpoint_every_n_samples": checkpoint_every_n_samples,
+            "checkpoint_every_sec": checkpoint_every_sec,
+            "n_checkpoints": n_checkpoints,
+            "gc_collect_every_n_steps": gc_collect_every_n_steps,
+            "gc_freeze_at_start": gc_freeze_at_start,
+            "worker_reply_timeout": worker_reply_timeout,
+            "transport_codec": transport_codec,
+            "transport_inline_bytes": transport_inline_bytes,
+            "transport_arena_bytes": transport_arena_bytes,
+            "items_per_transfer": items_per_transfer,
+            "stall_warning": stall_warning,
+        }
+        if not isinstance(dataset, SavableDataset):
+            if not type(self).saves_state:
+                raise TypeError(
+                    "the loader runs a SavableDataset pipeline (e.g. IndexedSource(...) wrapped "
+                    f"in MapDataset/BatchDataset); got {type(dataset).__name__}"
+                )
+            DataLoader.__init__(
+                self,
+                dataset,
+                batch_size,
+                shuffle,
+                sampler,
+                batch_sampler,
+                num_workers,
+                collate_fn,
+                pin_memory,
+                drop_last,
+                timeout,
+                worker_init_fn,
+                multiprocessing_context,
+                generator,
+                prefetch_factor=prefetch_factor,
+                persistent_workers=persistent_workers,
+                pin_memory_device=pin_memory_device,
                 in_order=in_order,
             )
-            dataset, prefetch_factor = pipeline_with_torch_args(
-                dataset, torch_args, prefetch_factor
+            self._engine: Engine = dropin_engine(
+                self,
+                worker_config=worker_config,
+                num_partitions=num_partitions,
+                seed_per_sample=seed_per_sample,
+                verify_restore=verify_restore,
+                **options,
             )
+            return
+        # torch's batching arguments as their savable equivalent (or a clear refusal).
+        torch_args = PipelineTorchArgs(
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            collate_fn=collate_fn,
+            drop_last=drop_last,
+            generator=generator,
+            in_order=in_order,
+        )
+        dataset, prefetch_factor = pipeline_with_torch_args(dataset, torch_args, prefetch_factor)
         require_bool(seed_per_sample, "seed_per_sample")  # drop-in loaders only
+        require_bool(verify_restore, "verify_restore")
         args = resolve_arguments(
             dataset,
             worker_config=worker_config,
             num_workers=num_workers,
             num_partitions=num_partitions,
             prefetch_factor=prefetch_factor,
-            checkpoint_every_n_samples=checkpoint_every_n_samples,
-            checkpoint_every_sec=checkpoint_every_sec,
-            n_checkpoints=n_checkpoints,
-            gc_collect_every_n_steps=gc_collect_every_n_steps,
-            gc_freeze_at_start=gc_freeze_at_start,
             multiprocessing_context=multiprocessing_context,
-            worker_reply_timeout=worker_reply_timeout,
-            transport_codec=transport_codec,
-            transport_inline_bytes=transport_inline_bytes,
-            transport_arena_bytes=transport_arena_bytes,
-            items_per_transfer=items_per_transfer,
-            stall_warning=stall_warning,
+            **options,
         )
-        config, workers, partitions = args.config, args.config.num_workers, args.num_partitions
-        self._transport = args.transport
-        self._worker_config = config
-        # Without a num_partitions of its own the loader continues whatever count it restores.
-        self._adopts_partitions = num_partitions is None
-        _warn_if_idle(partitions, config)
-        self._planner = planner = Planner(dataset, config, partitions)
-        self._worker_side = side = WorkerSideDataset(
-            dataset, config, args.settings, planner.canonical_plan(), savable=self.saves_state
+        engine = PipelineEngine(
+            dataset,
+            args,
+            # Without a num_partitions of its own the loader continues whatever count it
+            # restores.
+            adopts_partitions=num_partitions is None,
+            verify=verify_restore,
+            savable=self.saves_state,
         )
-        side.items_per_transfer = args.items_per_transfer
-        self._fleet = WorkerFleet(
-            self, side, workers, args.mp_context, args.transport, args.reply_timeout
-        )
-        self._progress = Progress(max(1, workers), partitions // config.world_size)
-        self._inner: Iterator[Any] | Unbundler | None = None
-        # Raw items pulled to learn whether a restored epoch has any left (see `epoch`), handed
-        # on by the next pulls; _EPOCH_OVER stands for the end found.
-        self._peeked: collections.deque[Any] = collections.deque()
-        self._restored = False  # restored, and not iterated since
-        self._generation = 0
-        self._failure: WorkerError | None = None
-        self._metrics = make_metrics(self, args.stall)
-        super().__init__(
-            side,
-            batch_size=None,
-            num_workers=workers,
-            collate_fn=_identity,
+        DataLoader.__init__(
+            self,
+            engine.side,
             pin_memory=pin_memory,
-            prefetch_factor=prefetch_factor if workers else None,
-            persistent_workers=workers > 0,
-            multiprocessing_context=args.mp_context,
             timeout=timeout,
             worker_init_fn=worker_init_fn,
             pin_memory_device=pin_memory_device,
+            **engine.torch_arguments(prefetch_factor),
         )
+        engine.bind(self)
+        self._engine = engine
 
     # -- iteration -------------------------------------------------------------------------
 
-    def __iter__(self) -> _LoaderIterator:  # type: ignore[override]
-        """Continue the current epoch if it has items left, otherwise start the next one."""
-        progress = self._progress
-        self._restored = False
-        continuation = progress.in_epoch and not progress.epoch_ended
-        if not continuation:
-            self._begin_epoch()
-        return _LoaderIterator(self, continuation)
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        """Continue the current epoch if it has items left, otherwise start the next one (a
+        drop-in loader: a new epoch, as torch's, except the first after a restore)."""
+        restored, self._lightning_restored = self._lightning_restored, None
+        iterator: Any = self._engine.iterate()
+        if restored is not None:  # Lightning loaded the state: will it count the epoch right?
+            iterator.before_first = lightning_count_check(self, restored)
+        # The iterator keeps the loader alive (as torch's keeps its workers): dropping the
+        # loader while iterating must not stop the workers under the iterator.
+        iterator.owner = self
+        return iterator  # type: ignore[no-any-return]
 
-    def _begin_epoch(self) -> None:
-        """Start the next epoch (or the first), from the canonical partition assignment."""
-        progress = self._progress
-        if progress.epoch_ended:
-            side = self._worker_side
-            if not self._planner.is_canonical(side.plan, side.offset, progress.start):
-                # A restore rotated the workers or partitions: put every partition back where
-                # a new epoch expects it (only this rank's own partitions move).
-                self._restore(self._planner.plan_own([self._save(0)]))
-                progress = self._progress
-            progress.start_epoch(progress.start % self._worker_config.world_size)
-            self._inner = None
-        progress.in_epoch = True
+    def __len__(self) -> int:
+        """Items (batches) per epoch for this rank, when known (a drop-in: torch's len)."""
+        return self._engine.rank_length()
 
-    def _next_sample(self) -> Any:
-        """The next sample of the current epoch, with its bookkeeping; ``StopIteration`` at
-        the epoch's end (which is then recorded)."""
-        progress = self._progress
-        decoding = self._transport is not None
-        began, decode_s = clock(), 0.0  # for loader.stats()
-        while True:
-            try:
-                item = self._pull()
-                sample = item.sample
-                if decoding and not item.is_end:
-                    decoding_began = clock()
-                    sample = decode(sample)
-                    decode_s += clock() - decoding_began
-            except StopIteration:
-                progress.end_epoch()
-                self._inner = None
-                raise
-            except WorkerError:
-                raise
-            except Exception as error:
-                if self.num_workers == 0:
-                    raise
-                failure = self._fleet.error_of(error, self._worker_side.offset)
-                self._fail(failure)
-                raise failure from error
-            self._fleet.receive(item, None if item.is_end else restore_key_of(sample))
-            progress.handed_out(item.worker, item.number, item.slot, item.is_end)
-            if item.is_end:
-                continue
-            self._metrics.item(began, decode_s)
-            return sample
-
-    def _pull(self) -> WorkerItem:
-        """The next raw item of the current epoch."""
-        if self._peeked:
-            item = self._peeked.popleft()
-            if item is _EPOCH_OVER:
-                raise StopIteration
-            return item  # type: ignore[no-any-return]
-        return self._pull_raw()
-
-    def _pull_raw(self) -> WorkerItem:
-        inner = self._inner
-        if inner is None:
-            if self.num_workers > 0 and not self._fleet.running:
-                self._fleet.open(self._starting_position)
-            with self._worker_side.iterated_by_owner():
-                torch_iterator = DataLoader.__iter__(self)
-            if self.num_workers == 0:
-                inner = torch_iterator
-            else:
-                side = self._worker_side
-                inner = Unbundler(torch_iterator, side.bundle_limits, side.items_per_transfer)
-            self._inner = inner
-        if isinstance(inner, Unbundler):
-            progress = self._progress
-            return inner.next_item(progress.next_worker, progress.done)
-        return next(inner)  # type: ignore[no-any-return]
-
-    def _starting_position(self, logical: int) -> Position:
-        return self._planner.pending_position(self._worker_side.plan, logical)
+    @property
+    def engine(self) -> Engine:
+        """What runs this loader's dataset (:mod:`energy_loader.loader.engine`)."""
+        return self._engine
 
     @property
     def epoch(self) -> int:
@@ -362,60 +251,53 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
         that takes every item without pulling the end (``zip``, ``islice``,
         ``range(len(loader))``) sees the finished epoch until the first item of the next. A
         loader restored from a state saved right after an epoch's last item is already in the
-        next epoch (the next ``iter()`` starts it), as a map-style drop-in loader is: one rule
-        for every loader. Read it right after the item it should describe.
+        next epoch (the next ``iter()`` starts it). One rule for every loader; read it right
+        after the item it should describe.
         """
-        progress = self._progress
-        if progress.epoch_ended or (self._restored and self._restored_epoch_is_over()):
-            return progress.epoch + 1
-        return progress.epoch
-
-    def _restored_epoch_is_over(self) -> bool:
-        """Whether the epoch a restore continues has no item left: pulls (and keeps, for the
-        next ``iter()``) raw items until one is a sample or the epoch's end is found. Nothing
-        is counted as handed out, so a save in between is the restored state itself."""
-        if not self._progress.in_epoch:
-            return False
-        if not self._peeked:
-            while True:
-                try:
-                    item = self._pull_raw()
-                except StopIteration:
-                    self._peeked.append(_EPOCH_OVER)
-                    break
-                self._peeked.append(item)
-                if not item.is_end:
-                    break
-        return self._peeked[-1] is _EPOCH_OVER
+        return self._engine.epoch_number
 
     @property
     def num_partitions(self) -> int:
-        """P: the job's logical partitions (:mod:`energy_loader.loader.partitions`)."""
-        return self._planner.num_partitions
+        """P: the job's logical partitions (:mod:`energy_loader.loader.partitions`); a drop-in
+        loader runs one per worker of every rank."""
+        engine = self._engine
+        if isinstance(engine, PipelineEngine):
+            return engine.num_partitions
+        return max(1, self.num_workers) * engine.worker_config.world_size
 
     @property
     def pipeline(self) -> SavableDataset:
         """The savable pipeline this loader runs (the recipe: never iterate it yourself)."""
-        return self._planner.pipeline
+        return self._pipeline_engine("pipeline").planner.pipeline
 
     @property
     def planner(self) -> Planner:
         """Save and restore planning for this rank (:mod:`energy_loader.loader.planner`)."""
-        return self._planner
+        return self._pipeline_engine("planner").planner
 
     @property
     def checkpoint_settings(self) -> CheckpointSettings:
         """When this loader's workers snapshot their partitions."""
-        return self._worker_side.settings
+        return self._pipeline_engine("checkpoint_settings").checkpoint_settings
 
     @property
     def worker_config(self) -> WorkerConfig:
         """The rank/worker layout this loader runs with."""
-        return self._worker_config
+        return self._engine.worker_config
 
-    def __len__(self) -> int:
-        """Items per epoch for this rank, when every stage's length is known."""
-        return self._planner.rank_length()
+    @property
+    def resumed_batches_left(self) -> int | None:
+        """While the epoch a restore continues runs (its first ``iter()``): how many of its
+        batches this rank has not handed out yet (a map-style drop-in loader); None in any
+        other epoch, before ``iter()``, or for other loaders.
+
+        After a restore on the same layout this is ``len(self)`` minus the batches used
+        before the save; after a resize (another world size or batch size under a
+        ``DistributedSampler``) it is what the new dealing gives this rank, which a trainer
+        that counts an epoch's batches up to ``len()`` needs to know (Lightning's callback).
+        """
+        engine = self._engine
+        return engine.resumed_batches_left() if isinstance(engine, MapEngine) else None
 
     # -- saving ----------------------------------------------------------------------------
 
@@ -428,57 +310,44 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
         failed, until ``restore_state_rank`` (from the last state saved before the failure)
         or ``reset_state``.
         """
-        return self._save(held_back).to_plain()
+        return self._engine.save(held_back)
 
-    def _save(self, held_back: int) -> RankState:
-        if self._failure is not None:
-            raise WorkerError(
-                f"cannot save: {self._failure} -- the position of this loader was lost with "
-                "its workers; restore it from the last saved state (or reset_state())",
-                worker_id=self._failure.worker_id,
-                original_traceback=self._failure.original_traceback,
-            )
-        require_int(held_back, "held_back", minimum=0)
-        began = clock()
-        progress = self._progress
-        mark = progress.held_back(held_back)
-        state = self._planner.rank_state(
-            self._worker_side.plan,
-            self._positions(mark),
-            epoch=progress.epoch,
-            in_epoch=progress.in_epoch or held_back > 0,
-            epoch_ended=progress.epoch_ended and held_back == 0,
-            delivered=mark.delivered,
-            start=progress.start,
-            next_worker=mark.next_worker,
-            done=mark.done,
-        )
-        self._metrics.save(clock() - began)
-        return state
+    def state_dict(self, *, held_back: int | None = None) -> dict[str, Any]:
+        """This rank's state as JSON string leaves (``torch.distributed.checkpoint``'s Stateful
+        protocol): one leaf per partition it runs, ``{"slot_00003": "<JSON>", ...}``, for a
+        pipeline; ``{"rank_00001": "<JSON>"}`` for a drop-in loader.
 
-    def _positions(self, mark: Mark) -> list[Position]:
-        """Each logical worker's partitions' (checkpoint, skip, done) and its next slot."""
-        side = self._worker_side
-        if self.num_workers == 0:
-            runner = side.local_runner
-            if runner is None or not runner.started:
-                return [self._starting_position(0)]
-            return [runner.position_at(mark.last_index[0])]
-        positions = self._fleet.positions(mark)
-        if positions is None:
-            return [self._starting_position(w) for w in range(self.num_workers)]
-        return positions
+        ``held_back`` is passed to :meth:`save_state_rank`. Left at ``None`` (how DCP and
+        trainers call it), it is ``held_back_source()`` when an integration set that attribute
+        -- :class:`energy_loader.integrations.lightning.SavableLoaderCallback` does, because
+        Lightning may hold a fetched batch it has not trained on when it saves -- and 0
+        otherwise.
 
-    def _fail(self, failure: WorkerError) -> None:
-        """Stop the workers now and refuse to save until a restore or reset.
-
-        Stopping here, not when the loader is garbage collected, matters: the traceback keeps
-        the loader alive in a reference cycle, and torch's shutdown from the cycle collector
-        waits 5 s for each worker. Refusing to save matters more: the workers' positions died
-        with them, and a fresh-looking state would silently restart the epoch.
+        A pipeline's leaves are keyed by each partition's *slot*, its place in the job's
+        stream from the rank's position (rank ``r`` of ``R`` holds slots ``r, r + R, ...``):
+        the leaves of all ranks together are the whole job's state, DCP stores them under one
+        common key for the loader on every rank, and a fresh loader with the saved
+        ``num_partitions`` reads only the partitions its rank runs, on any world size. String
+        leaves also avoid DCP's deduplication of equal leaves and its load into the *shape* of
+        a fresh state. ``torch.save`` and ``json`` take the dict as is; :meth:`load_state_dict`
+        reads it back.
         """
-        self._failure = failure
-        self._shutdown_workers()
+        if held_back is None:
+            held_back = 0 if self.held_back_source is None else self.held_back_source()
+        return self._engine.leaves(held_back)
+
+    def state_dict_of_ranks(self, states: list[Any]) -> dict[str, Any]:
+        """Every rank's state (``save_state_global``'s list) in :meth:`state_dict`'s layout:
+        one checkpoint for the whole job, from which each rank's :meth:`load_state_dict` takes
+        what it runs (Lightning's callback stores it)."""
+        return self._engine.leaves_of_ranks(states)
+
+    def save_state_global(self, dst_rank: int = 0) -> list[dict[str, Any]] | None:
+        """Gather every rank's state to ``dst_rank``: a list there, ``None`` elsewhere.
+
+        A collective: every rank of the data-parallel group must call it.
+        """
+        return distributed.save_state_global(self, dst_rank)
 
     # -- restoring -------------------------------------------------------------------------
 
@@ -486,84 +355,150 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
         """Continue exactly from ``state`` at the next ``iter()``.
 
         ``state`` is this rank's own state, or, after a change of ``num_workers`` only, the
-        state this rank saved on the old layout. Onto another world size, restore from every
-        rank's state (:meth:`restore_state_global`, ``restore_state_rank_file`` or a
+        state this rank saved on the old layout (a drop-in loader under a
+        ``DistributedSampler``: any rank's state, on any world size or batch size). Onto
+        another world size, a pipeline restores from every rank's state
+        (:meth:`restore_state_global`, ``restore_state_rank_file`` or a
         ``torch.distributed.checkpoint`` load). Raises ``StateFormatError`` for something that
-        is not a valid state and ``StateMismatchError`` for a state of another pipeline,
-        another ``num_partitions``, or one that lacks partitions this rank runs; in every case
-        the loader is left as it was. Running workers are stopped and restarted.
+        is not a valid state and ``StateMismatchError`` for a state of another pipeline or
+        dataset, another ``num_partitions``, or one that lacks partitions this rank runs; in
+        every case the loader is left as it was. Running workers are stopped and restarted.
         """
-        self.restore_from_states([RankState.from_plain(state)])
+        self.restore_from_states([state])
 
-    def decode_states(self, states: Sequence[Any]) -> list[RankState]:
-        """Every rank's plain state, decoded and validated (``StateFormatError`` naming the
-        entry that is not a rank state); what :meth:`restore_from_states` takes."""
-        out = []
-        for index, entry in enumerate(states):
-            try:
-                out.append(RankState.from_plain(entry))
-            except StateFormatError as error:
-                raise StateFormatError(f"states[{index}]: {error}") from None
-        return out
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`'s output (a DCP template this loader listed, filled;
+        or every rank's leaves, from any layout the state allows) or from a plain
+        :meth:`save_state_rank` state. Decodes only the leaves this rank runs."""
+        self._lightning_restored = None
+        engine = self._engine
+        records = engine.decode_leaves(state_dict)
+        if records is None:
+            self.restore_state_rank(state_dict)
+        else:
+            engine.apply(engine.plan(records))
+        if isinstance(engine, MapEngine):
+            used = engine.restored_batches_used()
+            if used is not None and restored_by_lightning():
+                self._lightning_restored = used  # checked at the next iter() (trainers.py)
 
-    def restore_from_states(self, states: list[RankState]) -> None:
-        """Restore this rank from some or all ranks' decoded states of one save."""
-        planner = self.planner_for(states)
-        plan = planner.plan_restore(states)
-        if planner is not self._planner:
-            _warn_if_idle(planner.num_partitions, self._worker_config)
-            self._planner = planner
-        self._restore(plan)
-        self._restored = True
+    def restore_from_states(self, states: list[Any]) -> None:
+        """Restore this rank from some or all ranks' states of one save (plain, or records an
+        engine decoded): decode, plan (which checks), apply."""
+        engine = self._engine
+        engine.apply(engine.plan(engine.decode(states)))
 
-    def plan_restore(self, states: list[RankState]) -> RestorePlan:
-        """Check ``states`` against this loader and plan its restore (changes nothing).
+    def restore_state_global(
+        self, states: list[dict[str, Any]] | None, *, src_rank: int | None = None
+    ) -> None:
+        """Restore every rank from the list of all ranks' states.
 
-        Raises ``StateMismatchError`` for another pipeline or partitioning, and
-        ``StateFormatError`` for a checkpoint the pipeline cannot read.
+        Either every rank passes the full list (``src_rank=None``), or only ``src_rank``
+        passes it and it is scattered. A collective over the data-parallel group in both forms
+        when torch.distributed is initialised: a state that does not fit on any rank raises on
+        every rank.
         """
-        return self.planner_for(states).plan_restore(states)
-
-    def saved_ranks_needed(self, first: RankState, rank: int | None = None) -> list[int]:
-        """The saved ranks whose states rank ``rank`` (this loader's, by default) restores
-        from, given the lowest saved rank's decoded state ``first`` of a save on another layout
-        (see :meth:`Planner.saved_ranks_needed`): a rank reads those, not every rank's."""
-        return self.planner_for([first]).saved_ranks_needed(first, rank)
-
-    def planner_for(self, states: Sequence[RankState]) -> Planner:
-        """The planner a restore from ``states`` uses (changes nothing): this loader's own,
-        or, for a loader given no ``num_partitions``, one for the states' partition count
-        (:meth:`Planner.adopting`)."""
-        if not self._adopts_partitions:
-            return self._planner
-        return self._planner.adopting(states)
-
-    def _restore(self, plan: RestorePlan) -> None:
-        self._shutdown_workers()
-        side = self._worker_side
-        side.plan = RunPlan(self._planner.num_partitions, plan.workers, plan.restores)
-        side.offset = plan.offset
-        side.drop_runner()
-        self._progress = Progress.from_plan(plan)
-        self._new_generation()
+        distributed.restore_state_global(self, states, src_rank=src_rank)
 
     def reset_state(self) -> None:
         """Forget all progress: the next ``iter()`` starts epoch 0 from scratch."""
-        self._shutdown_workers()
-        side = self._worker_side
-        side.plan = self._planner.canonical_plan()
-        side.offset = 0
-        side.drop_runner()
-        self._progress = Progress(max(1, self.num_workers), self._planner.layout().per_rank)
-        self._new_generation()
-        self._restored = False
+        self._lightning_restored = None
+        self._engine.reset()
 
-    def _new_generation(self) -> None:
-        """Iterators made before this point belong to a position the loader left."""
-        self._inner = None
-        self._peeked.clear()
-        self._failure = None
-        self._generation += 1
+    # -- looking ---------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """What the loader has been doing, as plain numbers: see :mod:`energy_loader.metrics`.
+
+        ``{"since_last": {...}, "total": {...}, "queue_depth": [...]}``: per section the
+        items handed out and items/s, the time ``next()`` waited (mean, p50/p90/p99, max,
+        and as a fraction of the step time), decoding, saves and their latency, and per worker
+        its busy fraction, checkpoint and encode seconds and payload bytes. Example::
+
+            if step % 100 == 0:
+                print(energy_loader.metrics.flatten(loader.stats()))
+        """
+        return self._engine.stats()
+
+    def config(self) -> dict[str, Any]:
+        """The pipeline's (or the drop-in dataset's) configuration plus the loader's layout."""
+        return self._engine.config()
+
+    def peek_keys(self, n: int, state: dict[str, Any] | None = None) -> list[Any]:
+        """What this rank yields next, without taking it: the restore keys of the next ``n``
+        items of a pipeline, or the dataset indices of the next ``n`` batches of a map-style
+        drop-in loader (with ``state``: after that saved position instead).
+
+        A pipeline saves this rank's state and runs a throwaway copy of the pipeline from it
+        in this process, the way a restore would (:mod:`energy_loader.loader.peek`); keys run
+        on across an epoch end. The live loader is untouched and the global RNGs are kept.
+        """
+        require_int(n, "n", minimum=0)
+        engine = self._engine
+        if isinstance(engine, MapEngine):
+            saved = None
+            if state is not None:
+                saved = engine.decode_one(state)
+                engine.check(saved)
+            return list(peek_units(engine, n, saved))
+        if state is not None:
+            raise TypeError("peek_keys(n, state) needs a map-style drop-in loader")
+        from .peek import peek_keys
+
+        return peek_keys(self._pipeline_engine("peek_keys"), n)
+
+    def restore_sample(self, key: Any) -> Any:
+        """Rebuild the sample (or batch) that carried ``key`` (a savable pipeline)."""
+        if not isinstance(self._engine, PipelineEngine):
+            raise TypeError(
+                "restore_sample needs a savable pipeline (samples with restore keys); a "
+                "drop-in loader's dataset is indexed directly: dataset[index]"
+            )
+        return self._engine.restore_sample(key)
+
+    def peek_batches(self, n: int, state: dict[str, Any]) -> list[tuple[Any, Any]]:
+        """The next ``n`` batches after the saved ``state`` (fewer if its epoch ends first),
+        each with its dataset indices (:meth:`peek_keys`), made in this process by the
+        loader's own fetcher, the one its workers run: with ``seed_per_sample`` each
+        ``dataset[index]`` draws from the same per-sample seeds as in training, and
+        ``collate_fn`` makes the batch. Changes nothing; map-style drop-in loaders only.
+        """
+        units = self.peek_keys(n, state)
+        if not units:
+            return []
+        engine = self._map_engine("peek_batches")
+        saved = engine.decode_one(state)
+        return list(zip(units, make_units(engine, units, saved), strict=True))
+
+    def set_distributed_rank(self, rank: int, num_replicas: int) -> None:
+        """Point a map-style drop-in loader's ``DistributedSampler`` at ``rank`` of
+        ``num_replicas`` (its ``num_samples`` and ``total_size`` recomputed as its constructor
+        computes them), before the first ``iter()``: how ``python -m energy_loader replay
+        --rank R`` makes rank R's loader out of one built for another rank.
+
+        Raises ``TypeError`` without a ``DistributedSampler`` and ``ValueError`` for a rank
+        outside ``range(num_replicas)`` or a loader that has iterated or restored already.
+        """
+        require_int(num_replicas, "num_replicas", minimum=1)
+        require_int(rank, "rank", minimum=0)
+        if rank >= num_replicas:
+            raise ValueError(f"rank must be in range({num_replicas}) (got {rank})")
+        self._map_engine("set_distributed_rank").set_distributed_rank(self, rank, num_replicas)
+
+    def _map_engine(self, what: str) -> MapEngine:
+        engine = self._engine
+        if not isinstance(engine, MapEngine):
+            raise TypeError(
+                f"{what} needs a map-style dataset given to the loader as a drop-in (an "
+                "iterable's items have no index; a pipeline's have restore keys: peek_keys)"
+            )
+        return engine
+
+    def _pipeline_engine(self, what: str) -> PipelineEngine:
+        engine = self._engine
+        if not isinstance(engine, PipelineEngine):
+            raise TypeError(f"{what} needs a savable pipeline (this loader runs a drop-in)")
+        return engine
 
     # -- the rest --------------------------------------------------------------------------
 
@@ -575,14 +510,10 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
         through the cyclic garbage collector, where torch's own shutdown waits up to 5 s per
         worker; call this (or use the loader as a context manager) when done with it.
         """
-        if not self._fleet.running or self._failure is not None:
-            self._shutdown_workers()
-            return
-        self._restore(self._planner.plan_own([self._save(0)]))
+        self._engine.close()
 
     def _shutdown_workers(self) -> None:
-        self._inner = None
-        self._fleet.close()
+        self._engine.shutdown()
 
     @property
     def _is_accelerate_prepared(self) -> bool:
@@ -613,7 +544,7 @@ class SavableDataLoader(RankStateProtocols, ObservedLoader, DataLoader):
     def __del__(self, _suppress: Any = contextlib.suppress) -> None:
         # Bound as a default: at interpreter exit this module's globals may already be None.
         with _suppress(Exception):
-            self._shutdown_workers()
+            self._engine.shutdown()
 
 
 class BasicDataLoader(SavableDataLoader):
@@ -626,11 +557,7 @@ class BasicDataLoader(SavableDataLoader):
     saves_state = False
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        if self.num_workers > 0 and not self._fleet.running:
-            self._fleet.open_transport()
-        with self._worker_side.iterated_by_owner():
-            inner = DataLoader.__iter__(self)
-        return inner if self._transport is None else map(decode, inner)
+        return self._pipeline_engine("BasicDataLoader").iterate_unsaved()
 
     def save_state_rank(self, *, held_back: int = 0) -> dict[str, Any]:
         raise TypeError("BasicDataLoader does not save state; use SavableDataLoader")
@@ -638,8 +565,5 @@ class BasicDataLoader(SavableDataLoader):
     def restore_state_rank(self, state: dict[str, Any]) -> None:
         raise TypeError("BasicDataLoader does not restore state; use SavableDataLoader")
 
-
-def _warn_if_idle(num_partitions: int, config: WorkerConfig) -> None:
-    message = idle_workers_warning(num_partitions, config.world_size, config.num_workers)
-    if message is not None:
-        warnings.warn(message, UserWarning, stacklevel=3)
+    def peek_keys(self, n: int, state: dict[str, Any] | None = None) -> list[Any]:
+        raise TypeError("peek_keys needs a SavableDataLoader (BasicDataLoader keeps no state)")

@@ -8,13 +8,19 @@ marker per epoch, in bundles (:mod:`energy_loader.workers.bundling`). Nothing he
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import attrs
 
 from ..state.rank_state import PartitionState, WorkerSlots
 
-__all__ = ["FAILED_SLOT", "CheckpointSettings", "RunPlan", "WorkerItem"]
+if TYPE_CHECKING:
+    from ..dataset import SavableDataset
+    from ..transport import WorkerTransport
+    from ..worker import WorkerConfig
+
+__all__ = ["FAILED_SLOT", "CheckpointSettings", "RunPlan", "RunnerOwner", "WorkerItem"]
 
 # The slot of a failure item: its sample is the ExceptionWrapper of the pipeline's error.
 FAILED_SLOT = -2
@@ -59,9 +65,26 @@ class RunPlan:
 
     ``workers[w]`` lists the partitions logical worker ``w`` runs, whose turn is next and
     whether it already ended the current epoch; ``restores`` maps a partition to the state it
-    continues from (``None``: every partition starts fresh).
+    continues from (``None``: every partition starts fresh). ``verify``: whether a restored
+    partition checks its proof (the last item it replays is the one the saving loader handed
+    out); the loader's ``verify_restore``.
     """
 
     num_partitions: int
     workers: tuple[WorkerSlots, ...]
     restores: dict[int, PartitionState] | None = None
+    verify: bool = True
+
+
+class RunnerOwner(Protocol):
+    """What a :class:`~energy_loader.workers.runner.Runner` reads of the dataset torch's
+    workers iterate (:class:`~energy_loader.workers.side.WorkerSideDataset`)."""
+
+    pipeline: SavableDataset
+    config: WorkerConfig
+    settings: CheckpointSettings
+    plan: RunPlan
+    offset: int
+    savable: bool
+    channels: list[Connection] | None
+    transport: WorkerTransport | None

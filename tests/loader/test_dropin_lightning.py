@@ -25,7 +25,8 @@ def test_lightning_injects_a_distributed_sampler_into_a_drop_in_loader(workers: 
 
     ours = rebuilt(el.SavableDataLoader(DATA, batch_size=3, shuffle=True, num_workers=workers))
     theirs = rebuilt(DataLoader(DATA, batch_size=3, shuffle=True, num_workers=workers))
-    assert type(ours) is DropInDataLoader and isinstance(ours.sampler, DistributedSampler)
+    assert type(ours) is el.SavableDataLoader and isinstance(ours, DropInDataLoader)
+    assert isinstance(ours.sampler, DistributedSampler)
     assert ours.num_workers == workers and ours.batch_size == 3
     assert_same(list(ours), list(theirs))
     iterator = iter(ours)

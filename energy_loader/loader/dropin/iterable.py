@@ -3,8 +3,9 @@
 torch runs one copy of an iterable dataset per worker, batches each copy's items in that
 worker (``batch_size``, ``collate_fn``, ``drop_last`` per worker) and hands the batches out
 round-robin over the workers, skipping those that ended. That is a savable pipeline with one
-logical partition per worker: ``BatchDataset(IterableSource(dataset))`` run by an internal
-:class:`~energy_loader.SavableDataLoader`, whose workers checkpoint the source every few
+logical partition per worker: ``BatchDataset(IterableSource(dataset))`` run by a
+:class:`~energy_loader.loader.pipeline_engine.PipelineEngine` over a private torch
+``DataLoader``, whose workers checkpoint the source every few
 items (:mod:`energy_loader.sources.iterable` says what it saves). A restore replays fewer
 than ``checkpoint_every_n_samples`` batches per worker from a ``Stateful`` dataset's own
 state, and the whole epoch so far from the start for any other dataset.
@@ -19,20 +20,24 @@ rank is refused (:mod:`.hf_stream`).
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+import warnings
+import weakref
+from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
 from ...dataset import RESTORE_KEY
 from ...errors import StateMismatchError
 from ...sources.iterable import IterableSource
+from ...worker import WorkerConfig
 from ...wrappers.batch import BatchDataset
 from ...wrappers.map import MapDataset
+from ..arguments import resolve_arguments
+from ..pipeline_engine import PipelineEngine
 from .hf_stream import check_stream_split
+from .restore import DropInRestore
 from .state import DROPIN_STATE_FORMAT, DROPIN_STATE_VERSION, check_config, read_header
-
-if TYPE_CHECKING:
-    from .loader import DropInDataLoader
 
 __all__ = ["IterableEngine", "IterableState"]
 
@@ -91,14 +96,13 @@ class _Stripped:
         return len(self._inner)
 
 
-class IterableEngine:
-    """Runs an iterable drop-in loader through an internal savable loader."""
+class IterableEngine(DropInRestore):
+    """Runs an iterable drop-in loader as a pipeline engine of one partition per worker."""
 
-    def __init__(self, loader: DropInDataLoader, **options: Any) -> None:
-        from ..savable_loader import SavableDataLoader
-
+    def __init__(self, loader: DataLoader[Any], config: WorkerConfig, **options: Any) -> None:
         seed_per_sample = options.pop("seed_per_sample")
-        check_stream_split(loader.dataset, loader.worker_config)
+        verify = options.pop("verify_restore")
+        check_stream_split(loader.dataset, config)
         source = IterableSource(
             loader.dataset, worker_init_fn=loader.worker_init_fn, seed_per_epoch=seed_per_sample
         )
@@ -114,18 +118,30 @@ class IterableEngine:
                 source, int(loader.batch_size), collate_fn=collate, drop_last=loader.drop_last
             )
         self.num_workers = loader.num_workers
-        self.inner = SavableDataLoader(
+        self.worker_config = config
+        self._owner = weakref.ref(loader)  # for torch's len(): no cycle
+        prefetch = 2 if loader.prefetch_factor is None else loader.prefetch_factor
+        args = resolve_arguments(
             pipeline,
+            worker_config=config,
             num_workers=loader.num_workers,
-            worker_config=loader.worker_config,
-            prefetch_factor=loader.prefetch_factor,
-            pin_memory=loader.pin_memory,
+            num_partitions=None,
+            prefetch_factor=prefetch,
             multiprocessing_context=loader.multiprocessing_context,
-            timeout=loader.timeout,
-            pin_memory_device=loader.pin_memory_device,
             **options,
         )
-        self.config = {
+        self.inner = PipelineEngine(pipeline, args, adopts_partitions=True, verify=verify)
+        with warnings.catch_warnings():  # torch warned about num_workers once already
+            warnings.simplefilter("ignore")
+            self.torch_loader = DataLoader(
+                self.inner.side,
+                pin_memory=loader.pin_memory,
+                timeout=loader.timeout,
+                pin_memory_device=loader.pin_memory_device,
+                **self.inner.torch_arguments(prefetch),
+            )
+        self.inner.bind(self.torch_loader)
+        self._state_config = {
             "dataset": type(loader.dataset).__name__,
             "stateful": source.stateful,
             "batch_size": None if loader.batch_size is None else int(loader.batch_size),
@@ -133,22 +149,34 @@ class IterableEngine:
             "num_workers": loader.num_workers,
         }
 
+    @property
+    def state_config(self) -> dict[str, Any]:
+        return self._state_config
+
     def iterate(self) -> _Stripped:
-        return _Stripped(iter(self.inner))
+        return _Stripped(self.inner.iterate())
 
     @property
     def epoch_number(self) -> int:
-        return self.inner.epoch
+        return self.inner.epoch_number
 
-    def save(self, rank: int, world_size: int, held_back: int) -> IterableState:
-        return IterableState(
-            rank, world_size, self.config, self.inner.save_state_rank(held_back=held_back)
-        )
+    def rank_length(self) -> int:
+        """torch's ``len(loader)`` of an iterable dataset (its ``len()``, batched)."""
+        loader = self._owner()
+        if loader is None:
+            raise RuntimeError("the drop-in loader that owned this engine is gone")
+        return DataLoader.__len__(loader)
 
-    def decode(self, state: Any) -> IterableState:
+    def record(self, rank: int, world_size: int, held_back: int) -> IterableState:
+        return IterableState(rank, world_size, self.state_config, self.inner.save(held_back))
+
+    def decode_one(self, state: Any) -> IterableState:
         return IterableState.from_plain(state)
 
     def check(self, state: IterableState) -> None:
+        self._inner_plan(state)
+
+    def _inner_plan(self, state: IterableState) -> Any:
         saved = state.config
         if isinstance(saved, dict) and saved.get("num_workers") != self.num_workers:
             raise StateMismatchError(
@@ -156,10 +184,8 @@ class IterableEngine:
                 f"has {self.num_workers}: an iterable dataset's copies are one per worker, so "
                 "it restores on the same num_workers (a savable pipeline restores on any)"
             )
-        check_config(saved, self.config)
-        from ...state.rank_state import RankState
-
-        self.inner.plan_restore([RankState.from_plain(state.pipeline)])
+        check_config(saved, self.state_config)
+        return self.inner.plan(self.inner.decode([state.pipeline]))
 
     def stats(self) -> dict[str, Any]:
         return self.inner.stats()
@@ -168,15 +194,14 @@ class IterableEngine:
         """An iterable dataset's state is its rank's own stream."""
         return False
 
-    def restore(self, state: IterableState) -> None:
-        self.check(state)
-        self.inner.restore_state_rank(state.pipeline)
+    def restore_record(self, state: IterableState) -> None:
+        self.inner.apply(self._inner_plan(state))
 
     def reset(self) -> None:
-        self.inner.reset_state()
+        self.inner.reset()
 
     def close(self) -> None:
         self.inner.close()
 
     def shutdown(self) -> None:
-        self.inner._shutdown_workers()
+        self.inner.shutdown()

@@ -29,15 +29,15 @@ import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler
 
 from ...metrics import WORKER_FIELDS, LoaderMetrics, clock
-from ...rng import kept_rng_state
 from ...torch_internals import ExceptionWrapper, shut_down_workers_of
 from ...transport import Transport
+from ...worker import WorkerConfig
 from ...workers.bundling import BUNDLE_SECONDS, bundle_bytes
 from ...workers.fetch import BatchFetcher, FetchResult, FetchTask, WorkerInit
 from ..progress import MAX_HELD_BACK
@@ -45,11 +45,9 @@ from .job import agree_on_job
 from .position import (
     Units,
     own_generators_digest,
-    plain_unit,
-    positioned_iterator,
     saved_after_last_batch,
-    start_of,
 )
+from .restore import DropInRestore
 from .sampling import (
     PrivateGlobal,
     SamplerRng,
@@ -66,9 +64,6 @@ from .stream import (
     distributed_config,
     sampled_length,
 )
-
-if TYPE_CHECKING:
-    from .loader import DropInDataLoader
 
 __all__ = ["MapEngine"]
 
@@ -92,12 +87,13 @@ class _TaskSampler(Sampler[FetchTask]):
         return engine.open_stream()
 
 
-class MapEngine:
+class MapEngine(DropInRestore):
     """Runs and records a map-style drop-in loader (owned by the loader, one per loader)."""
 
     def __init__(
         self,
-        loader: DropInDataLoader,
+        loader: DataLoader[Any],
+        worker_config: WorkerConfig,
         *,
         seed_per_sample: bool,
         items_per_transfer: int,
@@ -108,6 +104,7 @@ class MapEngine:
         # would leave the workers to the cyclic garbage collector, where torch's shutdown
         # waits seconds per worker.
         self.num_workers = loader.num_workers
+        self._owner = weakref.ref(loader)  # for torch's len(): no cycle
         self.persistent_workers = loader.persistent_workers
         collate = loader.collate_fn
         if collate is torch.utils.data.default_collate:
@@ -144,7 +141,7 @@ class MapEngine:
         self.base_fixup: str | None = None
         self.before_base_seed: torch.Tensor | None = None
         self.job: JobStart | None = None  # set at the job's first iter()
-        self.worker_config = loader.worker_config
+        self.worker_config = worker_config
         self.agreed = False  # whether the ranks agreed on self.job (at an iter())
         # Whether the ranks share one dataset's epochs (and so one job seed): a loader without
         # a DistributedSampler may run on some ranks only (evaluation on rank 0).
@@ -187,9 +184,16 @@ class MapEngine:
         return self.stream.length
 
     @property
-    def config(self) -> dict[str, Any]:
+    def state_config(self) -> dict[str, Any]:
         """What a state must agree with (dataset, sampler, generators, batching)."""
         return self.stream.config
+
+    def rank_length(self) -> int:
+        """torch's ``len(loader)``: batches per epoch (the sampler's length)."""
+        loader = self._owner()
+        if loader is None:
+            raise RuntimeError("the drop-in loader that owned this engine is gone")
+        return DataLoader.__len__(loader)
 
     def _poll(self) -> tuple[list[dict[str, float] | None], list[int]]:
         now = clock() - self.born
@@ -360,7 +364,7 @@ class MapEngine:
 
     # -- state ---------------------------------------------------------------------------------
 
-    def save(self, rank: int, world_size: int, held_back: int) -> MapState:
+    def record(self, rank: int, world_size: int, held_back: int) -> MapState:
         """The position ``held_back`` batches before the last handed out (timed for stats)."""
         began = clock()
         state = self._position(rank, world_size, held_back)
@@ -376,7 +380,7 @@ class MapEngine:
                 raise ValueError(f"held_back={held_back}: nothing was handed out yet")
             job = JobStart(None, self.persistent_workers)  # the job that will start
             return MapState(
-                rank, world_size, self.config, False, 0, 0, job, None, None, None, "", ""
+                rank, world_size, self.state_config, False, 0, 0, job, None, None, None, "", ""
             )
         used = epoch.used - held_back
         if used < 0:
@@ -395,7 +399,7 @@ class MapEngine:
         return MapState(
             rank,
             world_size,
-            self.config,
+            self.state_config,
             True,
             epoch.number,
             used,
@@ -409,40 +413,13 @@ class MapEngine:
             self.stream.proof(epoch, used),
         )
 
-    def decode(self, state: Any) -> MapState:
+    def decode_one(self, state: Any) -> MapState:
         return MapState.from_plain(state)
 
     def check(self, state: MapState) -> None:
         check_restorable(state, self.stream)
 
-    def peek_units(self, count: int, saved: MapState | None = None) -> list[Any]:
-        """The units (a batch's indices, or an index) of the next ``count`` batches of the
-        current epoch -- or of the epoch ``saved`` stands in -- (fewer if it ends first),
-        changing nothing: the sampler is re-run from the epoch's recorded start in this
-        process, every generator put back after."""
-        if self.stateful is not None:
-            raise TypeError(
-                "peek_keys cannot re-run a sampler with state_dict()/load_state_dict() without "
-                "changing it; iterate a copy of the loader instead"
-            )
-        state = saved or (self.pending if self.pending is not None else self.save(0, 1, 0))
-        if not state.started:
-            raise ValueError(
-                "nothing to peek before the first iter(): torch draws the epoch's order then"
-            )
-        start = start_of(state)
-        kept = self.rng.capture()
-        try:
-            iterator = positioned_iterator(
-                self.index_sampler, self.rng, start, state.used, None, self.length
-            ).iterator
-            if iterator is None:
-                return []
-            return [plain_unit(unit) for _, unit in zip(range(count), iterator)]
-        finally:
-            self.rng.put(kept)
-
-    def set_distributed_rank(self, loader: DropInDataLoader, rank: int, num_replicas: int) -> None:
+    def set_distributed_rank(self, loader: DataLoader[Any], rank: int, num_replicas: int) -> None:
         """The ``DistributedSampler`` set to ``rank`` of ``num_replicas``, and what the engine
         derived from it (the length, the config a state is checked against) again."""
         sampler = self.distributed
@@ -462,20 +439,6 @@ class MapEngine:
         self.stream.length = _length_of(loader)
         self.stream.config = _config_of(loader, self.rng)
 
-    def make_units(self, units: list[Any], saved: MapState) -> list[Any]:
-        """The batches of ``units`` (from :meth:`peek_units` of ``saved``) made in this process
-        as the workers made them in ``saved``'s epoch: by the loader's own fetcher, with the
-        epoch's per-sample seeds and the ``collate_fn`` (the global RNGs put back after)."""
-        job = saved.job
-        if not saved.started or job is None or job.seed is None:
-            raise ValueError("nothing was made before the first iter(): no batches to make")
-        task = FetchTask(saved.used, tuple(units), epoch_seed(job.seed, saved.epoch))
-        with kept_rng_state():  # the fetcher keeps them only when it seeds
-            result = self.fetcher[task]
-        if result.failure is not None:
-            raise result.failure
-        return result.batches()
-
     def stats(self) -> dict[str, Any]:
         return self.metrics.stats()
 
@@ -493,7 +456,13 @@ class MapEngine:
         ``DistributedSampler`` every rank has used the same number of batches."""
         return "DistributedSampler" in str(state.config.get("sampler"))
 
-    def restore(self, state: MapState) -> None:
+    def restored_batches_used(self) -> int | None:
+        """The batches of its epoch a restored state had used, until the next ``iter()``
+        (what Lightning counts from, :mod:`.trainers`); None when nothing is pending."""
+        pending = self.pending
+        return pending.used if pending is not None and pending.started else None
+
+    def restore_record(self, state: MapState) -> None:
         check_restorable(state, self.stream)
         self.shutdown()
         self.pending = state
@@ -513,7 +482,7 @@ class MapEngine:
         if self.epoch is None or self.torch_iterator is None:
             self.shutdown()
             return
-        self.restore(self.save(0, 1, 0))
+        self.restore_record(self.record(0, 1, 0))
         self.agreed = True  # the same job goes on: nothing to agree on again
 
     def shutdown(self) -> None:
@@ -602,7 +571,7 @@ class _MapIterator:
         return length
 
 
-def _config_of(loader: DropInDataLoader, rng: SamplerRng) -> dict[str, Any]:
+def _config_of(loader: DataLoader[Any], rng: SamplerRng) -> dict[str, Any]:
     """What a state must agree with: dataset, sampler, generators and batching (not the
     workers)."""
     dataset = loader.dataset

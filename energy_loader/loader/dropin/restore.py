@@ -1,0 +1,179 @@
+"""The save-and-restore half of the engine protocol, shared by the two drop-in engines.
+
+A drop-in state is whole: one per rank (:mod:`.state`, :mod:`.iterable`), small, restored by
+its own rank on the world size that saved it -- or, under a ``DistributedSampler``, any
+rank's state restores every rank of any layout (it names the job's position, not the rank's).
+:class:`DropInRestore` turns an engine's own record methods (``record``, ``decode_one``,
+``check``, ``restore_record``, ``rank_free``) into the protocol's
+``save``/``leaves``/``decode``/``plan``/``apply``/``read_rank_files``, so the loader and
+:mod:`energy_loader.distributed` treat a drop-in loader as any other.
+
+Not here: what a state holds (:mod:`.state`), process groups (:mod:`energy_loader.distributed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ...errors import StateFormatError, StateMismatchError
+from ...state.plain import StateReader
+from ...state.rank_file import RankFile
+from ...state.rank_folder import RankFolder, whole_states
+from ...validation import require_int
+from ...worker import WorkerConfig
+from ..progress import MAX_HELD_BACK
+from .entries import ANY_RANK_KEY, is_rank_entries, rank_entries, rank_key, states_of_entries
+from .job import check_one_save
+
+__all__ = ["DropInRestore"]
+
+
+class DropInRestore:
+    """The protocol's save and restore methods over a drop-in engine's record methods."""
+
+    worker_config: WorkerConfig
+    num_workers: int
+
+    if TYPE_CHECKING:  # what each drop-in engine provides (map_style.py, iterable.py)
+
+        @property
+        def state_config(self) -> dict[str, Any]: ...
+        def record(self, rank: int, world_size: int, held_back: int) -> Any: ...
+        def decode_one(self, state: Any) -> Any: ...
+        def check(self, decoded: Any) -> None: ...
+        def restore_record(self, decoded: Any) -> None: ...
+        def rank_free(self, decoded: Any) -> bool: ...
+
+    def config(self) -> dict[str, Any]:
+        """The dataset, sampler and batching a state must match, plus the layout."""
+        config = self.worker_config
+        return {
+            "dropin": dict(self.state_config),
+            "rank": config.rank,
+            "world_size": config.world_size,
+            "num_workers": self.num_workers,
+        }
+
+    # -- saving ----------------------------------------------------------------------------
+
+    def saved(self, held_back: int) -> Any:
+        """This rank's record ``held_back`` batches before the last one handed out."""
+        require_int(held_back, "held_back", minimum=0)
+        if held_back > MAX_HELD_BACK:
+            raise ValueError(f"`held_back` must be at most {MAX_HELD_BACK} (got {held_back})")
+        config = self.worker_config
+        return self.record(config.rank, config.world_size, held_back)
+
+    def save(self, held_back: int) -> dict[str, Any]:
+        return self.saved(held_back).to_plain()  # type: ignore[no-any-return]
+
+    def leaves(self, held_back: int) -> dict[str, Any]:
+        """``{"rank_00001": "<JSON>"}`` (:mod:`.entries` says why a key per rank and a JSON
+        leaf); a state any rank restores from goes under ``rank_any``."""
+        state = self.saved(held_back)
+        as_json = getattr(state, "to_json", None)
+        if as_json is not None:  # a map-style state: the epoch's constant part encoded once
+            key = ANY_RANK_KEY if self.rank_free(state) else rank_key(state.rank)
+            with contextlib.suppress(TypeError, ValueError):  # a sampler state JSON can't hold
+                return {key: as_json()}
+        return rank_entries([state.to_plain()])
+
+    def leaves_of_ranks(self, states: Sequence[Any]) -> dict[str, Any]:
+        return rank_entries(states)
+
+    # -- restoring -------------------------------------------------------------------------
+
+    def decode(self, states: Sequence[Any]) -> list[Any]:
+        """Every rank's state as given: a drop-in state is decoded and checked when the rank
+        that restores from it plans (:meth:`plan`)."""
+        return list(states)
+
+    def decode_leaves(self, leaves: dict[str, Any]) -> list[Any] | None:
+        if not is_rank_entries(leaves):
+            return None
+        return states_of_entries(leaves)
+
+    def check_one_save(self, states: Sequence[Any], *, across: bool) -> None:
+        check_one_save(states, across=across)
+
+    def saved_ranks_needed(self, first: Any, rank: int) -> list[int]:
+        """``first``'s rank alone under a ``DistributedSampler`` (it names the job's
+        position); otherwise refused (each rank restores from its own state)."""
+        if self.restores_any_rank(first):
+            return [StateReader(first, "state").int("rank")]
+        raise self._other_world_size(StateReader(first, "state").int("world_size", minimum=1))
+
+    def restores_any_rank(self, state: Any) -> bool:
+        """Whether ``state`` (plain) names the job's position rather than one rank's."""
+        return bool(self.rank_free(self.decode_one(state)))
+
+    def read_rank_files(self, folder: RankFolder) -> list[Any]:
+        """This rank's own file, checked against a witness file of the save (rank 0's; rank
+        1's for rank 0) for the job and, under a DistributedSampler, the position; on another
+        world size the lowest rank's file and those :meth:`saved_ranks_needed` names."""
+        if folder.has_own():
+            state = _whole(folder.open_own())
+            if len(folder.files) > 1:
+                other = folder.open(0 if folder.rank else 1)
+                try:
+                    check_one_save([_whole(other), state], across=False)
+                except StateMismatchError as error:
+                    raise StateMismatchError(f"{folder.directory}: {error}") from None
+            return [state]
+        return whole_states(
+            folder,
+            decode=_whole,
+            needed=lambda first: self.saved_ranks_needed(first, folder.rank),
+            check=lambda states: check_one_save(states, across=True),
+        )
+
+    def own_state(self, states: Sequence[Any]) -> Any:
+        """This rank's entry of some or all ranks' states (the job's position: any rank's)."""
+        config = self.worker_config
+        if len(states) == 1:
+            return states[0]  # this rank's own entry; plan() checks whose
+        if len(states) == config.world_size:
+            check_one_save(states, across=False)
+            return states[config.rank]  # its own entry (also the job's position)
+        if states and self.restores_any_rank(states[0]):
+            check_one_save(states, across=True)
+            return states[0]  # the job's position: any rank's state
+        raise self._other_world_size(len(states))
+
+    def plan(self, records: list[Any]) -> Any:
+        """This rank's state, decoded and checked (``StateFormatError``, ``StateMismatchError``
+        for a state of another dataset, sampler, batching or rank)."""
+        decoded = self.decode_one(self.own_state(records))
+        config = self.worker_config
+        other_layout = decoded.world_size != config.world_size or decoded.rank != config.rank
+        if other_layout and not self.rank_free(decoded):
+            raise StateMismatchError(
+                f"the state was saved by rank {decoded.rank} of {decoded.world_size}; this "
+                f"loader is rank {config.rank} of {config.world_size}. A drop-in loader "
+                "restores on the same world size, each rank from its own state, unless its "
+                "sampler is a DistributedSampler (then any rank's state restores any layout); "
+                "otherwise elastic resume needs a savable pipeline: docs/migration.md"
+            )
+        self.check(decoded)
+        return decoded
+
+    def apply(self, plan: Any) -> None:
+        self.restore_record(plan)
+
+    def _other_world_size(self, saved: int) -> StateMismatchError:
+        return StateMismatchError(
+            f"{saved} rank state(s) were saved, this job has world size "
+            f"{self.worker_config.world_size}: a drop-in loader restores on the same world "
+            "size unless its sampler is a DistributedSampler (otherwise elastic resume needs a "
+            "savable pipeline: docs/migration.md)"
+        )
+
+
+def _whole(file: RankFile) -> Any:
+    """A rank file's whole state (``StateFormatError`` naming the file)."""
+    try:
+        return file.state()
+    except StateFormatError as error:
+        raise StateFormatError(f"{file.path}: {error}") from None
