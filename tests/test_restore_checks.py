@@ -79,6 +79,28 @@ def test_a_filter_that_changed_since_the_save_is_refused_before_any_new_item(wor
         assert [indices(batch) for batch in loader] == rest
 
 
+def test_verify_restore_false_continues_a_changed_filter_without_the_check() -> None:
+    """The opt-out: the restore replays and continues from the re-derived position, with the
+    changed filter's items (what the user asked for), instead of refusing."""
+    state, _ = _saved_at(_loader(_filtered(_kept), 0), 11)
+    _KEEP["modulus"] = 5
+    unchecked = el.SavableDataLoader(
+        _filtered(_kept),
+        checkpoint_every_n_samples=8,
+        checkpoint_every_sec=None,
+        verify_restore=False,
+    )
+    unchecked.restore_state_rank(state)
+    batches = [indices(batch) for batch in unchecked]
+    assert batches, "the restored epoch continues"
+    assert all(index % 5 != 0 for batch in batches for index in batch)  # the changed filter
+
+
+def test_verify_restore_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="verify_restore"):
+        el.SavableDataLoader(_filtered(_kept), verify_restore="no")
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("entry", ["state_dict", "rank_file"])
 def test_the_proof_is_checked_through_every_entry_point(entry, tmp_path) -> None:
