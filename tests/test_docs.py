@@ -3,8 +3,9 @@ argument is documented, and the README's commands are the ones CI runs.
 
 The code blocks of README.md and docs/ (docs/design.md included), by their fence:
 
-- ``python``: run. A page is one script: its python blocks run in order in one namespace, in
-  a temporary folder, in this process (worker processes fork from it); then every ``test_*``
+- ``python``: run. A page is one script: its python blocks run in order in one namespace
+  (``__name__ == "__main__"``), in a temporary folder, in this process (worker processes fork
+  from it); then every ``test_*``
   function the page defined is called, as pytest would (a page can show the test a reader
   puts in their own suite). Keep them cheap: small data, ``num_workers`` <= 2.
 - ``json``: must parse (``"..."`` stands for what is left out).
@@ -25,11 +26,13 @@ And anywhere on a page, ``<!-- doc-test: slow -->``: the page runs only with the
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,7 +45,7 @@ from .doc_api import API_PATH, generated_reference, replace_generated
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
-_FENCE = re.compile(r"^```(\S*)\s*$")
+_FENCE = re.compile(r"^\s*```(\S*)\s*$")
 _MARKER = re.compile(r"^<!--\s*(fragment|checked)\b:?\s*(.*?)\s*-->\s*$")
 _SLOW_PAGE = "<!-- doc-test: slow -->"
 _COMMANDS = {"bash", "sh", "shell", "console"}
@@ -81,7 +84,7 @@ def blocks_of(page: Path) -> Iterator[Block]:
             page,
             opening.group(1).lower(),
             index + 1,
-            "\n".join(lines[index + 1 : end]),
+            textwrap.dedent("\n".join(lines[index + 1 : end])),
             before.group(1) if before else None,
             before.group(2) if before else "",
         )
@@ -108,13 +111,16 @@ _SLOW_PAGES = [p for p in _RUNNABLE if _is_slow(p)]
 def run_page(page: Path, folder: Path) -> None:
     """Run the page's python blocks as one script in ``folder``, then its ``test_*``
     functions; a failure names the page and the block's line."""
-    namespace: dict[str, object] = {"__name__": f"doc_{page.stem.replace('-', '_')}"}
-    for block in _runnable(page):
-        code = compile(block.code, block.where(), "exec")
-        exec(code, namespace)
-    for name, value in list(namespace.items()):
-        if name.startswith("test_") and callable(value):
-            value()
+    namespace: dict[str, object] = {"__name__": "__main__"}  # a script, as a reader runs it
+    try:
+        for block in _runnable(page):
+            exec(compile(block.code, block.where(), "exec"), namespace)
+        for name, value in list(namespace.items()):
+            if name.startswith("test_") and callable(value):
+                value()
+    finally:
+        namespace.clear()  # the page's loaders go, and their workers with them
+        gc.collect()
 
 
 @pytest.mark.timeout(120)
