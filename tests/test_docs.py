@@ -21,13 +21,15 @@ site and on GitHub):
 - ``<!-- checked: test_name -->``: a command that the named test of this file checks.
 
 And anywhere on a page, ``<!-- doc-test: slow -->``: the page runs only with the slow tests
-(``--run-slow``; a page that starts a framework's trainer, seconds each).
+(``--run-slow``), as a script in a process of its own (``python page.py``): a page that starts
+a framework's trainer or a process group, tens of seconds.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -108,6 +110,22 @@ _FAST_PAGES = [p for p in _RUNNABLE if not _is_slow(p)]
 _SLOW_PAGES = [p for p in _RUNNABLE if _is_slow(p)]
 
 
+def run_page_in_a_process(page: Path, folder: Path) -> None:
+    """Run the page's python blocks as one script file in ``folder``, in a fresh interpreter
+    that imports this checkout's energy_loader."""
+    script = folder / f"{page.stem}.py"
+    script.write_text("\n\n".join(block.code for block in _runnable(page)) + "\n")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(
+        [sys.executable, script.name], cwd=folder, capture_output=True, text=True, timeout=280,
+        env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, f"{_page_id(page)}:\n{result.stderr[-4000:]}"
+
+
 def run_page(page: Path, folder: Path) -> None:
     """Run the page's python blocks as one script in ``folder``, then its ``test_*``
     functions; a failure names the page and the block's line."""
@@ -133,9 +151,8 @@ def test_the_code_of_a_page_runs(page: Path, tmp_path, monkeypatch, no_leftover_
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("page", _SLOW_PAGES, ids=_page_id)
-def test_the_code_of_a_slow_page_runs(page: Path, tmp_path, monkeypatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    run_page(page, tmp_path)
+def test_the_code_of_a_slow_page_runs(page: Path, tmp_path) -> None:
+    run_page_in_a_process(page, tmp_path)
 
 
 def test_every_code_block_runs_or_is_marked() -> None:
