@@ -240,3 +240,22 @@ def test_the_docs_site_builds_strictly(tmp_path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "index.html").exists()
+
+
+def test_the_ratio_figures_are_drawn_from_the_recorded_tables(tmp_path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import plot_doc_ratios as figures
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    dropin = figures.ratios(figures.section(text, "The drop-in loader on a plain Dataset"))
+    assert figures.Ratio("SavableDataLoader", 1.89, 1.80, 4.03) in dropin
+    formats = figures.section(text, "Reading existing formats: WebDataset tars and Parquet")
+    assert figures.Ratio("ParquetSource / iter_batches", 1.29, 1.06, 1.66) in figures.ratios(
+        formats
+    )
+    assert figures.main(["--out", str(tmp_path)]) == 0
+    for name, _ in figures.FIGURES.values():
+        assert (tmp_path / name).stat().st_size > 10_000
+        assert f"]({name})" in text  # the page shows it
