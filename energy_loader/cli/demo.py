@@ -177,7 +177,7 @@ def _verdict(args: argparse.Namespace, out: Path, kill_step: int) -> int:
           f"uninterrupted run: {len(expected)}")  # fmt: skip
     print(
         f"loader.state_dict(): median {statistics.median(saves):.2f} ms over {len(saves)} saves "
-        "(the whole state a checkpoint stores, taken while 2 workers keep the cores busy; "
+        "(the whole state a checkpoint stores, taken while the workers keep the cores busy; "
         "save_state_rank() alone, the position it is built from, is about 0.07 ms in "
         "docs/benchmarks.md); restore (load_state_dict() to the first batch): "
         f"{restore:.0f} ms"
