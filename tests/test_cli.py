@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -56,6 +57,26 @@ def test_demo_kills_resumes_and_proves_identity(demo_run) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "killed itself with SIGKILL" in result.stdout
     assert "VERDICT: IDENTICAL" in result.stdout
+    # It names what it timed: the whole state_dict(), not save_state_rank() alone.
+    assert re.search(r"loader.state_dict\(\): median [\d.]+ ms over \d+ saves", result.stdout)
+    assert "save_state_rank() alone" in result.stdout
+
+
+# A third demo run (~20 s): slow. Without --out the demo's folder is a temporary one.
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_demo_removes_its_temporary_folder(tmp_path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "energy_loader", "demo", "--samples", "500", "--seed", "1"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "VERDICT: IDENTICAL" in result.stdout
+    assert f"in {tmp_path}" in result.stdout  # it did write there
+    assert list(tmp_path.iterdir()) == []
 
 
 # A second demo run (~20 s): slow. The demo's kill and resume run above; a state saved after an
@@ -87,7 +108,12 @@ def test_inspect_reads_a_checkpoint_the_demo_wrote(demo_run) -> None:
     assert "rank 0 of 1, 2 workers, 2 logical partitions (1 per worker)" in result.stdout
     assert "items handed out by rank 0 in this epoch; global position" in result.stdout
     assert "\nseed: 0\n" in result.stdout  # the demo's loader runs with the default seed
-    assert "partition 1: epoch " in result.stdout
+    assert "a restore places each partition at its worker's rolling checkpoint" in result.stdout
+    assert re.search(
+        r"partition 1: rolling checkpoint at epoch \d+ \(\w+\).*source position \d+; then "
+        r"replay \d+ items",
+        result.stdout,
+    ), result.stdout
     assert "ShuffleBufferDataset(size=500)" in result.stdout
 
 

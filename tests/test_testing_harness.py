@@ -51,6 +51,47 @@ def test_check_resume_reports_the_first_divergence() -> None:
         check_resume(build, stop_points=[3], loader_kwargs={"checkpoint_every_n_samples": 1})
 
 
+def _noise(sample: dict[str, Any]) -> dict[str, Any]:
+    return {**sample, "noise": torch.rand(2)}
+
+
+def test_check_resume_names_seed_per_sample_false_when_restore_sample_differs() -> None:
+    # Each worker's draws repeat from the worker's start (the run from the start is exact),
+    # but restore_sample re-makes a sample in the main process without the per-sample seeds.
+    def build() -> el.SavableDataset:
+        return el.MapDataset(el.IndexedSource.from_fn(6, _make), _noise, seed_per_sample=False)
+
+    with pytest.raises(
+        ResumeMismatch,
+        match=r"restore_sample\(\(0,\)\) differs from the sample: sample\['noise'\]: tensor "
+        r"values differ; .*likely cause: MapDataset\(.*_noise\) draws random numbers with "
+        r"seed_per_sample=False",
+    ):
+        check_resume(build, num_workers=2, stop_points=[0], epochs=1)
+
+
+class _OwnGenerator:
+    """Draws from a generator of its own, seeded once when built, never per sample."""
+
+    def __init__(self) -> None:
+        self.rng = random.Random(0)
+
+    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        return {**sample, "noise": self.rng.random()}
+
+
+def test_check_resume_names_a_generator_of_its_own_when_samples_differ() -> None:
+    def build() -> el.SavableDataset:
+        return el.MapDataset(el.IndexedSource.from_fn(6, _make), _OwnGenerator())
+
+    with pytest.raises(
+        ResumeMismatch,
+        match=r"gave other samples after the restore: .*likely cause: a function \(a map, a "
+        r"filter, __getitem__ or collate_fn\) draws from a generator of its own",
+    ):
+        check_resume(build, stop_points=[0], epochs=1)
+
+
 def test_check_resume_rejects_what_is_not_a_pipeline() -> None:
     with pytest.raises(TypeError, match="build_fn must return a SavableDataset"):
         check_resume(lambda: [1, 2, 3])

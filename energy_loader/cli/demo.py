@@ -176,8 +176,11 @@ def _verdict(args: argparse.Namespace, out: Path, kill_step: int) -> int:
     print(f"steps: {resumed_from + 1} before the kill + {len(resumed)} after = {len(combined)}; "
           f"uninterrupted run: {len(expected)}")  # fmt: skip
     print(
-        f"save_state: median {statistics.median(saves):.2f} ms over {len(saves)} saves; "
-        f"restore to first batch: {restore:.0f} ms"
+        f"loader.state_dict(): median {statistics.median(saves):.2f} ms over {len(saves)} saves "
+        "(the whole state a checkpoint stores, taken while the workers keep the cores busy; "
+        "save_state_rank() alone, the position it is built from, is about 0.07 ms in "
+        "docs/benchmarks.md); restore (load_state_dict() to the first batch): "
+        f"{restore:.0f} ms"
     )
     for position, (got, want) in enumerate(zip(combined, expected)):
         if got["indices"] != want["indices"] or got["sum"] != want["sum"]:
@@ -210,7 +213,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--epochs", type=int, default=2, help="epochs to train")
     parser.add_argument("--save-every", type=int, default=25, help="steps between checkpoints")
     parser.add_argument("--kill-step", type=int, default=None, help="step to SIGKILL at")
-    parser.add_argument("--out", type=Path, default=None, help="output directory (temp dir)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output directory, kept (default: a temporary one, removed at the end)",
+    )
     parser.add_argument("--_role", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.samples < 64 or args.workers < 0 or args.epochs < 1 or args.save_every < 1:
@@ -225,8 +233,17 @@ def main(argv: list[str]) -> int:
         return 0
     if args.seed is None:
         args.seed = random.randrange(2**31)
-    args.out = args.out or Path(tempfile.mkdtemp(prefix="energy_loader-demo-"))
-    args.out.mkdir(parents=True, exist_ok=True)
+    args.keep_out = args.out is not None
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        return _demo(parser, args)
+    with tempfile.TemporaryDirectory(prefix="energy_loader-demo-") as folder:
+        args.out = Path(folder)
+        return _demo(parser, args)
+
+
+def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Write the data, run the three loops into ``args.out`` and give the verdict."""
     rows = np.random.default_rng(args.seed).integers(1, 50_000, (args.samples, TOKENS_PER_SAMPLE))
     np.save(args.out / "tokens.npy", rows.astype(np.int32))
     total = _steps_per_epoch(str(args.out / "tokens.npy"), args.seed, args.workers) * args.epochs
@@ -235,7 +252,8 @@ def main(argv: list[str]) -> int:
         kill_step = random.Random(args.seed).randrange(total // 5, total * 4 // 5)
     if not 0 <= kill_step < total:
         parser.error(f"--kill-step must be in [0, {total})")
-    print(f"demo data: {args.samples} samples x {TOKENS_PER_SAMPLE} tokens in {args.out}; "
+    kept = "" if args.keep_out else " (a temporary folder, removed at the end; --out keeps one)"
+    print(f"demo data: {args.samples} samples x {TOKENS_PER_SAMPLE} tokens in {args.out}{kept}; "
           f"seed {args.seed}; {args.workers} workers; {args.epochs} epochs")  # fmt: skip
     code = _child(args, "interrupted", args.out / "interrupted.jsonl", kill_step)
     if code != -signal.SIGKILL:

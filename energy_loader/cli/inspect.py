@@ -222,7 +222,8 @@ def describe_rank_state(state: Any) -> str:
         "seed: "
         + ("not recorded (a version 2 state)" if decoded.seed is None else str(decoded.seed)),
         f"next worker: {decoded.next_worker}",
-        "workers:",
+        "workers (a restore places each partition at its worker's rolling checkpoint, the newest "
+        "one before the last item handed out, then replays the items after it):",
     ]
     entries = decoded.partition_states()
     for index, worker in enumerate(decoded.workers):
@@ -238,8 +239,8 @@ def describe_rank_state(state: Any) -> str:
                 else ""
             )
             lines.append(
-                f"      partition {partition}: {_position(entry.checkpoint)}; replay "
-                f"{entry.skip} items{proof}{ended}"
+                f"      partition {partition}: rolling checkpoint at "
+                f"{_position(entry.checkpoint)}; then replay {entry.skip} items{proof}{ended}"
             )
     lines.append("pipeline (outermost first):")
     lines += [f"  {line}" for line in _config_chain(decoded.config)]

@@ -25,7 +25,7 @@ import attrs
 from .compare import first_difference
 from .runs import UNREPLAYABLE, Batch, Chain, ChainRun, run_chain
 
-__all__ = ["Difference", "ResumeMismatch", "compare_runs", "diagnose"]
+__all__ = ["Difference", "ResumeMismatch", "compare_runs", "diagnose", "unseeded_draws"]
 
 
 class ResumeMismatch(AssertionError):
@@ -108,7 +108,56 @@ def diagnose(
         return f"{where}: {difference.detail}"
     theirs = run_chain(make, uninterrupted, epochs, seed=seed, peek_at=difference.number).peeked
     ours = run_chain(make, chain, epochs, seed=seed, peek_at=difference.number).peeked
-    return f"{where} differs ({difference.detail}); " + _restore_went_elsewhere(theirs, ours)
+    why = _restore_went_elsewhere(theirs, ours)
+    if theirs == ours and UNREPLAYABLE not in (theirs, ours) and theirs is not None:
+        probe = make(chain.workers[0])
+        try:
+            why += "; " + unseeded_draws(probe)
+        finally:
+            close = getattr(probe, "close", None)
+            if close is not None:
+                close()
+    return f"{where} differs ({difference.detail}); " + why
+
+
+def _unseeded_stages(config: Any) -> list[str]:
+    """The stages of a pipeline config (outermost first) built with ``seed_per_sample=False``."""
+    found: list[str] = []
+    nodes = [config]
+    while nodes:
+        node = nodes.pop(0)
+        if not isinstance(node, dict):
+            continue
+        if node.get("seed_per_sample") is False:
+            fn = node.get("fn", node.get("predicate"))
+            found.append(f"{node.get('type', '?')}({fn})" if fn else str(node.get("type", "?")))
+        nodes += [node.get("inner"), *node.get("inners", ())]
+    return found
+
+
+def unseeded_draws(loader: Any) -> str:
+    """The likely cause of samples whose randomness is not reproduced from their keys, for
+    ``loader``: the stages it runs with ``seed_per_sample=False`` by name, else a function
+    drawing from a generator of its own."""
+    stages: list[str] = []
+    if getattr(loader, "seed_per_sample", True) is False:
+        stages.append("the loader (SavableDataLoader(..., seed_per_sample=False))")
+    config = getattr(loader, "config", None)
+    if callable(config):  # a drop-in's config has no "pipeline": no stage to name
+        stages += _unseeded_stages(config().get("pipeline"))
+    if stages:
+        return (
+            f"likely cause: {', '.join(stages)} draws random numbers with seed_per_sample=False, "
+            "so they are not re-made from the sample's restore key; keep the default "
+            "seed_per_sample=True for a function that draws random numbers"
+        )
+    return (
+        "likely cause: a function (a map, a filter, __getitem__ or collate_fn) draws from a "
+        "generator of its own that nobody seeds per sample (random.Random(), "
+        "np.random.default_rng(), a torch.Generator made once); draw from python's random, "
+        "numpy's global RNG or torch's default generator instead, which the loader seeds per "
+        "sample"
+    )
 
 
 _UNSEEN_SOURCE = (

@@ -25,7 +25,7 @@ from ..errors import StateMismatchError
 from ..loader import SavableDataLoader
 from ..validation import require_int
 from .compare import first_difference
-from .diagnosis import ResumeMismatch, compare_runs, diagnose
+from .diagnosis import ResumeMismatch, compare_runs, diagnose, unseeded_draws
 from .runs import Chain, ChainRun, RunFailed, SavePoint, run_chain
 
 __all__ = [
@@ -161,7 +161,11 @@ def check_resume(
             return
         detail = first_difference(sample, loader.restore_sample(key))
         if detail is not None:
-            problems.append(f"restore_sample({key!r}) differs from the sample: {detail}")
+            problems.append(
+                f"restore_sample({key!r}) differs from the sample: {detail}; restore_sample "
+                f"re-makes a sample from its restore key alone: {unseeded_draws(loader)} (or "
+                "pass check_restore_sample=False if you never replay samples)"
+            )
 
     return _check(
         make,
