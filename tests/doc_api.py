@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import energy_loader
-from energy_loader.loader.dropin import DropInDataLoader
 from energy_loader.testing import check_loader_resume, check_resume
 
 API_PATH = Path(__file__).resolve().parents[1] / "docs" / "api.md"
@@ -23,7 +22,6 @@ END = "<!-- end of the generated part -->"
 
 # Public callables outside the top-level namespace whose arguments users pass.
 _EXTRA: dict[str, Any] = {
-    "DropInDataLoader": DropInDataLoader,
     "energy_loader.testing.check_resume": check_resume,
     "energy_loader.testing.check_loader_resume": check_loader_resume,
 }
