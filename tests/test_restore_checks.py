@@ -79,6 +79,28 @@ def test_a_filter_that_changed_since_the_save_is_refused_before_any_new_item(wor
         assert [indices(batch) for batch in loader] == rest
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("steps", [11, 12])
+def test_a_worker_refusal_names_the_logical_worker_and_torchs_process_alike(steps) -> None:
+    """After a restore torch's worker process p runs logical worker (p + rotation) % W: the
+    message names the logical worker, and torch's process number beside it when they differ
+    (it used to say "worker 1 ... worker process 0")."""
+    import re
+
+    state, _ = _saved_at(_loader(_filtered(_kept), 2), steps)
+    _KEEP["modulus"] = 5
+    changed = _loader(_filtered(_kept), 2)
+    changed.restore_state_rank(state)
+    with pytest.raises(el.WorkerError) as caught:
+        next(iter(changed))
+    message = str(caught.value)
+    logical = caught.value.worker_id
+    physical = int(re.search(r"worker process (\d+)", message).group(1))
+    assert message.startswith(f"worker {logical}")
+    if logical != physical:
+        assert f"worker {logical} (torch's worker process {physical})" in message
+
+
 def test_verify_restore_false_continues_a_changed_filter_without_the_check() -> None:
     """The opt-out: the restore replays and continues from the re-derived position, with the
     changed filter's items (what the user asked for), instead of refusing."""

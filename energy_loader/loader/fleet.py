@@ -220,7 +220,13 @@ class WorkerFleet:
         logical = None
         if physical is not None:
             logical = (physical + offset) % self.num_workers
-        who = f"worker {logical}" if logical is not None else "a worker"
+        # torch names the process it started (physical); after a restore that rotated the
+        # workers the logical worker running there is another number: name both.
+        who = "a worker"
+        if logical is not None:
+            who = f"worker {logical}"
+            if logical != physical:
+                who += f" (torch's worker process {physical})"
         kind = WorkerStateMismatchError if isinstance(error, StateMismatchError) else WorkerError
         return kind(
             f"{who} of the data loader failed: {type(error).__name__}: {text}",

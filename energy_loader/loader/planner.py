@@ -451,10 +451,12 @@ def _check_partition_count(state: RankState, num_partitions: int, world_size: in
 
 def _scaled(entry: PartitionState, scale: int) -> PartitionState:
     """``entry`` replayed with ``scale`` times smaller batches: ``scale`` times the items, and
-    no proof to check (the saved one names a batch of the old size)."""
+    no proof to check (the saved one names a batch of the old size). Only an epoch's last
+    batch can be short, and it makes from 1 to ``scale`` new batches: the replay may end up to
+    ``scale - 1`` items early, at the partition's end (``replay_slack``)."""
     if scale == 1:
         return entry
-    return attrs.evolve(entry, skip=entry.skip * scale, last=None)
+    return attrs.evolve(entry, skip=entry.skip * scale, last=None, replay_slack=scale - 1)
 
 
 def plan_restore(

@@ -87,6 +87,9 @@ class PartitionState:
     done: bool = False
     last: str | None = None
     checkpoint_check: str | None = attrs.field(default=None, eq=False)
+    # Of the items to replay, how many the pipeline may lack: a restore with smaller batches
+    # (scale k) re-makes an epoch's short last batch as fewer than k batches. Never saved.
+    replay_slack: int = attrs.field(default=0, eq=False)
 
     def check(self) -> str:
         """The digest of this entry, as ``to_plain`` writes it."""

@@ -240,6 +240,8 @@ class Runner:
         pair: Any = None
         for replayed in range(restore.skip):
             pair = next(iterator, _END)
+            if pair is _END and replayed >= restore.skip - restore.replay_slack:
+                return  # the saved epoch's short last batch, re-made smaller: its end is next
             if pair is _END:
                 raise StateMismatchError(
                     f"partition {slot.partition}: the pipeline ended after {replayed} of "

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import energy_loader as el
 from energy_loader.testing import check_resume
@@ -98,3 +100,53 @@ def test_constructor_rejects_bad_arguments() -> None:
         el.BatchDataset(source, 2, collate_fn="stack")
     with pytest.raises(TypeError, match="`drop_last` must be True or False"):
         el.BatchDataset(source, 2, drop_last=None)
+
+
+def _samples(batch: dict) -> list[tuple[int, float]]:
+    """(index, noise) of every sample of a batch: what was made, not only which."""
+    return [
+        (int(i), round(float(n), 9))
+        for i, n in zip(batch["index"].tolist(), batch["noise"].tolist(), strict=True)
+    ]
+
+
+@pytest.mark.timeout(240)
+@settings(max_examples=12)
+@given(
+    length=st.integers(9, 40),
+    old=st.sampled_from([4, 6, 8]),
+    factor=st.sampled_from([2, "all"]),
+    workers=st.sampled_from([0, 2]),
+    data=st.data(),
+)
+def test_a_smaller_batch_size_continues_from_every_save_point_exactly(
+    length: int, old: int, factor: object, workers: int, data: st.DataObject
+) -> None:
+    """Drawn lengths (so that an epoch's short last batch has any size), drawn save points up
+    to and including the epoch's last batch: the rest of the epoch and the next one, with the
+    smaller batches, are the uninterrupted run's samples, values included (in order without
+    workers; per worker's stream with two, so compared as a multiset)."""
+    new = old // 2 if factor == 2 else 1
+    uninterrupted = el.SavableDataLoader(_pipeline(old, length=length), num_workers=workers)
+    epochs = [[s for b in uninterrupted for s in _samples(b)] for _ in range(2)]
+    batches = len(uninterrupted)
+    step = data.draw(st.integers(0, batches), label="batches before the save")
+    saving = el.SavableDataLoader(_pipeline(old, length=length), num_workers=workers)
+    iterator = iter(saving)
+    before = [s for _ in range(step) for s in _samples(next(iterator))]
+    state = saving.save_state_rank()
+    saving.close()
+    smaller = el.SavableDataLoader(_pipeline(new, length=length), num_workers=workers)
+    smaller.restore_state_rank(state)
+    rest: list[tuple[int, float]] = []
+    if smaller.epoch == 0:  # the saved epoch has items left: this iter() continues it
+        rest = [s for b in smaller for s in _samples(b)]
+    assert smaller.epoch == 1
+    following = [s for b in smaller for s in _samples(b)]
+    smaller.close()
+    if workers == 0:
+        assert before + rest == epochs[0]
+        assert following == epochs[1]
+    else:
+        assert sorted(before + rest) == sorted(epochs[0])
+        assert sorted(following) == sorted(epochs[1])
