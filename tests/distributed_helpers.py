@@ -38,7 +38,7 @@ import energy_loader as el
 from energy_loader import distributed as eld
 from energy_loader.testing.resume import END, compare_events, record_events
 from energy_loader.torch_internals import worker_processes
-from tests.helpers import indices, reference_pipeline
+from tests.helpers import indices, reference_pipeline, resealed
 
 # A collective that waits longer than this raises in the rank instead of hanging the test.
 PG_TIMEOUT = datetime.timedelta(seconds=45)
@@ -355,6 +355,7 @@ def bad_inputs(rank: int, world_size: int, workdir: Path) -> None:
     other_layout = _other_layout_states()
     one_bad = copy.deepcopy(good)
     one_bad[1]["config"]["inner"]["size"] = 99
+    one_bad[1] = resealed(one_bad[1])  # rank 1's state of another pipeline, not an edited one
     target = make_loader(1)
     # Given its own num_partitions, a loader refuses states saved with another count (one
     # given none adopts it: "adopted" below).

@@ -41,7 +41,11 @@ def resealed(state: dict[str, Any]) -> dict[str, Any]:
     header["workers"] = tuple(
         WorkerSlots(tuple(w["partitions"]), w["next"], w["done"]) for w in out["workers"]
     )
-    out["checks"] = {"position": RankState(**header, partitions=()).position_check()}
+    resealed_header = RankState(**header, partitions=())
+    out["checks"] = {
+        "position": resealed_header.position_check(),
+        "config": resealed_header.config_check(),
+    }
     return out
 
 

@@ -323,6 +323,43 @@ def test_rank_states_of_one_save_restore_on_another_world_size() -> None:
     assert resumed[: len(expected)] == expected
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_edited_config_is_refused_even_where_it_would_pass_for_smaller_batches(
+    workers,
+) -> None:
+    """batch_size 4 edited to 8 in the saved config would read as a restore with half the
+    saved batch size (the replay doubled: items lost); 4 -> 0 as a broken config."""
+    state, _ = _saved_at(_loader(_filtered(_kept), workers), 11)
+    for size in (8, 0):
+        edited = copy.deepcopy(state)
+        edited["config"]["batch_size"] = size
+        loader = _loader(_filtered(_kept), workers)
+        with pytest.raises(el.StateFormatError, match=r"checks\.config"):
+            loader.restore_state_rank(edited)
+    # Through state_dict() leaves too: each leaf's header carries the config and its check.
+    saver = _loader(_filtered(_kept), workers)
+    iterator = iter(saver)
+    for _ in range(5):
+        next(iterator)
+    edited_leaves = {}
+    for key, text in saver.state_dict().items():
+        leaf = json.loads(text)
+        leaf["rank_state"]["config"]["batch_size"] = 8
+        edited_leaves[key] = json.dumps(leaf)
+    with pytest.raises(el.StateFormatError, match=r"checks\.config"):
+        _loader(_filtered(_kept), workers).load_state_dict(edited_leaves)
+
+
+def test_a_version_3_state_still_restores_exactly_without_the_config_check() -> None:
+    state, rest = _saved_at(_loader(_filtered(_kept), 0), 11)
+    old = copy.deepcopy(state)
+    old["version"] = 3
+    del old["checks"]["config"]
+    loader = _loader(_filtered(_kept), 0)
+    loader.restore_state_rank(old)
+    assert [indices(batch) for batch in loader] == rest
+
+
 def test_a_version_2_state_still_restores_exactly_without_the_checks() -> None:
     state, rest = _saved_at(_loader(_filtered(_kept), 0), 11)
     old = copy.deepcopy(state)

@@ -171,14 +171,14 @@ def _check_witness(
     other = folder.open_witness()
     if not other.split:
         return  # a file of an earlier release: whole, and without a seed to compare
-    header = RankState.from_plain(
-        {**other.header, "config": state.config, "partitions": []}, complete=False
-    )
     if other.config_digest != own.config_digest:
         raise StateMismatchError(
             f"{path.parent}: {witness.name} holds another pipeline config than "
             f"{path.name}: files of different saves or runs are mixed in the folder"
         )
+    header = RankState.from_plain(
+        {**other.header, "config": state.config, "partitions": []}, complete=False
+    )
     try:
         check_states_of_one_save([header, state], across=False)
     except StateMismatchError as error:

@@ -32,14 +32,17 @@ Layout (format version 3)::
          "check": "51e2..."},     # digest of this entry (the checkpoint as canonical JSON)
         ...
       ],
-      "checks": {"position": "7f3a..."}   # digest of every other field but "config"
+      "checks": {"position": "7f3a...",   # digest of every other field but "config"
+                 "config": "c41d..."}     # digest of "config" as canonical JSON
     }
 
 The digests (:mod:`energy_loader.state.digests`) make a field edited or damaged after the save
-a ``StateFormatError`` at load; ``config`` is compared with the pipeline instead. ``last`` is
+a ``StateFormatError`` at load (``config`` too, which is then compared with the pipeline: an
+edited ``batch_size`` would otherwise pass as a restore with smaller batches). ``last`` is
 the restore's proof: a partition that replays items from its checkpoint re-makes the last one
 the saving loader handed out, and a different key is a ``StateMismatchError`` before anything
-new is yielded. Version 2 (without ``seed``, ``last`` and the checks) is still read, unchecked.
+new is yielded. Version 3 (without ``checks.config``) is still read, its config unchecked;
+version 2 (without ``seed``, ``last`` and the checks) too, unchecked.
 
 Everything is plain data: ``json.dumps`` and ``torch.load(weights_only=True)`` accept it. Any
 change to this shape bumps :data:`RANK_STATE_VERSION` and is a breaking changelog entry.
@@ -66,9 +69,11 @@ __all__ = [
 RANK_STATE_FORMAT = "energy_loader.rank_state"
 # The drop-in loader's format (energy_loader.loader.dropin.state), named in a refusal only.
 _DROPIN_STATE_FORMAT = "energy_loader.dropin_state"
-RANK_STATE_VERSION = 3
+RANK_STATE_VERSION = 4
 # Version 2 (before seeds, proofs and checks) is still restored, without the checks.
-_READABLE_VERSIONS = (2, 3)
+_READABLE_VERSIONS = (2, 3, 4)
+# Each pipeline config's digest, by the config object (the planner keeps one per pipeline).
+_CONFIG_CHECKS: dict[int, tuple[Any, str]] = {}
 
 
 @attrs.frozen
@@ -218,6 +223,19 @@ class RankState:
             tuple((w.partitions, w.next, w.done) for w in self.workers),
         )
 
+    def config_check(self) -> str:
+        """The digest of ``config`` as canonical JSON (``checks.config``); one pipeline's
+        config is one object, whose digest is computed once."""
+        config = self.config
+        cached = _CONFIG_CHECKS.get(id(config))
+        if cached is not None and cached[0] is config:
+            return cached[1]
+        check = str(checkpoint_digest(config))
+        if len(_CONFIG_CHECKS) >= 8:
+            _CONFIG_CHECKS.clear()
+        _CONFIG_CHECKS[id(config)] = (config, check)
+        return check
+
     def stream_position(self) -> int:
         """The job's position ``B`` (mod ``P``) seen from this rank, from which its partitions'
         slots count: ``start + world_size x delivered`` (the ranks of a synchronous job deliver
@@ -255,7 +273,7 @@ class RankState:
             "start": self.start,
             "next_worker": self.next_worker,
             "workers": [w.to_plain() for w in self.workers],
-            "checks": {"position": self.position_check()},
+            "checks": {"position": self.position_check(), "config": self.config_check()},
         }
         if with_partitions:
             plain["partitions"] = [p.to_plain() for p in self.partitions]
@@ -367,6 +385,12 @@ class RankState:
                 "start, next_worker, workers): the state was edited or damaged after it was "
                 "saved, or pieces of different saves were put together; restore from an intact "
                 "state"
+            )
+        if version >= 4 and state.config_check() != reader.sub("checks").str("config"):
+            raise StateFormatError(
+                "state.checks.config does not match state.config: the pipeline config was "
+                "edited or damaged after the save (an edited batch_size would pass for a "
+                "restore with smaller batches); restore from an intact state"
             )
         return state
 

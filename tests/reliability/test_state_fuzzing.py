@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import energy_loader as el
 from energy_loader.state import load_checkpoint, save_checkpoint
-from tests.helpers import indices, reference_pipeline
+from tests.helpers import indices, reference_pipeline, resealed
 
 STATE_ERRORS = (el.StateFormatError, el.StateMismatchError)
 
@@ -160,6 +160,7 @@ def test_damaged_states_with_workers_fail_before_any_worker_starts(damage: str) 
         broken["version"] = 99
     elif damage == "other_pipeline":
         broken["config"]["batch_size"] = 5
+        broken = resealed(broken)  # a state of another pipeline, not an edited one
         expected = el.StateMismatchError
     elif damage == "workers":
         broken["workers"].pop()
