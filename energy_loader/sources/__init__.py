@@ -3,6 +3,7 @@
 from .chunked import ChunkedFolderSource, loaded_chunk_count, write_chunked_folder
 from .huggingface import HuggingFaceIterableSource
 from .indexed import IndexedSource
+from .megatron import MegatronIndexedSource
 from .parquet import ParquetSource
 from .permutation import FeistelPermutation
 from .shard_writer import ShardWriter
@@ -15,6 +16,7 @@ __all__ = [
     "FeistelPermutation",
     "HuggingFaceIterableSource",
     "IndexedSource",
+    "MegatronIndexedSource",
     "ParquetSource",
     "ShardWriter",
     "ShardedSource",

@@ -115,11 +115,17 @@ class PrefetchingCursor(StridedCursor):
         self._finalizer: weakref.finalize | None = None
 
     def start_prefetch(
-        self, order: EpochOrder, predownload: int, cache: Callable[[], ShardCache]
+        self,
+        order: EpochOrder,
+        predownload: int,
+        cache: Callable[[], ShardCache],
+        shard_of: Callable[[int], int] | None = None,
     ) -> ReaderProgress:
         """Start downloading the shards of the next ``predownload`` samples (0: no thread).
 
-        Returns the progress the reader updates as it goes (``progress.step``).
+        ``shard_of(unit)`` names the shard file that holds a unit of ``order`` (default: the
+        units are the shards). Returns the progress the reader updates as it goes
+        (``progress.step``).
         """
         self.stop_prefetch()
         context = self.dataset.context
@@ -129,7 +135,8 @@ class PrefetchingCursor(StridedCursor):
         if predownload > 0 and progress.step < steps:
 
             def shard_at(step: int) -> int:
-                return order.locate(start + step * stride)[0]
+                unit = order.locate(start + step * stride)[0]
+                return unit if shard_of is None else shard_of(unit)
 
             prefetcher = Prefetcher(cache(), shard_at, steps, predownload, progress)
             prefetcher.start()

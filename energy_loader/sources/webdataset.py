@@ -23,7 +23,6 @@ State: ``{"phase", "epoch", "position", "skipped"}``. Restore key: ``(shard, row
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -39,7 +38,7 @@ from ..errors import DownloadError, SourceDataError
 from ..rng import stable_hash
 from ..state.atomic import write_atomically
 from ..state.plain import StateReader
-from ._download import Remote, ShardCache, download_settings, fetch_bytes
+from ._download import Remote, ShardCache, default_cache_dir, download_settings, fetch_bytes
 from ._order import EpochOrder
 from ._strided import OpenShards, PrefetchingCursor, StridedSource, is_shard_row
 from ._tar_index import INDEX_SUFFIX, TarIndex, build_index, check_header, parse_index
@@ -140,12 +139,6 @@ def _list_shards(location: str, storage_options: dict[str, Any]) -> list[str]:
     if not path.is_dir():
         raise FileNotFoundError(f"{location} is neither a .tar shard nor a directory of shards")
     return sorted(str(p.resolve()) for p in path.glob("*.tar"))
-
-
-def _default_cache_dir(base: str) -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    digest = hashlib.sha256(base.encode()).hexdigest()[:16]
-    return Path(root) / "energy_loader" / "webdataset" / digest
 
 
 def _flat(name: str) -> str:
@@ -325,7 +318,9 @@ class WebDatasetSource(StridedSource):
         ):
             raise TypeError(f"`cache_dir` must be a local directory path (got {cache_dir!r})")
         self.cache_dir = (
-            Path(cache_dir).resolve() if cache_dir is not None else _default_cache_dir(location)
+            Path(cache_dir).resolve()
+            if cache_dir is not None
+            else default_cache_dir("webdataset", location)
         )
         self._index_files: list[str] = []
         infos = []
