@@ -3,6 +3,7 @@
 from .chunked import ChunkedFolderSource, loaded_chunk_count, write_chunked_folder
 from .huggingface import HuggingFaceIterableSource
 from .indexed import IndexedSource
+from .mds import MDSSource
 from .megatron import MegatronIndexedSource
 from .parquet import ParquetSource
 from .permutation import FeistelPermutation
@@ -16,6 +17,7 @@ __all__ = [
     "FeistelPermutation",
     "HuggingFaceIterableSource",
     "IndexedSource",
+    "MDSSource",
     "MegatronIndexedSource",
     "ParquetSource",
     "ShardWriter",

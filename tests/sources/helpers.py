@@ -102,3 +102,36 @@ def assert_elastic_resume(
         assert len(head) + len(tail) == len(expected), (ranks, workers)
         for a, b in zip(expected[len(head) :], tail):
             same(a, b)
+
+
+def assert_matches_peer(value: Any, expected: Any, arrays: Any, where: str) -> None:
+    """``value`` is what a peer's own reader returned, as tests/sources/fixtures/
+    make_fixtures.py described it (type, and value or array in ``arrays``)."""
+    import numpy as np
+
+    kind = expected["type"]
+    if kind == "PIL.Image":
+        from PIL import Image
+
+        assert isinstance(value, Image.Image), where
+        assert value.mode == expected["mode"] and list(value.size) == expected["size"], where
+        np.testing.assert_array_equal(np.asarray(value), arrays[expected["array"]], where)
+        return
+    assert f"{type(value).__module__}.{type(value).__qualname__}" == kind, where
+    if "array" in expected:
+        reference = arrays[expected["array"]]
+        data = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
+        assert str(data.dtype) == expected["dtype"].removeprefix("torch."), where
+        assert data.dtype == reference.dtype and data.shape == reference.shape, where
+        np.testing.assert_array_equal(data, reference, where)
+    elif "hex" in expected:
+        assert value.hex() == expected["hex"], where
+    elif "items" in expected:
+        assert len(value) == len(expected["items"]), where
+        for i, (item, description) in enumerate(zip(value, expected["items"])):
+            assert_matches_peer(item, description, arrays, f"{where}[{i}]")
+    elif "str" in expected:
+        assert str(value) == expected["str"], where
+    else:
+        assert value == expected["value"], where
+        assert json.dumps(value) == json.dumps(expected["value"]), where  # tuples are lists
