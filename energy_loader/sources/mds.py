@@ -40,7 +40,7 @@ from ..errors import SourceDataError
 from ._offset_shards import DEFAULT_PREDOWNLOAD, OffsetShardSource
 from .shard_writer import ShardInfo
 
-__all__ = ["MDSSource"]
+__all__ = ["MDSSource", "raw_pil_image"]
 
 _COMPRESSIONS = {"zstd": "zstd", "gz": "gzip", "bz2": "bz2"}
 _SCALARS = (
@@ -75,7 +75,9 @@ _SHAPE_DTYPES = ("uint8", "uint16", "uint32", "uint64")
 Decoder = Callable[[bytes], Any]
 
 
-def _pil(data: bytes) -> Any:
+def raw_pil_image(data: bytes) -> Any:
+    """A PIL image stored raw: ``uint32 width, height, mode length | mode | pixels`` (the
+    layout of MDS's ``pil`` encoding and of litdata's PIL serializer)."""
     from PIL import Image
 
     width, height, mode_size = np.frombuffer(data[:12], np.uint32).tolist()
@@ -167,10 +169,10 @@ _DECODERS: dict[str, Decoder] = {
     "str_float": lambda data: float(data.decode("utf-8")),
     "str_decimal": lambda data: decimal.Decimal(data.decode("utf-8")),
     "json": lambda data: json.loads(data.decode("utf-8")),
-    "pil": _pil,
+    "pil": raw_pil_image,
     "jpeg": _image_file,
     "png": _image_file,
-    "list[pil]": _list_of(_pil),
+    "list[pil]": _list_of(raw_pil_image),
     "list[jpeg]": _list_of(_image_file),
     "list[png]": _list_of(_image_file),
     "jpeg_array": _jpeg_array,
@@ -269,7 +271,10 @@ class MDSSource(OffsetShardSource):
             raise TypeError(f"`allow_unsafe_types` must be a bool (got {allow_unsafe_types!r})")
         self.columns = columns
         self.allow_unsafe_types = allow_unsafe_types
-        self._layouts: list[_Layout] = []
+        # Each shard's (names, encodings, fixed sizes), and the decoders made of them (in each
+        # process: decoders are functions, the rest plain data).
+        self._columns_of: list[tuple[list[str], list[str], list[int | None]]] = []
+        self._layouts: dict[int, _Layout] = {}
         super().__init__(
             dir_or_url,
             shuffle=shuffle,
@@ -330,15 +335,11 @@ class MDSSource(OffsetShardSource):
             missing = [name for name in self.columns if name not in names]
             if missing:
                 raise ValueError(f"`columns` {missing} are not in {where}; it has {names}")
-        decoders, fixed = [], []
         for encoding, size in zip(encodings, sizes):
-            decoder, known = _decoder(encoding, self.allow_unsafe_types, where)
+            _, known = _decoder(encoding, self.allow_unsafe_types, where)
             if size and known is not None and size != known:
                 raise SourceDataError(f"{where}: column size {size} for encoding {encoding!r}")
-            decoders.append(decoder)
-            fixed.append(size or None)
-        keep = [self.columns is None or name in self.columns for name in names]
-        self._layouts.append(_Layout(names, decoders, fixed, keep))
+        self._columns_of.append((names, encodings, [size or None for size in sizes]))
         raw: dict[str, Any] = entry["raw_data"]
         packed: dict[str, Any] | None = entry.get("zip_data")
         compression = None
@@ -367,8 +368,19 @@ class MDSSource(OffsetShardSource):
                 raise SourceDataError(f"{where} names the file {name!r}")
         return info, compression
 
+    def _layout(self, shard: int) -> _Layout:
+        layout = self._layouts.get(shard)
+        if layout is None:
+            names, encodings, sizes = self._columns_of[shard]
+            where = self.where(shard)
+            decoders = [_decoder(e, self.allow_unsafe_types, where)[0] for e in encodings]
+            keep = [self.columns is None or name in self.columns for name in names]
+            layout = _Layout(names, decoders, sizes, keep)
+            self._layouts[shard] = layout
+        return layout
+
     def decode(self, data: bytes, shard: int, row: int) -> dict[str, Any]:
-        layout = self._layouts[shard]
+        layout = self._layout(shard)
         try:
             sizes = np.frombuffer(data[: 4 * layout.variable], np.uint32).tolist()
             at = 4 * layout.variable
@@ -392,3 +404,8 @@ class MDSSource(OffsetShardSource):
 
     def _config_fields(self) -> dict[str, Any]:
         return {**super()._config_fields(), "columns": self.columns}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_layouts"] = {}
+        return state
