@@ -138,6 +138,12 @@ def test_the_documented_packing_and_blend_recipe(expected):
         if len(tokens)
     }
     assert seen == every  # every non-empty document's tokens, once
+    batched = el.SavableDataLoader(packed.map(_tokens_only).batch(4), num_workers=0)
+    assert next(iter(batched))["tokens"].shape == (4, seq_length + 1)
+
+
+def _tokens_only(pack: dict) -> dict:
+    return {"tokens": pack["tokens"]}
 
 
 def test_a_remote_dataset_reads_through_the_cache(expected, tmp_path, no_leftover_processes):
