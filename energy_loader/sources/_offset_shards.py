@@ -34,7 +34,7 @@ from ..errors import DownloadError, SourceDataError
 from ..rng import stable_hash
 from ._download import Remote, ShardCache, default_cache_dir, download_settings, fetch_bytes
 from ._order import EpochOrder
-from ._strided import OpenShards, PrefetchingCursor, StridedSource, is_shard_row
+from ._strided import OpenShards, PrefetchingCursor, RestoreShard, StridedSource, is_shard_row
 from .shard_writer import ShardInfo
 
 __all__ = ["OffsetShardFile", "OffsetShardSource"]
@@ -190,7 +190,7 @@ class OffsetShardSource(StridedSource):
         )
         self._cache: ShardCache | None = None
         self._cache_pid = -1
-        self._restore: tuple[int, OffsetShardFile] | None = None
+        self._restore: RestoreShard[OffsetShardFile] = RestoreShard()
 
     # -- what a format defines -------------------------------------------------------------------
 
@@ -275,17 +275,9 @@ class OffsetShardSource(StridedSource):
     def restore_sample(self, key: Key) -> Any:
         self.validate_key(key)
         shard, row = key
-        if self._restore is None or self._restore[0] != shard:
-            if self._restore is not None:
-                self._restore[1].close()
-                self._restore = None
-            self._restore = (shard, self.open_shard(shard))
-        try:
-            return self.decode(self._restore[1].read(row), shard, row)
-        except (OSError, SourceDataError):
-            self._restore[1].close()
-            self._restore = None
-            raise
+        return self._restore.read(
+            shard, self.open_shard, lambda file: self.decode(file.read(row), shard, row)
+        )
 
     def can_restore_sample(self) -> bool:
         return True
@@ -302,5 +294,5 @@ class OffsetShardSource(StridedSource):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_cache=None, _cache_pid=-1, _restore=None)
+        state.update(_cache=None, _cache_pid=-1, _restore=RestoreShard())
         return state

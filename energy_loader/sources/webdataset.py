@@ -40,7 +40,7 @@ from ..state.atomic import write_atomically
 from ..state.plain import StateReader
 from ._download import Remote, ShardCache, default_cache_dir, download_settings, fetch_bytes
 from ._order import EpochOrder
-from ._strided import OpenShards, PrefetchingCursor, StridedSource, is_shard_row
+from ._strided import OpenShards, PrefetchingCursor, RestoreShard, StridedSource, is_shard_row
 from ._tar_index import INDEX_SUFFIX, TarIndex, build_index, check_header, parse_index
 from .shard_writer import ShardInfo
 
@@ -344,7 +344,7 @@ class WebDatasetSource(StridedSource):
         self._cache: ShardCache | None = None
         self._cache_pid = -1
         self._indexes: dict[int, TarIndex] = {}
-        self._restore: tuple[int, _TarFile] | None = None
+        self._restore: RestoreShard[_TarFile] = RestoreShard()
 
     # -- construction helpers ------------------------------------------------------------------
 
@@ -571,17 +571,9 @@ class WebDatasetSource(StridedSource):
     def restore_sample(self, key: Key) -> Any:
         self.validate_key(key)
         shard, row = key
-        if self._restore is None or self._restore[0] != shard:
-            if self._restore is not None:
-                self._restore[1].close()
-                self._restore = None
-            self._restore = (shard, self.open_shard(shard))
-        try:
-            return self.decode_sample(self._restore[1].read(row), shard, row)
-        except (OSError, SourceDataError):
-            self._restore[1].close()
-            self._restore = None
-            raise
+        return self._restore.read(
+            shard, self.open_shard, lambda file: self.decode_sample(file.read(row), shard, row)
+        )
 
     def can_restore_sample(self) -> bool:
         return True
@@ -600,5 +592,5 @@ class WebDatasetSource(StridedSource):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_cache=None, _cache_pid=-1, _indexes={}, _restore=None)
+        state.update(_cache=None, _cache_pid=-1, _indexes={}, _restore=RestoreShard())
         return state
