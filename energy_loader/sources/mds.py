@@ -313,6 +313,12 @@ class MDSSource(OffsetShardSource):
                 ) from None
             compressions.add(compression)
             shards.append(shard)
+        for number, (names, _, _) in enumerate(self._columns_of):
+            missing = [name for name in self.columns or () if name not in names]
+            if missing:
+                raise ValueError(
+                    f"`columns` {missing} are not in {where}: shards[{number}] has {names}"
+                )
         if len(compressions) > 1:
             raise SourceDataError(
                 f"{where} mixes compressions {sorted(map(str, compressions))}; MDSSource reads "
@@ -331,10 +337,6 @@ class MDSSource(OffsetShardSource):
         sizes = list(entry["column_sizes"])
         if not (len(names) == len(encodings) == len(sizes)):
             raise SourceDataError(f"{where} lists columns, encodings and sizes of other lengths")
-        if self.columns is not None:
-            missing = [name for name in self.columns if name not in names]
-            if missing:
-                raise ValueError(f"`columns` {missing} are not in {where}; it has {names}")
         for encoding, size in zip(encodings, sizes):
             _, known = _decoder(encoding, self.allow_unsafe_types, where)
             if size and known is not None and size != known:
