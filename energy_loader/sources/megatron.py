@@ -346,7 +346,9 @@ class MegatronIndexedSource(StridedSource):
             self._check_bin_size(path)
             count = self._bin_bytes // self.dtype.itemsize
             if count:
-                self._tokens = np.memmap(path, dtype=self.dtype, mode="r", shape=(count,))
+                # A plain ndarray over the map: slicing an np.memmap costs ~5 us more a document.
+                mapped = np.memmap(path, dtype=self.dtype, mode="r", shape=(count,))
+                self._tokens = mapped.view(np.ndarray)
             else:
                 self._tokens = np.zeros(0, dtype=self.dtype)
             self._tokens_pid = os.getpid()
