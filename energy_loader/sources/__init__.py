@@ -3,6 +3,9 @@
 from .chunked import ChunkedFolderSource, loaded_chunk_count, write_chunked_folder
 from .huggingface import HuggingFaceIterableSource
 from .indexed import IndexedSource
+from .litdata import LitDataSource
+from .mds import MDSSource
+from .megatron import MegatronIndexedSource
 from .parquet import ParquetSource
 from .permutation import FeistelPermutation
 from .shard_writer import ShardWriter
@@ -15,6 +18,9 @@ __all__ = [
     "FeistelPermutation",
     "HuggingFaceIterableSource",
     "IndexedSource",
+    "LitDataSource",
+    "MDSSource",
+    "MegatronIndexedSource",
     "ParquetSource",
     "ShardWriter",
     "ShardedSource",

@@ -6,7 +6,9 @@ downloaded by whoever needs it first while holding ``local/.locks/<shard>.lock``
 (``fcntl.flock``); the others wait on that lock (with a timeout) and then find the file there.
 A download goes to a temporary file, is checked against the index's sha256, decompressed,
 checked against the uncompressed sha256, and renamed into place: a file under its final name is
-always complete. Corrupt downloads are retried; so are I/O errors and timeouts.
+always complete. (Formats whose index lists no sha256, such as MDS, litdata and Megatron's
+indexed files, get their sizes checked instead.) Compressions: gzip, zstd and bz2. Corrupt
+downloads are retried; so are I/O errors and timeouts.
 
 Thread-safety: a :class:`ShardCache` is used by one reader thread and its prefetch thread;
 the eviction list is guarded by a lock, everything else by the file locks.
@@ -14,6 +16,7 @@ the eviction list is guarded by a lock, everything else by the file locks.
 
 from __future__ import annotations
 
+import bz2
 import collections
 import contextlib
 import fcntl
@@ -38,6 +41,7 @@ __all__ = [
     "Prefetcher",
     "Remote",
     "ShardCache",
+    "default_cache_dir",
     "download_settings",
     "node_lock",
 ]
@@ -45,6 +49,14 @@ __all__ = [
 LOGGER = logging.getLogger("energy_loader.sources.sharded")
 _READ_SIZE = 1 << 20
 LOCKS = ".locks"
+
+
+def default_cache_dir(kind: str, location: str) -> Path:
+    """``~/.cache/energy_loader/<kind>/<hash of location>`` (``$XDG_CACHE_HOME`` if set): where
+    a source keeps the downloads of a remote ``location`` when given no cache directory."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    digest = hashlib.sha256(location.encode()).hexdigest()[:16]
+    return Path(root) / "energy_loader" / kind / digest
 
 
 class DownloadSettings(NamedTuple):
@@ -417,7 +429,7 @@ class ShardCache:
                 digest.update(chunk)
                 out.write(chunk)
                 size += len(chunk)
-        if size != info.bytes or digest.hexdigest() != info.sha256:
+        if size != info.bytes or (info.sha256 and digest.hexdigest() != info.sha256):
             raise _Corrupt(
                 f"got {size} bytes with sha256 {digest.hexdigest()[:16]}..., index.json says "
                 f"{info.bytes} bytes with sha256 {info.sha256[:16]}..."
@@ -432,6 +444,9 @@ class ShardCache:
                     if self.compression == "gzip":
                         with gzip.GzipFile(fileobj=source) as reader:
                             shutil.copyfileobj(reader, out, _READ_SIZE)
+                    elif self.compression == "bz2":
+                        with bz2.BZ2File(source) as reader:
+                            shutil.copyfileobj(reader, out, _READ_SIZE)
                     else:
                         with zstd_module().ZstdDecompressor().stream_reader(source) as reader:
                             shutil.copyfileobj(reader, out, _READ_SIZE)
@@ -439,6 +454,13 @@ class ShardCache:
                 raise
             except Exception as error:
                 raise _Corrupt(f"cannot decompress ({self.compression}): {error}") from error
+        if not info.raw_sha256:  # a format whose index has no sha256: the size is checked
+            size = raw.stat().st_size
+            if size != info.raw_bytes:
+                raise _Corrupt(
+                    f"the uncompressed file has {size} bytes, the index says {info.raw_bytes}"
+                )
+            return
         digest = hashlib.sha256()
         with open(raw, "rb") as file:
             while chunk := file.read(_READ_SIZE):

@@ -3,7 +3,8 @@
 Reader ``s`` of ``S`` (the context's shard index and count: ranks x workers) reads global
 positions ``s, s + S, s + 2S, ...`` of each epoch's order. :class:`StridedCursor` keeps that
 position; :class:`PrefetchingCursor` adds the background download of the shards ahead of it;
-:class:`OpenShards` keeps open the shard each canonical partition ("span") is reading and
+:class:`OpenShards` keeps open the shard each canonical partition ("span") is reading,
+:class:`RestoreShard` the one ``restore_sample`` reads, and
 :func:`is_shard_row` checks a ``(shard, row)`` restore key; :class:`StridedSource` holds the
 order settings (``shuffle``, ``seed``, ``num_canonical_partitions``) and the per-reader length.
 
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from ..dataset import EpochCursor, Key, SavableDataset
-from ..errors import StateFormatError
+from ..errors import SourceDataError, StateFormatError
 from ..state.plain import StateReader
 from ..validation import require_bool, require_int
 from ._download import Prefetcher, ReaderProgress, ShardCache
@@ -28,6 +29,7 @@ from .shard_writer import ShardInfo
 __all__ = [
     "OpenShards",
     "PrefetchingCursor",
+    "RestoreShard",
     "StridedCursor",
     "StridedSource",
     "is_shard_row",
@@ -115,11 +117,17 @@ class PrefetchingCursor(StridedCursor):
         self._finalizer: weakref.finalize | None = None
 
     def start_prefetch(
-        self, order: EpochOrder, predownload: int, cache: Callable[[], ShardCache]
+        self,
+        order: EpochOrder,
+        predownload: int,
+        cache: Callable[[], ShardCache],
+        shard_of: Callable[[int], int] | None = None,
     ) -> ReaderProgress:
         """Start downloading the shards of the next ``predownload`` samples (0: no thread).
 
-        Returns the progress the reader updates as it goes (``progress.step``).
+        ``shard_of(unit)`` names the shard file that holds a unit of ``order`` (default: the
+        units are the shards). Returns the progress the reader updates as it goes
+        (``progress.step``).
         """
         self.stop_prefetch()
         context = self.dataset.context
@@ -129,7 +137,8 @@ class PrefetchingCursor(StridedCursor):
         if predownload > 0 and progress.step < steps:
 
             def shard_at(step: int) -> int:
-                return order.locate(start + step * stride)[0]
+                unit = order.locate(start + step * stride)[0]
+                return unit if shard_of is None else shard_of(unit)
 
             prefetcher = Prefetcher(cache(), shard_at, steps, predownload, progress)
             prefetcher.start()
@@ -190,6 +199,32 @@ class OpenShards(Generic[F]):
             file.close()
             self._release(shard)
         self.files = {}
+
+
+class RestoreShard(Generic[F]):
+    """The one shard ``restore_sample`` keeps open between calls (restores tend to ask for
+    neighbouring samples); reopened when another shard is asked for, and after a failed read."""
+
+    def __init__(self) -> None:
+        self.shard = -1
+        self.file: F | None = None
+
+    def read(self, shard: int, open_shard: Callable[[int], F], read: Callable[[F], Any]) -> Any:
+        """``read(file)`` on the open file of ``shard`` (opened with ``open_shard``)."""
+        if self.file is None or self.shard != shard:
+            self.close()
+            self.file = open_shard(shard)
+            self.shard = shard
+        try:
+            return read(self.file)
+        except (OSError, SourceDataError):
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
 
 def is_shard_row(key: Key, shards: Sequence[ShardInfo]) -> bool:

@@ -47,10 +47,10 @@ class ShardInfo:
     name: str  # the file as stored on the remote (compressed or not)
     samples: int
     bytes: int
-    sha256: str
+    sha256: str  # "" where the format's index has none (MDS, litdata, Megatron): size only
     raw_name: str  # the uncompressed file, as kept in the local cache
     raw_bytes: int
-    raw_sha256: str
+    raw_sha256: str  # "" likewise: the uncompressed size is checked instead
 
     def to_plain(self) -> dict[str, Any]:
         return attrs.asdict(self)

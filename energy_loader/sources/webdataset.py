@@ -23,7 +23,6 @@ State: ``{"phase", "epoch", "position", "skipped"}``. Restore key: ``(shard, row
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -39,9 +38,9 @@ from ..errors import DownloadError, SourceDataError
 from ..rng import stable_hash
 from ..state.atomic import write_atomically
 from ..state.plain import StateReader
-from ._download import Remote, ShardCache, download_settings, fetch_bytes
+from ._download import Remote, ShardCache, default_cache_dir, download_settings, fetch_bytes
 from ._order import EpochOrder
-from ._strided import OpenShards, PrefetchingCursor, StridedSource, is_shard_row
+from ._strided import OpenShards, PrefetchingCursor, RestoreShard, StridedSource, is_shard_row
 from ._tar_index import INDEX_SUFFIX, TarIndex, build_index, check_header, parse_index
 from .shard_writer import ShardInfo
 
@@ -140,12 +139,6 @@ def _list_shards(location: str, storage_options: dict[str, Any]) -> list[str]:
     if not path.is_dir():
         raise FileNotFoundError(f"{location} is neither a .tar shard nor a directory of shards")
     return sorted(str(p.resolve()) for p in path.glob("*.tar"))
-
-
-def _default_cache_dir(base: str) -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    digest = hashlib.sha256(base.encode()).hexdigest()[:16]
-    return Path(root) / "energy_loader" / "webdataset" / digest
 
 
 def _flat(name: str) -> str:
@@ -325,7 +318,9 @@ class WebDatasetSource(StridedSource):
         ):
             raise TypeError(f"`cache_dir` must be a local directory path (got {cache_dir!r})")
         self.cache_dir = (
-            Path(cache_dir).resolve() if cache_dir is not None else _default_cache_dir(location)
+            Path(cache_dir).resolve()
+            if cache_dir is not None
+            else default_cache_dir("webdataset", location)
         )
         self._index_files: list[str] = []
         infos = []
@@ -349,7 +344,7 @@ class WebDatasetSource(StridedSource):
         self._cache: ShardCache | None = None
         self._cache_pid = -1
         self._indexes: dict[int, TarIndex] = {}
-        self._restore: tuple[int, _TarFile] | None = None
+        self._restore: RestoreShard[_TarFile] = RestoreShard()
 
     # -- construction helpers ------------------------------------------------------------------
 
@@ -576,17 +571,9 @@ class WebDatasetSource(StridedSource):
     def restore_sample(self, key: Key) -> Any:
         self.validate_key(key)
         shard, row = key
-        if self._restore is None or self._restore[0] != shard:
-            if self._restore is not None:
-                self._restore[1].close()
-                self._restore = None
-            self._restore = (shard, self.open_shard(shard))
-        try:
-            return self.decode_sample(self._restore[1].read(row), shard, row)
-        except (OSError, SourceDataError):
-            self._restore[1].close()
-            self._restore = None
-            raise
+        return self._restore.read(
+            shard, self.open_shard, lambda file: self.decode_sample(file.read(row), shard, row)
+        )
 
     def can_restore_sample(self) -> bool:
         return True
@@ -605,5 +592,5 @@ class WebDatasetSource(StridedSource):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_cache=None, _cache_pid=-1, _indexes={}, _restore=None)
+        state.update(_cache=None, _cache_pid=-1, _indexes={}, _restore=RestoreShard())
         return state

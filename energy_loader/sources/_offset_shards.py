@@ -1,0 +1,298 @@
+"""The common reader of the peers' shard formats whose files start with an offset table: MDS
+(MosaicML Streaming) and litdata's chunks. Not a public source: :class:`~energy_loader.MDSSource`
+and :class:`~energy_loader.LitDataSource` subclass it with their index parsing and decoding.
+
+A shard file is ``uint32 count | uint32 offsets[count + 1] | samples``, sample ``i`` spanning
+bytes ``offsets[i]:offsets[i + 1]`` of the file. A dataset is a directory (local or any fsspec
+URL) holding ``index.json`` (the shards, their sample counts and sizes, compressed or not) and
+the shard files.
+
+Order and resume are those of :class:`~energy_loader.ShardedSource`: shards permuted per epoch,
+samples permuted within each shard, the sequence cut into ``num_canonical_partitions`` spans
+and dealt out with a stride (:mod:`energy_loader.sources._order`), so the job's stream does not
+depend on the number of ranks and workers, and a reader of one span reads one shard at a time.
+Local uncompressed shards are read in place; remote or compressed ones go through the download
+cache of ShardedSource (:mod:`energy_loader.sources._download`: ahead of the reader, node-wide
+locks, retries, sizes checked, ``cache_limit``).
+
+State: ``{"phase", "epoch", "position"}``. Restore key: ``(shard, row)``.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ..dataset import EpochCursor, Key
+from ..errors import DownloadError, SourceDataError
+from ..rng import stable_hash
+from ._download import Remote, ShardCache, default_cache_dir, download_settings, fetch_bytes
+from ._order import EpochOrder
+from ._strided import OpenShards, PrefetchingCursor, RestoreShard, StridedSource, is_shard_row
+from .shard_writer import ShardInfo
+
+__all__ = ["OffsetShardFile", "OffsetShardSource"]
+
+DEFAULT_PREDOWNLOAD = 1024
+
+
+class OffsetShardFile:
+    """One local shard opened for random access: its offset table, checked, and the file."""
+
+    def __init__(self, path: str, info: ShardInfo, where: str) -> None:
+        self.where = where
+        self.file = open(path, "rb")  # noqa: SIM115 (closed by close())
+        try:
+            size = os.fstat(self.file.fileno()).st_size
+            head = self.file.read(4)
+            if len(head) != 4:
+                raise SourceDataError(f"{where} is truncated: {size} bytes, no sample count")
+            count = int(np.frombuffer(head, dtype="<u4")[0])
+            if count != info.samples:
+                raise SourceDataError(
+                    f"{where} holds {count} samples, index.json says {info.samples}: the file "
+                    "is damaged or belongs to another index"
+                )
+            table = self.file.read(4 * (count + 1))
+            if len(table) != 4 * (count + 1):
+                raise SourceDataError(f"{where} is truncated ({size} bytes): its offset table")
+            self.offsets = np.frombuffer(table, dtype="<u4").astype(np.int64)
+            if int(self.offsets[-1]) > size or (np.diff(self.offsets) < 0).any():
+                raise SourceDataError(
+                    f"{where} is truncated or damaged: {size} bytes, its offset table runs to "
+                    f"{int(self.offsets[-1])}"
+                )
+        except BaseException:
+            self.file.close()
+            raise
+
+    def read(self, row: int) -> bytes:
+        """The bytes of sample ``row``."""
+        start, stop = int(self.offsets[row]), int(self.offsets[row + 1])
+        self.file.seek(start)
+        data = self.file.read(stop - start)
+        if len(data) != stop - start:
+            raise SourceDataError(f"{self.where} is truncated (sample {row})")
+        return data
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class _OffsetShardCursor(PrefetchingCursor):
+    dataset: OffsetShardSource
+
+    def resume(self) -> Iterator[tuple[Key, Any]]:
+        source = self.dataset
+        stride, start = source.context.num_shards, source.context.shard_index
+        order = source.epoch_order(self.epoch)
+        predownload = source.predownload if source.cached else 0
+        progress = self.start_prefetch(order, predownload, source.cache)
+        prefetcher = self._prefetcher
+        files = OpenShards(source.open_shard, source.release)
+        partitions = order.partitions
+        try:
+            for shard, row in order.walk(self.position, stride):
+                file = files.get(self.position % partitions, shard)
+                sample = source.decode(file.read(row), shard, row)
+                self.position += stride
+                progress.step = (self.position - start) // stride
+                yield (shard, row), sample
+        finally:
+            if self._prefetcher is prefetcher:
+                self.stop_prefetch()
+            files.close()
+
+
+class OffsetShardSource(StridedSource):
+    """A directory of offset-table shards listed in an ``index.json`` (see the module
+    documentation). Subclasses implement :meth:`parse_index` and :meth:`decode`."""
+
+    #: The format's name in messages and the default cache directory.
+    format_name = "shards"
+
+    def __init__(
+        self,
+        dir_or_url: str | os.PathLike[str],
+        *,
+        shuffle: bool,
+        seed: int,
+        num_canonical_partitions: int | None,
+        cache_dir: str | os.PathLike[str] | None,
+        storage_options: dict[str, Any] | None,
+        predownload: int,
+        cache_limit: int | None,
+        download_retries: int,
+        download_timeout: float,
+    ) -> None:
+        super().__init__()
+        if not isinstance(dir_or_url, (str, os.PathLike)):
+            raise TypeError(
+                f"`dir_or_url` must be a directory or an fsspec URL holding {self.format_name} "
+                f"shards and their index.json (got {dir_or_url!r})"
+            )
+        self._set_order(shuffle, seed, num_canonical_partitions)
+        self.predownload, self.cache_limit, self.download_retries, self.download_timeout = (
+            download_settings(predownload, cache_limit, download_retries, download_timeout)
+        )
+        self.remote = Remote(os.fspath(dir_or_url), storage_options)
+        self.location = self.remote.url
+        self.is_local = "://" not in self.location
+        if cache_dir is not None and (
+            not isinstance(cache_dir, (str, os.PathLike)) or "://" in os.fspath(cache_dir)
+        ):
+            raise TypeError(f"`cache_dir` must be a local directory path (got {cache_dir!r})")
+        self.cache_dir = (
+            Path(cache_dir).resolve()
+            if cache_dir is not None
+            else default_cache_dir(self.format_name.lower(), self.location)
+        )
+        if self.is_local and self.cache_dir == Path(self.location):
+            raise ValueError(
+                f"`cache_dir` ({self.cache_dir}) must be a directory apart from the dataset"
+            )
+        where = self.remote.where("index.json")
+        try:
+            data = fetch_bytes(
+                self.remote,
+                "index.json",
+                retries=self.download_retries,
+                timeout=self.download_timeout,
+            )
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{where} does not exist: `dir_or_url` must be a {self.format_name} dataset "
+                "directory (index.json plus its shards)"
+            ) from None
+        self.compression, self.shards = self.parse_index(data, where)
+        # In the cache every shard is one flat file (an index may name shards in folders).
+        self._cached_shards = tuple(
+            attrs.evolve(info, raw_name=info.raw_name.replace("/", "__")) for info in self.shards
+        )
+        self.total = sum(info.samples for info in self.shards)
+        # Local uncompressed shards are read where they lie; the rest through the cache.
+        self.cached = not self.is_local or self.compression is not None
+        if self.cached and self.cache_limit is not None and self.shards:
+            largest = max(info.raw_bytes for info in self.shards)
+            if self.cache_limit < largest:
+                raise ValueError(
+                    f"`cache_limit` ({self.cache_limit} bytes) must hold at least the largest "
+                    f"shard ({largest} bytes uncompressed)"
+                )
+        self._fingerprint = stable_hash(
+            *((info.name, info.samples, info.bytes) for info in self.shards)
+        )
+        self._cache: ShardCache | None = None
+        self._cache_pid = -1
+        self._restore: RestoreShard[OffsetShardFile] = RestoreShard()
+
+    # -- what a format defines -------------------------------------------------------------------
+
+    @abstractmethod
+    def parse_index(self, data: bytes, where: str) -> tuple[str | None, tuple[ShardInfo, ...]]:
+        """The compression (``None``, ``"gzip"``, ``"zstd"`` or ``"bz2"``) and the shards of an
+        ``index.json``; a malformed one is a :class:`SourceDataError` naming ``where``."""
+
+    @abstractmethod
+    def decode(self, data: bytes, shard: int, row: int) -> Any:
+        """One sample from its bytes; damage is a :class:`SourceDataError` naming the shard."""
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def where(self, shard: int) -> str:
+        """The shard's location as stored (for messages)."""
+        return self.remote.where(self.shards[shard].name)
+
+    def epoch_order(self, epoch: int, partitions: int | None = None) -> EpochOrder:
+        """The global order of ``epoch`` (see the module documentation)."""
+        return EpochOrder(
+            [info.samples for info in self.shards],
+            stable_hash(self.seed, self.stream_salt(), epoch),
+            self.shuffle,
+            partitions or self.partitions(),
+        )
+
+    def global_order(self, epoch: int, partitions: int | None = None) -> list[tuple[int, int]]:
+        """The epoch's global order as ``(shard, row)`` keys (for tests and audits: O(N))."""
+        order = self.epoch_order(epoch, partitions)
+        return [order.key(position) for position in range(self.total)]
+
+    def cache(self) -> ShardCache:
+        """This process's view of the download cache (remote or compressed shards only)."""
+        if not self.cached:
+            raise RuntimeError("local uncompressed shards are read in place; there is no cache")
+        if self._cache is None or self._cache_pid != os.getpid():
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            self._cache = ShardCache(
+                self.remote,
+                self.cache_dir,
+                self._cached_shards,
+                compression=self.compression,
+                retries=self.download_retries,
+                timeout=self.download_timeout,
+                cache_limit=self.cache_limit,
+                remedy=f"the shard does not match the {self.format_name} index.json beside it",
+            )
+            self._cache_pid = os.getpid()
+        return self._cache
+
+    def open_shard(self, shard: int) -> OffsetShardFile:
+        """Open one shard for random access (downloading or decompressing it first if needed)."""
+        info = self.shards[shard]
+        if not self.cached:
+            path = str(Path(self.location) / info.raw_name)
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"shard {path} listed in index.json does not exist")
+            return OffsetShardFile(path, info, path)
+        local = self.cache().ensure(shard)
+        if local is None:
+            raise DownloadError(f"shard {self.where(shard)} could not be downloaded")
+        return OffsetShardFile(str(local), info, f"{self.where(shard)} (cached as {local})")
+
+    def release(self, shard: int) -> None:
+        """The reader is done with ``shard`` for now (a cached one may be evicted)."""
+        if self.cached:
+            self.cache().release(shard)
+
+    # -- protocol --------------------------------------------------------------------------
+
+    def _new_cursor(self) -> EpochCursor:
+        return _OffsetShardCursor(self)
+
+    def validate_key(self, key: Key) -> None:
+        if not isinstance(key, tuple) or not is_shard_row(key, self.shards):
+            raise ValueError(
+                f"{type(self).__name__} restore keys are (shard, row) within the "
+                f"{len(self.shards)} shards of {self.location}; got {key!r}"
+            )
+
+    def restore_sample(self, key: Key) -> Any:
+        self.validate_key(key)
+        shard, row = key
+        return self._restore.read(
+            shard, self.open_shard, lambda file: self.decode(file.read(row), shard, row)
+        )
+
+    def can_restore_sample(self) -> bool:
+        return True
+
+    def _config_fields(self) -> dict[str, Any]:
+        return {
+            "shards": len(self.shards),
+            "total_samples": self.total,
+            "fingerprint": self._fingerprint,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "num_canonical_partitions": self.num_canonical_partitions,
+        }
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update(_cache=None, _cache_pid=-1, _restore=RestoreShard())
+        return state
