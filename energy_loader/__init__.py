@@ -18,6 +18,7 @@ from .distributed import (
     save_state_rank_file,
 )
 from .errors import (
+    CodeChangedWarning,
     DownloadError,
     EnergyLoaderError,
     SourceDataError,
@@ -68,6 +69,7 @@ __all__ = [
     "BatchDataset",
     "BlendDataset",
     "ChunkedFolderSource",
+    "CodeChangedWarning",
     "ConcatDataset",
     "DownloadError",
     "EnergyLoaderError",

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .worker import WorkerConfig
 
 __all__ = [
+    "CodeChangedWarning",
     "DownloadError",
     "EnergyLoaderError",
     "SourceDataError",
@@ -103,6 +104,14 @@ class StreamError(EnergyLoaderError, RuntimeError):
     """A stream source's ``fetch_fn`` or ``is_exhausted`` raised or returned something
     invalid, or no batch arrived within ``fetch_timeout``.
     """
+
+
+class CodeChangedWarning(UserWarning):
+    """A restore continues with user code (a map function, a filter's predicate, a
+    ``collate_fn``, ...) that differs from the code that saved the state: a fixed bug, most
+    often. The loader continues (``on_code_change="warn"``, the default) and says which
+    function changed; items made from here on may differ from what the saving run would have
+    made. ``on_code_change="refuse"`` raises a :class:`StateMismatchError` instead."""
 
 
 def missing_slots_error(

@@ -28,8 +28,9 @@ import attrs
 from torch.utils.data import DataLoader
 
 from ..dataset import SavableDataset, attach_restore_key, restore_key_of
-from ..errors import StateFormatError, WorkerError
+from ..errors import CodeChangedWarning, StateFormatError, StateMismatchError, WorkerError
 from ..metrics import LoaderMetrics, StallPolicy, clock
+from ..state.fingerprint import CODE_SUFFIX, code_differences
 from ..state.plain import to_key
 from ..state.positions import Position
 from ..state.rank_folder import RankFolder
@@ -132,6 +133,7 @@ class PipelineEngine:
         adopts_partitions: bool,
         verify: bool = True,
         savable: bool = True,
+        on_code_change: str = "warn",
     ) -> None:
         config = args.config
         self.worker_config = config
@@ -139,6 +141,7 @@ class PipelineEngine:
         self.transport = args.transport
         self.adopts_partitions = adopts_partitions
         self.verify = verify
+        self.on_code_change = on_code_change
         _warn_if_idle(args.num_partitions, config)
         self.planner = planner = Planner(pipeline, config, args.num_partitions)
         self.side = WorkerSideDataset(
@@ -427,7 +430,10 @@ class PipelineEngine:
 
     def plan(self, records: list[RankState]) -> PipelinePlan:
         planner = self.planner_for(records)
-        return PipelinePlan(planner, planner.plan_restore(records))
+        plan = PipelinePlan(planner, planner.plan_restore(records))
+        if records:
+            _report_code_changes(records[0].config, planner.pipeline_config, self.on_code_change)
+        return plan
 
     def apply(self, plan: PipelinePlan) -> None:
         if plan.planner is not self.planner:
@@ -505,6 +511,31 @@ class PipelineEngine:
             "num_partitions": planner.num_partitions,
             "seed": config.seed,
         }
+
+
+def _report_code_changes(saved: dict[str, Any], now: dict[str, Any], policy: str) -> None:
+    """Warn (``CodeChangedWarning``) or refuse (``StateMismatchError``) when a user function's
+    code differs from the one that saved the state: never silent."""
+    changed = code_differences(saved, now)
+    if not changed:
+        return
+    listed = "; ".join(f"{d.path.rsplit(CODE_SUFFIX, 1)[0]}" for d in changed)
+    message = (
+        f"the code of {listed} differs from the code that saved the state (the same name, "
+        "other bytecode: a fixed bug?)"
+    )
+    if policy == "refuse":
+        raise StateMismatchError(
+            f"{message}; restore with the code that saved it, or build the loader with "
+            "on_code_change='warn' to continue with the new code"
+        )
+    warnings.warn(
+        f"{message}: the restore continues with the new code, so the items made from here on "
+        "may differ from those the saving run would have made (on_code_change='refuse' "
+        "refuses instead)",
+        CodeChangedWarning,
+        stacklevel=4,
+    )
 
 
 def _warn_if_idle(num_partitions: int, config: WorkerConfig) -> None:

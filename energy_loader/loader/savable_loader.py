@@ -71,8 +71,12 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
     seed the global RNGs per sample so random augmentation in ``__getitem__`` comes back
     identical. ``verify_restore`` (default True): a restore re-makes what the saving loader
     handed out last and checks it against the state's proof, raising ``StateMismatchError``
-    if it made another stream; False continues unchecked. ``stats()``, ``peek_keys(n)`` and
-    ``stall_warning``: :mod:`energy_loader.metrics`. Every option: docs/loader.md.
+    if it made another stream; False continues unchecked. ``on_code_change`` (a pipeline):
+    what a restore does when a user function's code differs from the code that saved the
+    state (its name unchanged, a fixed bug): ``"warn"`` continues with a
+    ``CodeChangedWarning`` naming it, ``"refuse"`` raises ``StateMismatchError``.
+    ``stats()``, ``peek_keys(n)`` and ``stall_warning``: :mod:`energy_loader.metrics`. Every
+    option: docs/loader.md.
 
     Thread-safety: one thread iterates and saves.
     """
@@ -117,6 +121,7 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
         stall_warning: Any = True,
         seed_per_sample: bool = True,
         verify_restore: bool = True,
+        on_code_change: str = "warn",
     ) -> None:
         # Set by a load_state_dict() from Lightning: the saved epoch's batches used.
         self._lightning_restored: int | None = None
@@ -139,6 +144,11 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
             "items_per_transfer": items_per_transfer,
             "stall_warning": stall_warning,
         }
+        if on_code_change not in ("warn", "refuse"):
+            raise ValueError(
+                "`on_code_change` must be 'warn' (continue a restore whose user functions "
+                f"changed, with a CodeChangedWarning) or 'refuse' (got {on_code_change!r})"
+            )
         if not isinstance(dataset, SavableDataset):
             if not type(self).saves_state:
                 raise TypeError(
@@ -205,6 +215,7 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
             adopts_partitions=num_partitions is None,
             verify=verify_restore,
             savable=self.saves_state,
+            on_code_change=on_code_change,
         )
         DataLoader.__init__(
             self,

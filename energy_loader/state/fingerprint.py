@@ -13,7 +13,17 @@ from typing import Any
 
 import attrs
 
-__all__ = ["ConfigDifference", "config_differences", "describe_differences"]
+__all__ = [
+    "CODE_SUFFIX",
+    "ConfigDifference",
+    "code_differences",
+    "config_differences",
+    "describe_differences",
+]
+
+# A config field that holds a user function's code fingerprint ends so (``fn_code``): it is
+# compared apart from the rest (code that changed is reported, not another pipeline).
+CODE_SUFFIX = "_code"
 
 
 @attrs.frozen
@@ -40,9 +50,15 @@ _MISSING = object()
 
 
 def config_differences(
-    saved: Any, now: Any, *, path: str = "", field: tuple[str | int, ...] = ()
+    saved: Any,
+    now: Any,
+    *,
+    path: str = "",
+    field: tuple[str | int, ...] = (),
+    code: bool = False,
 ) -> list[ConfigDifference]:
-    """Every leaf where ``saved`` and ``now`` differ (lists and tuples compare alike)."""
+    """Every leaf where ``saved`` and ``now`` differ (lists and tuples compare alike), but
+    the user functions' code fingerprints (``*_code`` fields: :func:`code_differences`)."""
     if isinstance(saved, Mapping) and isinstance(now, Mapping):
         if saved.get("type") is not None and saved.get("type") == now.get("type"):
             type_name = str(saved["type"])
@@ -51,6 +67,8 @@ def config_differences(
         for name in sorted(set(saved) | set(now), key=str):
             if name == "type" and saved.get("type") == now.get("type"):
                 continue
+            if isinstance(name, str) and name.endswith(CODE_SUFFIX) and not code:
+                continue  # code fingerprints: code_differences()
             child_path = path if name in ("inner", "inners") else f"{path}.{name}"
             out.extend(
                 config_differences(
@@ -58,6 +76,7 @@ def config_differences(
                     now.get(name, _MISSING),
                     path=child_path,
                     field=(*field, name),
+                    code=code,
                 )
             )
         return out
@@ -65,11 +84,27 @@ def config_differences(
     if both_lists and len(saved) == len(now):
         out = []
         for index, (a, b) in enumerate(zip(saved, now)):
-            out.extend(config_differences(a, b, path=f"{path}[{index}]", field=(*field, index)))
+            out.extend(
+                config_differences(a, b, path=f"{path}[{index}]", field=(*field, index), code=code)
+            )
         return out
     if saved == now and type(saved) is type(now):
         return []
     return [ConfigDifference(path or "config", field, saved, now)]
+
+
+def code_differences(saved: Any, now: Any) -> list[ConfigDifference]:
+    """The user functions whose code differs between two configs of one pipeline (their
+    ``*_code`` fingerprints; a config saved before fingerprints has none, and nothing is
+    reported for it). Call it where :func:`config_differences` found nothing else."""
+    return [
+        d
+        for d in config_differences(saved, now, code=True)
+        if d.field
+        and isinstance(d.field[-1], str)
+        and d.field[-1].endswith(CODE_SUFFIX)
+        and d.saved is not _MISSING
+    ]
 
 
 def describe_differences(differences: list[ConfigDifference]) -> str:

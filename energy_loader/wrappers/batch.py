@@ -20,7 +20,7 @@ from ..dataset import (
     Key,
     SavableDataset,
     WrapperCursor,
-    callable_name,
+    user_fn_fields,
 )
 from ..state.plain import StateReader
 from ..validation import require_bool, require_callable, require_int
@@ -104,7 +104,11 @@ class BatchDataset(BaseWrapperDataset):
     def _config_fields(self) -> dict[str, Any]:
         return {
             "batch_size": self.batch_size,
-            "collate_fn": callable_name(self.collate_fn) if self.collate_fn else "default_collate",
+            **(
+                user_fn_fields("collate_fn", self.collate_fn)
+                if self.collate_fn
+                else {"collate_fn": "default_collate"}
+            ),
             "drop_last": self.drop_last,
         }
 

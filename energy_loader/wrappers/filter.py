@@ -15,7 +15,7 @@ from ..dataset import (
     Key,
     SavableDataset,
     apply_user_fn,
-    callable_name,
+    user_fn_fields,
 )
 from ..validation import require_bool, require_callable
 
@@ -54,4 +54,7 @@ class FilterDataset(BaseWrapperDataset):
                 yield key, sample
 
     def _config_fields(self) -> dict[str, Any]:
-        return {"predicate": callable_name(self.predicate), "seed_per_sample": self.seed_per_sample}
+        return {
+            **user_fn_fields("predicate", self.predicate),
+            "seed_per_sample": self.seed_per_sample,
+        }

@@ -33,6 +33,7 @@ from ..dataset import (
     apply_user_fn,
     bad_state,
     callable_name,
+    user_fn_fields,
 )
 from ..errors import StateFormatError
 from ..state.plain import StateReader, to_key
@@ -224,10 +225,14 @@ class GroupBatchDataset(BaseWrapperDataset):
 
     def _config_fields(self) -> dict[str, Any]:
         return {
-            "key_fn": callable_name(self.key_fn),
+            **user_fn_fields("key_fn", self.key_fn),
             "batch_size": self.batch_size,
             "batch_sizes": [[_to_plain(g), s] for g, s in self.batch_sizes.items()],
             "leftovers": self.leftovers,
-            "collate_fn": callable_name(self.collate_fn) if self.collate_fn else "default_collate",
+            **(
+                user_fn_fields("collate_fn", self.collate_fn)
+                if self.collate_fn
+                else {"collate_fn": "default_collate"}
+            ),
             "seed_per_sample": self.seed_per_sample,
         }

@@ -15,7 +15,7 @@ from ..dataset import (
     Key,
     SavableDataset,
     apply_user_fn,
-    callable_name,
+    user_fn_fields,
 )
 from ..validation import require_bool, require_callable
 
@@ -60,7 +60,7 @@ class MapDataset(BaseWrapperDataset):
         return apply_user_fn(self.fn, sample, key, owner=self, seeded=self.seed_per_sample)
 
     def _config_fields(self) -> dict[str, Any]:
-        return {"fn": callable_name(self.fn), "seed_per_sample": self.seed_per_sample}
+        return {**user_fn_fields("fn", self.fn), "seed_per_sample": self.seed_per_sample}
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]

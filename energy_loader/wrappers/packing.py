@@ -40,7 +40,7 @@ from ..dataset import (
     WrapperCursor,
     apply_user_fn,
     bad_state,
-    callable_name,
+    user_fn_fields,
 )
 from ..state.plain import StateReader, to_key
 from ..validation import require_bool, require_callable, require_int
@@ -279,7 +279,7 @@ class PackingDataset(BaseWrapperDataset):
             "max_len": self.max_len,
             "buffer_size": self.buffer_size,
             "too_long": self.too_long,
-            "encode_fn": callable_name(self.encode_fn) if self.encode_fn else None,
+            **user_fn_fields("encode_fn", self.encode_fn),
             "pad_id": self.pad_id,
             "seed_per_sample": self.seed_per_sample,
         }
