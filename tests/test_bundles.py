@@ -221,7 +221,7 @@ def test_a_fast_worker_does_not_pile_up_behind_a_slow_one() -> None:
     loader = el.SavableDataLoader(source, num_workers=2, items_per_transfer=16)
     most = 0
     for _sample in loader:
-        most = max(most, len(loader._inner._waiting[1]))
+        most = max(most, len(loader.engine._inner._waiting[1]))  # the pipeline engine's Unbundler
     # Unregulated, worker 1's items would pile up by ~15 a round, to ~190 here.
     assert most <= 2 * 16 + 3 * 16
 

@@ -881,7 +881,7 @@ def big_image_pipeline(length: int = 160, *, drop: bool = False) -> el.SavableDa
 
 
 def _main_arenas(loader: Any) -> list[Arena]:
-    return list(loader._transport._arenas)
+    return list(loader.engine.transport._arenas)
 
 
 def _in_some_ring(arenas: list[Arena], tensor: torch.Tensor) -> bool:
