@@ -25,6 +25,7 @@ import multiprocessing.connection
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -52,6 +53,15 @@ FORKSERVER_PRELOAD = [
     "torch.distributed.checkpoint",
     "energy_loader",
     "tests.distributed_helpers",
+]
+# Rank programs of other modules, preloaded as well when this session imported them (the tests
+# that launch them import them at collection): each of Lightning's ranks would otherwise import
+# pytorch_lightning itself (~3 s of CPU a rank).
+RANK_PROGRAM_MODULES = [
+    "tests.integrations.lightning_helpers",
+    "tests.integrations.accelerate_helpers",
+    "tests.integrations.trainer_helpers",
+    "tests.loader.hf_rank_programs",
 ]
 
 
@@ -90,7 +100,8 @@ def launch(
     workdir.mkdir(parents=True, exist_ok=True)
     context = multiprocessing.get_context(START_METHOD)
     if START_METHOD == "forkserver":
-        context.set_forkserver_preload(FORKSERVER_PRELOAD)
+        imported = [name for name in RANK_PROGRAM_MODULES if name in sys.modules]
+        context.set_forkserver_preload(FORKSERVER_PRELOAD + imported)
     port = free_port()
     processes = [
         context.Process(

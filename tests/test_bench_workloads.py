@@ -139,7 +139,10 @@ def one_thread():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("workers", [0, 2])
+# 2 workers: slow (~3x the in-process run). The vision pipeline resumes pixel for pixel here
+# in process; WebDataset shards resume with workers in tests/sources/test_webdataset.py, and
+# maps drawing random numbers resume with workers in tests/test_resume_properties.py.
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_vision_pipeline_resumes_pixel_for_pixel(vision_data, workers: int, one_thread) -> None:
     batches = list(SavableDataLoader(vision.vision_pipeline(vision_data), num_workers=workers))
     assert sum(len(b["label"]) for b in batches) == IMAGES

@@ -92,6 +92,17 @@ def saved_run(request, tmp_path_factory):
     return workers, states, streams, path, out / "log", logged, out / "ranks"
 
 
+# The commands on the 2-worker run: slow (a fresh interpreter each, ~4 s on 2 cores). They
+# run here on the 0-worker run, and the functions they call replay and inspect the 2-worker
+# run's states, files and DCP folder in process (the tests without a command line).
+COMMANDS_ON_EACH_RUN = pytest.mark.parametrize(
+    "saved_run",
+    [0, pytest.param(2, marks=pytest.mark.slow)],
+    indirect=True,
+    ids=["0-workers", "2-workers"],
+)
+
+
 def _dcp_folder(saved_run: Any) -> Path:
     return saved_run[6].parent / "dcp"
 
@@ -148,6 +159,7 @@ def test_replay_agrees_with_the_sample_log(saved_run) -> None:
         assert all(any(k in keys for keys in logged.values()) for k in replayed)
 
 
+@COMMANDS_ON_EACH_RUN
 def test_replay_command_line(saved_run) -> None:
     _, states, streams, path, log_dir, _, _ = saved_run
     pipeline = ("--pipeline", "tests.observe_pipelines:build")
@@ -177,6 +189,7 @@ def _command(*args: str, log_dir: Path) -> subprocess.CompletedProcess:
     return run_command(*args, ENERGY_LOADER_TEST_LOG_DIR=str(log_dir))
 
 
+@COMMANDS_ON_EACH_RUN
 def test_replay_on_a_folder_of_rank_files_reads_only_the_rank_it_replays(saved_run) -> None:
     _, _, streams, _, log_dir, _, folder = saved_run
     for rank in range(RANKS):
@@ -192,6 +205,7 @@ def test_replay_on_a_folder_of_rank_files_reads_only_the_rank_it_replays(saved_r
     assert [json.loads(line)["key"] for line in result.stdout.splitlines()] == streams[1][3:9]
 
 
+@COMMANDS_ON_EACH_RUN
 def test_inspect_on_a_folder_of_rank_files_shows_every_rank(saved_run) -> None:
     _, states, _, _, log_dir, _, folder = saved_run
     result, text = run_commands(

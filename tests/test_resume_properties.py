@@ -69,7 +69,12 @@ def test_resume_is_exact_with_workers(
     )
 
 
-@pytest.mark.parametrize("workers", [0, 1, 2, 3])
+# 1 and 3 workers: slow. 0 and 2 run here, and test_resume_is_exact_with_workers draws 1-3
+# workers with stop points at the epoch edges.
+@pytest.mark.parametrize(
+    "workers",
+    [0, pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)],
+)
 def test_default_stop_points_cover_epoch_edges(workers: int) -> None:
     spec = PipelineSpec(
         length=45,

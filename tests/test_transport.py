@@ -411,7 +411,12 @@ _ARENA_NAME = re.compile(r"energy_loader-arena-\d+-\d+")
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("workers", [1, 2, 3])
+# 1 and 3 workers: slow. Each transport resumes here with 2, and
+# test_resume_properties_hold_with_every_transport draws 1-3 workers for every transport.
+@pytest.mark.parametrize(
+    "workers",
+    [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)],
+)
 @pytest.mark.parametrize("codec", [True, False], ids=["codec", "torch"])
 def test_resume_is_exact_with_the_codec_on_and_off(workers: int, codec: bool) -> None:
     spec = PipelineSpec(
@@ -476,18 +481,25 @@ def test_shared_memory_path_resumes_exactly_under_fork() -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("method", ["spawn", "forkserver"])
-def test_arenas_reach_spawned_workers_and_are_recreated_on_restore(method: str) -> None:
+@pytest.mark.parametrize(
+    ("method", "workers"),
+    # A spawned worker is a fresh interpreter (~4 s of imports on 2 cores, twice: the restore
+    # restarts it): one by default, two in the slow step; forkserver's two run by default.
+    [("spawn", 1), pytest.param("spawn", 2, marks=pytest.mark.slow), ("forkserver", 2)],
+)
+def test_arenas_reach_spawned_workers_and_are_recreated_on_restore(
+    method: str, workers: int
+) -> None:
     # The arenas' file descriptors travel to the workers with the dataset: at the first
     # start, and again after the restore restarts them.
     loader = el.SavableDataLoader(
-        image_pipeline(), num_workers=2, multiprocessing_context=method, **ARENA_ONLY
+        image_pipeline(), num_workers=workers, multiprocessing_context=method, **ARENA_ONLY
     )
     iterator = iter(loader)
     head = [next(iterator) for _ in range(3)]
     loader.restore_state_rank(loader.save_state_rank())
     got = head + list(loader)
-    difference = first_difference(torch_transport_reference(), got)
+    difference = first_difference(torch_transport_reference(workers), got)
     assert difference is None, difference
     loader.reset_state()
 

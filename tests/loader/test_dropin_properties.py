@@ -18,8 +18,8 @@ loaders): saved at world size W, restored at W' with the ranks seeded alike, per
 at all. The model for another W' is the union of the indices per epoch, each index's
 augmentation the uninterrupted run's.
 
-``ENERGY_LOADER_HYPOTHESIS=nightly`` runs 500 examples of each property; CI runs 30 (the
-ranks' property in its slow step).
+``ENERGY_LOADER_HYPOTHESIS=nightly`` runs 500 examples of each property; the default run 12,
+CI's slow step 30 of the ranks' property.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from energy_loader.testing.runs import (
     run_chain,
 )
 
-from ..helpers import MODEL_EXAMPLES
+from ..helpers import MODEL_EXAMPLES, SLOW_MODEL_EXAMPLES
 from .dropin_helpers import (
     Augmenting,
     Dicts,
@@ -330,7 +330,7 @@ def _rank_run(
 # ~30 s for 30 examples (9 loaders each): CI's slow step; test_dropin_elastic.py covers resized
 # ranks in the default run.
 @pytest.mark.slow
-@MODEL_EXAMPLES
+@SLOW_MODEL_EXAMPLES
 @given(_rank_setups())
 def test_simulated_ranks_resized_keep_every_index_and_its_augmentation(
     setup: dict[str, Any],

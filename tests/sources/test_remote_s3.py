@@ -259,6 +259,10 @@ def test_a_remote_shard_that_does_not_match_its_index_is_refused(s3, wds_local, 
         list(source)
 
 
+# ~13 s (every restore downloads the shards again): slow. S3 through s3fs resumes with workers
+# in test_webdataset_on_s3_downloads_ahead_and_resumes, and a ShardedSource on a remote
+# resumes with workers in test_sharded.py's test_memory_filesystem_remote_resumes_with_workers.
+@pytest.mark.slow
 def test_sharded_source_on_s3_resumes_with_workers(s3, tmp_path, no_leftover_processes):
     with ShardWriter(tmp_path / "shards", max_shard_bytes=400) as writer:
         for i in range(30):
