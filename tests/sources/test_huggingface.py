@@ -126,6 +126,56 @@ def test_a_set_transform_draws_the_same_after_a_restore_on_other_workers(no_left
     assert (sample["py"], sample["torch"]) == uninterrupted[7]
 
 
+def _jitter(row: dict[str, Any]) -> dict[str, Any]:
+    """A map that draws after the set_transform did (numpy and python random)."""
+    import random
+
+    import numpy as np
+
+    return {**row, "map_py": random.random(), "map_np": float(np.random.rand())}
+
+
+def test_a_set_transform_and_a_random_map_on_it_draw_the_same_after_a_restore(
+    no_leftover_processes,
+):
+    """The map right on the source shares its seeding with the set_transform's read; a
+    shuffle buffer rebuilds rows from their keys; the restore runs on another worker count."""
+
+    def loader(workers: int) -> el.SavableDataLoader:
+        source = IndexedSource(_augmented(), shuffle=True, seed=3)
+        pipeline = source.map(_jitter).shuffle_buffer(8).batch(4)
+        return el.SavableDataLoader(pipeline, num_workers=workers, num_partitions=2)
+
+    def rows(batches: Any) -> dict[int, tuple[Any, ...]]:
+        return {
+            int(i): tuple(float(v) for v in values)
+            for batch in batches
+            for i, *values in zip(
+                batch["i"], batch["py"], batch["torch"], batch["map_py"], batch["map_np"]
+            )
+        }
+
+    uninterrupted = rows(loader(2))
+    assert sorted(uninterrupted) == list(range(60))
+    assert all(row[0] != row[2] for row in uninterrupted.values())  # read and map differ
+    saving = loader(2)
+    iterator = iter(saving)
+    before = rows(next(iterator) for _ in range(4))
+    state = saving.save_state_global()
+    del iterator
+    saving.close()
+    restored = loader(1)
+    restored.restore_state_global(state)
+    rest = rows(restored)
+    restored.close()
+    assert sorted([*before, *rest]) == list(range(60))
+    assert {**before, **rest} == uninterrupted
+    rebuilt = IndexedSource(_augmented(), shuffle=True, seed=3).map(_jitter)
+    sample = rebuilt.restore_sample((7,))
+    fields = ("py", "torch", "map_py", "map_np")
+    assert tuple(float(sample[f]) for f in fields) == uninterrupted[7]
+
+
 def test_seeding_defaults_to_dataset_objects_and_stays_out_of_plain_states():
     assert IndexedSource(_augmented()).seed_per_sample
     assert not IndexedSource(list(range(5))).seed_per_sample
