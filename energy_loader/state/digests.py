@@ -35,7 +35,11 @@ compact_json = json.JSONEncoder(separators=(",", ":")).encode
 
 def digest(*parts: Any) -> str:
     """A short hex digest of plain values (their ``repr``)."""
-    return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()
+    return _hash(repr(parts))
+
+
+def _hash(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 class CheckpointDigest(str):
@@ -80,11 +84,27 @@ def key_digest(key: Any) -> str:
     found = _RECENT.get(id(key))
     if found is not None and found[0] is key:
         return found[1]
-    value = digest("key", key)
+    text = _batch_key_repr(key)
+    value = digest("key", key) if text is None else _hash(f"('key', {text})")
     if len(_RECENT) >= _RECENT_SIZE:
         _RECENT.clear()
     _RECENT[id(key)] = (key, value)
     return value
+
+
+def _batch_key_repr(key: Any) -> str | None:
+    """``repr(key)`` for a batch's key over an indexed source, a tuple of ``(index,)`` keys,
+    built from the indices (~7 us for 32 instead of ~20 us: ``repr`` pays for each inner
+    tuple); ``None`` for any other key."""
+    if type(key) is not tuple or len(key) < 2:
+        return None
+    try:
+        indices = [index for (index,) in key]
+    except (TypeError, ValueError):
+        return None
+    if all(type(k) is tuple for k in key) and all(type(i) is int for i in indices):
+        return "((" + ",), (".join(map(str, indices)) + ",))"
+    return None
 
 
 def last_digest(last: Any) -> str | None:
