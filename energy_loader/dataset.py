@@ -172,16 +172,25 @@ def user_fn_fields(name: str, fn: Callable[..., Any] | None) -> dict[str, Any]:
 
 
 def apply_user_fn(
-    fn: Callable[[Any], Any], sample: Any, key: Key, *, owner: SavableDataset, seeded: bool
+    fn: Callable[[Any], Any],
+    sample: Any,
+    key: Key,
+    *,
+    owner: SavableDataset,
+    seeded: bool,
+    scope: SavableDataset | None = None,
 ) -> Any:
     """Run a user function on one sample, the way every wrapper that runs user code does.
 
-    With ``seeded`` the global RNGs are first seeded from (pipeline seed, the owner's stream
-    salt, ``key``) (see :func:`~energy_loader.rng.seed_globals_for_sample`); an exception gets
-    a note naming the function, the wrapper and the restore key.
+    With ``seeded`` the global RNGs are first seeded from (pipeline seed, the stream salt of
+    ``scope``, ``key``) (see :func:`~energy_loader.rng.seed_globals_for_sample`); ``scope`` is
+    the dataset whose seeding the call runs under: ``owner`` unless ``owner`` shares the
+    seeding of the wrapper above it (:meth:`SavableDataset.share_sample_seeding`). An exception
+    gets a note naming the function, the owner and the restore key.
     """
     if seeded:
-        seed_globals_for_sample(owner.context.seed, owner.stream_salt(), key)
+        scope = owner if scope is None else scope
+        seed_globals_for_sample(scope.context.seed, scope.stream_salt(), key)
     try:
         return fn(sample)
     except Exception as error:
@@ -346,6 +355,22 @@ class SavableDataset(IterableDataset[Any], ABC):
     def can_restore_sample(self) -> bool:
         """Whether :meth:`restore_sample` works for this pipeline."""
         return all(child.can_restore_sample() for child in self.children())
+
+    def share_sample_seeding(self, owner: SavableDataset) -> bool:
+        """Offer this dataset's per-sample reads the seeding of ``owner``, the wrapper right
+        above it; returns whether this dataset takes it.
+
+        A wrapper that seeds the global RNGs before its function for every sample (a map or a
+        filter) asks its inner dataset this when it is built. A dataset that reads each
+        sample under the sample's own seed (an ``IndexedSource`` over a dataset object) and
+        accepts then reads under ``owner``'s seed, from (pipeline seed, ``owner``'s position,
+        the restore key), and ``owner`` runs its function right after the read without
+        seeding again: one seeding covers both, and the draws of both remain a function of
+        the sample's key and ``owner``'s position (after a restore, in ``restore_sample``, on
+        any layout). A dataset takes the offer of one owner only. The default: no seeded
+        reads, nothing to share.
+        """
+        return False
 
     def validate_key(self, key: Key) -> None:
         """Raise ``ValueError`` if ``key`` cannot be a restore key of this pipeline.

@@ -21,6 +21,16 @@ restore key) before each read (~11 us), so a read draws the same numbers after a
 in ``restore_sample`` and on any number of workers or ranks. Lists, tuples, ranges, numpy
 arrays and tensors draw nothing and are read unseeded; so is ``from_fn``'s function unless
 ``seed_per_sample=True`` (the library's workloads read there and draw nothing).
+
+One seeding for the read and the map. A ``MapDataset`` or ``FilterDataset`` built right on
+a seeded source (``IndexedSource(data).map(fn)``, the common pipeline) runs its function
+right after each read, so one seeding serves both: the read runs under the wrapper's seed,
+from (pipeline seed, the wrapper's salt, the restore key), and the wrapper's function
+continues the same streams without seeding again (see
+:meth:`~energy_loader.SavableDataset.share_sample_seeding`). Both draw the same after a
+restore and on any layout, and a read that draws nothing leaves the function's draws exactly
+as over an unseeded source. The first such wrapper built on the source takes the seeding;
+another wrapper on the same source seeds for itself.
 """
 
 from __future__ import annotations
@@ -138,11 +148,25 @@ class IndexedSource(SavableDataset):
         self.seed_per_sample = seed_per_sample
         self._getitem = getitem
         self._data_name = name
+        # The dataset whose seeding the reads run under: this source, or the wrapper that
+        # took it (share_sample_seeding).
+        self._seed_scope: SavableDataset = self
         self.read: Callable[[int], Any] = self._seeded_read if seed_per_sample else getitem
 
     def _seeded_read(self, index: int) -> Any:
         """``data[index]`` under the sample's seed (key ``(index,)``), as a map function."""
-        return apply_user_fn(self._getitem, index, (index,), owner=self, seeded=True)
+        return apply_user_fn(
+            self._getitem, index, (index,), owner=self, seeded=True, scope=self._seed_scope
+        )
+
+    def share_sample_seeding(self, owner: SavableDataset) -> bool:
+        """Read under ``owner``'s seeding (module documentation) if this source seeds its
+        reads and no other wrapper took them."""
+        taken = self._seed_scope is not self and self._seed_scope is not owner
+        if not self.seed_per_sample or taken:
+            return False
+        self._seed_scope = owner
+        return True
 
     def order_for_epoch(self, epoch: int) -> FeistelPermutation | None:
         """The epoch's global order (``None`` for the identity)."""

@@ -19,19 +19,51 @@ import hashlib
 import json
 from typing import Any
 
-__all__ = ["KeyDigest", "checkpoint_digest", "digest", "key_digest", "last_digest"]
+__all__ = [
+    "CheckpointDigest",
+    "KeyDigest",
+    "checkpoint_digest",
+    "compact_json",
+    "digest",
+    "key_digest",
+    "last_digest",
+]
+
+#: Compact JSON as a saved state's leaves hold it (``state_dict()``): no spaces, keys in order.
+compact_json = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def digest(*parts: Any) -> str:
     """A short hex digest of plain values (their ``repr``)."""
-    return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()
+    return _hash(repr(parts))
+
+
+def _hash(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+class CheckpointDigest(str):
+    """A checkpoint's digest, holding beside it the checkpoint's :func:`compact_json`
+    (``text``).
+
+    A worker process computes both when it takes a rolling checkpoint, off the training
+    loop's thread, and they travel with the checkpoint: a save then splices ``text`` into the
+    state's JSON instead of encoding the checkpoint again (a 1,000-key shuffle buffer is ~60
+    us of JSON), and the state's bytes are the same either way. It compares, hashes, prints
+    and encodes as the plain digest string.
+    """
+
+    text: str
 
 
 def checkpoint_digest(checkpoint: Any) -> str:
     """A digest of a pipeline checkpoint (plain data) as canonical JSON: lists and tuples
-    alike, keys sorted, so a checkpoint reads the same after any round trip."""
-    text = json.dumps(checkpoint, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    alike, keys sorted, so a checkpoint reads the same after any round trip. Returns a
+    :class:`CheckpointDigest` carrying the checkpoint's compact JSON too."""
+    canonical = json.dumps(checkpoint, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    value = CheckpointDigest(hashlib.blake2b(canonical.encode(), digest_size=8).hexdigest())
+    value.text = compact_json(checkpoint)
+    return value
 
 
 class KeyDigest(str):
@@ -52,11 +84,27 @@ def key_digest(key: Any) -> str:
     found = _RECENT.get(id(key))
     if found is not None and found[0] is key:
         return found[1]
-    value = digest("key", key)
+    text = _batch_key_repr(key)
+    value = digest("key", key) if text is None else _hash(f"('key', {text})")
     if len(_RECENT) >= _RECENT_SIZE:
         _RECENT.clear()
     _RECENT[id(key)] = (key, value)
     return value
+
+
+def _batch_key_repr(key: Any) -> str | None:
+    """``repr(key)`` for a batch's key over an indexed source, a tuple of ``(index,)`` keys,
+    built from the indices (~7 us for 32 instead of ~20 us: ``repr`` pays for each inner
+    tuple); ``None`` for any other key."""
+    if type(key) is not tuple or len(key) < 2:
+        return None
+    try:
+        indices = [index for (index,) in key]
+    except (TypeError, ValueError):
+        return None
+    if all(type(k) is tuple for k in key) and all(type(i) is int for i in indices):
+        return "((" + ",), (".join(map(str, indices)) + ",))"
+    return None
 
 
 def last_digest(last: Any) -> str | None:

@@ -55,7 +55,7 @@ from typing import Any
 import attrs
 
 from ..errors import StateFormatError, StateMismatchError
-from .digests import KeyDigest, checkpoint_digest, digest
+from .digests import KeyDigest, checkpoint_digest, compact_json, digest
 from .plain import StateReader, check_plain, is_keyed_by, json_leaf
 
 __all__ = [
@@ -469,19 +469,33 @@ def partition_entries(states: list[RankState]) -> dict[str, str]:
 
     Each leaf is ``{"rank_state": <the rank state without its partitions>, "partition":
     <one partition>}`` as compact JSON, under the key of its slot (see above). The header is
-    encoded once per rank and spliced into each leaf (the same text ``json.dumps`` of the
-    whole leaf gives): ``state_dict()`` is on the training loop's path.
+    encoded once per rank and spliced into each leaf, and so is a checkpoint's JSON that the
+    worker which took it encoded already (:class:`~energy_loader.state.digests.CheckpointDigest`):
+    the same text ``json.dumps`` of the whole leaf gives, at a fraction of the cost, since
+    ``state_dict()`` is on the training loop's path.
     """
-    import json
-
-    encode = json.JSONEncoder(separators=(",", ":")).encode
     out = {}
     for state in states:
         header = state.to_plain(with_partitions=False)
-        prefix = '{"rank_state":' + encode(header) + ',"partition":'
+        prefix = '{"rank_state":' + compact_json(header) + ',"partition":'
         for entry in state.partitions:
-            out[slot_key(state.slot_of(entry.partition))] = prefix + encode(entry.to_plain()) + "}"
+            out[slot_key(state.slot_of(entry.partition))] = prefix + _entry_json(entry) + "}"
     return out
+
+
+def _entry_json(entry: PartitionState) -> str:
+    """``compact_json(entry.to_plain())``, with the checkpoint's JSON spliced in when its
+    digest brought it."""
+    if entry.checkpoint_check is None:  # taken in this process: digest and text at once
+        entry = attrs.evolve(entry, checkpoint_check=checkpoint_digest(entry.checkpoint))
+    text = getattr(entry.checkpoint_check, "text", None)
+    plain = entry.to_plain()
+    if text is None:  # a digest that came without the text
+        return compact_json(plain)
+    plain["checkpoint"] = 0
+    # The checkpoint is the second field, after an integer: the first match is its own.
+    head, _, tail = compact_json(plain).partition(',"checkpoint":0,')
+    return f'{head},"checkpoint":{text},{tail}'
 
 
 def states_from_entries(entries: dict[str, Any], *, complete: bool = True) -> list[RankState]:

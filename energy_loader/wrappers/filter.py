@@ -26,7 +26,9 @@ class FilterDataset(BaseWrapperDataset):
     """Drop the samples for which ``predicate`` returns false.
 
     The predicate runs after the same per-sample seeding as :class:`MapDataset` (turn it off
-    with ``seed_per_sample=False``), so a random predicate ("keep 10%") is reproducible.
+    with ``seed_per_sample=False``), so a random predicate ("keep 10%") is reproducible;
+    right on a source that seeds its reads, one seeding before the read serves both, as for
+    a map.
     ``len()`` is unknown. Example::
 
         FilterDataset(source, lambda s: len(s["text"]) > 0)
@@ -46,9 +48,12 @@ class FilterDataset(BaseWrapperDataset):
         require_bool(seed_per_sample, "seed_per_sample")
         self.predicate = predicate
         self.seed_per_sample = seed_per_sample
+        # Whether the inner source reads under this filter's seeding (as MapDataset's).
+        self._seeded_with_read = seed_per_sample and dataset.share_sample_seeding(self)
 
     def iter_keyed(self) -> Iterator[tuple[Key, Any]]:
-        predicate, seeded = self.predicate, self.seed_per_sample
+        predicate = self.predicate
+        seeded = self.seed_per_sample and not self._seeded_with_read
         for key, sample in self.dataset.iter_keyed():
             if apply_user_fn(predicate, sample, key, owner=self, seeded=seeded):
                 yield key, sample

@@ -27,10 +27,13 @@ class MapDataset(BaseWrapperDataset):
 
     With ``seed_per_sample=True`` (the default) python ``random``, numpy's global RNG and
     torch's default CPU generator are seeded from (pipeline seed, this map's position, the
-    sample's restore key) before each call (~15 us), so random augmentations are reproduced
+    sample's restore key) before each call (~11 us), so random augmentations are reproduced
     exactly after a restore and by ``restore_sample``, whichever worker makes the sample.
-    Pass ``seed_per_sample=False`` for functions that draw no random numbers; a function that
-    does draw then gives different values after a restore. Example::
+    Right on a source that seeds its reads (``IndexedSource`` over a dataset object), that
+    seeding is done once, before the read, and serves the read and ``fn`` alike
+    (:meth:`~energy_loader.SavableDataset.share_sample_seeding`). Pass
+    ``seed_per_sample=False`` for functions that draw no random numbers; a function that does
+    draw then gives different values after a restore. Example::
 
         MapDataset(source, lambda s: {**s, "tokens": tokenize(s["text"])})
     """
@@ -49,15 +52,18 @@ class MapDataset(BaseWrapperDataset):
         require_bool(seed_per_sample, "seed_per_sample")
         self.fn = fn
         self.seed_per_sample = seed_per_sample
+        # Whether the inner source reads under this map's seeding, which then covers fn too.
+        self._seeded_with_read = seed_per_sample and dataset.share_sample_seeding(self)
 
     def iter_keyed(self) -> Iterator[tuple[Key, Any]]:
-        fn, seeded = self.fn, self.seed_per_sample
+        fn, seeded = self.fn, self.seed_per_sample and not self._seeded_with_read
         for key, sample in self.dataset.iter_keyed():
             yield key, apply_user_fn(fn, sample, key, owner=self, seeded=seeded)
 
     def restore_sample(self, key: Key) -> Any:
         sample = self.dataset.restore_sample(key)
-        return apply_user_fn(self.fn, sample, key, owner=self, seeded=self.seed_per_sample)
+        seeded = self.seed_per_sample and not self._seeded_with_read
+        return apply_user_fn(self.fn, sample, key, owner=self, seeded=seeded)
 
     def _config_fields(self) -> dict[str, Any]:
         return {**user_fn_fields("fn", self.fn), "seed_per_sample": self.seed_per_sample}

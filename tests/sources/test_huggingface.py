@@ -94,36 +94,57 @@ def _augmented(n: int = 60) -> Dataset:
     return data
 
 
-def _rows(batches: Any) -> dict[int, tuple[float, float]]:
-    return {
-        int(i): (float(p), float(t))
-        for batch in batches
-        for i, p, t in zip(batch["i"], batch["py"], batch["torch"])
-    }
+def _jitter(row: dict[str, Any]) -> dict[str, Any]:
+    """A map that draws after the set_transform did (python random and numpy)."""
+    import random
+
+    import numpy as np
+
+    return {**row, "map_py": random.random(), "map_np": float(np.random.rand())}
 
 
-def test_a_set_transform_draws_the_same_after_a_restore_on_other_workers(no_leftover_processes):
+def _pipeline(with_map: bool) -> el.SavableDataset:
+    """The set_transform's rows in batches of 4; ``with_map``: through a random map right on
+    the source (which shares its seeding with the read) and a shuffle buffer (which rebuilds
+    rows from their keys)."""
+    source = IndexedSource(_augmented(), shuffle=True, seed=3)
+    return source.map(_jitter).shuffle_buffer(8).batch(4) if with_map else source.batch(4)
+
+
+@pytest.mark.parametrize("with_map", [False, True])
+def test_a_set_transform_draws_the_same_after_a_restore_on_other_workers(
+    with_map: bool, no_leftover_processes: None
+) -> None:
+    fields = ("py", "torch", *(("map_py", "map_np") if with_map else ()))
+
     def loader(workers: int) -> el.SavableDataLoader:
-        source = IndexedSource(_augmented(), shuffle=True, seed=3)
-        return el.SavableDataLoader(source.batch(4), num_workers=workers, num_partitions=2)
+        return el.SavableDataLoader(_pipeline(with_map), num_workers=workers, num_partitions=2)
 
-    uninterrupted = _rows(loader(2))
+    def rows(batches: Any) -> dict[int, tuple[float, ...]]:
+        return {
+            int(i): tuple(float(v) for v in values)
+            for batch in batches
+            for i, *values in zip(batch["i"], *(batch[f] for f in fields))
+        }
+
+    uninterrupted = rows(loader(2))
     assert sorted(uninterrupted) == list(range(60))
+    if with_map:  # one seeding, two functions drawing: the read's and the map's differ
+        assert all(row[0] != row[2] for row in uninterrupted.values())
     saving = loader(2)
     iterator = iter(saving)
-    before = _rows(next(iterator) for _ in range(5))
+    before = rows(next(iterator) for _ in range(4))
     state = saving.save_state_global()
     del iterator
     saving.close()
     restored = loader(1)  # another worker count: the rows move between processes
     restored.restore_state_global(state)
-    rest = _rows(restored)
+    rest = rows(restored)
     restored.close()
     assert sorted([*before, *rest]) == list(range(60))
     assert {**before, **rest} == uninterrupted  # every restored row drew what it drew before
-    source = IndexedSource(_augmented(), shuffle=True, seed=3)
-    sample = source.restore_sample((7,))
-    assert (sample["py"], sample["torch"]) == uninterrupted[7]
+    sample = _pipeline(with_map).dataset.restore_sample((7,))  # the row under the batch
+    assert tuple(float(sample[f]) for f in fields) == uninterrupted[7]
 
 
 def test_seeding_defaults_to_dataset_objects_and_stays_out_of_plain_states():

@@ -143,3 +143,24 @@ def test_another_partition_count_is_a_mismatch_naming_both() -> None:
         match=r"saved with num_partitions=1 .* this loader runs num_partitions=2\. 1 partitions",
     ):
         pinned.restore_state_rank(state)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_state_dict_leaves_are_the_compact_json_of_the_whole_leaf(workers: int) -> None:
+    """The workers' encoded checkpoints spliced into the leaves (or, without workers, the
+    checkpoints encoded at the save) give the bytes ``json.dumps`` of each leaf gives, and a
+    state decoded from plain data gives the same leaves again."""
+    loader = el.SavableDataLoader(reference_pipeline(), num_workers=workers, num_partitions=2)
+    iterator = iter(loader)
+    for _ in range(40):  # past each worker's first rolling checkpoint (every 16 items)
+        next(iterator)
+    leaves = loader.state_dict()
+    plain = loader.save_state_rank()
+    header = {k: v for k, v in plain.items() if k != "partitions"}
+    assert len(leaves) == len(plain["partitions"]) == 2
+    for text in leaves.values():
+        leaf = json.loads(text)
+        assert leaf["rank_state"] == header and leaf["partition"] in plain["partitions"]
+        assert text == json.dumps(leaf, separators=(",", ":"))
+    assert loader.state_dict_of_ranks([plain]) == leaves
+    loader.close()
