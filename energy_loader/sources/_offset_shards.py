@@ -34,7 +34,7 @@ from ..errors import DownloadError, SourceDataError
 from ..rng import stable_hash
 from ._download import Remote, ShardCache, default_cache_dir, download_settings, fetch_bytes
 from ._order import EpochOrder
-from ._strided import OpenShards, PrefetchingCursor, RestoreShard, StridedSource, is_shard_row
+from ._strided import OpenShards, PrefetchingCursor, RestoreShard, ShardRowSource
 from .shard_writer import ShardInfo
 
 __all__ = ["OffsetShardFile", "OffsetShardSource"]
@@ -110,7 +110,7 @@ class _OffsetShardCursor(PrefetchingCursor):
             files.close()
 
 
-class OffsetShardSource(StridedSource):
+class OffsetShardSource(ShardRowSource):
     """A directory of offset-table shards listed in an ``index.json`` (see the module
     documentation). Subclasses implement :meth:`parse_index` and :meth:`decode`."""
 
@@ -265,32 +265,14 @@ class OffsetShardSource(StridedSource):
     def _new_cursor(self) -> EpochCursor:
         return _OffsetShardCursor(self)
 
-    def validate_key(self, key: Key) -> None:
-        if not isinstance(key, tuple) or not is_shard_row(key, self.shards):
-            raise ValueError(
-                f"{type(self).__name__} restore keys are (shard, row) within the "
-                f"{len(self.shards)} shards of {self.location}; got {key!r}"
-            )
+    def read_row(self, file: OffsetShardFile, shard: int, row: int) -> Any:
+        return self.decode(file.read(row), shard, row)
 
-    def restore_sample(self, key: Key) -> Any:
-        self.validate_key(key)
-        shard, row = key
-        return self._restore.read(
-            shard, self.open_shard, lambda file: self.decode(file.read(row), shard, row)
-        )
-
-    def can_restore_sample(self) -> bool:
-        return True
+    def _key_scope(self) -> str:
+        return self.location
 
     def _config_fields(self) -> dict[str, Any]:
-        return {
-            "shards": len(self.shards),
-            "total_samples": self.total,
-            "fingerprint": self._fingerprint,
-            "shuffle": self.shuffle,
-            "seed": self.seed,
-            "num_canonical_partitions": self.num_canonical_partitions,
-        }
+        return self._shard_config_fields()
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

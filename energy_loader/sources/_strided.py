@@ -15,6 +15,7 @@ next *global* position (a subclass may add fields).
 from __future__ import annotations
 
 import weakref
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -30,6 +31,7 @@ __all__ = [
     "OpenShards",
     "PrefetchingCursor",
     "RestoreShard",
+    "ShardRowSource",
     "StridedCursor",
     "StridedSource",
     "is_shard_row",
@@ -235,3 +237,58 @@ def is_shard_row(key: Key, shards: Sequence[ShardInfo]) -> bool:
         and 0 <= key[0] < len(shards)
         and 0 <= key[1] < shards[key[0]].samples
     )
+
+
+class ShardRowSource(StridedSource):
+    """A strided source over shards whose samples are named ``(shard, row)``: the restore
+    key's check, ``restore_sample`` through the one shard kept open, and the config fields
+    such sources share (WebDataset tars, MDS and litdata shards).
+
+    A subclass sets ``shards``, ``_fingerprint`` and ``_restore`` (a :class:`RestoreShard`)
+    and defines ``open_shard(shard)`` and ``read_row(file, shard, row)``.
+    """
+
+    shards: tuple[ShardInfo, ...]
+    _fingerprint: int
+    _restore: RestoreShard[Any]
+
+    @abstractmethod
+    def open_shard(self, shard: int) -> Any:
+        """Shard ``shard``'s file, open for reading rows (each format its own)."""
+
+    @abstractmethod
+    def read_row(self, file: Any, shard: int, row: int) -> Any:
+        """Row ``row`` of the open ``file`` of ``shard``, decoded into a sample."""
+
+    def _key_scope(self) -> str:
+        """Where the shards are, for the restore key's message (empty: not said)."""
+        return ""
+
+    def validate_key(self, key: Key) -> None:
+        if not isinstance(key, tuple) or not is_shard_row(key, self.shards):
+            raise ValueError(
+                f"{type(self).__name__} restore keys are (shard, row) within the "
+                f"{len(self.shards)} shards of {self._key_scope() or 'this source'}; "
+                f"got {key!r}"
+            )
+
+    def restore_sample(self, key: Key) -> Any:
+        self.validate_key(key)
+        shard, row = key
+        return self._restore.read(
+            shard, self.open_shard, lambda file: self.read_row(file, shard, row)
+        )
+
+    def can_restore_sample(self) -> bool:
+        return True
+
+    def _shard_config_fields(self) -> dict[str, Any]:
+        """The config fields every shard source has: its shards, order and content."""
+        return {
+            "shards": len(self.shards),
+            "total_samples": self.total,
+            "fingerprint": self._fingerprint,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "num_canonical_partitions": self.num_canonical_partitions,
+        }

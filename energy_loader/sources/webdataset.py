@@ -40,7 +40,7 @@ from ..state.atomic import write_atomically
 from ..state.plain import StateReader
 from ._download import Remote, ShardCache, default_cache_dir, download_settings, fetch_bytes
 from ._order import EpochOrder
-from ._strided import OpenShards, PrefetchingCursor, RestoreShard, StridedSource, is_shard_row
+from ._strided import OpenShards, PrefetchingCursor, RestoreShard, ShardRowSource
 from ._tar_index import INDEX_SUFFIX, TarIndex, build_index, check_header, parse_index
 from .shard_writer import ShardInfo
 
@@ -235,7 +235,7 @@ class _WebDatasetCursor(PrefetchingCursor):
         self.skipped = reader.int("skipped")
 
 
-class WebDatasetSource(StridedSource):
+class WebDatasetSource(ShardRowSource):
     """Read WebDataset tar shards (local or any fsspec URL) with shuffle and exact resume.
 
     ``urls_or_dir``: a directory holding ``*.tar`` shards, one shard, a brace pattern
@@ -561,31 +561,12 @@ class WebDatasetSource(StridedSource):
     def _new_cursor(self) -> EpochCursor:
         return _WebDatasetCursor(self)
 
-    def validate_key(self, key: Key) -> None:
-        if not isinstance(key, tuple) or not is_shard_row(key, self.shards):
-            raise ValueError(
-                f"WebDatasetSource restore keys are (shard, row) within the {len(self.shards)} "
-                f"shards of this source; got {key!r}"
-            )
-
-    def restore_sample(self, key: Key) -> Any:
-        self.validate_key(key)
-        shard, row = key
-        return self._restore.read(
-            shard, self.open_shard, lambda file: self.decode_sample(file.read(row), shard, row)
-        )
-
-    def can_restore_sample(self) -> bool:
-        return True
+    def read_row(self, file: _TarFile, shard: int, row: int) -> Any:
+        return self.decode_sample(file.read(row), shard, row)
 
     def _config_fields(self) -> dict[str, Any]:
         return {
-            "shards": len(self.shards),
-            "total_samples": self.total,
-            "fingerprint": self._fingerprint,
-            "shuffle": self.shuffle,
-            "seed": self.seed,
-            "num_canonical_partitions": self.num_canonical_partitions,
+            **self._shard_config_fields(),
             "decode": self._decode_name,
             "on_error": self.on_error,
         }
