@@ -90,24 +90,11 @@ class _OffsetShardCursor(PrefetchingCursor):
 
     def resume(self) -> Iterator[tuple[Key, Any]]:
         source = self.dataset
-        stride, start = source.context.num_shards, source.context.shard_index
-        order = source.epoch_order(self.epoch)
-        predownload = source.predownload if source.cached else 0
-        progress = self.start_prefetch(order, predownload, source.cache)
-        prefetcher = self._prefetcher
         files = OpenShards(source.open_shard, source.release)
-        partitions = order.partitions
-        try:
-            for shard, row in order.walk(self.position, stride):
-                file = files.get(self.position % partitions, shard)
-                sample = source.decode(file.read(row), shard, row)
-                self.position += stride
-                progress.step = (self.position - start) // stride
-                yield (shard, row), sample
-        finally:
-            if self._prefetcher is prefetcher:
-                self.stop_prefetch()
-            files.close()
+        predownload = source.predownload if source.cached else 0
+        yield from self.read_rows(
+            source.epoch_order(self.epoch), predownload, source.cache, files, source.read_row
+        )
 
 
 class OffsetShardSource(ShardRowSource):

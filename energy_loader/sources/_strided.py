@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 from abc import abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from ..dataset import EpochCursor, Key, SavableDataset
@@ -148,6 +148,35 @@ class PrefetchingCursor(StridedCursor):
             # Stop the thread if this cursor is dropped without finishing its epoch.
             self._finalizer = weakref.finalize(self, prefetcher.stop_event.set)
         return progress
+
+    def read_rows(
+        self,
+        order: EpochOrder,
+        predownload: int,
+        cache: Callable[[], ShardCache],
+        files: OpenShards[Any],
+        read: Callable[[Any, int, int], Any],
+    ) -> Iterator[tuple[Key, Any]]:
+        """Every ``((shard, row), sample)`` of ``order`` this reader reads from its position,
+        each made by ``read(file, shard, row)`` on the shard ``files`` keeps open, with the
+        next ``predownload`` samples' shards downloaded ahead. The download thread and the
+        files are closed when the walk ends or is abandoned."""
+        context = self.dataset.context
+        stride, start = context.num_shards, context.shard_index
+        progress = self.start_prefetch(order, predownload, cache)
+        prefetcher = self._prefetcher
+        partitions = order.partitions
+        try:
+            for shard, row in order.walk(self.position, stride):
+                file = files.get(self.position % partitions, shard)
+                sample = read(file, shard, row)
+                self.position += stride
+                progress.step = (self.position - start) // stride
+                yield (shard, row), sample
+        finally:
+            if self._prefetcher is prefetcher:
+                self.stop_prefetch()
+            files.close()
 
     def stop_prefetch(self) -> None:
         if self._prefetcher is not None:

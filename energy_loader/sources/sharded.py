@@ -168,25 +168,11 @@ class _ShardedCursor(PrefetchingCursor):
 
     def resume(self) -> Iterator[tuple[Key, Any]]:
         source = self.dataset
-        stride = source.context.num_shards
-        start = source.context.shard_index
         order = self.order()
-        cache = source.cache()
-        progress = self.start_prefetch(order, source.predownload, source.cache)
-        prefetcher = self._prefetcher
-        files = OpenShards(source.open_shard, cache.release)
-        partitions = order.partitions
-        try:
-            for shard, row in order.walk(self.position, stride):
-                file = files.get(self.position % partitions, shard)
-                sample = file.read(row)
-                self.position += stride
-                progress.step = (self.position - start) // stride
-                yield (shard, row), sample
-        finally:
-            if self._prefetcher is prefetcher:
-                self.stop_prefetch()
-            files.close()
+        files = OpenShards(source.open_shard, source.cache().release)
+        yield from self.read_rows(
+            order, source.predownload, source.cache, files, lambda file, _, row: file.read(row)
+        )
 
 
 class ShardedSource(StridedSource):
