@@ -33,7 +33,6 @@ from ..dataset import EpochCursor, Key
 from ..errors import DownloadError, SourceDataError
 from ..rng import stable_hash
 from ._download import Remote, ShardCache, default_cache_dir, download_settings, fetch_bytes
-from ._order import EpochOrder
 from ._strided import OpenShards, PrefetchingCursor, RestoreShard, ShardRowSource
 from .shard_writer import ShardInfo
 
@@ -195,20 +194,6 @@ class OffsetShardSource(ShardRowSource):
     def where(self, shard: int) -> str:
         """The shard's location as stored (for messages)."""
         return self.remote.where(self.shards[shard].name)
-
-    def epoch_order(self, epoch: int, partitions: int | None = None) -> EpochOrder:
-        """The global order of ``epoch`` (see the module documentation)."""
-        return EpochOrder(
-            [info.samples for info in self.shards],
-            stable_hash(self.seed, self.stream_salt(), epoch),
-            self.shuffle,
-            partitions or self.partitions(),
-        )
-
-    def global_order(self, epoch: int, partitions: int | None = None) -> list[tuple[int, int]]:
-        """The epoch's global order as ``(shard, row)`` keys (for tests and audits: O(N))."""
-        order = self.epoch_order(epoch, partitions)
-        return [order.key(position) for position in range(self.total)]
 
     def cache(self) -> ShardCache:
         """This process's view of the download cache (remote or compressed shards only)."""

@@ -21,6 +21,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from ..dataset import EpochCursor, Key, SavableDataset
 from ..errors import SourceDataError, StateFormatError
+from ..rng import stable_hash
 from ..state.plain import StateReader
 from ..validation import require_bool, require_int
 from ._download import Prefetcher, ReaderProgress, ShardCache
@@ -288,6 +289,22 @@ class ShardRowSource(StridedSource):
     @abstractmethod
     def read_row(self, file: Any, shard: int, row: int) -> Any:
         """Row ``row`` of the open ``file`` of ``shard``, decoded into a sample."""
+
+    def epoch_order(self, epoch: int, partitions: int | None = None) -> EpochOrder:
+        """The global order of ``epoch``: the shards' rows, shuffled per epoch from (seed,
+        this source's stream, epoch), in the partitions' spans
+        (:mod:`energy_loader.sources._order`)."""
+        return EpochOrder(
+            [info.samples for info in self.shards],
+            stable_hash(self.seed, self.stream_salt(), epoch),
+            self.shuffle,
+            partitions or self.partitions(),
+        )
+
+    def global_order(self, epoch: int, partitions: int | None = None) -> list[tuple[int, int]]:
+        """The epoch's global order as ``(shard, row)`` keys (for tests and audits: O(N))."""
+        order = self.epoch_order(epoch, partitions)
+        return [order.key(position) for position in range(self.total)]
 
     def _key_scope(self) -> str:
         """Where the shards are, for the restore key's message (empty: not said)."""

@@ -39,7 +39,6 @@ from ..rng import stable_hash
 from ..state.atomic import write_atomically
 from ..state.plain import StateReader
 from ._download import Remote, ShardCache, default_cache_dir, download_settings, fetch_bytes
-from ._order import EpochOrder
 from ._strided import OpenShards, PrefetchingCursor, RestoreShard, ShardRowSource
 from ._tar_index import INDEX_SUFFIX, TarIndex, build_index, check_header, parse_index
 from .shard_writer import ShardInfo
@@ -466,20 +465,6 @@ class WebDatasetSource(ShardRowSource):
         return index, str(cached)
 
     # -- reading -----------------------------------------------------------------------------
-
-    def epoch_order(self, epoch: int, partitions: int | None = None) -> EpochOrder:
-        """The global order of ``epoch`` (see the module documentation)."""
-        return EpochOrder(
-            [info.samples for info in self.shards],
-            stable_hash(self.seed, self.stream_salt(), epoch),
-            self.shuffle,
-            partitions or self.partitions(),
-        )
-
-    def global_order(self, epoch: int, partitions: int | None = None) -> list[tuple[int, int]]:
-        """The epoch's global order as ``(shard, row)`` keys (for tests and audits: O(N))."""
-        order = self.epoch_order(epoch, partitions)
-        return [order.key(position) for position in range(self.total)]
 
     def cache(self) -> ShardCache:
         """This process's view of the download cache (remote shards only; made lazily)."""
