@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import settings
 
@@ -23,6 +24,10 @@ from energy_loader.testing.strategies import AddNoise, MakeSample
 _NIGHTLY = os.environ.get("ENERGY_LOADER_HYPOTHESIS") == "nightly"
 MODEL_EXAMPLES = settings(max_examples=500 if _NIGHTLY else 12)
 SLOW_MODEL_EXAMPLES = settings(max_examples=500 if _NIGHTLY else 30)
+# A wrapper's own resume test without workers in the default run, and with two worker
+# processes in the slow step (CI runs both): the default run's drawn pipelines of every
+# wrapper already resume with 1-3 workers (test_pipeline_properties_all).
+WORKERS_0_AND_2 = [0, pytest.param(2, marks=pytest.mark.slow)]
 
 
 def resealed(state: dict[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import energy_loader as el
 from energy_loader.testing import check_resume
 from energy_loader.testing.strategies import AddNoise, MakeSample
-from tests.helpers import indices
+from tests.helpers import WORKERS_0_AND_2, indices
 
 
 def _pipeline(batch_size: int = 4, drop_last: bool = False, length: int = 22) -> el.BatchDataset:
@@ -40,7 +40,7 @@ def test_last_partial_batch(drop_last: bool, sizes: list[int]) -> None:
     assert len(pipeline) == len(sizes)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", WORKERS_0_AND_2)
 def test_resume_exactly_including_the_partial_batch(workers: int) -> None:
     check_resume(lambda: _pipeline(), num_workers=workers, epochs=2)
 

@@ -12,6 +12,7 @@ import energy_loader as el
 from energy_loader.testing import check_resume, samples_equal
 from energy_loader.testing.strategies import AddNoise, MakeSample
 from energy_loader.wrappers import BlendDataset
+from tests.helpers import WORKERS_0_AND_2
 
 
 def _source(length: int, seed: int = 0, shuffle: bool = True) -> el.IndexedSource:
@@ -92,7 +93,7 @@ def test_state_is_small_and_names_the_counter_and_the_inner_states() -> None:
 
 
 @pytest.mark.parametrize("on_exhausted", ["end", "drop"])
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", WORKERS_0_AND_2)
 def test_resume_is_exact(workers: int, on_exhausted: str) -> None:
     def build() -> BlendDataset:
         return BlendDataset(

@@ -8,6 +8,7 @@ import energy_loader as el
 from energy_loader.testing import check_resume
 from energy_loader.testing.strategies import AddNoise, MakeSample
 from energy_loader.wrappers import ConcatDataset
+from tests.helpers import WORKERS_0_AND_2
 
 
 def _source(length: int, seed: int = 0, shuffle: bool = True) -> el.IndexedSource:
@@ -46,7 +47,7 @@ def test_an_outer_limit_ends_the_current_inner_epoch_and_restarts_at_the_first()
     assert _keys(limited) == [(0, (i,)) for i in range(4)] + [(1, (0,)), (1, (1,))]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", WORKERS_0_AND_2)
 def test_resume_is_exact(workers: int) -> None:
     def build() -> ConcatDataset:
         return ConcatDataset(

@@ -7,6 +7,7 @@ import pytest
 import energy_loader as el
 from energy_loader.testing import check_resume
 from energy_loader.testing.strategies import MakeSample
+from tests.helpers import WORKERS_0_AND_2
 
 
 def _source(length: int = 7, shuffle: bool = True) -> el.IndexedSource:
@@ -44,7 +45,7 @@ def test_limit_takes_the_first_n_of_each_inner_epoch() -> None:
     assert _indices(el.LimitDataset(_source(3), 10)) != []
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", WORKERS_0_AND_2)
 def test_repeat_and_limit_resume_exactly(workers: int) -> None:
     check_resume(
         lambda: el.LimitDataset(el.RepeatDataset(_source(9), 2), 13), num_workers=workers, epochs=3

@@ -8,6 +8,7 @@ import energy_loader as el
 from energy_loader.testing import check_resume
 from energy_loader.testing.strategies import AddNoise, MakeSample
 from energy_loader.wrappers import BlendDataset, EpochizeDataset
+from tests.helpers import WORKERS_0_AND_2
 
 
 def _source(length: int, seed: int = 0, shuffle: bool = False) -> el.IndexedSource:
@@ -57,7 +58,7 @@ def test_state_holds_counts_and_the_inner_state() -> None:
     assert state["inner"]["position"] == 4
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", WORKERS_0_AND_2)
 def test_resume_is_exact(workers: int) -> None:
     check_resume(
         lambda: EpochizeDataset(el.MapDataset(_source(7, 1, shuffle=True), AddNoise()), 5),
@@ -66,7 +67,7 @@ def test_resume_is_exact(workers: int) -> None:
     )
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", WORKERS_0_AND_2)
 def test_resume_of_an_epochized_endless_blend(workers: int) -> None:
     def build() -> EpochizeDataset:
         blend = BlendDataset(

@@ -11,6 +11,7 @@ import pytest
 import energy_loader as el
 from energy_loader.testing import check_resume
 from energy_loader.testing.strategies import MakeSample
+from tests.helpers import WORKERS_0_AND_2
 
 
 def _source(length: int = 12) -> el.IndexedSource:
@@ -58,7 +59,7 @@ def test_log_without_a_directory_uses_the_logger(caplog) -> None:
     assert len(caplog.records) == 3
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", WORKERS_0_AND_2)
 def test_resume_exactly(workers: int, tmp_path) -> None:
     check_resume(
         lambda: el.GcDataset(

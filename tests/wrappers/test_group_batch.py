@@ -13,6 +13,7 @@ import energy_loader as el
 from energy_loader.testing import check_resume
 from energy_loader.testing.strategies import AddNoise, GroupOf, MakeSample
 from energy_loader.wrappers import GroupBatchDataset
+from tests.helpers import WORKERS_0_AND_2
 
 
 def _source(length: int = 30, seed: int = 5, shuffle: bool = True) -> el.IndexedSource:
@@ -83,7 +84,7 @@ def test_state_holds_keys_per_bucket_not_samples() -> None:
 
 
 @pytest.mark.parametrize("leftovers", ["emit", "drop"])
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", WORKERS_0_AND_2)
 def test_resume_is_exact(workers: int, leftovers: str) -> None:
     def build() -> el.SavableDataset:
         source = el.MapDataset(_source(41), AddNoise())

@@ -11,6 +11,7 @@ import torch
 import energy_loader as el
 from energy_loader.testing import check_resume
 from energy_loader.testing.strategies import AddNoise, DropMultiples, MakeSample
+from tests.helpers import WORKERS_0_AND_2
 
 
 def _source(length: int = 30) -> el.IndexedSource:
@@ -46,7 +47,7 @@ def test_random_draws_do_not_depend_on_the_worker_layout() -> None:
     assert draws(0) == draws(2)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", WORKERS_0_AND_2)
 def test_map_and_filter_resume_exactly(workers: int) -> None:
     check_resume(
         lambda: el.FilterDataset(el.MapDataset(_source(), AddNoise()), DropMultiples(3)),
@@ -156,7 +157,7 @@ def test_a_second_wrapper_on_the_same_source_seeds_for_itself() -> None:
         assert draws == _draws({})["draws"]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", WORKERS_0_AND_2)
 def test_shared_seeding_resumes_exactly_through_a_shuffle_buffer_and_a_filter(workers: int) -> None:
     def build() -> el.SavableDataset:
         source = el.IndexedSource(DrawingReads(40), shuffle=True, seed=2)

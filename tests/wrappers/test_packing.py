@@ -14,6 +14,7 @@ import energy_loader as el
 from energy_loader.testing import check_resume, samples_equal
 from energy_loader.testing.strategies import MakeSample, RandomTokens
 from energy_loader.wrappers import PackingDataset
+from tests.helpers import WORKERS_0_AND_2
 
 
 def _sequences(lengths: list[int]) -> list[torch.Tensor]:
@@ -122,7 +123,7 @@ def test_state_holds_piece_keys_not_tokens() -> None:
     assert len(json.dumps(state)) < 300
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", WORKERS_0_AND_2)
 def test_resume_is_exact(workers: int) -> None:
     def build() -> el.SavableDataset:
         source = el.IndexedSource.from_fn(40, MakeSample(), shuffle=True, seed=9)

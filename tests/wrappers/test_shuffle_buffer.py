@@ -9,6 +9,7 @@ import pytest
 import energy_loader as el
 from energy_loader.testing import check_resume
 from energy_loader.testing.strategies import AddNoise, MakeSample
+from tests.helpers import WORKERS_0_AND_2
 
 
 class CountingSample:
@@ -60,7 +61,7 @@ def test_restore_rebuilds_buffered_samples_lazily() -> None:
     assert first["index"] == next(iterator)["index"]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", WORKERS_0_AND_2)
 def test_resume_exactly(workers: int) -> None:
     check_resume(lambda: _pipeline(7, 40), num_workers=workers, epochs=2)
 

@@ -14,6 +14,7 @@ from energy_loader.testing import check_resume, samples_equal
 from energy_loader.testing.strategies import AddNoise, MakeSample
 from energy_loader.wrappers import UnbatchDataset
 from energy_loader.wrappers.unbatch import batch_length, take_rows
+from tests.helpers import WORKERS_0_AND_2
 
 
 def _source(length: int = 23, shuffle: bool = True) -> el.IndexedSource:
@@ -144,7 +145,7 @@ def test_unbatching_a_batched_pipeline_gives_back_the_samples(micro: int | None)
         assert samples_equal(rebuilt, {k: v for k, v in piece.items() if k != el.RESTORE_KEY})
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", WORKERS_0_AND_2)
 def test_micro_batches_of_a_stream_source_resume_exactly(workers: int) -> None:
     stream = pytest.importorskip("energy_loader.sources.stream")
 
@@ -177,7 +178,7 @@ def test_state_names_the_batch_and_the_offset() -> None:
 
 
 @pytest.mark.parametrize("micro", [None, 3])
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", WORKERS_0_AND_2)
 def test_resume_is_exact(workers: int, micro: int | None) -> None:
     def build() -> el.SavableDataset:
         batched = el.BatchDataset(el.MapDataset(_source(), AddNoise()), 5)
@@ -186,7 +187,7 @@ def test_resume_is_exact(workers: int, micro: int | None) -> None:
     check_resume(build, num_workers=workers, epochs=2)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", WORKERS_0_AND_2)
 def test_an_inner_that_cannot_restore_samples_is_replayed(workers: int) -> None:
     def build() -> el.SavableDataset:
         source = NoRestoreSource.from_fn(23, MakeSample(), shuffle=True, seed=2)
