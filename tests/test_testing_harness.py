@@ -3,6 +3,7 @@ not resume exactly, and pass one that does."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from typing import Any
@@ -44,7 +45,7 @@ def test_check_resume_reports_the_first_divergence() -> None:
     with pytest.raises(
         ResumeMismatch,
         match=r"save after 3 batches \(in the loop\).*: batch 3 \(epoch 0, its batch 3\) differs "
-        r"\(batch\['call'\]: 4 vs 2\); the same dataset indices \(\(3,\)\) gave other samples",
+        r"\(batch\['call'\]: 4 vs 2\); the same restore keys \(\(3,\)\) gave other samples",
     ):
         # A rolling checkpoint at every item: the restore replays one item only (the last one
         # handed out, to check it), so the counter is at 2, not 4, at the first resumed batch.
@@ -202,3 +203,22 @@ def test_check_loader_resume_tells_a_sampler_the_restore_cannot_replay() -> None
             restore_workers=(0,),
             draws=0,
         )
+
+
+def test_check_resume_names_a_pipeline_stage_not_getitem_for_a_counter_in_a_map() -> None:
+    """A pipeline's map that reads a counter: the report speaks of restore keys and a stage of
+    the pipeline, not of dataset indices, __getitem__ or a sampler's generator= (which a
+    pipeline refuses)."""
+    counter = itertools.count()
+
+    def stamp(sample: dict[str, Any]) -> dict[str, Any]:
+        return {**sample, "stamp": next(counter)}
+
+    def build() -> el.SavableDataset:
+        return el.BatchDataset(el.MapDataset(el.IndexedSource.from_fn(24, _make), stamp), 4)
+
+    with pytest.raises(ResumeMismatch) as caught:
+        check_resume(build, num_workers=0)
+    message = str(caught.value)
+    assert "the same restore keys" in message and "a stage of the pipeline" in message
+    assert "__getitem__" not in message and "generator=" not in message

@@ -28,6 +28,49 @@ from .runs import UNREPLAYABLE, Batch, Chain, ChainRun, run_chain
 __all__ = ["Difference", "ResumeMismatch", "compare_runs", "diagnose", "unseeded_draws"]
 
 
+@attrs.frozen
+class _Words:
+    """How a message names the parts of one kind of loader: a drop-in's batches are dataset
+    indices made by ``__getitem__`` in a sampler's order; a pipeline's items are restore keys
+    made by its stages (a source's read, a map, a filter) in an order its stages set."""
+
+    keys: str
+    maker: str
+    made_from: str
+    order: str
+    fix_order: str
+
+
+_DROPIN_WORDS = _Words(
+    keys="dataset indices",
+    maker="__getitem__ (or collate_fn)",
+    made_from="the index",
+    order="the sampler",
+    fix_order="give it a seeded torch.Generator (generator=) or a state_dict()/load_state_dict()",
+)
+_PIPELINE_WORDS = _Words(
+    keys="restore keys",
+    maker="a stage of the pipeline (a map function, a filter's predicate, a source's read)",
+    made_from="the sample",
+    order="the pipeline's order (a source's shuffle, a filter's predicate, a buffer)",
+    fix_order="make every stage a function of the sample and the seeds the loader gives it "
+    "(seed_per_sample=True, the IndexedSource/ShuffleBufferDataset seeds)",
+)
+
+
+def _words_of(make: Callable[[int], Any], workers: int) -> _Words:
+    """The words for the loader ``make`` builds (built, not iterated, then closed)."""
+    from ..loader.dropin import runs_dropin
+
+    probe = make(workers)
+    try:
+        return _DROPIN_WORDS if runs_dropin(probe) else _PIPELINE_WORDS
+    finally:
+        close = getattr(probe, "close", None)
+        if close is not None:
+            close()
+
+
 class ResumeMismatch(AssertionError):
     """A restored loader diverged from the uninterrupted run; the message says where and why."""
 
@@ -87,6 +130,7 @@ def diagnose(
     """A sentence on the first difference between ``got`` (``chain``'s run) and ``full`` (the
     uninterrupted run), and its cause (found by running both again, see the module's doc)."""
     uninterrupted = Chain((), chain.workers[:1])
+    words = _words_of(make, chain.workers[0])
     again = run_chain(make, uninterrupted, epochs, seed=seed)
     repeat = compare_runs(full.batches, again.batches)
     if repeat is not None:
@@ -96,7 +140,7 @@ def diagnose(
         return (
             "the uninterrupted run itself is not reproducible: run twice from the same seeds, "
             f"{_where(full.batches, number)} differs ({repeat.detail}); "
-            + _not_reproducible(first, second)
+            + _not_reproducible(first, second, words)
         )
     where = _where(full.batches, difference.number)
     if difference.epoch_differs:
@@ -108,7 +152,7 @@ def diagnose(
         return f"{where}: {difference.detail}"
     theirs = run_chain(make, uninterrupted, epochs, seed=seed, peek_at=difference.number).peeked
     ours = run_chain(make, chain, epochs, seed=seed, peek_at=difference.number).peeked
-    why = _restore_went_elsewhere(theirs, ours)
+    why = _restore_went_elsewhere(theirs, ours, words)
     if theirs == ours and UNREPLAYABLE not in (theirs, ours) and theirs is not None:
         probe = make(chain.workers[0])
         try:
@@ -160,52 +204,54 @@ def unseeded_draws(loader: Any) -> str:
     )
 
 
-_UNSEEN_SOURCE = (
-    "the sampler's order depends on something the loader neither sees nor saves (re-run "
-    "with python's, numpy's and torch's global RNGs elsewhere it gives other indices: it "
-    "draws from python's random or numpy's global RNG, the clock, os.urandom); give it a "
-    "seeded torch.Generator (generator=) or a state_dict()/load_state_dict()"
-)
+def _unseen_source(words: _Words) -> str:
+    return (
+        f"{words.order} depends on something the loader neither sees nor saves (re-run with "
+        "python's, numpy's and torch's global RNGs elsewhere it gives other "
+        f"{words.keys}: it draws from python's random or numpy's global RNG, the clock, "
+        f"os.urandom); {words.fix_order}"
+    )
 
 
-def _not_reproducible(first: Any, second: Any) -> str:
+def _not_reproducible(first: Any, second: Any, words: _Words) -> str:
     if UNREPLAYABLE in (first, second):
-        return _UNSEEN_SOURCE
+        return _unseen_source(words)
     if first is None or second is None:
         return (
-            "the loader cannot tell the batch's dataset indices (an iterable dataset, or a "
+            f"the loader cannot tell the batch's {words.keys} (an iterable dataset, or a "
             "sampler with its own state): the dataset, collate_fn or sampler depends on "
             "something besides the seeds (the clock, a counter, a generator nobody seeds)"
         )
     if first != second:
         return (
-            f"its dataset indices differ ({first} vs {second}): the sampler draws from "
-            "something nobody seeds or saves (the clock, os.urandom, a generator of its own); "
-            "give it a seeded torch.Generator (generator=) or a state_dict()/load_state_dict()"
+            f"its {words.keys} differ ({first} vs {second}): {words.order} draws from "
+            "something nobody seeds or saves (the clock, os.urandom, a counter, a generator "
+            f"of its own); {words.fix_order}"
         )
     return (
-        f"the same dataset indices ({first}) gave other samples: __getitem__ (or collate_fn) "
-        "depends on something besides the index and the global RNGs the loader seeds per "
-        "sample (it reads the clock, a counter, a file that changes, or a generator of its "
-        "own); make it a function of the index and those RNGs"
+        f"the same {words.keys} ({first}) gave other samples: {words.maker} depends on "
+        f"something besides {words.made_from} and the global RNGs the loader seeds per sample "
+        "(it reads the clock, a counter, a file that changes, or a generator of its own); "
+        f"make it a function of {words.made_from} and those RNGs"
     )
 
 
-def _restore_went_elsewhere(theirs: Any, ours: Any) -> str:
+def _restore_went_elsewhere(theirs: Any, ours: Any, words: _Words) -> str:
     if UNREPLAYABLE in (theirs, ours):
-        return "the restore cannot reproduce the sampler's position: " + _UNSEEN_SOURCE
+        return f"the restore cannot reproduce {words.order}'s position: " + _unseen_source(words)
     if theirs is None or ours is None:
         return (
-            "the restore went elsewhere (the loader cannot tell the batch's dataset indices: "
+            f"the restore went elsewhere (the loader cannot tell the batch's {words.keys}: "
             "an iterable dataset, or a sampler with its own state, restored to another "
             "position, or samples whose randomness differs after the restore)"
         )
     if theirs != ours:
         return (
-            f"the restored loader hands out other dataset indices ({ours}, the uninterrupted "
-            f"run {theirs}): the restore did not reproduce the sampler's position or its draws"
+            f"the restored loader hands out other {words.keys} ({ours}, the uninterrupted "
+            f"run {theirs}): the restore did not reproduce {words.order}'s position or its "
+            "draws"
         )
     return (
-        f"the same dataset indices ({ours}) gave other samples after the restore: the "
+        f"the same {words.keys} ({ours}) gave other samples after the restore: the "
         "samples' randomness (or the dataset's own state) differs from the uninterrupted run's"
     )
