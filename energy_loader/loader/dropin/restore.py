@@ -26,6 +26,7 @@ from ...worker import WorkerConfig
 from ..progress import MAX_HELD_BACK
 from .entries import ANY_RANK_KEY, is_rank_entries, rank_entries, rank_key, states_of_entries
 from .job import check_one_save
+from .state import MapState
 
 __all__ = ["DropInRestore"]
 
@@ -73,11 +74,10 @@ class DropInRestore:
         """``{"rank_00001": "<JSON>"}`` (:mod:`.entries` says why a key per rank and a JSON
         leaf); a state any rank restores from goes under ``rank_any``."""
         state = self.saved(held_back)
-        as_json = getattr(state, "to_json", None)
-        if as_json is not None:  # a map-style state: the epoch's constant part encoded once
+        if isinstance(state, MapState):  # the epoch's constant part encoded once
             key = ANY_RANK_KEY if self.rank_free(state) else rank_key(state.rank)
             with contextlib.suppress(TypeError, ValueError):  # a sampler state JSON can't hold
-                return {key: as_json()}
+                return {key: state.to_json()}
         return rank_entries([state.to_plain()])
 
     def leaves_of_ranks(self, states: Sequence[Any]) -> dict[str, Any]:
