@@ -42,6 +42,7 @@ __all__ = [
     "Remote",
     "ShardCache",
     "default_cache_dir",
+    "resolve_cache_dir",
     "download_settings",
     "node_lock",
 ]
@@ -57,6 +58,16 @@ def default_cache_dir(kind: str, location: str) -> Path:
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     digest = hashlib.sha256(location.encode()).hexdigest()[:16]
     return Path(root) / "energy_loader" / kind / digest
+
+
+def resolve_cache_dir(cache_dir: Any, kind: str, location: str) -> Path:
+    """The cache directory a source was given (``TypeError`` unless a local path), resolved,
+    or :func:`default_cache_dir` of ``kind`` and ``location`` for ``None``."""
+    if cache_dir is None:
+        return default_cache_dir(kind, location)
+    if not isinstance(cache_dir, (str, os.PathLike)) or "://" in os.fspath(cache_dir):
+        raise TypeError(f"`cache_dir` must be a local directory path (got {cache_dir!r})")
+    return Path(cache_dir).resolve()
 
 
 class DownloadSettings(NamedTuple):

@@ -32,7 +32,7 @@ import numpy as np
 from ..dataset import EpochCursor, Key
 from ..errors import DownloadError, SourceDataError
 from ..rng import stable_hash
-from ._download import Remote, ShardCache, default_cache_dir, download_settings, fetch_bytes
+from ._download import Remote, ShardCache, download_settings, fetch_bytes, resolve_cache_dir
 from ._strided import OpenShards, PrefetchingCursor, RestoreShard, ShardRowSource
 from .shard_writer import ShardInfo
 
@@ -130,15 +130,7 @@ class OffsetShardSource(ShardRowSource):
         self.remote = Remote(os.fspath(dir_or_url), storage_options)
         self.location = self.remote.url
         self.is_local = "://" not in self.location
-        if cache_dir is not None and (
-            not isinstance(cache_dir, (str, os.PathLike)) or "://" in os.fspath(cache_dir)
-        ):
-            raise TypeError(f"`cache_dir` must be a local directory path (got {cache_dir!r})")
-        self.cache_dir = (
-            Path(cache_dir).resolve()
-            if cache_dir is not None
-            else default_cache_dir(self.format_name.lower(), self.location)
-        )
+        self.cache_dir = resolve_cache_dir(cache_dir, self.format_name.lower(), self.location)
         if self.is_local and self.cache_dir == Path(self.location):
             raise ValueError(
                 f"`cache_dir` ({self.cache_dir}) must be a directory apart from the dataset"

@@ -45,7 +45,7 @@ from ..dataset import EpochCursor, Key
 from ..errors import DownloadError, SourceDataError
 from ..rng import stable_hash
 from ..validation import require_int
-from ._download import Remote, ShardCache, default_cache_dir, download_settings, fetch_bytes
+from ._download import Remote, ShardCache, download_settings, fetch_bytes, resolve_cache_dir
 from ._order import EpochOrder
 from ._strided import PrefetchingCursor, StridedSource
 from .shard_writer import ShardInfo
@@ -215,15 +215,7 @@ class MegatronIndexedSource(StridedSource):
                 )
             self.prefix = str(Path(prefix).resolve())
             self._name = Path(self.prefix).name
-        if cache_dir is not None and (
-            not isinstance(cache_dir, (str, os.PathLike)) or "://" in os.fspath(cache_dir)
-        ):
-            raise TypeError(f"`cache_dir` must be a local directory path (got {cache_dir!r})")
-        self.cache_dir = (
-            Path(cache_dir).resolve()
-            if cache_dir is not None
-            else default_cache_dir("megatron", self.prefix)
-        )
+        self.cache_dir = resolve_cache_dir(cache_dir, "megatron", self.prefix)
         self.idx_where = self.prefix + ".idx"
         self.bin_where = self.prefix + ".bin"
         index = read_megatron_index(self._index_bytes(), self.idx_where)

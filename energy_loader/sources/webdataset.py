@@ -38,7 +38,7 @@ from ..errors import DownloadError, SourceDataError
 from ..rng import stable_hash
 from ..state.atomic import write_atomically
 from ..state.plain import StateReader
-from ._download import Remote, ShardCache, default_cache_dir, download_settings, fetch_bytes
+from ._download import Remote, ShardCache, download_settings, fetch_bytes, resolve_cache_dir
 from ._strided import OpenShards, PrefetchingCursor, RestoreShard, ShardRowSource
 from ._tar_index import INDEX_SUFFIX, TarIndex, build_index, check_header, parse_index
 from .shard_writer import ShardInfo
@@ -312,15 +312,7 @@ class WebDatasetSource(ShardRowSource):
             location = os.path.commonpath(urls)
         self.urls = tuple(urls)
         self.names = tuple(names)
-        if cache_dir is not None and (
-            not isinstance(cache_dir, (str, os.PathLike)) or _is_url(os.fspath(cache_dir))
-        ):
-            raise TypeError(f"`cache_dir` must be a local directory path (got {cache_dir!r})")
-        self.cache_dir = (
-            Path(cache_dir).resolve()
-            if cache_dir is not None
-            else default_cache_dir("webdataset", location)
-        )
+        self.cache_dir = resolve_cache_dir(cache_dir, "webdataset", location)
         self._index_files: list[str] = []
         infos = []
         for number, name in enumerate(self.names):
