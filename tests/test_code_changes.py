@@ -105,3 +105,22 @@ def test_unchanged_code_and_states_without_fingerprints_restore_quietly() -> Non
 def test_on_code_change_takes_warn_or_refuse() -> None:
     with pytest.raises(ValueError, match="on_code_change"):
         el.SavableDataLoader(_pipeline(), on_code_change="ignore")
+
+
+def test_the_warning_comes_through_state_dict_leaves_and_rank_files(tmp_path) -> None:
+    loader = el.SavableDataLoader(_pipeline())
+    iterator = iter(loader)
+    for _ in range(3):
+        next(iterator)
+    leaves = loader.state_dict()
+    el.save_state_rank_file(loader, tmp_path)
+    rest = [indices(batch) for batch in iterator]
+    _plus_one.__code__ = _plus_two.__code__
+    for restore in (
+        lambda fresh: fresh.load_state_dict(leaves),
+        lambda fresh: el.restore_state_rank_file(fresh, tmp_path),
+    ):
+        fresh = el.SavableDataLoader(_pipeline())
+        with pytest.warns(el.CodeChangedWarning, match=r"MapDataset\.fn"):
+            restore(fresh)
+        assert [indices(batch) for batch in fresh] == rest
