@@ -7,6 +7,11 @@ checked in one file. What and why:
 - ``DataLoader._iterator``: the persistent iterator torch keeps when ``persistent_workers``;
   the loader shuts its workers down on restore, failure and close.
 - ``_MultiProcessingDataLoaderIter._shutdown_workers()``: torch's own orderly shutdown.
+- ``_MultiProcessingDataLoaderIter`` itself, subclassed (:class:`WorkersDataLoader`) so that
+  its shutdown does not wait 5 s per worker when the iterator is collected in a reference
+  cycle (its index queues' feeder threads are then already stopped, see
+  :meth:`_CycleSafeIterator._shutdown_workers`); and ``._index_queues``, ``._workers_done_event``
+  and the worker-pid bookkeeping that shutdown uses.
 - ``._workers``: the worker processes, to name a dead worker by pid and to see whether one
   is alive while waiting for a reply.
 - ``._rcvd_idx`` and ``._task_info``: tasks sent to a worker and not yet received, for the
@@ -32,17 +37,78 @@ import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data import DataLoader
 from torch.utils.data import _utils as _data_utils
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 __all__ = [
     "ExceptionWrapper",
+    "WorkersDataLoader",
     "distributed_permutation",
     "has_iterator",
     "outstanding_tasks",
     "set_worker_info",
     "shut_down_iterator",
     "shut_down_workers_of",
+    "worker_iterator",
     "worker_processes",
 ]
+
+
+class _CycleSafeIterator(_MultiProcessingDataLoaderIter):
+    """torch's worker iterator, whose shutdown also works when it is garbage collected in a
+    reference cycle (a loader held by a stored exception's traceback, a closure, a notebook).
+
+    Why: collecting a cycle first runs the weak-reference finalizers of the objects in it,
+    among them each index queue's, which stops the queue's feeder thread; torch's ``__del__``
+    then runs ``_shutdown_workers()``, whose ``None`` to each worker stays in the stopped
+    feeder's buffer. Every worker waits for it in vain, and torch joins each one with a 5 s
+    timeout before it terminates them: a training loop stalled 5 s per worker at some random
+    later allocation. Workers whose queue can no longer reach them are stopped at once
+    instead (what torch does after the timeout), before torch's own orderly shutdown.
+    """
+
+    def _shutdown_workers(self) -> None:
+        if not getattr(self, "_shutdown", True):
+            stranded = [
+                worker
+                for worker, queue in zip(self._workers, self._index_queues)
+                if worker.is_alive() and _cannot_reach(queue)
+            ]
+            if stranded:
+                self._workers_done_event.set()
+                # No SIGCHLD error for workers stopped on purpose (torch's own order).
+                if self._worker_pids_set:
+                    _data_utils.signal_handling._remove_worker_pids(id(self))
+                    self._worker_pids_set = False
+                for worker in stranded:
+                    worker.terminate()
+                for worker in stranded:
+                    worker.join(timeout=_data_utils.MP_STATUS_CHECK_INTERVAL)
+        super()._shutdown_workers()
+
+
+def _cannot_reach(queue: Any) -> bool:
+    """Whether a ``multiprocessing`` queue can no longer send: its collection finalizer has
+    told its feeder thread to stop (``_close`` has run), or the feeder has stopped."""
+    finalizer, thread = queue._close, queue._thread
+    told_to_stop = finalizer is not None and not finalizer.still_active()
+    return told_to_stop or (thread is not None and not thread.is_alive())
+
+
+def worker_iterator(loader: DataLoader[Any]) -> Any:
+    """What ``loader._get_iterator()`` returns, with worker processes behind a
+    :class:`_CycleSafeIterator`."""
+    if loader.num_workers == 0:
+        return DataLoader._get_iterator(loader)  # type: ignore[attr-defined]
+    loader.check_worker_number_rationality()
+    return _CycleSafeIterator(loader)
+
+
+class WorkersDataLoader(DataLoader):  # type: ignore[type-arg]
+    """A plain torch ``DataLoader`` whose worker iterator shuts down promptly even when it is
+    collected in a reference cycle (:class:`_CycleSafeIterator`)."""
+
+    def _get_iterator(self) -> Any:
+        return worker_iterator(self)
 
 
 def has_iterator(loader: DataLoader[Any]) -> bool:

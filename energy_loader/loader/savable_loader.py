@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from .. import distributed
 from ..dataset import SavableDataset
+from ..torch_internals import worker_iterator
 from ..transport import DEFAULT_ARENA_BYTES, DEFAULT_INLINE_BYTES
 from ..validation import require_bool, require_int
 from ..worker import WorkerConfig
@@ -242,6 +243,11 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
         # loader while iterating must not stop the workers under the iterator.
         iterator.owner = self
         return iterator  # type: ignore[no-any-return]
+
+    def _get_iterator(self) -> Any:
+        """torch's iterator (the worker processes of a loader with workers), shut down
+        promptly even when collected in a reference cycle (``torch_internals``)."""
+        return worker_iterator(self)
 
     def __len__(self) -> int:
         """Items (batches) per epoch for this rank, when known (a drop-in: torch's len)."""

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 from ...dataset import RESTORE_KEY
 from ...errors import StateMismatchError
 from ...sources.iterable import IterableSource
+from ...torch_internals import WorkersDataLoader
 from ...worker import WorkerConfig
 from ...wrappers.batch import BatchDataset
 from ...wrappers.map import MapDataset
@@ -133,7 +134,7 @@ class IterableEngine(DropInRestore):
         self.inner = PipelineEngine(pipeline, args, adopts_partitions=True, verify=verify)
         with warnings.catch_warnings():  # torch warned about num_workers once already
             warnings.simplefilter("ignore")
-            self.torch_loader = DataLoader(
+            self.torch_loader = WorkersDataLoader(
                 self.inner.side,
                 pin_memory=loader.pin_memory,
                 timeout=loader.timeout,

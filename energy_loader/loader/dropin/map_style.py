@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from ...metrics import WORKER_FIELDS, LoaderMetrics, clock
-from ...torch_internals import ExceptionWrapper, shut_down_workers_of
+from ...torch_internals import ExceptionWrapper, WorkersDataLoader, shut_down_workers_of
 from ...transport import Transport
 from ...worker import WorkerConfig
 from ...workers.bundling import BUNDLE_SECONDS, bundle_bytes
@@ -152,7 +152,7 @@ class MapEngine(DropInRestore):
         self.transport = transport if loader.num_workers > 0 else None
         with warnings.catch_warnings():  # torch warned about num_workers once already
             warnings.simplefilter("ignore")
-            self.torch_loader = DataLoader(
+            self.torch_loader = WorkersDataLoader(
                 self.fetcher,
                 batch_size=None,
                 sampler=_TaskSampler(self),
