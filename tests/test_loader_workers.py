@@ -310,14 +310,14 @@ def test_close_stops_the_workers_and_keeps_the_position(no_leftover_processes) -
 
 
 def _dropped_in_a_cycle(kind: str, steps: int | None) -> float:
-    """Iterate a new loader with 2 workers (``steps`` items, or its whole epoch), leave it
+    """Iterate a new loader with 3 workers (``steps`` items, or its whole epoch), leave it
     and its iterator in a reference cycle, drop them, and return how long collecting the
     cycle took."""
     if kind == "pipeline":
-        loader = el.SavableDataLoader(reference_pipeline(200, 8, 4), num_workers=2)
+        loader = el.SavableDataLoader(reference_pipeline(200, 8, 4), num_workers=3)
     else:
         data = torch.utils.data.TensorDataset(torch.arange(64))
-        loader = el.SavableDataLoader(data, batch_size=4, num_workers=2, persistent_workers=True)
+        loader = el.SavableDataLoader(data, batch_size=4, num_workers=3, persistent_workers=True)
     iterator = iter(loader)
     for _ in iterator if steps is None else range(steps):
         if steps is not None:
@@ -338,7 +338,8 @@ def test_a_loader_collected_in_a_reference_cycle_stops_its_workers_at_once(
 ) -> None:
     # Collected in a cycle (held by a stored exception's traceback, a closure), the index
     # queues' finalizers stopped their feeders before torch's __del__ asked the workers to
-    # exit: torch then waited 5 s per worker (10 s here) at some later allocation.
+    # exit: torch then waited 5 s per worker (15 s here) at some later allocation. Unharmed,
+    # it takes about 0.3 s; the bound only tells the two apart on a loaded machine.
     gc.collect()
     took = _dropped_in_a_cycle(kind, steps)
-    assert took < 3.0, f"collecting the loader took {took:.1f} s (workers left waiting)"
+    assert took < 8.0, f"collecting the loader took {took:.1f} s (workers left waiting)"
