@@ -137,6 +137,7 @@ def test_usage(cli_runs) -> None:
     assert "--kill-step" in help_text and "--workers" in help_text
 
 
+@pytest.mark.slow  # a whole bench run, ~25 s: CI's slow step runs it
 @pytest.mark.timeout(300)
 def test_bench_at_tiny_sizes_writes_every_field(tmp_path) -> None:
     options = ["--samples", "2048", "--repetitions", "1", "--out", str(tmp_path)]
