@@ -457,3 +457,15 @@ def test_rank_states_continue_the_job_exactly_or_are_refused(
 def _all_of(length: int) -> list[dict]:
     config = el.WorkerConfig(rank=0, world_size=1, seed=2)
     return list(el.SavableDataLoader(_small(length), worker_config=config, num_partitions=6))
+
+
+def test_a_state_of_another_pipeline_is_refused_with_the_way_out() -> None:
+    state, _ = _saved_at(_loader(_filtered(_kept), 0), 3)
+    other = el.SavableDataLoader(
+        el.BatchDataset(el.IndexedSource.from_fn(240, MakeSample(), shuffle=True, seed=3), 3)
+    )
+    with pytest.raises(el.StateMismatchError) as refused:
+        other.restore_state_rank(state)
+    message = str(refused.value)
+    assert message.startswith("the state belongs to a different pipeline: ")
+    assert "FilterDataset" in message and "inspect" in message and "whole factor" in message

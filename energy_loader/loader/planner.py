@@ -302,7 +302,10 @@ class Planner:
         scale = _batch_size_scale(differences, self.pipeline_config)
         if scale is None:
             raise StateMismatchError(
-                "the state belongs to a different pipeline: " + describe_differences(differences)
+                "the state belongs to a different pipeline: "
+                + describe_differences(differences)
+                + ". Restore it into the pipeline that saved it (`python -m energy_loader "
+                "inspect` shows a state's config); a batch_size may only shrink by a whole factor"
             )
         return scale
 
@@ -376,7 +379,10 @@ def _check_common(states: Sequence[RankState], num_partitions: int, world_size: 
     """The saved states are those of one save of one job, with ``num_partitions``; returns
     the first."""
     if not states:
-        raise StateMismatchError("no rank state to restore from")
+        raise StateMismatchError(
+            "no rank state to restore from: pass the states of one save (the list "
+            "save_state_global returns, or the folder save_state_rank_file wrote)"
+        )
     for state in states:
         _check_partition_count(state, num_partitions, world_size)
     check_states_of_one_save(states, across=states[0].world_size != world_size)
@@ -403,7 +409,10 @@ def check_states_of_one_save(states: Sequence[RankState], *, across: bool = True
                 _disagree(first, state, name)
     ranks = [state.rank for state in states]
     if len(set(ranks)) != len(ranks):
-        raise StateMismatchError(f"the rank states list a rank twice: ranks {ranks}")
+        raise StateMismatchError(
+            f"the rank states list a rank twice (ranks {ranks}): pass each rank's state of "
+            "one save once"
+        )
     running = [s for s in states if not s.epoch_ended]
     for state in running:
         if state.delivered != running[0].delivered:
