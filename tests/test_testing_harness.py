@@ -19,6 +19,7 @@ from energy_loader.testing import (
     check_resume,
     first_difference,
 )
+from energy_loader.testing.strategies import MakeSample
 
 from .loader.dropin_helpers import Augmenting
 
@@ -166,6 +167,21 @@ def test_check_loader_resume_names_a_getitem_that_reads_the_clock() -> None:
         r"__getitem__ \(or collate_fn\) depends on something besides the index",
     ):
         check_loader_resume(_shuffled(_Clocked), restore_workers=(0,), draws=0)
+
+
+def test_check_loader_resume_names_a_builder_that_makes_another_loader_each_call() -> None:
+    calls = itertools.count()
+
+    def make(workers: int) -> Any:  # another shuffle seed at every call: a builder's counter
+        source = el.IndexedSource.from_fn(12, MakeSample(), shuffle=True, seed=next(calls))
+        return el.SavableDataLoader(el.BatchDataset(source, 2), num_workers=workers)
+
+    with pytest.raises(
+        ResumeMismatch,
+        match=r"the restore refused to continue: the state belongs to a different pipeline: "
+        r".*seed: saved \d, now \d.* \(the builder makes another loader on each call \(config",
+    ):
+        check_loader_resume(make, restore_workers=(0,), draws=0)
 
 
 def test_check_loader_resume_tells_a_restore_that_went_elsewhere() -> None:

@@ -137,10 +137,11 @@ def diagnose(
         number = repeat.number
         first = run_chain(make, uninterrupted, epochs, seed=seed, peek_at=number).peeked
         second = run_chain(make, uninterrupted, epochs, seed=seed, peek_at=number).peeked
+        builder = builder_differs(make, chain.workers[0])
         return (
             "the uninterrupted run itself is not reproducible: run twice from the same seeds, "
             f"{_where(full.batches, number)} differs ({repeat.detail}); "
-            + _not_reproducible(first, second, words)
+            + (builder or _not_reproducible(first, second, words))
         )
     where = _where(full.batches, difference.number)
     if difference.epoch_differs:
@@ -162,6 +163,29 @@ def diagnose(
             if close is not None:
                 close()
     return f"{where} differs ({difference.detail}); " + why
+
+
+def builder_differs(make: Callable[[int], Any], workers: int) -> str | None:
+    """A sentence when two loaders ``make`` builds have different configs (the builder makes
+    another loader on each call), else ``None``."""
+    loaders = [make(workers), make(workers)]
+    try:
+        configs = [getattr(loader, "config", None) for loader in loaders]
+        if not all(callable(config) for config in configs):
+            return None
+        difference = first_difference(configs[0](), configs[1](), "config")
+    finally:
+        for loader in loaders:
+            close = getattr(loader, "close", None)
+            if close is not None:
+                close()
+    if difference is None:
+        return None
+    return (
+        f"the builder makes another loader on each call ({difference}): check_resume builds "
+        "the loader anew for every run, as a restarted program does; build it from fixed "
+        "arguments (no counter, clock or unseeded generator in the builder)"
+    )
 
 
 def _unseeded_stages(config: Any) -> list[str]:

@@ -25,7 +25,13 @@ from ..errors import StateMismatchError
 from ..loader import SavableDataLoader
 from ..validation import require_int
 from .compare import first_difference
-from .diagnosis import ResumeMismatch, compare_runs, diagnose, unseeded_draws
+from .diagnosis import (
+    ResumeMismatch,
+    builder_differs,
+    compare_runs,
+    diagnose,
+    unseeded_draws,
+)
 from .runs import Chain, ChainRun, RunFailed, SavePoint, run_chain
 
 __all__ = [
@@ -321,7 +327,11 @@ def _check(
         except RunFailed as failure:
             raise ResumeMismatch(f"{chain}: {failure}") from None
         except StateMismatchError as refusal:  # the restore checked itself: not resumable
-            raise ResumeMismatch(f"{chain}: the restore refused to continue: {refusal}") from None
+            builder = builder_differs(make, num_workers)
+            why = f" ({builder})" if builder else ""
+            raise ResumeMismatch(
+                f"{chain}: the restore refused to continue: {refusal}{why}"
+            ) from None
         largest = max(largest, got.state_size)
         difference = compare_runs(full.batches, got.batches)
         if difference is not None:
