@@ -1,0 +1,282 @@
+"""Python's ``random`` and numpy's global RNG under a map-style drop-in's sampler.
+
+A sampler may draw its order from python's global ``random`` (``random.shuffle`` in its
+``__iter__``) or from numpy's global RNG (``np.random.permutation``): generators the training
+process draws from too, which no torch generator state covers. The engine
+(:mod:`.map_style`) compares their states around the sampler's first draws of each epoch
+(``iter(sampler)``, and its first pull), and where those draws moved one of them:
+
+- its states before those draws (:class:`GlobalStart`) go into every state saved in that
+  epoch, so a restore re-runs the sampler from them, and puts the training process's states
+  back after (:func:`put`);
+- a digest of its state *at each save* (:func:`digests_now`) goes in too. The next epochs
+  draw their orders from wherever the training process's generator stands then, so a restore
+  continues them only if the restarted program put that state back (``random.setstate`` of
+  the ``random.getstate()`` it saved with the checkpoint, ``np.random.set_state`` likewise).
+  The restore compares at its first ``iter()``, before anything moves, and refuses
+  otherwise with :func:`refusal`.
+
+A state saved before the first ``iter()`` holds the digests of both (what the sampler draws
+from is not known yet); the restore then refuses only if its sampler draws from one that is
+elsewhere than at the save.
+
+Costs: at each epoch's start, a capture of both states before and after the sampler's first
+draws (~20-80 us an epoch); at a save, nothing unless the sampler draws from one of them, then
+a digest of its state (python: its 625 words; numpy: its key read in place).
+
+Not here: torch's generators (:mod:`.sampling`), the state's layout (:mod:`.state`).
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import hashlib
+import random
+import struct
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ...errors import StateFormatError, StateMismatchError
+from ...state.digests import digest
+
+__all__ = [
+    "NAMES",
+    "GlobalStart",
+    "capture",
+    "digests_now",
+    "moved",
+    "put",
+    "refusal",
+]
+
+#: The global RNGs watched, in the order they are named everywhere.
+NAMES = ("python", "numpy")
+_WHAT = {"python": "python's global `random`", "numpy": "numpy's global RNG"}
+_NUMPY_WORDS = 624
+_NUMPY_BYTES = 4 * _NUMPY_WORDS + 16  # key, then pos, has_gauss (uint32) and the gaussian
+
+
+def capture() -> dict[str, Any]:
+    """Both states now, by name (python's ``getstate()``, numpy's legacy tuple)."""
+    return {"python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def moved(before: Mapping[str, Any], after: Mapping[str, Any]) -> tuple[str, ...]:
+    """The names whose state differs between two captures."""
+    out = []
+    if before["python"] != after["python"]:
+        out.append("python")
+    a, b = before["numpy"], after["numpy"]
+    if a[2:] != b[2:] or not np.array_equal(a[1], b[1]):
+        out.append("numpy")
+    return tuple(out)
+
+
+def put(states: Mapping[str, Any]) -> None:
+    """Set the named global RNGs to ``states`` (as :func:`capture` took them)."""
+    if "python" in states:
+        random.setstate(states["python"])
+    if "numpy" in states:
+        np.random.set_state(states["numpy"])
+
+
+def _numpy_global() -> Any:
+    """The ``RandomState`` behind ``np.random.*``'s functions."""
+    return np.random.get_state.__self__  # type: ignore[attr-defined]
+
+
+def _numpy_key_bytes() -> bytes:
+    """numpy's global MT19937 key and position, read in place (~1 us; ``get_state()`` builds
+    a dict and an array, ~20-70 us). The cached gaussian is left out: a digest of the key
+    tells a restored state from another; only a state one cached gaussian apart slips by."""
+    try:
+        address = _numpy_global()._bit_generator.ctypes.state_address
+        return ctypes.string_at(address, 4 * _NUMPY_WORDS + 4)
+    except (AttributeError, TypeError, ValueError):  # another numpy's internals
+        state = np.random.get_state()
+        return bytes(state[1].astype("<u4").tobytes()) + struct.pack("<i", state[2])
+
+
+def _python_bytes(state: Any) -> bytes:
+    version, internal, gauss = state
+    head = struct.pack("<II", int(version), len(internal))
+    words = struct.pack(f"<{len(internal)}I", *internal)
+    tail = b"\x00" + bytes(8) if gauss is None else b"\x01" + struct.pack("<d", gauss)
+    return head + words + tail
+
+
+def _hex(raw: bytes) -> str:
+    return hashlib.blake2b(raw, digest_size=8).hexdigest()
+
+
+def _python_digest() -> str:
+    """A digest of python's global ``random`` state (~10 us, most of it ``getstate()``). Its
+    625 words go in through ``hash()`` of their tuple: numbers are never salted, so it is the
+    same in every process, and three times cheaper than packing the words. (CPython has
+    hashed tuples alike since 3.8; an interpreter that hashed them otherwise would see a
+    restored state as elsewhere, and refuse.)"""
+    version, internal, gauss = random.getstate()
+    return _hex(struct.pack("<qI", hash(internal), int(version)) + repr(gauss).encode())
+
+
+def digests_now(names: Iterable[str]) -> dict[str, str]:
+    """A digest of each named global RNG's state now (what a save records, and what a restore
+    compares with)."""
+    return {
+        name: _python_digest() if name == "python" else _hex(_numpy_key_bytes()) for name in names
+    }
+
+
+def _encode(name: str, state: Any) -> str:
+    if name == "python":
+        raw = _python_bytes(state)
+    else:
+        kind, key, pos, has_gauss, gaussian = state
+        if kind != "MT19937":
+            raise ValueError(f"numpy's global RNG is a {kind}, not MT19937")
+        raw = bytes(np.asarray(key, dtype="<u4").tobytes())
+        raw += struct.pack("<IId", int(pos), int(has_gauss), float(gaussian))
+    return base64.b64encode(raw).decode("ascii")
+
+
+def _decode(name: str, text: Any, path: str) -> Any:
+    if not isinstance(text, str):
+        raise StateFormatError(f"{path} must be a base64 string")
+    try:
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+    except (ValueError, UnicodeEncodeError) as error:
+        raise StateFormatError(f"{path} is not valid base64: {error}") from None
+    if name == "numpy":
+        if len(raw) != _NUMPY_BYTES:
+            raise StateFormatError(
+                f"{path} holds {len(raw)} bytes; numpy's global RNG state has {_NUMPY_BYTES}"
+            )
+        key = np.frombuffer(raw[: 4 * _NUMPY_WORDS], dtype="<u4").astype(np.uint32)
+        pos, has_gauss, gaussian = struct.unpack("<IId", raw[4 * _NUMPY_WORDS :])
+        if pos > _NUMPY_WORDS:
+            raise StateFormatError(f"{path}: position {pos} is past the key's {_NUMPY_WORDS}")
+        return ("MT19937", key, pos, has_gauss, gaussian)
+    if len(raw) < 17 or (len(raw) - 17) % 4:
+        raise StateFormatError(f"{path} holds {len(raw)} bytes: not a python random state")
+    version, count = struct.unpack("<II", raw[:8])
+    if 8 + 4 * count + 9 != len(raw):
+        raise StateFormatError(f"{path} holds {len(raw)} bytes, not {count} words and a tail")
+    internal = struct.unpack(f"<{count}I", raw[8 : 8 + 4 * count])
+    flag, gauss = raw[8 + 4 * count], struct.unpack("<d", raw[-8:])[0]
+    state = (version, internal, None if flag == 0 else gauss)
+    try:
+        random.Random().setstate(state)
+    except (ValueError, TypeError) as error:
+        raise StateFormatError(f"{path} is not a python random state: {error}") from None
+    return state
+
+
+class GlobalStart:
+    """Where the global RNGs a sampler drew from stood before its first draws of an epoch.
+
+    ``at_iter``: their states before ``iter(sampler)``, for those that call moved; ``start``:
+    before the sampler's first pull, for those that pull moved (by name; the others are
+    absent). A restore puts ``at_iter`` before ``iter(sampler)`` and ``start`` after it, as it
+    does with torch's generator states. The plain form and its digest are built once.
+    """
+
+    __slots__ = ("_check", "_plain", "at_iter", "names", "start")
+
+    def __init__(
+        self,
+        at_iter: Mapping[str, Any],
+        start: Mapping[str, Any],
+        *,
+        plain: dict[str, dict[str, str | None]] | None = None,
+    ) -> None:
+        self.at_iter = dict(at_iter)
+        self.start = dict(start)
+        # The global RNGs the sampler drew from, in NAMES order.
+        self.names = tuple(name for name in NAMES if name in self.at_iter or name in self.start)
+        self._plain = plain
+        self._check: str | None = None
+
+    def to_plain(self) -> dict[str, dict[str, str | None]]:
+        """``{"python": {"at_iter": "<base64>" | None, "start": ...}, ...}``."""
+        if self._plain is None:
+            self._plain = {
+                name: {
+                    part: None if name not in states else _encode(name, states[name])
+                    for part, states in (("at_iter", self.at_iter), ("start", self.start))
+                }
+                for name in self.names
+            }
+        return self._plain
+
+    def check(self) -> str:
+        """The digest of :meth:`to_plain` (``state.checks.global_rngs``)."""
+        if self._check is None:
+            plain = self.to_plain()
+            self._check = digest(
+                "global_rngs", tuple((n, plain[n]["at_iter"], plain[n]["start"]) for n in plain)
+            )
+        return self._check
+
+    @classmethod
+    def from_plain(cls, value: Any, path: str) -> GlobalStart:
+        """Decode and validate (``StateFormatError`` naming the field)."""
+        if not isinstance(value, dict) or not value or not set(value) <= set(NAMES):
+            raise StateFormatError(
+                f"{path} must map some of {', '.join(map(repr, NAMES))} to their states"
+            )
+        at_iter, start = {}, {}
+        for name, parts in value.items():
+            if not isinstance(parts, dict) or set(parts) != {"at_iter", "start"}:
+                raise StateFormatError(f"{path}.{name} must hold 'at_iter' and 'start'")
+            if parts["at_iter"] is None and parts["start"] is None:
+                raise StateFormatError(f"{path}.{name} holds no state")
+            for part, states in (("at_iter", at_iter), ("start", start)):
+                if parts[part] is not None:
+                    states[name] = _decode(name, parts[part], f"{path}.{name}.{part}")
+        return cls(at_iter, start, plain={n: dict(value[n]) for n in NAMES if n in value})
+
+
+def no_global_start_check() -> str:
+    """``state.checks.global_rngs`` of a state whose sampler drew from neither."""
+    return digest("global_rngs", None)
+
+
+def read_digests(value: Any, path: str) -> dict[str, str] | None:
+    """``state.global_rngs_at_save`` validated: null, or digests by name."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not set(value) <= set(NAMES):
+        raise StateFormatError(f"{path} must map some of {', '.join(map(repr, NAMES))} to digests")
+    for name, text in value.items():
+        if not isinstance(text, str) or len(text) != 16:
+            raise StateFormatError(f"{path}.{name} must be a 16-digit hex digest")
+    return {name: value[name] for name in NAMES if name in value}
+
+
+def elsewhere(at_save: Mapping[str, str]) -> tuple[str, ...]:
+    """The names whose state now differs from the digests a save recorded."""
+    now = digests_now(at_save)
+    return tuple(name for name in at_save if now[name] != at_save[name])
+
+
+def refusal(names: Iterable[str], chain: str) -> StateMismatchError:
+    """The refusal of a restore whose sampler draws from global RNGs left elsewhere."""
+    names = tuple(names)
+    what = " and ".join(_WHAT[name] for name in names)
+    calls = []
+    if "python" in names:
+        calls.append("`random.setstate(...)` of the `random.getstate()` saved with it")
+    if "numpy" in names:
+        calls.append("`np.random.set_state(...)` of the `np.random.get_state()` saved with it")
+    return StateMismatchError(
+        f"the sampler {chain} draws its order from {what}, which the restarted program has "
+        "elsewhere than the saving program had it when it saved this state: the epochs from "
+        "here on would draw other orders. Put it back before iterating, with the loader's "
+        f"state from the same checkpoint ({'; '.join(calls)}), or give the sampler a "
+        "generator of its own (a `random.Random(seed)` seeded from the epoch, or a torch "
+        "generator through the loader's `generator=`). Pass verify_restore=False to the "
+        "loader to continue with other orders anyway (docs/restores.md)"
+    )
