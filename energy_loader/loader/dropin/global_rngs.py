@@ -1,10 +1,12 @@
-"""Python's ``random`` and numpy's global RNG under a map-style drop-in's sampler.
+"""Global RNGs the loader does not drive, under a map-style drop-in's sampler.
 
 A sampler may draw its order from python's global ``random`` (``random.shuffle`` in its
-``__iter__``) or from numpy's global RNG (``np.random.permutation``): generators the training
-process draws from too, which no torch generator state covers. The engine
-(:mod:`.map_style`) compares their states around the sampler's first draws of each epoch
-(``iter(sampler)``, and its first pull), and where those draws moved one of them:
+``__iter__``), from numpy's global RNG (``np.random.permutation``), or from torch's global
+generator while the loader believes it does not (a sampler without a ``generator`` attribute
+under a loader given ``generator=``): generators the training process draws from too, whose
+states the loader does not capture (:class:`~.sampling.SamplerRng` covers the generators it
+knows of). The engine (:mod:`.map_style`) compares their states around the sampler's first
+draws of each epoch (``iter(sampler)``, and its first pull), and where those draws moved one:
 
 - its states before those draws (:class:`GlobalStart`) go into every state saved in that
   epoch, so a restore re-runs the sampler from them, and puts the training process's states
@@ -16,13 +18,14 @@ process draws from too, which no torch generator state covers. The engine
   The restore compares at its first ``iter()``, before anything moves, and refuses
   otherwise with :func:`refusal`.
 
-A state saved before the first ``iter()`` holds the digests of both (what the sampler draws
-from is not known yet); the restore then refuses only if its sampler draws from one that is
-elsewhere than at the save.
+A state saved before the first ``iter()`` holds the digests of all of them (what the sampler
+draws from is not known yet); the restore then refuses only if its sampler draws from one that
+is elsewhere than at the save.
 
-Costs: at each epoch's start, a capture of both states before and after the sampler's first
+Costs: at each epoch's start, a capture of their states before and after the sampler's first
 draws (~20-80 us an epoch); at a save, nothing unless the sampler draws from one of them, then
-a digest of its state (python: its 625 words; numpy: its key read in place).
+a digest of its state (python: ~10 us, its 625 words; numpy: ~1 us, its key read in place;
+torch: ~3 us).
 
 Not here: torch's generators (:mod:`.sampling`), the state's layout (:mod:`.state`).
 """
@@ -38,6 +41,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
+import torch
 
 from ...errors import StateFormatError, StateMismatchError
 from ...state.digests import digest
@@ -47,40 +51,75 @@ __all__ = [
     "GlobalStart",
     "capture",
     "digests_now",
+    "elsewhere",
     "moved",
+    "moved_since_pin",
     "put",
     "refusal",
+    "watched",
 ]
 
-#: The global RNGs watched, in the order they are named everywhere.
-NAMES = ("python", "numpy")
-_WHAT = {"python": "python's global `random`", "numpy": "numpy's global RNG"}
+#: The global RNGs a loader may watch, in the order they are named everywhere.
+NAMES = ("python", "numpy", "torch")
+_WHAT = {
+    "python": "python's global `random`",
+    "numpy": "numpy's global RNG",
+    "torch": "torch's global generator",
+}
+_CALLS = {
+    "python": "`random.setstate(...)` of the `random.getstate()` saved with it",
+    "numpy": "`np.random.set_state(...)` of the `np.random.get_state()` saved with it",
+    "torch": "`torch.set_rng_state(...)` of the `torch.get_rng_state()` saved with it",
+}
 _NUMPY_WORDS = 624
 _NUMPY_BYTES = 4 * _NUMPY_WORDS + 16  # key, then pos, has_gauss (uint32) and the gaussian
+_TORCH_BYTES = int(torch.Generator().get_state().numel())
 
 
-def capture() -> dict[str, Any]:
-    """Both states now, by name (python's ``getstate()``, numpy's legacy tuple)."""
-    return {"python": random.getstate(), "numpy": np.random.get_state()}
+def watched(loader_drives_torch_global: bool) -> tuple[str, ...]:
+    """The global RNGs a loader watches: python's and numpy's, and torch's unless the loader
+    captures it already (:attr:`~.sampling.SamplerRng.uses_global`)."""
+    return NAMES[:2] if loader_drives_torch_global else NAMES
+
+
+def capture(names: Iterable[str]) -> dict[str, Any]:
+    """The named states now (python's ``getstate()``, numpy's legacy tuple, torch's bytes)."""
+    out: dict[str, Any] = {}
+    for name in names:
+        if name == "python":
+            out[name] = random.getstate()
+        elif name == "numpy":
+            out[name] = np.random.get_state()
+        else:
+            out[name] = torch.default_generator.get_state()
+    return out
 
 
 def moved(before: Mapping[str, Any], after: Mapping[str, Any]) -> tuple[str, ...]:
-    """The names whose state differs between two captures."""
+    """The names whose state differs between two captures of the same names."""
     out = []
-    if before["python"] != after["python"]:
-        out.append("python")
-    a, b = before["numpy"], after["numpy"]
-    if a[2:] != b[2:] or not np.array_equal(a[1], b[1]):
-        out.append("numpy")
+    for name in before:
+        a, b = before[name], after[name]
+        if name == "python":
+            same = a == b
+        elif name == "numpy":
+            same = a[2:] == b[2:] and np.array_equal(a[1], b[1])
+        else:
+            same = torch.equal(a, b)
+        if not same:
+            out.append(name)
     return tuple(out)
 
 
 def put(states: Mapping[str, Any]) -> None:
     """Set the named global RNGs to ``states`` (as :func:`capture` took them)."""
-    if "python" in states:
-        random.setstate(states["python"])
-    if "numpy" in states:
-        np.random.set_state(states["numpy"])
+    for name, state in states.items():
+        if name == "python":
+            random.setstate(state)
+        elif name == "numpy":
+            np.random.set_state(state)
+        else:
+            torch.default_generator.set_state(state)
 
 
 def _numpy_global() -> Any:
@@ -96,7 +135,7 @@ def _numpy_key_bytes() -> bytes:
         address = _numpy_global()._bit_generator.ctypes.state_address
         return ctypes.string_at(address, 4 * _NUMPY_WORDS + 4)
     except (AttributeError, TypeError, ValueError):  # another numpy's internals
-        state = np.random.get_state()
+        state: Any = np.random.get_state()
         return bytes(state[1].astype("<u4").tobytes()) + struct.pack("<i", state[2])
 
 
@@ -125,14 +164,22 @@ def _python_digest() -> str:
 def digests_now(names: Iterable[str]) -> dict[str, str]:
     """A digest of each named global RNG's state now (what a save records, and what a restore
     compares with)."""
-    return {
-        name: _python_digest() if name == "python" else _hex(_numpy_key_bytes()) for name in names
-    }
+    out = {}
+    for name in names:
+        if name == "python":
+            out[name] = _python_digest()
+        elif name == "numpy":
+            out[name] = _hex(_numpy_key_bytes())
+        else:
+            out[name] = _hex(torch.default_generator.get_state().numpy().tobytes())
+    return out
 
 
 def _encode(name: str, state: Any) -> str:
     if name == "python":
         raw = _python_bytes(state)
+    elif name == "torch":
+        raw = state.numpy().tobytes()
     else:
         kind, key, pos, has_gauss, gaussian = state
         if kind != "MT19937":
@@ -149,6 +196,12 @@ def _decode(name: str, text: Any, path: str) -> Any:
         raw = base64.b64decode(text.encode("ascii"), validate=True)
     except (ValueError, UnicodeEncodeError) as error:
         raise StateFormatError(f"{path} is not valid base64: {error}") from None
+    if name == "torch":
+        if len(raw) != _TORCH_BYTES:
+            raise StateFormatError(
+                f"{path} holds {len(raw)} bytes; a torch generator state has {_TORCH_BYTES}"
+            )
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     if name == "numpy":
         if len(raw) != _NUMPY_BYTES:
             raise StateFormatError(
@@ -227,7 +280,8 @@ class GlobalStart:
             raise StateFormatError(
                 f"{path} must map some of {', '.join(map(repr, NAMES))} to their states"
             )
-        at_iter, start = {}, {}
+        at_iter: dict[str, Any] = {}
+        start: dict[str, Any] = {}
         for name, parts in value.items():
             if not isinstance(parts, dict) or set(parts) != {"at_iter", "start"}:
                 raise StateFormatError(f"{path}.{name} must hold 'at_iter' and 'start'")
@@ -266,11 +320,7 @@ def refusal(names: Iterable[str], chain: str) -> StateMismatchError:
     """The refusal of a restore whose sampler draws from global RNGs left elsewhere."""
     names = tuple(names)
     what = " and ".join(_WHAT[name] for name in names)
-    calls = []
-    if "python" in names:
-        calls.append("`random.setstate(...)` of the `random.getstate()` saved with it")
-    if "numpy" in names:
-        calls.append("`np.random.set_state(...)` of the `np.random.get_state()` saved with it")
+    calls = [_CALLS[name] for name in names]
     return StateMismatchError(
         f"the sampler {chain} draws its order from {what}, which the restarted program has "
         "elsewhere than the saving program had it when it saved this state: the epochs from "
@@ -279,4 +329,18 @@ def refusal(names: Iterable[str], chain: str) -> StateMismatchError:
         "generator of its own (a `random.Random(seed)` seeded from the epoch, or a torch "
         "generator through the loader's `generator=`). Pass verify_restore=False to the "
         "loader to continue with other orders anyway (docs/restores.md)"
+    )
+
+
+def moved_since_pin(names: Iterable[str], chain: str) -> str:
+    """The warning of a loader whose sampler drew its first order from global RNGs that moved
+    between a save before its first ``iter()`` and that ``iter()``."""
+    what = " and ".join(_WHAT[name] for name in names)
+    return (
+        f"the sampler {chain} drew its first order from {what}, which moved between the "
+        "loader's save before this first iter() and the iter(): a restore of that state "
+        "cannot draw this order again (it refuses where the restarted program has it "
+        "elsewhere, and draws another order where it restored the RNG state saved then). Save "
+        "the loader's state right before the first iter(), or give the sampler a generator of "
+        "its own"
     )

@@ -125,6 +125,8 @@ class MapEngine(DropInRestore):
         )
         index_sampler = index_sampler_of(loader)
         self.rng = rng = SamplerRng(loader.generator, index_sampler)
+        # The global RNGs the sampler may draw from unseen, watched at each epoch's start.
+        self.watched = global_rngs.watched(rng.uses_global)
         # The index stream and where it stands (stream.py): what a save records, what a
         # restore re-derives and checks.
         self.stream = IndexStream(
@@ -224,7 +226,11 @@ class MapEngine(DropInRestore):
             fresh, job = True, pin.job
         elif saved is None or saved.seed is None:  # the job's first iter()
             persistent = self.persistent_workers if saved is None else saved.persistent
-            fresh, job = True, JobStart(job_seed(self.base_seed_generator), persistent)
+            workers = (
+                self.num_workers > 0 if saved is None or saved.workers is None else saved.workers
+            )
+            hashed = job_seed(self.base_seed_generator)
+            fresh, job = True, JobStart(hashed, persistent, workers=workers)
         else:
             fresh, job = False, saved
         if (fresh or not self.agreed) and self.shares_job:  # one job seed and id (job.py)
@@ -244,6 +250,8 @@ class MapEngine(DropInRestore):
             epoch.private = PrivateGlobal(epoch_global_state(order, epoch.number))
         if pin is not None:
             self._start_pinned(epoch, pin, restored=pending is not None)
+        if epoch.resume is None:
+            epoch.iter_calls = job.iter_calls(epoch.number)
         self.epoch = epoch
         self.bundle = 1
         self.trips = 0
@@ -260,9 +268,9 @@ class MapEngine(DropInRestore):
         # restored epoch (the saving run drew it), nor, from the second epoch on, from the
         # training process's global generator: take back or add the difference.
         from_global = self.base_seed_generator is torch.default_generator
-        if epoch.resume is not None or (from_global and epoch.number >= 1):
-            wanted = False
-        elif epoch.base_draw is not None:  # drawn in the epoch's own stream instead (pin.py)
+        # (a pinned start whose generators moved draws it in the epoch's own stream: pin.py)
+        elsewhere = epoch.base_draw is not None
+        if epoch.resume is not None or (from_global and epoch.number >= 1) or elsewhere:
             wanted = False
         else:
             wanted = epoch.number == 0 or not job.persistent
@@ -286,8 +294,9 @@ class MapEngine(DropInRestore):
                 epoch.private = PrivateGlobal(pin.states[0])
                 if self.base_seed_generator is torch.default_generator:
                     epoch.base_draw = "due"
-        if restored and self.stream.verify:
+        if self.stream.verify:
             epoch.watch = global_rngs.elsewhere(pin.at_save)
+            epoch.watch_refuses = restored
 
     def _check_global_rngs(self, state: MapState) -> None:
         """Refuse a restore whose sampler drew from python's or numpy's global RNG when the
@@ -315,9 +324,21 @@ class MapEngine(DropInRestore):
             epoch.iterator = epoch.resume[0]
             self._note_before_base_seed()
             return self._tasks(epoch)
-        rng = self.rng
         self._pay_base_draw(epoch)  # torch drew its base seed after the stream it opened last
-        globals_before = global_rngs.capture()
+        calls = epoch.iter_calls
+        if epoch.iterator is None or calls is None or epoch.iters < calls:
+            self._iter_sampler(epoch)
+        # (else the job's iterator called iter(sampler) no more: this stream reuses the last)
+        if epoch.base_draw == "due":
+            epoch.base_draw = "owed"  # torch draws it right after this returns
+        self._note_before_base_seed()
+        return self._tasks(epoch)
+
+    def _iter_sampler(self, epoch: Epoch) -> None:
+        """Call ``iter(sampler)`` for a fresh epoch, noting what that call drew: the
+        generators' states before it, where it moved them, and the global RNGs it moved."""
+        rng = self.rng
+        globals_before = global_rngs.capture(self.watched)
         with epoch.sampling():
             before = rng.capture() if rng.draws else None
             iterator = Units(iter(self.index_sampler), 0, self.length)
@@ -326,13 +347,10 @@ class MapEngine(DropInRestore):
                 not torch.equal(a, b) for a, b in zip(before, rng.capture())
             ):
                 at_iter = before  # iter(sampler) itself drew random numbers
-        drawn = global_rngs.moved(globals_before, global_rngs.capture())
+        drawn = global_rngs.moved(globals_before, global_rngs.capture(self.watched))
         epoch.iterator, epoch.at_iter = iterator, at_iter
         epoch.global_at_iter = {name: globals_before[name] for name in drawn}
-        if epoch.base_draw == "due":
-            epoch.base_draw = "owed"  # torch draws it right after this returns
-        self._note_before_base_seed()
-        return self._tasks(epoch)
+        epoch.iters += 1
 
     def _note_before_base_seed(self) -> None:
         """torch draws the base seed right after it opens the stream (the first time)."""
@@ -352,24 +370,30 @@ class MapEngine(DropInRestore):
         if epoch.resume is not None:
             self.rng.put_own(epoch.resume[1])
         else:
+            self._pay_base_draw(epoch)
+            calls = epoch.iter_calls
+            while calls is not None and epoch.iters < calls:  # as often as the job's iterator
+                self._iter_sampler(epoch)
             iterator = epoch.iterator
             assert iterator is not None  # (open_stream ran)
-            self._pay_base_draw(epoch)
             epoch.start = start = self.stream.capture_start(epoch, epoch.at_iter)
             stateful = self.stateful
             if stateful is not None and epoch.pulled not in epoch.snapshots:
                 epoch.snapshots[epoch.pulled] = stateful.state_dict()
-            before = global_rngs.capture()
+            before = global_rngs.capture(self.watched)
             with epoch.sampling():
                 iterator.peek()
-            drawn = global_rngs.moved(before, global_rngs.capture())
+            drawn = global_rngs.moved(before, global_rngs.capture(self.watched))
             if drawn or epoch.global_at_iter:
                 start.global_start = GlobalStart(
                     epoch.global_at_iter, {name: before[name] for name in drawn}
                 )
                 watched = [n for n in epoch.watch if n in start.global_start.names]
                 if watched:
-                    raise global_rngs.refusal(watched, self.stream.config["sampler"])
+                    chain = self.stream.config["sampler"]
+                    if epoch.watch_refuses:
+                        raise global_rngs.refusal(watched, chain)
+                    warnings.warn(global_rngs.moved_since_pin(watched, chain), stacklevel=2)
         if epoch.dealing is None and self.distributed is not None:
             self.stream.deal_as_the_sampler(epoch, self.distributed)
 
@@ -459,7 +483,12 @@ class MapEngine(DropInRestore):
             if held_back:
                 raise ValueError(f"held_back={held_back}: nothing was handed out yet")
             if self.pin is None:  # the job's start, as the next iter() takes it (pin.py)
-                self.pin = Pin.now(self.rng, self.base_seed_generator, self.persistent_workers)
+                self.pin = Pin.now(
+                    self.rng,
+                    self.base_seed_generator,
+                    JobStart(None, self.persistent_workers, workers=self.num_workers > 0),
+                    self.watched,
+                )
             return self.pin.state(rank, world_size, self.state_config)
         used = epoch.used - held_back
         if used < 0:

@@ -22,9 +22,10 @@ first epoch from the pin (:meth:`Pin.moved` tells which way):
   The training process's global generator is left as it is, as after any restore (torch's
   base-seed draw from it is taken back).
 
-A state restored from a pin holds digests of python's and numpy's global RNGs at the save too
-(:mod:`.global_rngs`): a sampler that draws its first order from one that the restarted
-program has elsewhere is refused.
+A pin holds digests of the global RNGs the loader does not drive (python's, numpy's, and
+torch's where no generator state covers it) at the save too (:mod:`.global_rngs`): a restored
+sampler that draws its first order from one that the restarted program has elsewhere is
+refused.
 
 Not here: a started epoch's position (:mod:`.stream`), the state's layout (:mod:`.state`).
 """
@@ -46,8 +47,8 @@ __all__ = ["Pin"]
 class Pin:
     """The job's start as the first ``iter()`` would take it at the save: ``job`` (its seed),
     the states of the generators that drive the sampler (None when none needs recording:
-    :attr:`SamplerRng.recorded`), as tensors and as saved, and digests of python's and
-    numpy's global RNGs."""
+    :attr:`SamplerRng.recorded`), as tensors and as saved, and digests of the global RNGs the
+    loader does not drive."""
 
     job: JobStart
     states: list[torch.Tensor] | None
@@ -56,17 +57,24 @@ class Pin:
     at_save: dict[str, str]
 
     @classmethod
-    def now(cls, rng: SamplerRng, base_generator: torch.Generator, persistent: bool) -> Pin:
+    def now(
+        cls,
+        rng: SamplerRng,
+        base_generator: torch.Generator,
+        job: JobStart,
+        watched: tuple[str, ...],
+    ) -> Pin:
         """The pin of a loader that never iterated (``base_generator``: the one torch draws
-        the base seed from; ``persistent``: its ``persistent_workers``)."""
+        the base seed from; ``job``: the job it would start, its seed to fill in;
+        ``watched``: the global RNGs it does not drive, :func:`.global_rngs.watched`)."""
         states = rng.capture() if rng.recorded else None
         encoded = None if states is None else encode_generator_states(states)
         return cls(
-            JobStart(job_seed(base_generator), persistent),
+            attrs.evolve(job, seed=job_seed(base_generator)),
             states,
             encoded,
             digest("rng", encoded),
-            global_rngs.digests_now(global_rngs.NAMES),
+            global_rngs.digests_now(watched),
         )
 
     @classmethod

@@ -176,12 +176,12 @@ def positioned_iterator(
     length: int | None,
 ) -> Replayed:
     """Run the sampler of a saved epoch up to its ``used`` units (of ``length``, if known),
-    loading nothing, under the epoch-end rule. torch's global generator, and python's and
-    numpy's global RNGs where the sampler draws from them, are left as they were. Raises
+    loading nothing, under the epoch-end rule. torch's global generator, and the other global
+    RNGs the sampler drew from (:mod:`.global_rngs`), are left as they were. Raises
     ``StateMismatchError`` if the sampler yields fewer units than were used."""
     user_global = torch.default_generator.get_state() if rng.uses_global else None
     drawn = start.global_start
-    user_others = None if drawn is None else global_rngs.capture()
+    user_others = None if drawn is None else global_rngs.capture(drawn.names)
     last: Any = _NONE
     try:
         stateful = stateful_part(index_sampler)

@@ -13,7 +13,8 @@ and whose states saved before the first ``iter()`` pin nothing, and 2, without `
       "started": true,            # false: saved before the first epoch began
       "epoch": 3,                 # the epoch the position is in (0-based)
       "used": 17,                 # batches (index-sampler units) of it handed out
-      "job": {"seed": 123, "persistent": false, "id": 77, "sampler_seed": 123},  # see below
+      "job": {"seed": 123, "persistent": false, "id": 77, "sampler_seed": 123,
+              "workers": true},  # see below
       "rng": ["<base64>", ...] | null,      # the sampler's generators at its first pull
       "rng_at_iter": [...] | null,          # ... when iter(sampler) itself drew
       "global_rngs": {"python": {"at_iter": null, "start": "<base64>"}} | null,
@@ -38,8 +39,12 @@ the seed when torch.distributed runs several ranks, null otherwise), kept across
 that the states of one save can be told from another run's; ``persistent`` says whether the
 job draws torch's base seed once (persistent workers) or every epoch, so that a restore onto
 another ``persistent_workers`` setting keeps the job's generator where the uninterrupted job
-has it. States saved before ``id`` and ``sampler_seed`` existed have neither: they read as
-``id`` null and ``sampler_seed`` equal to ``seed``.
+has it; ``workers`` whether its loader ran worker processes (torch's iterator then calls
+``iter(sampler)`` twice as it starts), so that a restore onto another number of workers calls
+it as often as the job did (a sampler whose ``iter()`` draws then draws as in the job). States
+saved before ``id`` and ``sampler_seed`` existed have neither: they read as ``id`` null and
+``sampler_seed`` equal to ``seed``; states saved before ``workers`` read as null (a restore
+then calls ``iter(sampler)`` as its own iterator does).
 
 A state saved before the first ``iter()`` (``started`` false) *pins* the job's start
 (:mod:`.pin`): ``job.seed`` is the seed that ``iter()`` would take at the save, ``rng`` the
@@ -138,8 +143,16 @@ def decode_generator_states(texts: list[Any], path: str) -> list[torch.Tensor]:
 
 
 @functools.lru_cache(maxsize=16)
-def _job_check(seed: int | None, persistent: bool, id: int | None, sampler_seed: int | None) -> str:
-    return digest("job", seed, persistent, id, sampler_seed)
+def _job_check(
+    seed: int | None,
+    persistent: bool,
+    id: int | None,
+    sampler_seed: int | None,
+    workers: bool | None,
+) -> str:
+    if workers is None:  # (a job saved before it recorded its workers: its digest then)
+        return digest("job", seed, persistent, id, sampler_seed)
+    return digest("job", seed, persistent, id, sampler_seed, workers)
 
 
 def _legacy_job_check(seed: int | None, persistent: bool) -> str:
@@ -220,13 +233,25 @@ class JobStart:
     this rank's own, from the second epoch on the order of a sampler that draws from torch's
     global generator (None: ``seed``). ``id``: the job's name, shared by its ranks (None:
     one process, or a job saved before ids). ``persistent``: whether the job draws torch's
-    base seed once (persistent workers) or once an epoch.
+    base seed once (persistent workers) or once an epoch. ``workers``: whether the job's
+    loader ran worker processes, whose torch iterator calls ``iter(sampler)`` twice when it
+    starts (None: saved before it was recorded), so that a restore on another number of
+    workers calls it as often as the job (:meth:`iter_calls`).
     """
 
     seed: int | None  # None: saved before the job's first iter(), which draws it
     persistent: bool
     id: int | None = None
     sampler_seed: int | None = None
+    workers: bool | None = None
+
+    def iter_calls(self, epoch: int) -> int | None:
+        """How many times the job's torch iterator calls ``iter(sampler)`` in a fresh epoch
+        ``epoch``: twice where it starts worker processes (every epoch, or only the first
+        with persistent workers), else once; None where the job did not record it."""
+        if self.workers is None:
+            return None
+        return 2 if self.workers and (epoch == 0 or not self.persistent) else 1
 
     @property
     def order_seed(self) -> int | None:
@@ -234,15 +259,18 @@ class JobStart:
         return self.seed if self.sampler_seed is None else self.sampler_seed
 
     def check(self) -> str:
-        return _job_check(self.seed, self.persistent, self.id, self.sampler_seed)
+        return _job_check(self.seed, self.persistent, self.id, self.sampler_seed, self.workers)
 
     def to_plain(self) -> dict[str, Any]:
-        return {
+        plain = {
             "seed": self.seed,
             "persistent": self.persistent,
             "id": self.id,
             "sampler_seed": self.sampler_seed,
         }
+        if self.workers is not None:
+            plain["workers"] = self.workers
+        return plain
 
 
 @attrs.frozen
@@ -417,8 +445,9 @@ class MapState:
         if not legacy and decoded.position_check() != checks.str("position"):
             raise StateFormatError(
                 "the state's position (rank, world_size, started, epoch, used, sampler_state, "
-                "distributed, proof, global_rngs_at_save) does not match its digest in state.checks.position: the "
-                "state was edited or damaged after it was saved (restore from an intact copy)"
+                "distributed, proof, global_rngs_at_save) does not match its digest in "
+                "state.checks.position: the state was edited or damaged after it was saved "
+                "(restore from an intact copy)"
             )
         return decoded
 
@@ -435,7 +464,8 @@ def _job(reader: StateReader, recorded: str) -> JobStart:
         _verify("job", _legacy_job_check(job.seed, persistent), recorded)
         return job
     seed, sampler_seed = optional_int("seed"), optional_int("sampler_seed")
-    job = JobStart(seed, persistent, optional_int("id"), sampler_seed)
+    workers = reader.bool("workers") if reader.has("workers") else None
+    job = JobStart(seed, persistent, optional_int("id"), sampler_seed, workers)
     _verify("job", job.check(), recorded)
     return job
 
@@ -456,8 +486,8 @@ _EPOCH_CONSTANT = ("config", "job", "rng", "rng_at_iter", "distributed", "global
 # The distributed fields, in the order the position digest takes them.
 _DEALT = ("epoch", "offset", "end", "world", "units", "rank")
 _encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
-# id(config) -> ((config, job, rng, rng_at_iter, distributed, global_rngs), their JSON without its braces,
-# the constant checks likewise); identity-checked on use.
+# id(config) -> ((config, job, rng, rng_at_iter, distributed, global_rngs), their JSON without
+# its braces, the constant checks likewise); identity-checked on use.
 _FRAGMENT_CACHE: dict[int, tuple[tuple[Any, ...], str, str]] = {}
 
 

@@ -88,11 +88,17 @@ class Epoch:
         self.at_iter: list[torch.Tensor] | None = None
         self.global_at_iter: dict[str, Any] = {}
         self.begun = False
+        # How many times the job's torch iterator calls iter(sampler) in this epoch (None:
+        # unknown, as this loader's does), and how many times this loader called it.
+        self.iter_calls: int | None = None
+        self.iters = 0
         # A pinned start whose generators had moved (pin.py): torch's base-seed draw from the
         # global generator goes to the epoch's own stream instead, "owed" once torch drew it.
         self.base_draw: str | None = None
-        # The global RNGs a restored pin found elsewhere: the sampler must not draw from them.
+        # The global RNGs a pinned start found elsewhere than at the save: the sampler must not
+        # draw from them (a restore refuses; the loader that saved warns).
         self.watch: tuple[str, ...] = ()
+        self.watch_refuses = False
 
     def sampling(self) -> contextlib.AbstractContextManager[Any]:
         """The context the sampler draws in: its private global stream, if it has one."""
