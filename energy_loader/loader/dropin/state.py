@@ -81,18 +81,17 @@ is pickled: the state passes ``json.dumps`` when the sampler's own state does, a
 
 from __future__ import annotations
 
-import base64
 import functools
 import json
 from typing import Any
 
 import attrs
-import torch
 
 from ...errors import StateFormatError, StateMismatchError
 from ...state.digests import digest
 from ...state.plain import StateReader
 from ...state.rank_state import is_partition_entries
+from .encoding import decode_generator_states, encode_generator_states
 from .global_rngs import GlobalStart, no_global_start_check, read_digests
 
 __all__ = [
@@ -113,33 +112,6 @@ DROPIN_STATE_VERSION = 4
 # Version 3 (no global RNGs; a state saved before the first iter() pins nothing) and version 2
 # (no proof, no position digest: restored without the self-check) still restore.
 _READABLE_VERSIONS = (2, 3, DROPIN_STATE_VERSION)
-
-# The byte size of a CPU generator's state (mt19937 plus its normal-distribution cache).
-GENERATOR_STATE_BYTES = int(torch.Generator().get_state().numel())
-
-
-def encode_generator_states(states: list[torch.Tensor]) -> list[str]:
-    """Generator states (uint8 tensors) as base64 strings."""
-    return [base64.b64encode(state.numpy().tobytes()).decode("ascii") for state in states]
-
-
-def decode_generator_states(texts: list[Any], path: str) -> list[torch.Tensor]:
-    """The inverse of :func:`encode_generator_states`; raises ``StateFormatError``."""
-    out = []
-    for index, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise StateFormatError(f"{path}[{index}] must be a base64 string")
-        try:
-            raw = base64.b64decode(text.encode("ascii"), validate=True)
-        except (ValueError, UnicodeEncodeError) as error:
-            raise StateFormatError(f"{path}[{index}] is not valid base64: {error}") from None
-        if len(raw) != GENERATOR_STATE_BYTES:
-            raise StateFormatError(
-                f"{path}[{index}] holds {len(raw)} bytes; a torch generator state has "
-                f"{GENERATOR_STATE_BYTES} (truncated or not a generator state)"
-            )
-        out.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-    return out
 
 
 @functools.lru_cache(maxsize=16)
