@@ -103,7 +103,7 @@ def _load(loader: Any, path: Path) -> None:
 
 
 def _global_rngs() -> tuple[Any, Any, torch.Tensor]:
-    """What a checkpoint keeps of the global RNGs (Lightning keeps these three)."""
+    """What a careful script's checkpoint keeps of the global RNGs."""
     return random.getstate(), np.random.get_state(), torch.get_rng_state()
 
 

@@ -283,7 +283,7 @@ def run_chain(
     """Run the chain's programs one after the other (each saves, the next restores) and
     return every batch in order. ``restore_global_rngs``: the restarted programs put the
     saving program's global torch RNG state back after the load, as careful scripts do;
-    ``restore_every_global_rng``: python's, numpy's and torch's, as Lightning does; otherwise
+    ``restore_every_global_rng``: python's, numpy's and torch's; otherwise
     they are elsewhere (once a batch was handed out before the save, or, with
     ``move_rngs_at_start``, also for a state saved before the first batch: the restarted
     program drew more before iterating, another model's init). States alternate between the

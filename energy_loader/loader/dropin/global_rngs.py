@@ -22,10 +22,10 @@ A state saved before the first ``iter()`` holds the digests of all of them (what
 draws from is not known yet); the restore then refuses only if its sampler draws from one that
 is elsewhere than at the save.
 
-Costs: at each epoch's start, a capture of their states before and after the sampler's first
-draws (~20-80 us an epoch); at a save, nothing unless the sampler draws from one of them, then
-a digest of its state (python: ~10 us, its 625 words; numpy: ~1 us, its key read in place;
-torch: ~3 us).
+Costs (docs/benchmarks.md): at each epoch's start, captures of their states before and after
+the sampler's first draws (0.1-0.8 ms an epoch, most of it numpy's ``get_state()``); at a save,
+nothing unless the sampler draws from one of them, then a digest of its state (python's and
+numpy's read in place, ~3-6 us; torch's ~3 us).
 
 Not here: torch's generators (:mod:`.sampling`), the state's layout (:mod:`.state`).
 """

@@ -50,10 +50,12 @@ A state saved before the first ``iter()`` (``started`` false) *pins* the job's s
 (:mod:`.pin`): ``job.seed`` is the seed that ``iter()`` would take at the save, ``rng`` the
 states of the generators that drive the sampler at the save (before ``iter(sampler)`` and
 torch's base-seed draw), and ``global_rngs_at_save`` digests of python's and numpy's global
-RNGs then. Version 3 states saved there hold no seed: the restore's first ``iter()`` draws one.
+RNGs then (and torch's where ``rng`` does not hold it). Version 3 states saved there hold
+no seed: the restore's first ``iter()`` draws one.
 
 ``global_rngs`` (:mod:`.global_rngs`): where the epoch's sampler drew from python's global
-``random`` or numpy's global RNG, their states before ``iter(sampler)`` (``at_iter``) and
+``random``, numpy's global RNG, or torch's global generator where ``rng`` does not hold it,
+their states before ``iter(sampler)`` (``at_iter``) and
 before its first pull (``start``), for those that call moved; ``global_rngs_at_save`` digests
 of those generators' states when the state was saved, which a restore compares before its
 first ``iter()``.
