@@ -162,7 +162,7 @@ PINNED = {
         ("shuffle", 0, 2, ".pt"),
         ("shuffle", 2, 0, ".json"),
         ("generator", 0, 0, ".json"),
-        ("weighted", 2, 0, ".pt"),
+        pytest.param("weighted", 2, 0, ".pt", marks=pytest.mark.slow),
         ("own_generator", 0, 0, ".pt"),
         ("draws_at_iter", 0, 0, ".json"),
     ],
@@ -431,8 +431,8 @@ def _head_and_state(
     ("kind", "workers"),
     [
         ("python", 0),
-        ("python_at_iter", 0),
-        ("numpy", 0),
+        pytest.param("python_at_iter", 0, marks=pytest.mark.slow),
+        pytest.param("numpy", 0, marks=pytest.mark.slow),
         pytest.param("python", 2, marks=pytest.mark.slow),
         pytest.param("python_at_iter", 2, marks=pytest.mark.slow),
         pytest.param("numpy", 2, marks=pytest.mark.slow),
@@ -497,7 +497,7 @@ def test_a_sampler_drawing_from_a_global_rng_is_refused_where_the_program_left_i
     assert_same(again, uninterrupted)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_state_saved_before_the_first_iter_of_a_python_sampler(
     workers: int, tmp_path: Path
 ) -> None:
@@ -544,9 +544,9 @@ def test_an_unseeded_python_sampler_saved_at_a_one_index_last_batch_is_always_re
     """An epoch of 11 indices in batches of 2 ends with a batch of one index, which a restore
     that drew another permutation re-makes by chance about once in 11: the proof of the last
     batch alone let a few of these restores through. Python's ``random`` seeded from the OS
-    in each program: 60 restores saved at the epoch's end all refuse (the RNG is elsewhere),
+    in each program: 40 restores saved at the epoch's end all refuse (the RNG is elsewhere),
     and all continue exactly where the program puts it back."""
-    for _ in range(60):
+    for _ in range(40):
         random.seed()  # an unseeded program
         loader = _drawing_loader("python", 0)
         head: list[Any] = []
