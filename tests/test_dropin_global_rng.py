@@ -540,6 +540,19 @@ def test_a_state_saved_before_the_first_iter_of_a_python_sampler(
     assert_same(again, uninterrupted)
 
 
+def _refused_then_exact(
+    restored: Any, rngs: tuple[Any, Any, torch.Tensor], head: list[Any], uninterrupted: list[Any]
+) -> None:
+    """``restored``'s first iter() refuses (python's ``random`` is elsewhere); with it put back
+    from ``rngs``, the run goes on from ``head`` as ``uninterrupted`` did."""
+    with pytest.raises(StateMismatchError, match="python's global `random`"):
+        iter(restored)
+    _put_global_rngs(rngs)
+    again = list(head)
+    _run(restored, again)
+    assert_same(again, uninterrupted)
+
+
 def test_an_unseeded_python_sampler_saved_at_a_one_index_last_batch_is_always_refused() -> None:
     """An epoch of 11 indices in batches of 2 ends with a batch of one index, which a restore
     that drew another permutation re-makes by chance about once in 11: the proof of the last
@@ -559,12 +572,7 @@ def test_an_unseeded_python_sampler_saved_at_a_one_index_last_batch_is_always_re
         random.seed()  # the restarted program, unseeded too
         restored = _drawing_loader("python", 0)
         restored.restore_state_rank(state)
-        with pytest.raises(StateMismatchError, match="python's global `random`"):
-            iter(restored)
-        _put_global_rngs(rngs)
-        again = list(head)
-        _run(restored, again)
-        assert_same(again, uninterrupted)
+        _refused_then_exact(restored, rngs, head, uninterrupted)
 
 
 def test_without_verify_restore_a_moved_rng_continues_unchecked(tmp_path: Path) -> None:
@@ -629,9 +637,4 @@ def test_a_save_and_a_restore_that_read_pythons_random_in_different_ways_agree(
     _elsewhere()
     restored = _drawing_loader("python", 0)
     _load(restored, tmp_path / "state.json")
-    with pytest.raises(StateMismatchError, match="python's global `random`"):
-        iter(restored)
-    _put_global_rngs(rngs)
-    again = list(head)
-    _run(restored, again)
-    assert_same(again, uninterrupted)
+    _refused_then_exact(restored, rngs, head, uninterrupted)
