@@ -618,23 +618,3 @@ def test_edited_global_rng_fields_are_refused_at_load(tmp_path: Path) -> None:
     edited["global_rngs"]["python"]["at_iter"] = "not base64!"
     with pytest.raises(StateFormatError, match="base64"):
         _drawing_loader("python_at_iter", 0).restore_state_rank(edited)
-
-
-def test_a_save_and_a_restore_that_read_pythons_random_in_different_ways_agree(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The digest of python's ``random`` is read in place where CPython's layout is checked
-    to match ``getstate()``, else from ``getstate()``: a state saved one way restores the
-    other way (another interpreter), exactly where the RNG is put back, refused elsewhere."""
-    from energy_loader.loader.dropin import global_rngs
-
-    program_start(0)
-    uninterrupted: list[Any] = []
-    _run(_drawing_loader("python", 0), uninterrupted)
-    head, rngs = _head_and_state("python", 0, 4, False, tmp_path / "state.json")
-    monkeypatch.setattr(global_rngs, "_in_place", False)  # (the getstate() way)
-    program_start(0)
-    _elsewhere()
-    restored = _drawing_loader("python", 0)
-    _load(restored, tmp_path / "state.json")
-    _refused_then_exact(restored, rngs, head, uninterrupted)
