@@ -210,7 +210,8 @@ def test_check_loader_resume_tells_a_sampler_the_restore_cannot_replay() -> None
     with pytest.raises(
         ResumeMismatch,
         match=r"save after 1 batch \(in the loop\).*: the restore refused to continue: the "
-        r"restore re-ran the sampler BatchSampler\(_PythonShuffle\) .* does not replay",
+        r"sampler BatchSampler\(_PythonShuffle\) draws its order from python's global `random`"
+        r".*random.setstate",
     ):
         check_loader_resume(
             lambda workers: el.SavableDataLoader(

@@ -274,6 +274,8 @@ def run_chain(
     *,
     seed: int = 0,
     restore_global_rngs: bool = False,
+    restore_every_global_rng: bool = False,
+    move_rngs_at_start: bool = False,
     peek_at: int | None = None,
     first_via_torch: bool = False,
     on_restored_batch: Callable[[Any, Any], None] | None = None,
@@ -281,8 +283,11 @@ def run_chain(
     """Run the chain's programs one after the other (each saves, the next restores) and
     return every batch in order. ``restore_global_rngs``: the restarted programs put the
     saving program's global torch RNG state back after the load, as careful scripts do;
-    otherwise they are elsewhere (once a batch was handed out before the save). States
-    alternate between the two ways of :func:`round_trip`. A chain with no save points is the
+    ``restore_every_global_rng``: python's, numpy's and torch's; otherwise
+    they are elsewhere (once a batch was handed out before the save, or, with
+    ``move_rngs_at_start``, also for a state saved before the first batch: the restarted
+    program drew more before iterating, another model's init). States alternate between the
+    two ways of :func:`round_trip`. A chain with no save points is the
     uninterrupted run. ``on_restored_batch(loader, batch)`` sees each restored program's
     first batch."""
     out: list[Batch] = []
@@ -291,6 +296,7 @@ def run_chain(
     peeked = None
     state: Any = None
     rng_state: torch.Tensor | None = None
+    every_rng_state: tuple[Any, Any, torch.Tensor] | None = None
     stops: Sequence[SavePoint | None] = [*chain.points, None]
     for number, (stop, workers) in enumerate(zip(stops, chain.workers)):
         program_start(seed)
@@ -298,11 +304,16 @@ def run_chain(
         try:
             if number:
                 load(loader, state)
-                if restore_global_rngs and rng_state is not None:
+                if restore_every_global_rng and every_rng_state is not None:
+                    random.setstate(every_rng_state[0])
+                    np.random.set_state(every_rng_state[1])
+                    torch.set_rng_state(every_rng_state[2])
+                elif restore_global_rngs and rng_state is not None:
                     torch.set_rng_state(rng_state)
-                elif chain.points[number - 1].batches:
-                    # (a state saved before the first batch holds no draw: the restarted
-                    # job starts anew from its global RNGs, as it would without a state)
+                elif chain.points[number - 1].batches or move_rngs_at_start:
+                    # (by default a program restored from a state saved before the first
+                    # batch is where a fresh start is: a checkpoint at step 0 of the same
+                    # script)
                     _move_global_rngs()
             program = TrainingLoop(
                 loader, epochs, out, stop, number > 0, peek_at, on_restored_batch
@@ -319,6 +330,7 @@ def run_chain(
                 state, size = round_trip(loader, via_torch=(number % 2 == 1) != first_via_torch)
                 largest = max(largest, size)
                 rng_state = torch.get_rng_state()
+                every_rng_state = (random.getstate(), np.random.get_state(), rng_state)
         finally:
             close = getattr(loader, "close", None)
             if close is not None:

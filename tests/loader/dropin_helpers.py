@@ -110,6 +110,49 @@ class StatefulSampler(Sampler[int]):
         self.epoch, self._resume_at = state["epoch"], state["position"]
 
 
+class PythonShuffle(Sampler[int]):
+    """Shuffles with python's global ``random`` when ``iter()`` is called (``__iter__`` is not a
+    generator): an order the training process's draws move."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[int]:
+        order = list(range(self.length))
+        random.shuffle(order)
+        return iter(order)
+
+
+class NumpyShuffle(Sampler[int]):
+    """Draws a permutation from numpy's global RNG at its first pull."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[int]:
+        yield from np.random.permutation(self.length).tolist()
+
+
+class DrawsAtIter(Sampler[int]):
+    """Draws its permutation from torch's global generator when ``iter()`` is called (its
+    ``__iter__`` is not a generator): torch's iterator with workers calls it twice an epoch."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(torch.randperm(self.length).tolist())
+
+
 def distributed_order(n: int, epoch: int, *, seed: int, shuffle: bool = True) -> list[int]:
     """torch's ``DistributedSampler`` order of ``n`` samples in ``epoch``, before padding
     (through a 1-rank sampler): the permutation every layout of a job deals from."""

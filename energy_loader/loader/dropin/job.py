@@ -39,6 +39,8 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from ...errors import StateMismatchError
 from ...process_groups import data_parallel_layout, process_group_initialized
 from ...worker import WorkerConfig
@@ -102,12 +104,12 @@ def _verdict(job: JobStart, everyone: list[Any]) -> JobStart:
         )
     first = everyone[0]
     if not restored:  # a new job: rank 0's seed and id, this rank's own order
-        return JobStart(first[1], job.persistent, first[3], job.order_seed)
+        return attrs.evolve(job, seed=first[1], id=first[3], sampler_seed=job.order_seed)
     ids = {entry[2] for entry in everyone}
     seeds = {entry[1] for entry in everyone}
     if ids == {None}:  # saved by one process, or before job ids
         if len(seeds) == 1:  # one job: name it now
-            return JobStart(job.seed, job.persistent, first[3], job.sampler_seed)
+            return attrs.evolve(job, id=first[3])
         return job  # ranks of a job from before job ids, each with its own seed: as saved
     if len(ids) > 1 or len(seeds) > 1:
         raise StateMismatchError(

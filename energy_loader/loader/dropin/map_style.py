@@ -31,6 +31,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import attrs
 import torch
 from torch.utils.data import DataLoader, Sampler
 
@@ -41,7 +42,10 @@ from ...worker import WorkerConfig
 from ...workers.bundling import BUNDLE_SECONDS, bundle_bytes
 from ...workers.fetch import BatchFetcher, FetchResult, FetchTask, WorkerInit
 from ..progress import MAX_HELD_BACK
+from . import global_rngs
+from .global_rngs import GlobalStart
 from .job import agree_on_job
+from .pin import Pin
 from .position import (
     Units,
     own_generators_digest,
@@ -121,6 +125,8 @@ class MapEngine(DropInRestore):
         )
         index_sampler = index_sampler_of(loader)
         self.rng = rng = SamplerRng(loader.generator, index_sampler)
+        # The global RNGs the sampler may draw from unseen, watched at each epoch's start.
+        self.watched = global_rngs.watched(rng.uses_global)
         # The index stream and where it stands (stream.py): what a save records, what a
         # restore re-derives and checks.
         self.stream = IndexStream(
@@ -141,6 +147,9 @@ class MapEngine(DropInRestore):
         self.base_fixup: str | None = None
         self.before_base_seed: torch.Tensor | None = None
         self.job: JobStart | None = None  # set at the job's first iter()
+        # The job's start, pinned by a save before the first iter() or restored from one
+        # (pin.py); taken by the next iter().
+        self.pin: Pin | None = None
         self.worker_config = worker_config
         self.agreed = False  # whether the ranks agreed on self.job (at an iter())
         # Whether the ranks share one dataset's epochs (and so one job seed): a loader without
@@ -203,15 +212,25 @@ class MapEngine(DropInRestore):
 
     def iterate(self) -> _MapIterator:
         """A new epoch (or the restored one): torch's ``iter(loader)``."""
+        pending = self.pending
+        if pending is not None and pending.started and self.stream.verify:
+            self._check_global_rngs(pending)  # (raises with the restore still pending)
         self.generation += 1
-        pending, self.pending = self.pending, None
+        self.pending = None
         previous = self.epoch
         if pending is not None:
             self.job = pending.job
         saved = self.job
-        if saved is None or saved.seed is None:  # the job's first iter()
+        pin, self.pin = self.pin, None
+        if pin is not None:  # the job's first iter(), its start pinned by a save (pin.py)
+            fresh, job = True, pin.job
+        elif saved is None or saved.seed is None:  # the job's first iter()
             persistent = self.persistent_workers if saved is None else saved.persistent
-            fresh, job = True, JobStart(job_seed(self.base_seed_generator), persistent)
+            workers = (
+                self.num_workers > 0 if saved is None or saved.workers is None else saved.workers
+            )
+            hashed = job_seed(self.base_seed_generator)
+            fresh, job = True, JobStart(hashed, persistent, workers=workers)
         else:
             fresh, job = False, saved
         if (fresh or not self.agreed) and self.shares_job:  # one job seed and id (job.py)
@@ -229,6 +248,10 @@ class MapEngine(DropInRestore):
             order = job.order_seed
             assert order is not None
             epoch.private = PrivateGlobal(epoch_global_state(order, epoch.number))
+        if pin is not None:
+            self._start_pinned(epoch, pin, restored=pending is not None)
+        if epoch.resume is None:
+            epoch.iter_calls = job.iter_calls(epoch.number)
         self.epoch = epoch
         self.bundle = 1
         self.trips = 0
@@ -245,7 +268,9 @@ class MapEngine(DropInRestore):
         # restored epoch (the saving run drew it), nor, from the second epoch on, from the
         # training process's global generator: take back or add the difference.
         from_global = self.base_seed_generator is torch.default_generator
-        if epoch.resume is not None or (from_global and epoch.number >= 1):
+        # (a pinned start whose generators moved draws it in the epoch's own stream: pin.py)
+        elsewhere = epoch.base_draw is not None
+        if epoch.resume is not None or (from_global and epoch.number >= 1) or elsewhere:
             wanted = False
         else:
             wanted = epoch.number == 0 or not job.persistent
@@ -257,16 +282,63 @@ class MapEngine(DropInRestore):
         self._fix_base_seed()  # if no pull happened inside iter() (num_workers=0)
         return _MapIterator(self, self.torch_iterator, self.generation)
 
+    def _start_pinned(self, epoch: Epoch, pin: Pin, *, restored: bool) -> None:
+        """The first epoch of a job whose start a save pinned (pin.py): from the pinned
+        generators where they moved since; watching, after a restore, the global RNGs the
+        restarted program has elsewhere than at the save (global_rngs.py)."""
+        rng = self.rng
+        if pin.moved(rng):
+            assert pin.states is not None  # (moved)
+            rng.put_own(pin.states)
+            if rng.uses_global:
+                epoch.private = PrivateGlobal(pin.states[0])
+                if self.base_seed_generator is torch.default_generator:
+                    epoch.base_draw = "due"
+        if self.stream.verify:
+            epoch.watch = global_rngs.elsewhere(pin.at_save)
+            epoch.watch_refuses = restored
+
+    def _check_global_rngs(self, state: MapState) -> None:
+        """Refuse a restore whose sampler drew from python's or numpy's global RNG when the
+        restarted program has that RNG elsewhere than the saving one had it at the save."""
+        start, at_save = state.global_rngs, state.global_rngs_at_save
+        if start is None or at_save is None:
+            return
+        moved = global_rngs.elsewhere({n: at_save[n] for n in start.names if n in at_save})
+        if moved:
+            raise global_rngs.refusal(moved, self.stream.config["sampler"])
+
+    def _pay_base_draw(self, epoch: Epoch) -> None:
+        """torch's base-seed draw, in the epoch's own stream, once torch drew it (pin.py)."""
+        if epoch.base_draw == "owed" and epoch.private is not None:
+            with epoch.private:
+                torch.empty((), dtype=torch.int64).random_()
+            epoch.base_draw = None
+
     def open_stream(self) -> Iterator[FetchTask]:
         """The epoch's task stream (torch may open it twice; the one it pulls is used)."""
         epoch = self.epoch
         if epoch is None:
             raise RuntimeError("the drop-in loader's task stream was opened outside iter()")
         if epoch.resume is not None:
-            iterator, after = epoch.resume
+            epoch.iterator = epoch.resume[0]
             self._note_before_base_seed()
-            return self._tasks(epoch, iterator, None, after)
+            return self._tasks(epoch)
+        self._pay_base_draw(epoch)  # torch drew its base seed after the stream it opened last
+        calls = epoch.iter_calls
+        if epoch.iterator is None or calls is None or epoch.iters < calls:
+            self._iter_sampler(epoch)
+        # (else the job's iterator called iter(sampler) no more: this stream reuses the last)
+        if epoch.base_draw == "due":
+            epoch.base_draw = "owed"  # torch draws it right after this returns
+        self._note_before_base_seed()
+        return self._tasks(epoch)
+
+    def _iter_sampler(self, epoch: Epoch) -> None:
+        """Call ``iter(sampler)`` for a fresh epoch, noting what that call drew: the
+        generators' states before it, where it moved them, and the global RNGs it moved."""
         rng = self.rng
+        globals_before = global_rngs.capture(self.watched)
         with epoch.sampling():
             before = rng.capture() if rng.draws else None
             iterator = Units(iter(self.index_sampler), 0, self.length)
@@ -275,28 +347,60 @@ class MapEngine(DropInRestore):
                 not torch.equal(a, b) for a, b in zip(before, rng.capture())
             ):
                 at_iter = before  # iter(sampler) itself drew random numbers
-        self._note_before_base_seed()
-        return self._tasks(epoch, iterator, at_iter, None)
+        drawn = global_rngs.moved(globals_before, global_rngs.capture(self.watched))
+        epoch.iterator, epoch.at_iter = iterator, at_iter
+        epoch.global_at_iter = {name: globals_before[name] for name in drawn}
+        epoch.iters += 1
 
     def _note_before_base_seed(self) -> None:
         """torch draws the base seed right after it opens the stream (the first time)."""
         if self.base_fixup == "undo" and self.before_base_seed is None:
             self.before_base_seed = self.base_seed_generator.get_state()
 
-    def _tasks(
-        self,
-        epoch: Epoch,
-        iterator: Units,
-        at_iter: list[torch.Tensor] | None,
-        after: list[torch.Tensor] | None,
-    ) -> Iterator[FetchTask]:
+    def begin(self, epoch: Epoch) -> None:
+        """Once an epoch, before its first unit goes anywhere (its task stream's first pull,
+        or a save that comes first, so that what a save records is what the epoch runs):
+        take back or add torch's base-seed draw; put a restored epoch's own generators where
+        the saving job had them; or capture a fresh epoch's start and pull its first unit,
+        noting the global RNGs that pull moved (global_rngs.py)."""
+        if epoch.begun:
+            return
+        epoch.begun = True
         self._fix_base_seed()
-        if after is not None:
-            self.rng.put_own(after)
-        elif epoch.start is None:
-            epoch.start = self.stream.capture_start(epoch, at_iter)
+        if epoch.resume is not None:
+            self.rng.put_own(epoch.resume[1])
+        else:
+            self._pay_base_draw(epoch)
+            calls = epoch.iter_calls
+            while calls is not None and epoch.iters < calls:  # as often as the job's iterator
+                self._iter_sampler(epoch)
+            iterator = epoch.iterator
+            assert iterator is not None  # (open_stream ran)
+            epoch.start = start = self.stream.capture_start(epoch, epoch.at_iter)
+            stateful = self.stateful
+            if stateful is not None and epoch.pulled not in epoch.snapshots:
+                epoch.snapshots[epoch.pulled] = stateful.state_dict()
+            before = global_rngs.capture(self.watched)
+            with epoch.sampling():
+                iterator.peek()
+            drawn = global_rngs.moved(before, global_rngs.capture(self.watched))
+            if drawn or epoch.global_at_iter:
+                start.global_start = GlobalStart(
+                    epoch.global_at_iter, {name: before[name] for name in drawn}
+                )
+                watched = [n for n in epoch.watch if n in start.global_start.names]
+                if watched:
+                    chain = self.stream.config["sampler"]
+                    if epoch.watch_refuses:
+                        raise global_rngs.refusal(watched, chain)
+                    warnings.warn(global_rngs.moved_since_pin(watched, chain), stacklevel=2)
         if epoch.dealing is None and self.distributed is not None:
             self.stream.deal_as_the_sampler(epoch, self.distributed)
+
+    def _tasks(self, epoch: Epoch) -> Iterator[FetchTask]:
+        self.begin(epoch)
+        iterator = epoch.iterator
+        assert iterator is not None
         seed = epoch.seed
         stateful = self.stateful
         recent = epoch.recent
@@ -378,10 +482,14 @@ class MapEngine(DropInRestore):
         if epoch is None:
             if held_back:
                 raise ValueError(f"held_back={held_back}: nothing was handed out yet")
-            job = JobStart(None, self.persistent_workers)  # the job that will start
-            return MapState(
-                rank, world_size, self.state_config, False, 0, 0, job, None, None, None, "", ""
-            )
+            if self.pin is None:  # the job's start, as the next iter() takes it (pin.py)
+                self.pin = Pin.now(
+                    self.rng,
+                    self.base_seed_generator,
+                    JobStart(None, self.persistent_workers, workers=self.num_workers > 0),
+                    self.watched,
+                )
+            return self.pin.state(rank, world_size, self.state_config)
         used = epoch.used - held_back
         if used < 0:
             raise ValueError(
@@ -389,8 +497,12 @@ class MapEngine(DropInRestore):
                 "epoch, so there is no position that many batches back"
             )
         if epoch.start is None:  # iter() made, nothing pulled yet: the stream starts now
-            epoch.start = self.stream.capture_start(epoch, None)
-        rng, at_iter, rng_check, at_iter_check = epoch.start.encoded()
+            self.begin(epoch)
+        start = epoch.start
+        assert start is not None
+        rng, at_iter, rng_check, at_iter_check = start.encoded()
+        drawn = start.global_start
+        at_save = None if drawn is None else global_rngs.digests_now(drawn.names)
         sampler_state = None
         if self.stateful is not None:
             if used not in epoch.snapshots:
@@ -411,6 +523,8 @@ class MapEngine(DropInRestore):
             at_iter_check,
             self.stream.distributed_of(epoch),
             self.stream.proof(epoch, used),
+            drawn,
+            at_save,
         )
 
     def decode_one(self, state: Any) -> MapState:
@@ -464,7 +578,9 @@ class MapEngine(DropInRestore):
 
     def restore_record(self, state: MapState) -> None:
         check_restorable(state, self.stream)
+        pin = Pin.of(state)
         self.shutdown()
+        self.pin = pin
         self.pending = state
         self.agreed = False  # the ranks agree on the restored job at the next iter()
         self.epoch = None
@@ -473,6 +589,7 @@ class MapEngine(DropInRestore):
     def reset(self) -> None:
         self.shutdown()
         self.pending = None
+        self.pin = None
         self.epoch = None
         self.job = None
         self.generation += 1
@@ -482,7 +599,8 @@ class MapEngine(DropInRestore):
         if self.epoch is None or self.torch_iterator is None:
             self.shutdown()
             return
-        self.restore_record(self.record(0, 1, 0))
+        # (the same process goes on: its global RNGs are where they belong, nothing to check)
+        self.restore_record(attrs.evolve(self.record(0, 1, 0), global_rngs_at_save=None))
         self.agreed = True  # the same job goes on: nothing to agree on again
 
     def shutdown(self) -> None:

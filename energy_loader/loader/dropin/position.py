@@ -30,6 +30,7 @@ import attrs
 import torch
 
 from ...errors import StateMismatchError
+from . import global_rngs
 from .sampling import EpochStart, SamplerRng, stateful_part
 from .state import MapState, decode_generator_states
 
@@ -136,6 +137,7 @@ def start_of(state: MapState) -> EpochStart:
         decoded(state.rng, "rng"),
         decoded(state.rng_at_iter, "rng_at_iter"),
         encoded=(state.rng, state.rng_at_iter),
+        global_start=state.global_rngs,
     )
 
 
@@ -174,9 +176,12 @@ def positioned_iterator(
     length: int | None,
 ) -> Replayed:
     """Run the sampler of a saved epoch up to its ``used`` units (of ``length``, if known),
-    loading nothing, under the epoch-end rule. torch's global generator is left as it was.
-    Raises ``StateMismatchError`` if the sampler yields fewer units than were used."""
+    loading nothing, under the epoch-end rule. torch's global generator, and the other global
+    RNGs the sampler drew from (:mod:`.global_rngs`), are left as they were. Raises
+    ``StateMismatchError`` if the sampler yields fewer units than were used."""
     user_global = torch.default_generator.get_state() if rng.uses_global else None
+    drawn = start.global_start
+    user_others = None if drawn is None else global_rngs.capture(drawn.names)
     last: Any = _NONE
     try:
         stateful = stateful_part(index_sampler)
@@ -184,6 +189,8 @@ def positioned_iterator(
             rng.put(start.at_iter)
         elif start.states is not None:
             rng.put(start.states)
+        if drawn is not None:
+            global_rngs.put(drawn.at_iter)
         loaded = stateful is not None and sampler_state is not None
         if loaded:
             stateful.load_state_dict(sampler_state)
@@ -192,6 +199,8 @@ def positioned_iterator(
         iterator = Units(iter(index_sampler), used if loaded else 0, length)
         if start.at_iter is not None and start.states is not None:
             rng.put(start.states)
+        if drawn is not None:
+            global_rngs.put(drawn.start)
         if not loaded:
             for done in range(used):
                 last = next(iterator, _NONE)
@@ -206,6 +215,8 @@ def positioned_iterator(
     finally:
         if user_global is not None:
             torch.default_generator.set_state(user_global)
+        if user_others is not None:
+            global_rngs.put(user_others)
     return Replayed(None if peeked is _NONE else iterator, after, last)
 
 

@@ -39,6 +39,7 @@ from ...dataset import is_stateful
 from ...errors import StateMismatchError
 from ...rng import fold_key, stable_hash
 from ...state.digests import digest
+from .global_rngs import GlobalStart
 
 __all__ = [
     "EpochStart",
@@ -135,6 +136,8 @@ class SamplerRng:
 class EpochStart:
     """How one epoch's index stream began: the generator states before the sampler drew.
 
+    ``global_start``: where python's or numpy's global RNG stood before the sampler drew from
+    it (:mod:`.global_rngs`), once its first pull showed it does (None: it drew from neither).
     The base64 form of the states and their digests are built once, on the first save that
     needs them.
     """
@@ -146,10 +149,12 @@ class EpochStart:
         at_iter: list[torch.Tensor] | None,
         *,
         encoded: tuple[list[str] | None, list[str] | None] | None = None,
+        global_start: GlobalStart | None = None,
     ) -> None:
         self.epoch = epoch
         self.states = states
         self.at_iter = at_iter
+        self.global_start = global_start
         self._encoded = encoded
         self._checks: tuple[str, str] | None = None
 

@@ -1,10 +1,11 @@
 """The drop-in loader's saved state: plain data, its own format name and version.
 
-Layout (format version 3; version 2, without ``proof`` and ``checks.position``, still
-restores, unchecked)::
+Layout (format version 4; versions 3, without ``global_rngs`` and ``global_rngs_at_save``
+and whose states saved before the first ``iter()`` pin nothing, and 2, without ``proof`` and
+``checks.position``, still restore)::
 
     {
-      "format": "energy_loader.dropin_state", "version": 3,
+      "format": "energy_loader.dropin_state", "version": 4,
       "kind": "map" | "iterable",
       "rank": 0, "world_size": 1,
       "config": {...},            # what must match on restore (dataset, sampler, batching)
@@ -12,15 +13,18 @@ restores, unchecked)::
       "started": true,            # false: saved before the first epoch began
       "epoch": 3,                 # the epoch the position is in (0-based)
       "used": 17,                 # batches (index-sampler units) of it handed out
-      "job": {"seed": 123, "persistent": false, "id": 77, "sampler_seed": 123},  # see below
+      "job": {"seed": 123, "persistent": false, "id": 77, "sampler_seed": 123,
+              "workers": true},  # see below
       "rng": ["<base64>", ...] | null,      # the sampler's generators at its first pull
       "rng_at_iter": [...] | null,          # ... when iter(sampler) itself drew
+      "global_rngs": {"python": {"at_iter": null, "start": "<base64>"}} | null,
+      "global_rngs_at_save": {"python": "<hex>"} | null,  # see below
       "sampler_state": {...} | null,        # a Stateful sampler's own state_dict()
       "distributed": {"epoch": 2, "offset": 0, "end": 1000, "world": 4, "units": 8,
                       "rank": 1} | null,
       "proof": {"last": "<hex>", "end": "<hex>"},  # what the restore checks itself against
       "checks": {"job": "<hex>", "rng": "<hex>", "rng_at_iter": "<hex>",
-                 "position": "<hex>"},
+                 "global_rngs": "<hex>", "position": "<hex>"},
       # iterable:
       "pipeline": {...}           # the rank state of the pipeline it runs (rank_state format)
     }
@@ -35,8 +39,26 @@ the seed when torch.distributed runs several ranks, null otherwise), kept across
 that the states of one save can be told from another run's; ``persistent`` says whether the
 job draws torch's base seed once (persistent workers) or every epoch, so that a restore onto
 another ``persistent_workers`` setting keeps the job's generator where the uninterrupted job
-has it. States saved before ``id`` and ``sampler_seed`` existed have neither: they read as
-``id`` null and ``sampler_seed`` equal to ``seed``.
+has it; ``workers`` whether its loader ran worker processes (torch's iterator then calls
+``iter(sampler)`` twice as it starts), so that a restore onto another number of workers calls
+it as often as the job did (a sampler whose ``iter()`` draws then draws as in the job). States
+saved before ``id`` and ``sampler_seed`` existed have neither: they read as ``id`` null and
+``sampler_seed`` equal to ``seed``; states saved before ``workers`` read as null (a restore
+then calls ``iter(sampler)`` as its own iterator does).
+
+A state saved before the first ``iter()`` (``started`` false) *pins* the job's start
+(:mod:`.pin`): ``job.seed`` is the seed that ``iter()`` would take at the save, ``rng`` the
+states of the generators that drive the sampler at the save (before ``iter(sampler)`` and
+torch's base-seed draw), and ``global_rngs_at_save`` digests of python's and numpy's global
+RNGs then (and torch's where ``rng`` does not hold it). Version 3 states saved there hold
+no seed: the restore's first ``iter()`` draws one.
+
+``global_rngs`` (:mod:`.global_rngs`): where the epoch's sampler drew from python's global
+``random``, numpy's global RNG, or torch's global generator where ``rng`` does not hold it,
+their states before ``iter(sampler)`` (``at_iter``) and
+before its first pull (``start``), for those that call moved; ``global_rngs_at_save`` digests
+of those generators' states when the state was saved, which a restore compares before its
+first ``iter()``.
 
 ``distributed`` (under a ``DistributedSampler``) is where the epoch's permutation is dealt
 from: the sampler's epoch, and the positions ``offset`` to ``end`` dealt to ``world`` ranks in
@@ -51,7 +73,8 @@ sampler's own generators after the epoch's last pull; "" where there is nothing 
 ``checks`` are digests of the fields a reader cannot check by their shape (a flipped byte in
 a generator state is another valid state; so is a flipped digit in ``epoch`` or ``used``):
 ``position`` covers every field that places the stream (``rank``, ``world_size``,
-``started``, ``epoch``, ``used``, ``sampler_state``, ``distributed``, ``proof``). A state
+``started``, ``epoch``, ``used``, ``sampler_state``, ``distributed``, ``proof``,
+``global_rngs_at_save``); ``global_rngs`` has a digest of its own. A state
 edited or damaged after saving is refused naming the field. A torch ``Generator`` state is
 a 5 KB byte tensor, stored as a base64 string built once per epoch (not per save). Nothing
 is pickled: the state passes ``json.dumps`` when the sampler's own state does, and
@@ -60,18 +83,18 @@ is pickled: the state passes ``json.dumps`` when the sampler's own state does, a
 
 from __future__ import annotations
 
-import base64
 import functools
 import json
 from typing import Any
 
 import attrs
-import torch
 
 from ...errors import StateFormatError, StateMismatchError
 from ...state.digests import digest
 from ...state.plain import StateReader
 from ...state.rank_state import is_partition_entries
+from .encoding import decode_generator_states, encode_generator_states
+from .global_rngs import GlobalStart, no_global_start_check, read_digests
 
 __all__ = [
     "DROPIN_STATE_FORMAT",
@@ -87,41 +110,23 @@ __all__ = [
 ]
 
 DROPIN_STATE_FORMAT = "energy_loader.dropin_state"
-DROPIN_STATE_VERSION = 3
-# Version 2 (no proof, no position digest) still restores, without the self-check.
-_READABLE_VERSIONS = (2, DROPIN_STATE_VERSION)
-
-# The byte size of a CPU generator's state (mt19937 plus its normal-distribution cache).
-GENERATOR_STATE_BYTES = int(torch.Generator().get_state().numel())
-
-
-def encode_generator_states(states: list[torch.Tensor]) -> list[str]:
-    """Generator states (uint8 tensors) as base64 strings."""
-    return [base64.b64encode(state.numpy().tobytes()).decode("ascii") for state in states]
-
-
-def decode_generator_states(texts: list[Any], path: str) -> list[torch.Tensor]:
-    """The inverse of :func:`encode_generator_states`; raises ``StateFormatError``."""
-    out = []
-    for index, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise StateFormatError(f"{path}[{index}] must be a base64 string")
-        try:
-            raw = base64.b64decode(text.encode("ascii"), validate=True)
-        except (ValueError, UnicodeEncodeError) as error:
-            raise StateFormatError(f"{path}[{index}] is not valid base64: {error}") from None
-        if len(raw) != GENERATOR_STATE_BYTES:
-            raise StateFormatError(
-                f"{path}[{index}] holds {len(raw)} bytes; a torch generator state has "
-                f"{GENERATOR_STATE_BYTES} (truncated or not a generator state)"
-            )
-        out.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-    return out
+DROPIN_STATE_VERSION = 4
+# Version 3 (no global RNGs; a state saved before the first iter() pins nothing) and version 2
+# (no proof, no position digest: restored without the self-check) still restore.
+_READABLE_VERSIONS = (2, 3, DROPIN_STATE_VERSION)
 
 
 @functools.lru_cache(maxsize=16)
-def _job_check(seed: int | None, persistent: bool, id: int | None, sampler_seed: int | None) -> str:
-    return digest("job", seed, persistent, id, sampler_seed)
+def _job_check(
+    seed: int | None,
+    persistent: bool,
+    id: int | None,
+    sampler_seed: int | None,
+    workers: bool | None,
+) -> str:
+    if workers is None:  # (a job saved before it recorded its workers: its digest then)
+        return digest("job", seed, persistent, id, sampler_seed)
+    return digest("job", seed, persistent, id, sampler_seed, workers)
 
 
 def _legacy_job_check(seed: int | None, persistent: bool) -> str:
@@ -202,13 +207,25 @@ class JobStart:
     this rank's own, from the second epoch on the order of a sampler that draws from torch's
     global generator (None: ``seed``). ``id``: the job's name, shared by its ranks (None:
     one process, or a job saved before ids). ``persistent``: whether the job draws torch's
-    base seed once (persistent workers) or once an epoch.
+    base seed once (persistent workers) or once an epoch. ``workers``: whether the job's
+    loader ran worker processes, whose torch iterator calls ``iter(sampler)`` twice when it
+    starts (None: saved before it was recorded), so that a restore on another number of
+    workers calls it as often as the job (:meth:`iter_calls`).
     """
 
     seed: int | None  # None: saved before the job's first iter(), which draws it
     persistent: bool
     id: int | None = None
     sampler_seed: int | None = None
+    workers: bool | None = None
+
+    def iter_calls(self, epoch: int) -> int | None:
+        """How many times the job's torch iterator calls ``iter(sampler)`` in a fresh epoch
+        ``epoch``: twice where it starts worker processes (every epoch, or only the first
+        with persistent workers), else once; None where the job did not record it."""
+        if self.workers is None:
+            return None
+        return 2 if self.workers and (epoch == 0 or not self.persistent) else 1
 
     @property
     def order_seed(self) -> int | None:
@@ -216,15 +233,18 @@ class JobStart:
         return self.seed if self.sampler_seed is None else self.sampler_seed
 
     def check(self) -> str:
-        return _job_check(self.seed, self.persistent, self.id, self.sampler_seed)
+        return _job_check(self.seed, self.persistent, self.id, self.sampler_seed, self.workers)
 
     def to_plain(self) -> dict[str, Any]:
-        return {
+        plain = {
             "seed": self.seed,
             "persistent": self.persistent,
             "id": self.id,
             "sampler_seed": self.sampler_seed,
         }
+        if self.workers is not None:
+            plain["workers"] = self.workers
+        return plain
 
 
 @attrs.frozen
@@ -247,11 +267,21 @@ class MapState:
     # as {"epoch", "offset", "end", "world", "units"}; None otherwise.
     distributed: dict[str, int] | None = None
     proof: Proof = attrs.field(factory=Proof)
+    # Python's and numpy's global RNGs where the sampler drew from them (global_rngs.py): their
+    # states before the epoch's first draws, and digests of their states at the save.
+    global_rngs: GlobalStart | None = None
+    global_rngs_at_save: dict[str, str] | None = None
+
+    @property
+    def pinned(self) -> bool:
+        """Saved before the first ``iter()``, with the job's start pinned (:mod:`.pin`)."""
+        return not self.started and self.job is not None and self.job.seed is not None
 
     def position_check(self) -> str:
         """The digest of every field that places the stream (``checks.position``)."""
         sampler = None if self.sampler_state is None else _canonical(self.sampler_state)
         dealt = self.distributed
+        at_save = self.global_rngs_at_save
         return digest(
             "position",
             self.rank,
@@ -263,7 +293,13 @@ class MapState:
             None if dealt is None else tuple(dealt.get(name) for name in _DEALT),
             self.proof.last,
             self.proof.end,
+            # (absent from a version 3 state's digest, which had no such field)
+            *(() if at_save is None else (tuple(at_save.items()),)),
         )
+
+    def global_rngs_check(self) -> str:
+        start = self.global_rngs
+        return no_global_start_check() if start is None else start.check()
 
     def to_plain(self) -> dict[str, Any]:
         job = self.job
@@ -282,11 +318,14 @@ class MapState:
             "rng_at_iter": self.rng_at_iter,
             "sampler_state": self.sampler_state,
             "distributed": self.distributed,
+            "global_rngs": None if self.global_rngs is None else self.global_rngs.to_plain(),
+            "global_rngs_at_save": self.global_rngs_at_save,
             "proof": {"last": self.proof.last, "end": self.proof.end},
             "checks": {
                 "job": "" if job is None else job.check(),
                 "rng": self.rng_check or digest("rng", self.rng),
                 "rng_at_iter": self.rng_at_iter_check or digest("rng_at_iter", self.rng_at_iter),
+                "global_rngs": self.global_rngs_check(),
                 "position": self.position_check(),
             },
         }
@@ -295,7 +334,14 @@ class MapState:
         """:meth:`to_plain` as compact JSON, the fields fixed for an epoch (config, job,
         generator states, the dealing: ~7 KB) encoded once an epoch, the few that move
         written straight in. Raises ``TypeError`` for a sampler state JSON cannot hold."""
-        key = (self.config, self.job, self.rng, self.rng_at_iter, self.distributed)
+        key = (
+            self.config,
+            self.job,
+            self.rng,
+            self.rng_at_iter,
+            self.distributed,
+            self.global_rngs,
+        )
         cached = _FRAGMENT_CACHE.get(id(self.config))
         if cached is not None and all(a is b for a, b in zip(cached[0], key)):
             fragment, checks = cached[1], cached[2]
@@ -308,11 +354,15 @@ class MapState:
             _FRAGMENT_CACHE[id(self.config)] = (key, fragment, checks)
         sampler = "null" if self.sampler_state is None else _encode(self.sampler_state)
         started = "true" if self.started else "false"
+        at_save = self.global_rngs_at_save
+        at_save_json = "null"
+        if at_save is not None:  # (names and hex digests: nothing to escape)
+            at_save_json = "{" + ",".join(f'"{n}":"{d}"' for n, d in at_save.items()) + "}"
         return (
             f'{{"format":"{DROPIN_STATE_FORMAT}","version":{DROPIN_STATE_VERSION},'
             f'"kind":"map","rank":{int(self.rank)},"world_size":{int(self.world_size)},'
             f'"started":{started},"epoch":{int(self.epoch)},"used":{int(self.used)},'
-            f'"sampler_state":{sampler},{fragment},'
+            f'"sampler_state":{sampler},"global_rngs_at_save":{at_save_json},{fragment},'
             f'"proof":{{"last":"{self.proof.last}","end":"{self.proof.end}"}},'
             f'"checks":{{{checks},"position":"{self.position_check()}"}}}}'
         )
@@ -337,8 +387,17 @@ class MapState:
                 decode_generator_states(value, f"state.{name}")  # size and encoding
             _verify(name, digest(name, value), checks.str(name))
             texts[name] = value
-        legacy = reader.int("version") < DROPIN_STATE_VERSION
+        version = reader.int("version")
+        legacy = version < 3
         proof = Proof() if legacy else Proof(*(reader.sub("proof").str(n) for n in ("last", "end")))
+        global_start, at_save = None, None
+        if version >= 4:
+            plain = reader.raw("global_rngs")
+            if plain is not None:
+                global_start = GlobalStart.from_plain(plain, "state.global_rngs")
+            at_save = read_digests(reader.raw("global_rngs_at_save"), "state.global_rngs_at_save")
+            found = no_global_start_check() if global_start is None else global_start.check()
+            _verify("global_rngs", found, checks.str("global_rngs"))
         decoded = cls(
             rank=reader.int("rank", minimum=0),
             world_size=reader.int("world_size", minimum=1),
@@ -354,12 +413,15 @@ class MapState:
             rng_at_iter_check=checks.str("rng_at_iter"),
             distributed=_distributed(reader),
             proof=proof,
+            global_rngs=global_start,
+            global_rngs_at_save=at_save,
         )
         if not legacy and decoded.position_check() != checks.str("position"):
             raise StateFormatError(
                 "the state's position (rank, world_size, started, epoch, used, sampler_state, "
-                "distributed, proof) does not match its digest in state.checks.position: the "
-                "state was edited or damaged after it was saved (restore from an intact copy)"
+                "distributed, proof, global_rngs_at_save) does not match its digest in "
+                "state.checks.position: the state was edited or damaged after it was saved "
+                "(restore from an intact copy)"
             )
         return decoded
 
@@ -376,7 +438,8 @@ def _job(reader: StateReader, recorded: str) -> JobStart:
         _verify("job", _legacy_job_check(job.seed, persistent), recorded)
         return job
     seed, sampler_seed = optional_int("seed"), optional_int("sampler_seed")
-    job = JobStart(seed, persistent, optional_int("id"), sampler_seed)
+    workers = reader.bool("workers") if reader.has("workers") else None
+    job = JobStart(seed, persistent, optional_int("id"), sampler_seed, workers)
     _verify("job", job.check(), recorded)
     return job
 
@@ -393,12 +456,12 @@ def _distributed(reader: StateReader) -> dict[str, int] | None:
     return out
 
 
-_EPOCH_CONSTANT = ("config", "job", "rng", "rng_at_iter", "distributed")
+_EPOCH_CONSTANT = ("config", "job", "rng", "rng_at_iter", "distributed", "global_rngs")
 # The distributed fields, in the order the position digest takes them.
 _DEALT = ("epoch", "offset", "end", "world", "units", "rank")
 _encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
-# id(config) -> ((config, job, rng, rng_at_iter, distributed), their JSON without its braces,
-# the constant checks likewise); identity-checked on use.
+# id(config) -> ((config, job, rng, rng_at_iter, distributed, global_rngs), their JSON without
+# its braces, the constant checks likewise); identity-checked on use.
 _FRAGMENT_CACHE: dict[int, tuple[tuple[Any, ...], str, str]] = {}
 
 

@@ -81,6 +81,24 @@ class Epoch:
         self.recent: collections.deque[tuple[int, Any]] = collections.deque()
         self.end_proof = ""
         self.proven: tuple[int, Proof] | None = None  # the last proof made, by units used
+        # A fresh epoch's sampler iterator and what its iter() drew (torch's generators before
+        # it, and python's or numpy's global RNG where it moved them: global_rngs.py), until
+        # the first unit is pulled (MapEngine.begin).
+        self.iterator: Units | None = None
+        self.at_iter: list[torch.Tensor] | None = None
+        self.global_at_iter: dict[str, Any] = {}
+        self.begun = False
+        # How many times the job's torch iterator calls iter(sampler) in this epoch (None:
+        # unknown, as this loader's does), and how many times this loader called it.
+        self.iter_calls: int | None = None
+        self.iters = 0
+        # A pinned start whose generators had moved (pin.py): torch's base-seed draw from the
+        # global generator goes to the epoch's own stream instead, "owed" once torch drew it.
+        self.base_draw: str | None = None
+        # The global RNGs a pinned start found elsewhere than at the save: the sampler must not
+        # draw from them (a restore refuses; the loader that saved warns).
+        self.watch: tuple[str, ...] = ()
+        self.watch_refuses = False
 
     def sampling(self) -> contextlib.AbstractContextManager[Any]:
         """The context the sampler draws in: its private global stream, if it has one."""
@@ -339,7 +357,7 @@ def check_restorable(state: MapState, stream: IndexStream) -> None:
             f"state.used is {state.used}, but an epoch of the saving loader had {units} "
             "batches: the position lies outside the epoch (an edited or foreign state)"
         )
-    if state.started and state.rng is not None and len(state.rng) != len(stream.rng.generators):
+    if state.rng is not None and len(state.rng) != len(stream.rng.generators):
         raise StateMismatchError(
             f"the state holds {len(state.rng)} generator state(s) of the sampler, this loader's "
             f"sampler is driven by {len(stream.rng.generators)}: not the same sampler setup"
