@@ -170,10 +170,10 @@ def builder_differs(make: Callable[[int], Any], workers: int) -> str | None:
     another loader on each call), else ``None``."""
     loaders = [make(workers), make(workers)]
     try:
-        configs = [getattr(loader, "config", None) for loader in loaders]
-        if not all(callable(config) for config in configs):
+        first, second = (getattr(loader, "config", None) for loader in loaders)
+        if not callable(first) or not callable(second):
             return None
-        difference = first_difference(configs[0](), configs[1](), "config")
+        difference = first_difference(first(), second(), "config")
     finally:
         for loader in loaders:
             close = getattr(loader, "close", None)

@@ -43,11 +43,10 @@ from ...workers.bundling import BUNDLE_SECONDS, bundle_bytes
 from ...workers.fetch import BatchFetcher, FetchResult, FetchTask, WorkerInit
 from ..progress import MAX_HELD_BACK
 from . import global_rngs
-from .global_rngs import GlobalStart
+from .epoch_begin import EpochBeginning
 from .job import agree_on_job
 from .pin import Pin
 from .position import (
-    Units,
     own_generators_digest,
     saved_after_last_batch,
 )
@@ -91,7 +90,7 @@ class _TaskSampler(Sampler[FetchTask]):
         return engine.open_stream()
 
 
-class MapEngine(DropInRestore):
+class MapEngine(EpochBeginning, DropInRestore):
     """Runs and records a map-style drop-in loader (owned by the loader, one per loader)."""
 
     def __init__(
@@ -188,11 +187,6 @@ class MapEngine(DropInRestore):
         self.metrics = LoaderMetrics(workers, self._poll, None)
 
     @property
-    def length(self) -> int | None:
-        """Batches per epoch (the sampler's ``len()``), None without one."""
-        return self.stream.length
-
-    @property
     def state_config(self) -> dict[str, Any]:
         """What a state must agree with (dataset, sampler, generators, batching)."""
         return self.stream.config
@@ -282,39 +276,6 @@ class MapEngine(DropInRestore):
         self._fix_base_seed()  # if no pull happened inside iter() (num_workers=0)
         return _MapIterator(self, self.torch_iterator, self.generation)
 
-    def _start_pinned(self, epoch: Epoch, pin: Pin, *, restored: bool) -> None:
-        """The first epoch of a job whose start a save pinned (pin.py): from the pinned
-        generators where they moved since; watching, after a restore, the global RNGs the
-        restarted program has elsewhere than at the save (global_rngs.py)."""
-        rng = self.rng
-        if pin.moved(rng):
-            assert pin.states is not None  # (moved)
-            rng.put_own(pin.states)
-            if rng.uses_global:
-                epoch.private = PrivateGlobal(pin.states[0])
-                if self.base_seed_generator is torch.default_generator:
-                    epoch.base_draw = "due"
-        if self.stream.verify:
-            epoch.watch = global_rngs.elsewhere(pin.at_save)
-            epoch.watch_refuses = restored
-
-    def _check_global_rngs(self, state: MapState) -> None:
-        """Refuse a restore whose sampler drew from python's or numpy's global RNG when the
-        restarted program has that RNG elsewhere than the saving one had it at the save."""
-        start, at_save = state.global_rngs, state.global_rngs_at_save
-        if start is None or at_save is None:
-            return
-        moved = global_rngs.elsewhere({n: at_save[n] for n in start.names if n in at_save})
-        if moved:
-            raise global_rngs.refusal(moved, self.stream.config["sampler"])
-
-    def _pay_base_draw(self, epoch: Epoch) -> None:
-        """torch's base-seed draw, in the epoch's own stream, once torch drew it (pin.py)."""
-        if epoch.base_draw == "owed" and epoch.private is not None:
-            with epoch.private:
-                torch.empty((), dtype=torch.int64).random_()
-            epoch.base_draw = None
-
     def open_stream(self) -> Iterator[FetchTask]:
         """The epoch's task stream (torch may open it twice; the one it pulls is used)."""
         epoch = self.epoch
@@ -333,69 +294,6 @@ class MapEngine(DropInRestore):
             epoch.base_draw = "owed"  # torch draws it right after this returns
         self._note_before_base_seed()
         return self._tasks(epoch)
-
-    def _iter_sampler(self, epoch: Epoch) -> None:
-        """Call ``iter(sampler)`` for a fresh epoch, noting what that call drew: the
-        generators' states before it, where it moved them, and the global RNGs it moved."""
-        rng = self.rng
-        globals_before = global_rngs.capture(self.watched)
-        with epoch.sampling():
-            before = rng.capture() if rng.draws else None
-            iterator = Units(iter(self.index_sampler), 0, self.length)
-            at_iter = None
-            if before is not None and any(
-                not torch.equal(a, b) for a, b in zip(before, rng.capture())
-            ):
-                at_iter = before  # iter(sampler) itself drew random numbers
-        drawn = global_rngs.moved(globals_before, global_rngs.capture(self.watched))
-        epoch.iterator, epoch.at_iter = iterator, at_iter
-        epoch.global_at_iter = {name: globals_before[name] for name in drawn}
-        epoch.iters += 1
-
-    def _note_before_base_seed(self) -> None:
-        """torch draws the base seed right after it opens the stream (the first time)."""
-        if self.base_fixup == "undo" and self.before_base_seed is None:
-            self.before_base_seed = self.base_seed_generator.get_state()
-
-    def begin(self, epoch: Epoch) -> None:
-        """Once an epoch, before its first unit goes anywhere (its task stream's first pull,
-        or a save that comes first, so that what a save records is what the epoch runs):
-        take back or add torch's base-seed draw; put a restored epoch's own generators where
-        the saving job had them; or capture a fresh epoch's start and pull its first unit,
-        noting the global RNGs that pull moved (global_rngs.py)."""
-        if epoch.begun:
-            return
-        epoch.begun = True
-        self._fix_base_seed()
-        if epoch.resume is not None:
-            self.rng.put_own(epoch.resume[1])
-        else:
-            self._pay_base_draw(epoch)
-            calls = epoch.iter_calls
-            while calls is not None and epoch.iters < calls:  # as often as the job's iterator
-                self._iter_sampler(epoch)
-            iterator = epoch.iterator
-            assert iterator is not None  # (open_stream ran)
-            epoch.start = start = self.stream.capture_start(epoch, epoch.at_iter)
-            stateful = self.stateful
-            if stateful is not None and epoch.pulled not in epoch.snapshots:
-                epoch.snapshots[epoch.pulled] = stateful.state_dict()
-            before = global_rngs.capture(self.watched)
-            with epoch.sampling():
-                iterator.peek()
-            drawn = global_rngs.moved(before, global_rngs.capture(self.watched))
-            if drawn or epoch.global_at_iter:
-                start.global_start = GlobalStart(
-                    epoch.global_at_iter, {name: before[name] for name in drawn}
-                )
-                watched = [n for n in epoch.watch if n in start.global_start.names]
-                if watched:
-                    chain = self.stream.config["sampler"]
-                    if epoch.watch_refuses:
-                        raise global_rngs.refusal(watched, chain)
-                    warnings.warn(global_rngs.moved_since_pin(watched, chain), stacklevel=2)
-        if epoch.dealing is None and self.distributed is not None:
-            self.stream.deal_as_the_sampler(epoch, self.distributed)
 
     def _tasks(self, epoch: Epoch) -> Iterator[FetchTask]:
         self.begin(epoch)
@@ -426,15 +324,6 @@ class MapEngine(DropInRestore):
             if len(units) < want:
                 epoch.exhausted = True
                 return
-
-    def _fix_base_seed(self) -> None:
-        """Take back or add torch's base-seed draw, once per iter() (see :meth:`iterate`)."""
-        fixup, self.base_fixup = self.base_fixup, None
-        if fixup == "undo" and self.before_base_seed is not None:
-            self.base_seed_generator.set_state(self.before_base_seed)
-        elif fixup == "draw":
-            torch.empty((), dtype=torch.int64).random_(generator=self.base_seed_generator)
-        self.before_base_seed = None
 
     def received(self, result: FetchResult) -> None:
         """Count the trip for ``stats()`` (the worker that made it: torch deals trips to its
