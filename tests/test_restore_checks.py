@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import energy_loader as el
 from energy_loader.state.digests import key_digest
 from energy_loader.testing.strategies import AddNoise, MakeSample
-from tests.helpers import MODEL_EXAMPLES, indices, reference_pipeline
+from tests.helpers import MODEL_EXAMPLES, indices, reference_pipeline, version_4
 
 # What the filter keeps: a module global, so a test can change the pipeline's behaviour between
 # the saving run and the restoring one without changing its config (as edited code would).
@@ -352,7 +352,7 @@ def test_an_edited_config_is_refused_even_where_it_would_pass_for_smaller_batche
 
 def test_a_version_3_state_still_restores_exactly_without_the_config_check() -> None:
     state, rest = _saved_at(_loader(_filtered(_kept), 0), 11)
-    old = copy.deepcopy(state)
+    old = version_4(state)
     old["version"] = 3
     del old["checks"]["config"]
     loader = _loader(_filtered(_kept), 0)
