@@ -55,6 +55,16 @@ def resealed(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def saved_at(loader: el.SavableDataLoader, steps: int) -> tuple[dict[str, Any], list[list[int]]]:
+    """``loader``'s rank state after ``steps`` items, and the indices of every item after
+    them in its epoch (what a restore of that state must hand out)."""
+    iterator = iter(loader)
+    for _ in range(steps):
+        next(iterator)
+    state = loader.save_state_rank()
+    return state, [indices(batch) for batch in iterator]
+
+
 def version_4(state: dict[str, Any]) -> dict[str, Any]:
     """A pipeline rank state as version 4 wrote it: without the digests of the values made
     (``partitions[j].made``), each entry's ``check`` computed without it."""

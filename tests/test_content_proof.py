@@ -22,10 +22,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import energy_loader as el
-from energy_loader.state.digests import content_digest
 from energy_loader.testing.compare import first_difference
 from energy_loader.testing.strategies import MakeSample, PipelineSpec, pipelines
-from tests.helpers import MODEL_EXAMPLES, indices, reference_pipeline, version_4
+from tests.helpers import MODEL_EXAMPLES, indices, reference_pipeline, saved_at, version_4
 
 # What _shifted adds: a module global, so a test changes the function's behaviour between the
 # saving run and the restoring one without changing its code (a fingerprint cannot see it).
@@ -71,14 +70,6 @@ def _loader(pipeline: el.SavableDataset, workers: int = 0, **options) -> el.Sava
     return el.SavableDataLoader(pipeline, num_workers=workers, **options)
 
 
-def _saved_at(loader: el.SavableDataLoader, steps: int) -> tuple[dict, list[list[int]]]:
-    iterator = iter(loader)
-    for _ in range(steps):
-        next(iterator)
-    state = loader.save_state_rank()
-    return state, [indices(batch) for batch in iterator]
-
-
 def _refusal(loader: el.SavableDataLoader, state: dict) -> str:
     loader.restore_state_rank(state)
     with pytest.raises(el.StateMismatchError) as caught:
@@ -93,7 +84,7 @@ def _has_proof(state: dict) -> bool:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_map_whose_output_changed_with_the_same_code_is_refused_naming_it(workers, shift) -> None:
-    state, rest = _saved_at(_loader(_batched(_shifted), workers), 11)
+    state, rest = saved_at(_loader(_batched(_shifted), workers), 11)
     assert _has_proof(state)
     shift["value"] = 1
     changed = _loader(_batched(_shifted), workers)
@@ -120,7 +111,7 @@ def test_a_map_that_reads_a_counter_or_an_unseeded_generator_is_refused(fn, work
     # A checkpoint every 3 batches: each partition replays from a checkpoint after its first
     # items, where the counter stood elsewhere (a replay from the epoch's start would count
     # the same again, and be exact).
-    state, _ = _saved_at(_loader(_batched(make()), workers, checkpoint_every_n_samples=3), 11)
+    state, _ = saved_at(_loader(_batched(make()), workers, checkpoint_every_n_samples=3), 11)
     assert _has_proof(state)
     message = _refusal(_loader(_batched(make()), workers), state)
     assert "with other values" in message
@@ -142,7 +133,7 @@ def test_a_parquet_file_edited_in_place_is_refused_naming_the_source(tmp_path, w
         return el.BatchDataset(el.ParquetSource(path, shuffle=True, seed=2), batch_size=4)
 
     write(1.0)
-    state, rest = _saved_at(_loader(build(), workers), 11)
+    state, rest = saved_at(_loader(build(), workers), 11)
     assert _has_proof(state)
     write(2.0)
     message = _refusal(_loader(build(), workers), state)
@@ -204,7 +195,7 @@ def test_a_batch_changed_in_place_after_it_was_handed_out_is_no_false_refusal() 
 
 
 def test_a_restored_loader_saved_again_keeps_the_proof_of_values(shift) -> None:
-    state, _ = _saved_at(_loader(_batched(_shifted)), 11)
+    state, _ = saved_at(_loader(_batched(_shifted)), 11)
     restored = _loader(_batched(_shifted))
     restored.restore_state_rank(state)
     again = restored.save_state_rank()  # before any item: the restored position itself
@@ -217,7 +208,7 @@ def test_a_restored_loader_saved_again_keeps_the_proof_of_values(shift) -> None:
 
 
 def test_a_version_4_state_restores_without_the_proof_of_values(shift) -> None:
-    state, rest = _saved_at(_loader(_batched(_shifted)), 11)
+    state, rest = saved_at(_loader(_batched(_shifted)), 11)
     old = version_4(state)
     loader = _loader(_batched(_shifted))
     loader.restore_state_rank(old)
@@ -233,7 +224,7 @@ def test_a_version_4_state_restores_without_the_proof_of_values(shift) -> None:
 
 @pytest.mark.parametrize("made", ["0" * 16, None, 7])
 def test_an_edited_made_is_refused_by_the_entry_check(made) -> None:
-    state, _ = _saved_at(_loader(_batched(_shifted)), 11)
+    state, _ = saved_at(_loader(_batched(_shifted)), 11)
     edited = copy.deepcopy(state)
     entry = next(p for p in edited["partitions"] if p["made"])
     entry["made"] = made
@@ -244,9 +235,9 @@ def test_an_edited_made_is_refused_by_the_entry_check(made) -> None:
 
 def test_verify_restore_false_saves_no_digest_of_values_and_skips_the_check(shift) -> None:
     unchecked = _loader(_batched(_shifted), verify_restore=False)
-    state, rest = _saved_at(unchecked, 11)
+    state, rest = saved_at(unchecked, 11)
     assert all(p["made"] is None for p in state["partitions"])  # not computed at all
-    checked_state, _ = _saved_at(_loader(_batched(_shifted)), 11)
+    checked_state, _ = saved_at(_loader(_batched(_shifted)), 11)
     shift["value"] = 1
     # A state with the proof restores into a loader that does not check it: continued.
     loader = _loader(_batched(_shifted), verify_restore=False)
@@ -254,16 +245,6 @@ def test_verify_restore_false_saves_no_digest_of_values_and_skips_the_check(shif
     batches = list(loader)
     assert [indices(batch) for batch in batches] == rest
     assert all(int(y) == int(i) + 1 for b in batches for i, y in zip(b["index"], b["y"]))
-
-
-def test_the_made_digest_is_the_content_digest_of_the_item_handed_out() -> None:
-    loader = el.SavableDataLoader(reference_pipeline(200, 8, 4), num_partitions=2)
-    iterator = iter(loader)
-    batches = [next(iterator) for _ in range(5)]
-    state = loader.save_state_rank()
-    # One worker takes its two partitions in turn: batches 0, 2, 4 from one, 1, 3 the other.
-    made = {p["partition"]: p["made"] for p in state["partitions"]}
-    assert made == {0: content_digest(batches[4]), 1: content_digest(batches[3])}
 
 
 # -- the drawn model: a function swapped between save and restore is never silent ------------
