@@ -13,9 +13,14 @@ the digest of each partition's last item (``partitions[j].made``). This times th
 - ``text``: a 100,000-character document.
 
 Each round times every item once, in a shuffled order, ``--repetitions`` rounds; prints the
-median and p95 in microseconds. Example::
+median and p95 in microseconds. Then, with ``--passes N`` (default 6), what the digests cost
+a pipeline: the reference workload (``energy_loader.cli.bench.workloads``, 20,000 samples ->
+map -> shuffle buffer 1000 -> batch 32) run in this process (``num_workers=0``, where the
+digest is taken on the loop's thread; with workers it is taken in the worker processes) with
+``verify_restore=True`` (a digest per batch) and ``False`` (none), interleaved in alternating
+order, as the process's CPU time per batch. Example::
 
-    python benchmarks/bench_content_digest.py --repetitions 200
+    python benchmarks/bench_content_digest.py --repetitions 200 --passes 6
 """
 
 from __future__ import annotations
@@ -50,9 +55,24 @@ def items() -> dict[str, Any]:
     }
 
 
+def _pass(verify: bool, samples: int = 20_000) -> float:
+    """CPU seconds per batch of one pass over the reference workload in this process."""
+    from energy_loader import SavableDataLoader
+    from energy_loader.cli.bench.workloads import savable_pipeline
+
+    loader = SavableDataLoader(savable_pipeline(samples), verify_restore=verify)
+    iterator = iter(loader)
+    next(iterator)
+    began, batches = time.process_time(), 0
+    for _ in iterator:
+        batches += 1
+    return (time.process_time() - began) / batches
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repetitions", type=int, default=200, help="rounds over every item")
+    parser.add_argument("--passes", type=int, default=6, help="pipeline passes per setting")
     args = parser.parse_args()
     cases = items()
     times: dict[str, list[float]] = {name: [] for name in cases}
@@ -71,6 +91,17 @@ def main() -> None:
         spent.sort()
         p95 = spent[min(len(spent) - 1, int(0.95 * len(spent)))]
         print(f"{name:<28} {statistics.median(spent) * 1e6:>10.1f} {p95 * 1e6:>10.1f}")
+    if not args.passes:
+        return
+    per_batch: dict[bool, list[float]] = {True: [], False: []}
+    for number in range(args.passes):
+        for verify in (True, False) if number % 2 else (False, True):
+            per_batch[verify].append(_pass(verify))
+    print(f"\n{'reference workload, 0 workers':<32} {'CPU us per batch (median)':>26}")
+    for verify, spent in per_batch.items():
+        runs = ", ".join(f"{t * 1e6:.0f}" for t in spent)
+        label = f"verify_restore={verify}"
+        print(f"{label:<32} {statistics.median(spent) * 1e6:>26.0f}  ({runs})")
 
 
 if __name__ == "__main__":
