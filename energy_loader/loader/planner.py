@@ -370,7 +370,8 @@ class RestorePlan:
 
     def keys_only(self) -> RestorePlan:
         """This plan with each partition's proof of values dropped, its keys' kept: for a
-        restore that continues with functions whose code changed since the save."""
+        restore that continues with functions whose code changed since the save, and for a
+        peek, which tells keys."""
         restores = {p: attrs.evolve(entry, made=None) for p, entry in self.restores.items()}
         return attrs.evolve(self, restores=restores)
 

@@ -88,9 +88,8 @@ class PartitionState:
     ``last`` is the digest of the restore key of the last item the partition handed out and
     ``made`` the digest of that item's values as it was made
     (:func:`~energy_loader.state.digests.content_digest`): the restore's proof, ``None`` where
-    there is none to check. ``checkpoint_check`` is the
-    checkpoint's digest when the worker that took it already computed it (else it is
-    computed when the state is encoded).
+    there is none to check. ``checkpoint_check`` is the checkpoint's digest when the worker
+    that took it already computed it (else it is computed when the state is encoded).
     """
 
     partition: int
