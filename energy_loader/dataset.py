@@ -32,6 +32,7 @@ from torch.utils.data import IterableDataset
 
 from .errors import StateFormatError
 from .rng import seed_globals_for_sample, stable_hash
+from .state.digests import RESTORE_KEY
 from .state.fingerprint import CODE_SUFFIX
 from .state.plain import StateReader
 
@@ -54,7 +55,6 @@ __all__ = [
 ]
 
 Key = tuple[Any, ...]
-RESTORE_KEY = "__restore_key__"
 
 FRESH, RUNNING, ENDED = "fresh", "running", "ended"
 PHASES = (FRESH, RUNNING, ENDED)

@@ -38,7 +38,7 @@ def resealed(state: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(state)
     for entry in out["partitions"]:
         fields = {name: entry[name] for name in ("partition", "checkpoint", "skip", "done", "last")}
-        entry["check"] = PartitionState(**fields).check()
+        entry["check"] = PartitionState(**fields, made=entry.get("made")).check()
     header = {
         name: value
         for name, value in out.items()
@@ -53,6 +53,26 @@ def resealed(state: dict[str, Any]) -> dict[str, Any]:
         "config": resealed_header.config_check(),
     }
     return out
+
+
+def saved_at(loader: el.SavableDataLoader, steps: int) -> tuple[dict[str, Any], list[list[int]]]:
+    """``loader``'s rank state after ``steps`` items, and the indices of every item after
+    them in its epoch (what a restore of that state must hand out)."""
+    iterator = iter(loader)
+    for _ in range(steps):
+        next(iterator)
+    state = loader.save_state_rank()
+    return state, [indices(batch) for batch in iterator]
+
+
+def version_4(state: dict[str, Any]) -> dict[str, Any]:
+    """A pipeline rank state as version 4 wrote it: without the digests of the values made
+    (``partitions[j].made``), each entry's ``check`` computed without it."""
+    old = copy.deepcopy(state)
+    old["version"] = 4
+    for entry in old["partitions"]:
+        del entry["made"]
+    return resealed(old)
 
 
 def make_sample(index: int) -> dict[str, Any]:

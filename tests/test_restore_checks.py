@@ -18,9 +18,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import energy_loader as el
-from energy_loader.state.digests import key_digest
+from energy_loader.state.digests import content_digest, key_digest
 from energy_loader.testing.strategies import AddNoise, MakeSample
-from tests.helpers import MODEL_EXAMPLES, indices, reference_pipeline
+from tests.helpers import MODEL_EXAMPLES, indices, reference_pipeline, saved_at, version_4
 
 # What the filter keeps: a module global, so a test can change the pipeline's behaviour between
 # the saving run and the restoring one without changing its config (as edited code would).
@@ -48,14 +48,6 @@ def _loader(pipeline: el.SavableDataset, workers: int) -> el.SavableDataLoader:
     )
 
 
-def _saved_at(loader: el.SavableDataLoader, steps: int) -> tuple[dict, list[list[int]]]:
-    iterator = iter(loader)
-    for _ in range(steps):
-        next(iterator)
-    state = loader.save_state_rank()
-    return state, [indices(batch) for batch in iterator]
-
-
 @pytest.fixture(autouse=True)
 def _restore_the_filter():
     yield
@@ -65,7 +57,7 @@ def _restore_the_filter():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_filter_that_changed_since_the_save_is_refused_before_any_new_item(workers) -> None:
-    state, rest = _saved_at(_loader(_filtered(_kept), workers), 11)
+    state, rest = saved_at(_loader(_filtered(_kept), workers), 11)
     assert any(p["skip"] and p["last"] for p in state["partitions"])  # something to re-make
     _KEEP["modulus"] = 5
     changed = _loader(_filtered(_kept), workers)
@@ -87,7 +79,7 @@ def test_a_worker_refusal_names_the_logical_worker_and_torchs_process_alike(step
     (it used to say "worker 1 ... worker process 0")."""
     import re
 
-    state, _ = _saved_at(_loader(_filtered(_kept), 2), steps)
+    state, _ = saved_at(_loader(_filtered(_kept), 2), steps)
     _KEEP["modulus"] = 5
     changed = _loader(_filtered(_kept), 2)
     changed.restore_state_rank(state)
@@ -104,7 +96,7 @@ def test_a_worker_refusal_names_the_logical_worker_and_torchs_process_alike(step
 def test_verify_restore_false_continues_a_changed_filter_without_the_check() -> None:
     """The opt-out: the restore replays and continues from the re-derived position, with the
     changed filter's items (what the user asked for), instead of refusing."""
-    state, _ = _saved_at(_loader(_filtered(_kept), 0), 11)
+    state, _ = saved_at(_loader(_filtered(_kept), 0), 11)
     _KEEP["modulus"] = 5
     unchecked = el.SavableDataLoader(
         _filtered(_kept),
@@ -149,7 +141,7 @@ def test_the_proof_is_checked_through_every_entry_point(entry, tmp_path) -> None
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_filter_that_draws_from_the_os_is_refused(workers) -> None:
-    state, _ = _saved_at(_loader(_filtered(_coin), workers), 9)
+    state, _ = saved_at(_loader(_filtered(_coin), workers), 9)
     assert any(p["skip"] and p["last"] for p in state["partitions"])  # something to re-make
     again = _loader(_filtered(_coin), workers)
     again.restore_state_rank(state)
@@ -174,7 +166,7 @@ def test_a_restore_re_makes_the_last_item_even_when_a_checkpoint_follows_every_i
         pipeline = el.BatchDataset(el.FilterDataset(el.MapDataset(source, _slow), _kept), 4)
         return el.SavableDataLoader(pipeline, num_workers=workers, checkpoint_every_sec=0.001)
 
-    state, rest = _saved_at(build(), 11)
+    state, rest = saved_at(build(), 11)
     assert all(p["skip"] >= 1 and p["last"] for p in state["partitions"]), state["partitions"]
     loader = build()
     loader.restore_state_rank(state)
@@ -186,7 +178,7 @@ def test_a_restore_re_makes_the_last_item_even_when_a_checkpoint_follows_every_i
         next(iter(changed))
 
 
-def test_the_proof_is_the_key_of_the_last_item_each_partition_handed_out() -> None:
+def test_the_proof_is_the_key_and_the_values_of_the_last_item_each_partition_handed_out() -> None:
     loader = el.SavableDataLoader(reference_pipeline(200, 8, 4), num_partitions=2)
     iterator = iter(loader)
     batches = [next(iterator) for _ in range(5)]
@@ -197,10 +189,12 @@ def test_the_proof_is_the_key_of_the_last_item_each_partition_handed_out() -> No
         0: key_digest(batches[4]["__restore_key__"]),
         1: key_digest(batches[3]["__restore_key__"]),
     }
+    made = {p["partition"]: p["made"] for p in state["partitions"]}
+    assert made == {0: content_digest(batches[4]), 1: content_digest(batches[3])}
 
 
 def test_a_restored_loader_saved_again_keeps_the_proof_and_checks_it_again() -> None:
-    state, rest = _saved_at(_loader(_filtered(_kept), 0), 11)
+    state, rest = saved_at(_loader(_filtered(_kept), 0), 11)
     restored = _loader(_filtered(_kept), 0)
     restored.restore_state_rank(state)
     again = restored.save_state_rank()  # before any item: the restored position itself
@@ -239,7 +233,7 @@ def test_a_restored_loader_saved_again_keeps_the_proof_and_checks_it_again() -> 
 )
 def test_a_field_that_places_the_stream_edited_after_the_save_is_refused(edit, message) -> None:
     loader = el.SavableDataLoader(reference_pipeline(200, 8, 4), num_partitions=2)
-    state, rest = _saved_at(loader, 7)
+    state, rest = saved_at(loader, 7)
     edited = copy.deepcopy(state)
     edit(edited)
     fresh = el.SavableDataLoader(reference_pipeline(200, 8, 4), num_partitions=2)
@@ -254,7 +248,7 @@ def _ranks(world: int, seeds, steps: int) -> list[dict]:
     for rank in range(world):
         config = el.WorkerConfig(rank=rank, world_size=world, seed=seeds[rank])
         loader = el.SavableDataLoader(reference_pipeline(200, 8, 4), worker_config=config)
-        states.append(_saved_at(loader, steps[rank])[0])
+        states.append(saved_at(loader, steps[rank])[0])
     return states
 
 
@@ -314,7 +308,7 @@ def test_rank_states_of_one_save_restore_on_another_world_size() -> None:
     for rank in range(2):
         config = el.WorkerConfig(rank=rank, world_size=2, seed=9)
         runs.append(
-            _saved_at(el.SavableDataLoader(reference_pipeline(200, 8, 4), worker_config=config), 4)
+            saved_at(el.SavableDataLoader(reference_pipeline(200, 8, 4), worker_config=config), 4)
         )
     one = _one_rank(9)
     one.restore_state_global([state for state, _ in runs])
@@ -329,7 +323,7 @@ def test_an_edited_config_is_refused_even_where_it_would_pass_for_smaller_batche
 ) -> None:
     """batch_size 4 edited to 8 in the saved config would read as a restore with half the
     saved batch size (the replay doubled: items lost); 4 -> 0 as a broken config."""
-    state, _ = _saved_at(_loader(_filtered(_kept), workers), 11)
+    state, _ = saved_at(_loader(_filtered(_kept), workers), 11)
     for size in (8, 0):
         edited = copy.deepcopy(state)
         edited["config"]["batch_size"] = size
@@ -351,8 +345,8 @@ def test_an_edited_config_is_refused_even_where_it_would_pass_for_smaller_batche
 
 
 def test_a_version_3_state_still_restores_exactly_without_the_config_check() -> None:
-    state, rest = _saved_at(_loader(_filtered(_kept), 0), 11)
-    old = copy.deepcopy(state)
+    state, rest = saved_at(_loader(_filtered(_kept), 0), 11)
+    old = version_4(state)
     old["version"] = 3
     del old["checks"]["config"]
     loader = _loader(_filtered(_kept), 0)
@@ -361,7 +355,7 @@ def test_a_version_3_state_still_restores_exactly_without_the_config_check() -> 
 
 
 def test_a_version_2_state_still_restores_exactly_without_the_checks() -> None:
-    state, rest = _saved_at(_loader(_filtered(_kept), 0), 11)
+    state, rest = saved_at(_loader(_filtered(_kept), 0), 11)
     old = copy.deepcopy(state)
     old["version"] = 2
     for name in ("seed", "checks"):
@@ -460,7 +454,7 @@ def _all_of(length: int) -> list[dict]:
 
 
 def test_a_state_of_another_pipeline_is_refused_with_the_way_out() -> None:
-    state, _ = _saved_at(_loader(_filtered(_kept), 0), 3)
+    state, _ = saved_at(_loader(_filtered(_kept), 0), 3)
     other = el.SavableDataLoader(
         el.BatchDataset(el.IndexedSource.from_fn(240, MakeSample(), shuffle=True, seed=3), 3)
     )

@@ -49,7 +49,17 @@ def test_check_resume_reports_the_first_divergence() -> None:
         r"\(batch\['call'\]: 4 vs 2\); the same restore keys \(\(3,\)\) gave other samples",
     ):
         # A rolling checkpoint at every item: the restore replays one item only (the last one
-        # handed out, to check it), so the counter is at 2, not 4, at the first resumed batch.
+        # handed out), so the counter is at 2, not 4, at the first resumed batch. Unchecked:
+        # the restore's own check would refuse it first (below).
+        check_resume(
+            build,
+            stop_points=[3],
+            loader_kwargs={"checkpoint_every_n_samples": 1, "verify_restore": False},
+        )
+    with pytest.raises(
+        ResumeMismatch,
+        match=r"the restore refused to continue: .* with other values .*MapDataset\.fn",
+    ):
         check_resume(build, stop_points=[3], loader_kwargs={"checkpoint_every_n_samples": 1})
 
 

@@ -233,11 +233,12 @@ def describe_rank_state(state: Any) -> str:
         for partition in worker.partitions:
             entry = entries[partition]
             ended = ", ended its epoch" if entry.done else ""
-            proof = (
-                " (the last checked against the item handed out)"
-                if entry.skip and entry.last
-                else ""
-            )
+            proofs = (("its key", entry.last), ("its values", entry.made))
+            checked = [text for text, kept in proofs if kept]
+            proof = ""
+            if entry.skip and checked:
+                against = " and ".join(checked)
+                proof = f" (the last checked against the item handed out: {against})"
             lines.append(
                 f"      partition {partition}: rolling checkpoint at "
                 f"{_position(entry.checkpoint)}; then replay {entry.skip} items{proof}{ended}"
@@ -272,6 +273,7 @@ def summarize_rank_state(state: Any, length: int | None = None) -> dict[str, Any
                 "skip": p.skip,
                 "done": p.done,
                 "last": p.last,
+                "made": p.made,
             }
             for p in decoded.partitions
         ],

@@ -126,10 +126,10 @@ class WorkerFleet:
     # -- what the workers sent -------------------------------------------------------------
 
     def receive(self, item: WorkerItem, key: Any = None) -> None:
-        """File what came with ``item`` (its snapshots, which partition made it) and the
-        restore key its sample carried (``None``: none, or an end marker)."""
+        """File what came with ``item`` (its snapshots, which partition made it, its values'
+        digest) and the restore key its sample carried (``None``: none, or an end marker)."""
         if self._books:
-            self._books[item.worker].receive(item.number, item.slot, item.snapshots, key)
+            self._books[item.worker].receive(item.number, item.slot, item.snapshots, key, item.made)
 
     def positions(self, mark: Mark) -> list[Position] | None:
         """Each logical worker's partitions' (checkpoint, skip, done) and its next slot at

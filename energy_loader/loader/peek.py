@@ -71,7 +71,9 @@ def future_items(
     empty_epochs = 0
     current = list(states)
     while empty_epochs < 2:
-        plan = planner.plan_restore(current)
+        # What a peek tells is keys: its replay checks the keys it re-makes, not their values
+        # (the samples, where asked for, are made again by restore_sample).
+        plan = planner.plan_restore(current).keys_only()
         owner = WorkerSideDataset(
             planner.pipeline,
             planner.config,

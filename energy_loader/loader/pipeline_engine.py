@@ -145,7 +145,11 @@ class PipelineEngine:
         _warn_if_idle(args.num_partitions, config)
         self.planner = planner = Planner(pipeline, config, args.num_partitions)
         self.side = WorkerSideDataset(
-            pipeline, config, args.settings, planner.canonical_plan(), savable=savable
+            pipeline,
+            config,
+            args.settings,
+            attrs.evolve(planner.canonical_plan(), verify=verify),
+            savable=savable,
         )
         self.side.items_per_transfer = args.items_per_transfer
         self._args = args
@@ -430,10 +434,14 @@ class PipelineEngine:
 
     def plan(self, records: list[RankState]) -> PipelinePlan:
         planner = self.planner_for(records)
-        plan = PipelinePlan(planner, planner.plan_restore(records))
-        if records:
-            _report_code_changes(records[0].config, planner.pipeline_config, self.on_code_change)
-        return plan
+        restore = planner.plan_restore(records)
+        if records and _report_code_changes(
+            records[0].config, planner.pipeline_config, self.on_code_change
+        ):
+            # Continued with the new code, as the warning says: the items re-made may hold
+            # other values than the saved ones, so only their keys are checked.
+            restore = restore.keys_only()
+        return PipelinePlan(planner, restore)
 
     def apply(self, plan: PipelinePlan) -> None:
         if plan.planner is not self.planner:
@@ -454,7 +462,7 @@ class PipelineEngine:
     def reset(self) -> None:
         self.shutdown()
         side = self.side
-        side.plan = self.planner.canonical_plan()
+        side.plan = attrs.evolve(self.planner.canonical_plan(), verify=self.verify)
         side.offset = 0
         side.drop_runner()
         self.progress = Progress(max(1, self.num_workers), self.planner.layout().per_rank)
@@ -513,12 +521,12 @@ class PipelineEngine:
         }
 
 
-def _report_code_changes(saved: dict[str, Any], now: dict[str, Any], policy: str) -> None:
+def _report_code_changes(saved: dict[str, Any], now: dict[str, Any], policy: str) -> bool:
     """Warn (``CodeChangedWarning``) or refuse (``StateMismatchError``) when a user function's
-    code differs from the one that saved the state: never silent."""
+    code differs from the one that saved the state: never silent. True when it warned."""
     changed = code_differences(saved, now)
     if not changed:
-        return
+        return False
     listed = "; ".join(f"{d.path.rsplit(CODE_SUFFIX, 1)[0]}" for d in changed)
     message = (
         f"the code of {listed} differs from the code that saved the state (the same name, "
@@ -536,6 +544,7 @@ def _report_code_changes(saved: dict[str, Any], now: dict[str, Any], policy: str
         CodeChangedWarning,
         stacklevel=4,
     )
+    return True
 
 
 def _warn_if_idle(num_partitions: int, config: WorkerConfig) -> None:

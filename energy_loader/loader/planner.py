@@ -116,6 +116,7 @@ class Planner:
                         restore.done,
                         restore.checkpoint_check,
                         restore.last,
+                        restore.made,
                     )
                 )
             else:
@@ -149,6 +150,7 @@ class Planner:
                         entry.done,
                         last_digest(entry.last),
                         entry.check,
+                        made=entry.made,
                     )
                 )
         return self._rank_state(
@@ -369,6 +371,13 @@ class RestorePlan:
     next_worker: int
     offset: int
 
+    def keys_only(self) -> RestorePlan:
+        """This plan with each partition's proof of values dropped, its keys' kept: for a
+        restore that continues with functions whose code changed since the save, and for a
+        peek, which tells keys."""
+        restores = {p: attrs.evolve(entry, made=None) for p, entry in self.restores.items()}
+        return attrs.evolve(self, restores=restores)
+
 
 def _describe(numbers: Any) -> str:
     numbers = sorted(numbers)
@@ -460,12 +469,14 @@ def _check_partition_count(state: RankState, num_partitions: int, world_size: in
 
 def _scaled(entry: PartitionState, scale: int) -> PartitionState:
     """``entry`` replayed with ``scale`` times smaller batches: ``scale`` times the items, and
-    no proof to check (the saved one names a batch of the old size). Only an epoch's last
-    batch can be short, and it makes from 1 to ``scale`` new batches: the replay may end up to
-    ``scale - 1`` items early, at the partition's end (``replay_slack``)."""
+    no proof to check (the saved one names a batch of the old size: its key and its values).
+    Only an epoch's last batch can be short, and it makes from 1 to ``scale`` new batches: the
+    replay may end up to ``scale - 1`` items early, at the partition's end (``replay_slack``)."""
     if scale == 1:
         return entry
-    return attrs.evolve(entry, skip=entry.skip * scale, last=None, replay_slack=scale - 1)
+    return attrs.evolve(
+        entry, skip=entry.skip * scale, last=None, made=None, replay_slack=scale - 1
+    )
 
 
 def plan_restore(

@@ -8,7 +8,7 @@ dataset types on the way down, e.g. ``BatchDataset.batch_size: saved 32, now 16`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -19,6 +19,8 @@ __all__ = [
     "code_differences",
     "config_differences",
     "describe_differences",
+    "pipeline_stages",
+    "user_code",
 ]
 
 # A config field that holds a user function's code fingerprint ends so (``fn_code``): it is
@@ -110,3 +112,38 @@ def code_differences(saved: Any, now: Any) -> list[ConfigDifference]:
 def describe_differences(differences: list[ConfigDifference]) -> str:
     """One line per difference, for an error message."""
     return "; ".join(str(d) for d in differences)
+
+
+def pipeline_stages(config: Any, path: str = "") -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """Each stage of a pipeline config, outermost first, with its path as the differences
+    name it (``BatchDataset > MapDataset``; ``BlendDataset[1] > MapDataset`` under a stage of
+    several inner pipelines)."""
+    if not isinstance(config, Mapping):
+        return
+    type_name = config.get("type")
+    if type_name is not None:
+        path = f"{path} > {type_name}" if path else str(type_name)
+    yield path, config
+    yield from pipeline_stages(config.get("inner"), path)
+    for index, child in enumerate(config.get("inners") or ()):
+        yield from pipeline_stages(child, f"{path}[{index}]")
+
+
+def user_code(config: Any) -> tuple[list[str], list[str]]:
+    """What in a pipeline config can make other values from the same restore key: the user
+    functions (each ``*_code`` field's function, ``BatchDataset > MapDataset.fn
+    (mymodule.augment)``, marked where it runs with ``seed_per_sample=False``), and the
+    sources, which read the data (the stages without an inner one), outermost first."""
+    functions: list[str] = []
+    sources: list[str] = []
+    for path, stage in pipeline_stages(config):
+        for name in stage:
+            if isinstance(name, str) and name.endswith(CODE_SUFFIX):
+                field = name[: -len(CODE_SUFFIX)]
+                unseeded = (
+                    ", seed_per_sample=False" if stage.get("seed_per_sample") is False else ""
+                )
+                functions.append(f"{path}.{field} ({stage.get(field)}{unseeded})")
+        if "inner" not in stage and "inners" not in stage:
+            sources.append(path or "the source")
+    return functions, sources

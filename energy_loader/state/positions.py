@@ -83,8 +83,10 @@ class Snapshot:
     their epoch, ``next`` whose turn came next, ``era`` which of the worker's epochs it was
     taken in. ``checks`` are the states' digests where the
     worker process computed them (off the training loop's thread), else ``None``. ``lasts``
-    are the restore keys of each partition's last item handed out (or their saved digests):
-    a worker sends none, the book that files a snapshot knows them from the items.
+    are the restore keys of each partition's last item handed out (or their saved digests),
+    ``mades`` the digests of those items' values as they were made
+    (:func:`~energy_loader.state.digests.content_digest`): a worker sends neither, the book
+    that files a snapshot knows them from the items.
     """
 
     states: tuple[dict[str, Any], ...]
@@ -93,6 +95,7 @@ class Snapshot:
     next: int
     checks: tuple[str | None, ...] | None = None
     lasts: tuple[Any, ...] | None = None
+    mades: tuple[str | None, ...] | None = None
     # How many epochs the worker had begun since it started: snapshots of one era belong to
     # one epoch of its partitions.
     era: int = 0
@@ -107,23 +110,28 @@ class Snapshot:
             following,
             tuple(entry.check for entry in entries),
             tuple(entry.last for entry in entries),
+            tuple(entry.made for entry in entries),
         )
 
 
 class Standing(NamedTuple):
     """Where one partition stands: a checkpoint, items to replay on top of it, whether it
-    ended its epoch, the checkpoint's digest (``None``: not computed yet) and the restore key
-    of its last item handed out (or that key's saved digest; ``None``: none)."""
+    ended its epoch, the checkpoint's digest (``None``: not computed yet), the restore key
+    of its last item handed out (or that key's saved digest; ``None``: none) and the digest
+    of that item's values as it was made (``None``: not computed)."""
 
     checkpoint: dict[str, Any]
     skip: int
     done: bool
     check: str | None
     last: Any
+    made: str | None = None
 
 
 # Where a worker stands: each partition's standing, then whose turn is next.
 Position = tuple[list[Standing], int]
+# One item in a book: its index, the slot that made it, its restore key, its made digest.
+Event = tuple[int, int, Any, str | None]
 
 
 class PositionBook(CheckpointRing):
@@ -131,32 +139,39 @@ class PositionBook(CheckpointRing):
 
     Kept by the main process for each worker (fed by :meth:`receive` with what comes with the
     items), and by the in-process runner when the loader has no workers. ``events`` holds
-    ``(index, slot)`` for every item; entries older than the oldest snapshot are dropped with
-    it. A snapshot is also taken whenever a partition ends its epoch and when a new epoch
-    begins, so a partition's ``done`` flag always comes from a snapshot taken after its end
-    (its state then says so). :meth:`position_at` turns "the newest snapshot at or before
-    ``last_index``" plus the items after it into each partition's checkpoint and replay count.
+    ``(index, slot, key, made)`` for every item (which slot made it, its restore key and the
+    digest of its values as made: the proof a save records); entries older than the oldest
+    snapshot are dropped with it. A snapshot is also taken whenever a partition ends its epoch
+    and when a new epoch begins, so a partition's ``done`` flag always comes from a snapshot
+    taken after its end (its state then says so). :meth:`position_at` turns "the newest
+    snapshot at or before ``last_index``" plus the items after it into each partition's
+    checkpoint and replay count.
     """
 
     def __init__(self, capacity: int, in_flight: int) -> None:
         super().__init__(capacity, in_flight)
-        self.events: collections.deque[tuple[int, int, Any]] = collections.deque()
+        self.events: collections.deque[Event] = collections.deque()
         # The index of the worker's last end marker: snapshots at or before it belong to an
         # epoch the worker has finished (main-process books only).
         self.boundary = -2
-        # Each slot's last item's restore key so far: what a snapshot filed now records.
+        # Each slot's last item's restore key and made digest so far: what a snapshot filed
+        # now records.
         self._lasts: list[Any] = []
+        self._mades: list[str | None] = []
 
     def add(self, index: int, state: Any, *, optional: bool = False) -> bool:
-        """File snapshot ``state`` taken after item ``index`` with the slots' last keys: its
-        own when it brings them (where a restored worker starts), else the book's."""
+        """File snapshot ``state`` taken after item ``index`` with the slots' last keys and
+        made digests: its own when it brings them (where a restored worker starts), else the
+        book's."""
         count = len(state.states)
         if state.lasts is not None:
             self._lasts = list(state.lasts)
+            self._mades = list(state.mades or (None,) * count)
         else:
             if len(self._lasts) != count:
                 self._lasts = [None] * count
-            state = attrs.evolve(state, lasts=tuple(self._lasts))
+                self._mades = [None] * count
+            state = attrs.evolve(state, lasts=tuple(self._lasts), mades=tuple(self._mades))
         return super().add(index, state, optional=optional)
 
     def _dropped_through(self, oldest: int) -> None:
@@ -169,16 +184,20 @@ class PositionBook(CheckpointRing):
             self._entries.clear()
             self.events.clear()
 
-    def record(self, index: int, slot: int, key: Any) -> None:
-        """Item ``index`` was made by ``slot`` and carried restore key ``key`` (or None)."""
-        self.events.append((index, slot, key))
+    def record(self, index: int, slot: int, key: Any, made: str | None = None) -> None:
+        """Item ``index`` was made by ``slot``, carried restore key ``key`` (or None), and its
+        values' digest as made was ``made`` (None: not computed)."""
+        self.events.append((index, slot, key, made))
         lasts = self._lasts
         if slot < len(lasts):
             lasts[slot] = key
+            self._mades[slot] = made
 
-    def receive(self, index: int, slot: int, snapshots: Any, key: Any = None) -> None:
-        """Record a worker's item ``index`` (made by ``slot``, carrying ``key``; slot -1 for
-        an end marker) and the snapshots that came with it.
+    def receive(
+        self, index: int, slot: int, snapshots: Any, key: Any = None, made: str | None = None
+    ) -> None:
+        """Record a worker's item ``index`` (made by ``slot``, carrying ``key``, its values'
+        digest ``made``; slot -1 for an end marker) and the snapshots that came with it.
 
         A snapshot travels with the first item that leaves after it was taken: one taken
         before this item (``taken_at < index``) is filed before it, one taken right after
@@ -188,7 +207,7 @@ class PositionBook(CheckpointRing):
             if taken_at < index:
                 self.add(taken_at, snapshot)
         if slot >= 0:
-            self.record(index, slot, key)
+            self.record(index, slot, key, made)
         else:
             self.boundary = index
         for taken_at, snapshot in snapshots or ():
@@ -210,24 +229,32 @@ class PositionBook(CheckpointRing):
             earlier = [(i, s) for i, s in self._entries if i < index and s.era == snapshot.era]
             before = [e for e in self.events if e[0] <= index] if earlier else []
         skips, following = list(snapshot.skips), snapshot.next
-        lasts = list(snapshot.lasts or (None,) * len(skips))
         count = len(skips)
-        for _, slot, key in events:
+        lasts = list(snapshot.lasts or (None,) * count)
+        mades = list(snapshot.mades or (None,) * count)
+        for _, slot, key, made in events:
             skips[slot] += 1
             lasts[slot] = key
+            mades[slot] = made
             following = (slot + 1) % count
         checks = snapshot.checks or (None,) * count
         if not epoch_ended and index <= self.boundary:
             return [
-                Standing(s, k, False, c, last)
-                for s, k, c, last in zip(snapshot.states, skips, checks, lasts)
+                Standing(s, k, False, c, last, made)
+                for s, k, c, last, made in zip(snapshot.states, skips, checks, lasts, mades)
             ], 0
         standings = [
-            Standing(s, k, d, c, last)
-            for s, k, d, c, last in zip(snapshot.states, skips, snapshot.done, checks, lasts)
+            Standing(s, k, d, c, last, made)
+            for s, k, d, c, last, made in zip(
+                snapshot.states, skips, snapshot.done, checks, lasts, mades
+            )
         ]
         for slot, standing in enumerate(standings):
-            if not standing.skip and not standing.done and standing.last is not None:
+            if (
+                not standing.skip
+                and not standing.done
+                and (standing.last is not None or standing.made is not None)
+            ):
                 standings[slot] = _remade(slot, standing, earlier, before + events) or standing
         return standings, following
 
@@ -236,7 +263,7 @@ def _remade(
     slot: int,
     standing: Standing,
     earlier: list[tuple[int, Snapshot]],
-    events: list[tuple[int, int, Any]],
+    events: list[Event],
 ) -> Standing | None:
     """``slot``'s standing from the newest earlier snapshot (of the same epoch) before its
     last item, so that a restore re-makes that item and checks it against the proof; None
@@ -248,15 +275,17 @@ def _remade(
     this one partition replays from an earlier snapshot (one more item or a few) while the
     others keep the newest.
     """
-    made = [index for index, made_by, _ in events if made_by == slot]
-    if not made:
+    items = [index for index, made_by, _, _ in events if made_by == slot]
+    if not items:
         return None
-    last_made = made[-1]
+    last_item = items[-1]
     for taken_at, snapshot in reversed(earlier):
-        if taken_at < last_made:
+        if taken_at < last_item:
             if snapshot.done[slot]:
                 return None
-            skip = snapshot.skips[slot] + sum(index > taken_at for index in made)
+            skip = snapshot.skips[slot] + sum(index > taken_at for index in items)
             check = snapshot.checks[slot] if snapshot.checks else None
-            return Standing(snapshot.states[slot], skip, False, check, standing.last)
+            return standing._replace(
+                checkpoint=snapshot.states[slot], skip=skip, done=False, check=check
+            )
     return None

@@ -1,10 +1,10 @@
 """The saved state of one rank's loader: attrs classes and their plain-data codec.
 
-Layout (format version 3)::
+Layout (format version 5)::
 
     {
       "format": "energy_loader.rank_state",
-      "version": 3,
+      "version": 5,
       "rank": 0, "world_size": 1, "num_workers": 2,
       "num_partitions": 4,        # P: logical partitions of the whole job
       "seed": 0,                  # the WorkerConfig seed every partition ran with
@@ -29,6 +29,8 @@ Layout (format version 3)::
          "done": false,           # this partition already ended the current epoch
          "last": "9c0d...",       # digest of the restore key of the partition's last item
                                   # handed out (null: none yet, or it carried no key)
+         "made": "2b7a...",       # digest of that item's values as it was made (null: none
+                                  # yet, or not computed: a loader with verify_restore=False)
          "check": "51e2..."},     # digest of this entry (the checkpoint as canonical JSON)
         ...
       ],
@@ -38,11 +40,13 @@ Layout (format version 3)::
 
 The digests (:mod:`energy_loader.state.digests`) make a field edited or damaged after the save
 a ``StateFormatError`` at load (``config`` too, which is then compared with the pipeline: an
-edited ``batch_size`` would otherwise pass as a restore with smaller batches). ``last`` is
-the restore's proof: a partition that replays items from its checkpoint re-makes the last one
-the saving loader handed out, and a different key is a ``StateMismatchError`` before anything
-new is yielded. Version 3 (without ``checks.config``) is still read, its config unchecked;
-version 2 (without ``seed``, ``last`` and the checks) too, unchecked.
+edited ``batch_size`` would otherwise pass as a restore with smaller batches). ``last`` and
+``made`` are the restore's proof: a partition that replays items from its checkpoint re-makes
+the last one the saving loader handed out, and a different key, or the same key with other
+values, is a ``StateMismatchError`` before anything new is yielded. Version 4 (without
+``made``) is still read, restored without the proof of values; version 3 (without
+``checks.config``) too, its config unchecked; version 2 (without ``seed``, ``last`` and the
+checks) too, unchecked.
 
 Everything is plain data: ``json.dumps`` and ``torch.load(weights_only=True)`` accept it. Any
 change to this shape bumps :data:`RANK_STATE_VERSION` and is a breaking changelog entry.
@@ -69,9 +73,10 @@ __all__ = [
 RANK_STATE_FORMAT = "energy_loader.rank_state"
 # The drop-in loader's format (energy_loader.loader.dropin.state), named in a refusal only.
 _DROPIN_STATE_FORMAT = "energy_loader.dropin_state"
-RANK_STATE_VERSION = 4
-# Version 2 (before seeds, proofs and checks) is still restored, without the checks.
-_READABLE_VERSIONS = (2, 3, 4)
+RANK_STATE_VERSION = 5
+# Version 2 (before seeds, proofs and checks) is still restored, without the checks; version
+# 4 (before ``made``) without the proof of the values made.
+_READABLE_VERSIONS = (2, 3, 4, 5)
 # Each pipeline config's digest, by the config object (the planner keeps one per pipeline).
 _CONFIG_CHECKS: dict[int, tuple[Any, str]] = {}
 
@@ -80,10 +85,11 @@ _CONFIG_CHECKS: dict[int, tuple[Any, str]] = {}
 class PartitionState:
     """Where one logical partition stands: a pipeline checkpoint plus items to replay.
 
-    ``last`` is the digest of the restore key of the last item the partition handed out (the
-    restore's proof), ``None`` when there is none to check. ``checkpoint_check`` is the
-    checkpoint's digest when the worker that took it already computed it (else it is
-    computed when the state is encoded).
+    ``last`` is the digest of the restore key of the last item the partition handed out and
+    ``made`` the digest of that item's values as it was made
+    (:func:`~energy_loader.state.digests.content_digest`): the restore's proof, ``None`` where
+    there is none to check. ``checkpoint_check`` is the checkpoint's digest when the worker
+    that took it already computed it (else it is computed when the state is encoded).
     """
 
     partition: int
@@ -92,14 +98,17 @@ class PartitionState:
     done: bool = False
     last: str | None = None
     checkpoint_check: str | None = attrs.field(default=None, eq=False)
+    made: str | None = None
     # Of the items to replay, how many the pipeline may lack: a restore with smaller batches
     # (scale k) re-makes an epoch's short last batch as fewer than k batches. Never saved.
     replay_slack: int = attrs.field(default=0, eq=False)
 
     def check(self) -> str:
-        """The digest of this entry, as ``to_plain`` writes it."""
+        """The digest of this entry, as ``to_plain`` writes it (without ``made`` when it is
+        ``None``: as versions before it wrote it)."""
         checkpoint = self.checkpoint_check or checkpoint_digest(self.checkpoint)
-        return digest("partition", self.partition, checkpoint, self.skip, self.done, self.last)
+        fields = ("partition", self.partition, checkpoint, self.skip, self.done, self.last)
+        return digest(*fields) if self.made is None else digest(*fields, self.made)
 
     def to_plain(self) -> dict[str, Any]:
         return {
@@ -108,6 +117,7 @@ class PartitionState:
             "skip": self.skip,
             "done": self.done,
             "last": self.last,
+            "made": self.made,
             "check": self.check(),
         }
 
@@ -126,9 +136,8 @@ class PartitionState:
         partition = reader.int("partition")
         if version < 3:
             return cls(partition=partition, checkpoint=checkpoint, skip=skip, done=done)
-        last = reader.raw("last")
-        if last is not None and not isinstance(last, str):
-            raise StateFormatError(f"{reader.path}.last must be a digest string or null")
+        last = _digest_or_none(reader, "last")
+        made = _digest_or_none(reader, "made") if version >= 5 else None
         reader.str("check")
         return cls(
             partition=partition,
@@ -136,6 +145,7 @@ class PartitionState:
             skip=skip,
             done=done,
             last=None if last is None else KeyDigest(last),
+            made=made,
         )
 
     def verify(self, saved: str, path: str) -> PartitionState:
@@ -148,10 +158,17 @@ class PartitionState:
         if checked.check() != saved:
             raise StateFormatError(
                 f"{path}.check does not match the partition's fields (its checkpoint, skip, "
-                "done or last): the state was edited or damaged after it was saved; restore "
-                "from an intact state"
+                "done, last or made): the state was edited or damaged after it was saved; "
+                "restore from an intact state"
             )
         return checked
+
+
+def _digest_or_none(reader: StateReader, name: str) -> str | None:
+    value = reader.raw(name)
+    if value is not None and not isinstance(value, str):
+        raise StateFormatError(f"{reader.path}.{name} must be a digest string or null")
+    return value  # type: ignore[no-any-return]
 
 
 @attrs.frozen

@@ -48,7 +48,9 @@ class WorkerItem(NamedTuple):
     ``slot`` is :data:`END_SLOT`); otherwise ``slot`` is the worker's slot (partition) that made
     it, or :data:`FAILED_SLOT` when ``sample`` is the pipeline's exception. ``snapshots`` are
     the worker's snapshots taken since its previous item, ``((index, Snapshot), ...)`` or
-    ``None``.
+    ``None``. ``made`` is the digest of the sample's values as the worker made it
+    (:func:`~energy_loader.state.digests.content_digest`, part of the proof a save records),
+    ``None`` where the loader does not check its restores.
     """
 
     worker: int
@@ -57,6 +59,7 @@ class WorkerItem(NamedTuple):
     sample: Any
     slot: int
     snapshots: Any
+    made: str | None = None
 
 
 @attrs.frozen
@@ -67,7 +70,8 @@ class RunPlan:
     whether it already ended the current epoch; ``restores`` maps a partition to the state it
     continues from (``None``: every partition starts fresh). ``verify``: whether a restored
     partition checks its proof (the last item it replays is the one the saving loader handed
-    out); the loader's ``verify_restore``.
+    out, with the same values), and whether the items' values are digested for the proof of
+    a later save; the loader's ``verify_restore``.
     """
 
     num_partitions: int

@@ -13,9 +13,11 @@ Torch's DataLoader workers iterate a :class:`WorkerSideDataset`. In each worker 
 3. takes rolling checkpoints (:class:`Snapshot`: the state of all its partitions) right after
    an item is made, every ``every_n`` items (and every ``every_sec`` seconds), and when a
    partition ends its epoch or a new epoch begins, and sends each one *with the next item*,
-   together with which partition made that item. The main process keeps them in a
-   :class:`PositionBook` per worker, so a save is answered there, from what was delivered,
-   without a round trip to a worker that is busy making a sample;
+   together with which partition made that item and a digest of the item's values
+   (:func:`~energy_loader.state.digests.content_digest`, the proof a save records when the
+   loader checks its restores). The main process keeps them in a :class:`PositionBook` per
+   worker, so a save is answered there, from what was delivered, without a round trip to a
+   worker that is busy making a sample;
 4. runs a :class:`CommandServer` thread that answers the main process's requests for its
    counters (``loader.stats()``);
 5. encodes every sample with the batch codec (:mod:`energy_loader.transport`) when the loader
@@ -42,7 +44,8 @@ from torch.utils.data import get_worker_info
 from ..dataset import SavableDataset, attach_restore_key
 from ..errors import StateMismatchError
 from ..metrics import WorkerCounters, clock
-from ..state.digests import checkpoint_digest, key_digest
+from ..state.digests import checkpoint_digest, content_digest, key_digest
+from ..state.fingerprint import user_code
 from ..state.positions import Position, PositionBook, Snapshot, Standing
 from ..state.rank_state import PartitionState
 from ..worker import active_worker, enter_worker, leave_worker, set_process_worker
@@ -163,7 +166,7 @@ class Runner:
             count = len(states)
             return Snapshot(tuple(states), (0,) * count, (False,) * count, 0, None, (None,) * count)
         standing = [
-            Standing(r.checkpoint, r.skip, r.done, r.checkpoint_check, r.last)
+            Standing(r.checkpoint, r.skip, r.done, r.checkpoint_check, r.last, r.made)
             for r in self.restores
         ]
         return Snapshot.at(standing, self.next)
@@ -248,23 +251,22 @@ class Runner:
                     f"the {restore.skip} samples to replay from its checkpoint; is the "
                     "pipeline deterministic (same data, functions and seed)?"
                 )
-        # The proof: the last item replayed is the last one the saving loader handed out.
-        if (
-            verify
-            and restore.skip
-            and restore.last is not None
-            and key_digest(pair[0]) != restore.last
-        ):
-            shown = repr(pair[0])
-            shown = shown if len(shown) <= 160 else shown[:150] + " ...)"
+        if not verify or not restore.skip:
+            return
+        # The proof: the last item replayed is the last one the saving loader handed out...
+        key, sample = pair
+        if restore.last is not None and key_digest(key) != restore.last:
             raise StateMismatchError(
                 f"partition {slot.partition}: the restore replayed {restore.skip} item(s) from "
-                f"its checkpoint, but the last one (restore key {shown}) is not the one the "
-                "saving loader handed out there: the pipeline does not make the same items "
+                f"its checkpoint, but the last one (restore key {_shown(key)}) is not the one "
+                "the saving loader handed out there: the pipeline does not make the same items "
                 "again (a function, filter or source that changed, or that depends on "
                 "something besides the sample and its seed, such as the clock or an unseeded "
                 "generator). Restore with the pipeline that saved the state"
             )
+        # ... and it holds the same values (digested as run_epoch digests them).
+        if restore.made is not None and content_digest(sample) != restore.made:
+            raise StateMismatchError(_other_values(slot, restore, key))
 
     def _begin_epoch(self) -> None:
         self.era += 1
@@ -333,13 +335,18 @@ class Runner:
         counters = self.counters
         # Without workers the runner keeps the book; with them the main process does.
         book = self.book if self.outbox is None else None
+        # The values' digest a save records with each partition's last item, for its restore
+        # to check: made here, in a worker process off the training loop's thread, or without
+        # workers before the user holds the item (and could change it in place).
+        prove = savable and self.verify
         began = clock()  # busy from here to each yield; idle while torch holds the generator
         sample: Any
         while (step := self.next_pair()) is not None:
             position, (key, sample) = step
             self.index += 1
+            made = content_digest(sample) if prove else None
             if book is not None:
-                book.record(self.index, position, key)
+                book.record(self.index, position, key, made)
             if self.index - self.last_checkpoint_index >= every_n:
                 self._checkpoint()
             elif (
@@ -358,7 +365,7 @@ class Runner:
             counters.produce_s += clock() - began
             if savable:
                 yield WorkerItem(
-                    logical, self.index, False, sample, position, self._shipped_snapshots()
+                    logical, self.index, False, sample, position, self._shipped_snapshots(), made
                 )
             else:
                 yield sample
@@ -367,3 +374,35 @@ class Runner:
             self.index += 1
             self._checkpoint()
             yield WorkerItem(logical, self.index, True, None, END_SLOT, self._shipped_snapshots())
+
+
+def _shown(key: Any) -> str:
+    """A restore key for a message, cut short."""
+    shown = repr(key)
+    return shown if len(shown) <= 160 else shown[:150] + " ...)"
+
+
+def _other_values(slot: Slot, restore: PartitionState, key: Any) -> str:
+    """The refusal of a partition that re-made its last item with other values."""
+    functions, sources = user_code(slot.pipeline.config())
+    if restore.last is not None:
+        what = (
+            f"re-made the last item the saving loader handed out there (restore key "
+            f"{_shown(key)}), but with other values than it had then: the pipeline makes the "
+            "same item differently"
+        )
+    else:
+        what = (
+            "re-made its last item with other values than the one the saving loader handed "
+            "out there (its items carry no restore key: it may also be another item)"
+        )
+    stages = ", ".join(functions) if functions else "none"
+    return (
+        f"partition {slot.partition}: the restore replayed {restore.skip} item(s) from its "
+        f"checkpoint and {what}. Where it can come from: the stages that run your code "
+        f"({stages}) and the data the sources read ({', '.join(sources)}). Usual causes: a "
+        "function that changed since the save, or that reads the clock, a generator nobody "
+        "seeds or a global counter; a data file edited in place; float results that differ "
+        "with the number of threads. Restore with the pipeline (and data) that saved the "
+        "state, or pass verify_restore=False to continue anyway"
+    )
