@@ -86,8 +86,8 @@ def test_stall_warning_fires_once_for_a_slow_source(caplog) -> None:
 def test_stall_warning_silent_when_fast_or_off(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="energy_loader"):
         fast = _loader(slow=False, stall_warning=FAST_WINDOW)
-        for _ in fast:
-            time.sleep(0.01)
+        for _ in fast:  # a step 3x what an item costs a worker on a machine loaded 4x
+            time.sleep(0.03)
         fast._shutdown_workers()
         off = _loader(slow=True, workers=0, length=20, stall_warning=False)
         for _ in off:
