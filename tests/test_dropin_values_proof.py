@@ -200,22 +200,26 @@ def test_a_state_saved_at_an_epoch_s_end_restores_and_proves(tmp_path: Path) -> 
         iter(refused)
 
 
-def test_version_4_states_restore_without_the_check_of_values(tmp_path: Path) -> None:
-    folder = _write(tmp_path / "data")
+def _edited_restore_continues(
+    folder: Path, workers: int = 0, convert: Any = None, **options: Any
+) -> None:
+    """Save after 3 batches, edit the last batch's files in place, restore (the state passed
+    through ``convert``) onto ``workers`` with ``options``: the restore continues unchecked,
+    with the new values."""
     state, last = _saved(_loader(NpyFiles(folder), 0), 3)
     _edit(folder, last)
-    restored = _loader(NpyFiles(folder), 0)
-    restored.restore_state_rank(dropin_version_4(state))
+    restored = _loader(NpyFiles(folder), workers, **options)
+    restored.restore_state_rank(state if convert is None else convert(state))
     assert _rest(restored) == _expected(NpyFiles(folder), 3)
+
+
+def test_version_4_states_restore_without_the_check_of_values(tmp_path: Path) -> None:
+    _edited_restore_continues(_write(tmp_path / "data"), convert=dropin_version_4)
 
 
 def test_verify_restore_false_continues_with_the_new_values(tmp_path: Path) -> None:
     folder = _write(tmp_path / "data")
-    state, last = _saved(_loader(NpyFiles(folder), 0), 3)
-    _edit(folder, last)
-    restored = _loader(NpyFiles(folder), 0, verify_restore=False)
-    restored.restore_state_rank(state)
-    assert _rest(restored) == _expected(NpyFiles(folder), 3)
+    _edited_restore_continues(folder, verify_restore=False)
     unproven, _ = _saved(_loader(NpyFiles(folder), 0, verify_restore=False), 2)
     assert unproven["proof"]["made"] == ""
 
@@ -233,13 +237,40 @@ def test_the_digest_of_values_is_covered_by_the_position_digest(tmp_path: Path) 
 def test_a_worker_init_fn_with_workers_skips_the_check(tmp_path: Path) -> None:
     """A loader with workers and a ``worker_init_fn`` (which the dataset may need) cannot
     re-make a batch in the main process as a worker makes it: it restores without the check."""
-    folder = _write(tmp_path / "data")
-    state, last = _saved(_loader(NpyFiles(folder), 0), 3)
-    _edit(folder, last)
-    restored = _loader(NpyFiles(folder), 2, worker_init_fn=_no_setup)
-    restored.restore_state_rank(state)
-    assert _rest(restored) == _expected(NpyFiles(folder), 3)
+    _edited_restore_continues(_write(tmp_path / "data"), 2, worker_init_fn=_no_setup)
 
 
 def _no_setup(worker_id: int) -> None:
     del worker_id
+
+
+class LazyHandle(NpyFiles):
+    """Opens a handle on its first ``__getitem__`` (as datasets over h5py or LMDB do, so that
+    each worker process opens its own after the fork)."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder)
+        self.handle: Any = None
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if self.handle is None:
+            self.handle = (self.folder / "0.npy").open("rb")
+        return super().__getitem__(index)
+
+
+def test_the_re_make_leaves_the_loader_s_dataset_as_it_was(tmp_path: Path) -> None:
+    """The restore re-makes the batch on a copy of the dataset: what ``__getitem__`` opens
+    lazily is not opened on the dataset the worker processes are forked from."""
+    folder = _write(tmp_path / "data")
+    saving = LazyHandle(folder)
+    state, _ = _saved(_loader(saving, 0), 3)
+    saving.handle.close()
+    dataset = LazyHandle(folder)
+    restored = _loader(dataset, 0)
+    restored.restore_state_rank(state)
+    iterator = iter(restored)  # (the check runs here)
+    assert dataset.handle is None
+    next(iterator)
+    restored.close()
+    assert dataset.handle is not None
+    dataset.handle.close()

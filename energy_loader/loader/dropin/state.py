@@ -412,7 +412,7 @@ class MapState:
             if made and not _HEX16.fullmatch(made):
                 raise StateFormatError(
                     f"state.proof.made is {made[:40]!r}: expected a digest of 16 hex digits "
-                    "or \"\" (an edited or damaged state: restore from an intact copy)"
+                    'or "" (an edited or damaged state: restore from an intact copy)'
                 )
             proof = Proof(saved.str("last"), saved.str("end"), made)
         global_start, at_save = None, None
