@@ -75,6 +75,18 @@ def version_4(state: dict[str, Any]) -> dict[str, Any]:
     return resealed(old)
 
 
+def dropin_version_4(state: dict[str, Any]) -> dict[str, Any]:
+    """A map-style drop-in state as version 4 wrote it: without the digest of the last batch's
+    values (``proof.made``), its position digest computed without it."""
+    from energy_loader.loader.dropin.state import MapState
+
+    old = copy.deepcopy(state)
+    old["version"] = 4
+    del old["proof"]["made"]
+    old["checks"]["position"] = MapState.from_plain(state).position_check(with_made=False)
+    return old
+
+
 def make_sample(index: int) -> dict[str, Any]:
     return {"index": index, "x": torch.tensor([index])}
 

@@ -41,6 +41,7 @@ from energy_loader.errors import StateFormatError, StateMismatchError
 from energy_loader.state.digests import digest
 from energy_loader.testing.runs import program_start
 
+from .helpers import dropin_version_4
 from .loader.dropin_helpers import (
     Augmenting,
     DrawsAtIter,
@@ -324,9 +325,10 @@ def test_an_iterable_drop_in_saved_before_the_first_iter_restores_with_the_rngs_
 
 
 def _as_version_3(state: dict[str, Any]) -> dict[str, Any]:
-    """A version 4 state as the previous release wrote it: no global RNG fields, a job that
-    does not say whether it ran workers, and, saved before the first iter(), no pinned seed
-    nor generator states."""
+    """A version 5 state as release 3 wrote it: no digest of values, no global RNG fields, a
+    job that does not say whether it ran workers, and, saved before the first iter(), no
+    pinned seed nor generator states."""
+    state = dropin_version_4(state)
     old = {k: v for k, v in state.items() if k not in ("global_rngs", "global_rngs_at_save")}
     old["version"] = 3
     old["checks"] = {k: v for k, v in state["checks"].items() if k != "global_rngs"}

@@ -25,6 +25,13 @@ transform (its reads draw nothing: :func:`draws_nothing`). In the main process
 (``num_workers=0``) the global RNG states are put back after each task, so the training
 loop's own randomness is not disturbed.
 
+The proof of values: with ``prove`` (the loader's ``verify_restore``) the fetcher digests each
+batch as collated (:func:`~energy_loader.state.digests.content_digest`) right where it made
+it -- in the worker process, or, without workers, before the loader hands it out, so that a
+training step writing into the batch changes nothing -- and the digests travel back with the
+result (:attr:`FetchResult.made`). A restore re-makes the last batch handed out through the
+same code (:meth:`BatchFetcher.remake`) and compares (:mod:`energy_loader.loader.dropin.values`).
+
 Failures: an exception in the user's code ends the bundle; the batches made before it are
 delivered first and the exception is raised where torch would raise it.
 """
@@ -32,6 +39,7 @@ delivered first and the exception is raised where torch would raise it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,6 +49,7 @@ from torch.utils.data import Dataset, Subset, get_worker_info
 
 from ..metrics import clock
 from ..rng import fold_key, kept_rng_state, seed_globals_for_sample
+from ..state.digests import content_digest
 from ..torch_internals import ExceptionWrapper, set_worker_info
 from ..transport import Packet, WorkerTransport, decode
 from .bundling import payload_bytes
@@ -67,7 +76,9 @@ class FetchTask:
 @attrs.define
 class FetchResult:
     """What a worker sends back: the made batches (encoded in a worker), their count, how long
-    making them took and their payload bytes (for the bundle size), and a failure, if any."""
+    making them took and their payload bytes (for the bundle size), a failure, if any, and
+    with ``prove`` the digest of each batch's values as collated (``made``, one per batch
+    made; None without)."""
 
     first: int
     payload: Any
@@ -75,6 +86,7 @@ class FetchResult:
     seconds: float
     nbytes: int
     failure: Any = None
+    made: tuple[str, ...] | None = None
 
     def pin_memory(self, device: Any = None) -> FetchResult:
         """torch's pin-memory thread calls this: pin the payload (a packet pins its own)."""
@@ -102,11 +114,13 @@ class BatchFetcher(Dataset[Any]):
         *,
         auto_collation: bool,
         seed_per_sample: bool,
+        prove: bool = False,
     ) -> None:
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.auto_collation = auto_collation
         self.seed_per_sample = seed_per_sample
+        self.prove = prove  # digest each batch made (the restore's proof of values)
         # A dataset that reads only through __getitems__ (its __getitem__ is torch's stub)
         self._getitems_only = getattr(type(dataset), "__getitem__", None) is Dataset.__getitem__
         self.transport: WorkerTransport | None = None
@@ -124,11 +138,15 @@ class BatchFetcher(Dataset[Any]):
         kept = kept_rng_state() if in_main and self.seed_per_sample else contextlib.nullcontext()
         began = clock()
         batches: list[Any] = []
+        made: list[str] | None = [] if self.prove else None
         failure: Any = None
         try:
             with kept:
                 for unit in task.units:
-                    batches.append(self._make(unit, task.epoch_seed))
+                    batch = self._make(unit, task.epoch_seed)
+                    if made is not None:  # (before anyone can write into it)
+                        made.append(content_digest(batch))
+                    batches.append(batch)
         except Exception as error:
             if in_main:
                 failure = error
@@ -138,8 +156,33 @@ class BatchFetcher(Dataset[Any]):
         if self._encode is not None:
             payload = self._encode(batches)
         return FetchResult(
-            task.first, payload, len(batches), clock() - began, payload_bytes(payload), failure
+            task.first,
+            payload,
+            len(batches),
+            clock() - began,
+            payload_bytes(payload),
+            failure,
+            None if made is None else tuple(made),
         )
+
+    def remake(self, unit: Any, epoch_seed: int) -> str | None:
+        """The digest of the batch of ``unit`` made again here, in the main process, exactly
+        as a worker makes it (the same per-sample seeds, ``__getitem__``/``__getitems__`` and
+        ``collate_fn``; the global RNGs put back after); None when the dataset cannot be
+        copied. It reads a shallow copy of the dataset, so that what ``__getitem__`` sets up
+        lazily on its first call (an open file, a database handle) stays off the dataset the
+        worker processes are forked from. Raises what the user's code raises."""
+        try:
+            dataset = copy.copy(self.dataset)
+        except Exception:
+            return None
+        twin = copy.copy(self)
+        twin.dataset, twin.prove = dataset, True
+        twin._encode, twin._worker_id = None, None
+        result = twin[FetchTask(0, (unit,), epoch_seed)]
+        if result.failure is not None:
+            raise result.failure
+        return None if not result.made else result.made[0]
 
     def __len__(self) -> int:
         return len(self.dataset)

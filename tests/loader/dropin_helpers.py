@@ -13,23 +13,29 @@ from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
 
 class Dicts(Dataset[Any]):
-    """Dict samples with a string, a number and a tensor (deterministic)."""
+    """Dict samples with a string, a number and a tensor (deterministic); ``edit`` added to
+    the tensor makes the data as if its files were rewritten in place (other values, the
+    same count)."""
 
-    def __init__(self, length: int) -> None:
+    def __init__(self, length: int, edit: float = 0.0) -> None:
         self.length = length
+        self.edit = edit
 
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return {"name": f"s{index}", "index": index, "x": torch.full((2,), float(index))}
+        x = torch.full((2,), float(index) + self.edit)
+        return {"name": f"s{index}", "index": index, "x": x}
 
 
 class Augmenting(Dataset[Any]):
-    """``__getitem__`` draws from python's, numpy's and torch's global RNGs."""
+    """``__getitem__`` draws from python's, numpy's and torch's global RNGs (``edit``: as
+    :class:`Dicts`)."""
 
-    def __init__(self, length: int) -> None:
+    def __init__(self, length: int, edit: float = 0.0) -> None:
         self.length = length
+        self.edit = edit
 
     def __len__(self) -> int:
         return self.length
@@ -39,7 +45,7 @@ class Augmenting(Dataset[Any]):
             "index": index,
             "python": random.random(),
             "numpy": float(np.random.rand()),
-            "torch": torch.rand(2),
+            "torch": torch.rand(2) + self.edit,
         }
 
 

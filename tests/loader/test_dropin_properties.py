@@ -16,6 +16,10 @@ whose global RNGs may stand elsewhere even for a state saved before the first ``
 (another model's init drew first). Every restore ends exact, or, where a sampler draws from a
 global RNG the restarted program did not put back, refused: never another stream.
 
+A map-style dataset whose data changed between the save and the restore (the same count,
+other values: a file edited in place) is refused at every restore that has a batch to re-make,
+never continued with the new values.
+
 Ranks are simulated in one process (several ``DistributedSampler(num_replicas=W, rank=r)``
 loaders): saved at world size W, restored at W' with the ranks seeded alike, per rank, or not
 at all. The model for another W' is the union of the indices per epoch, each index's
@@ -182,6 +186,8 @@ def _make(
         "iterable": Sharded,
         "stateful_iterable": StatefulSharded,
     }[setup["kind"]](length)
+    if setup.get("edited"):  # the data changed in place since the save (same count)
+        dataset.edit = 0.5
     return cls(dataset, **arguments)
 
 
@@ -281,6 +287,37 @@ def test_equal_to_torch_and_a_restarted_loop_equals_the_uninterrupted_one(
     if difference is not None:
         why = diagnose(_factory(setup), chain, EPOCHS, 0, full, got, difference)
         pytest.fail(f"{chain}: {why}")
+
+
+@MODEL_EXAMPLES
+@given(_setups(), st.floats(0, 1))
+def test_a_dataset_edited_between_save_and_restore_is_refused(
+    setup: dict[str, Any], fraction: float
+) -> None:
+    """The restarted program's dataset makes other values for the same indices (its files
+    were edited in place): the restore of a state saved after any batch is refused, naming
+    the values. (A ``Stateful`` sampler that loads its own state re-derives no indices to
+    re-make: drawn here as a sampler with its own generator instead.)"""
+    kind = "augmenting" if setup["kind"] == "augmenting" else "map"
+    sampler = "own" if setup["sampler"] in (None, "stateful") else setup["sampler"]
+    setup = {**setup, "kind": kind, "sampler": sampler}
+    workers = setup["arguments"]["num_workers"]
+    total = EPOCHS * len(_make(setup, DataLoader, 0))  # batches of the uninterrupted run
+    if total < 2:  # (a save after the run's last batch has no restore that iterates)
+        return
+    point = SavePoint(1 + round(fraction * (total - 2)))
+    chain = Chain((point,), (workers, setup["resume_workers"][0]))
+    calls = [0]
+
+    def make(count: int) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            return _make(setup, el.SavableDataLoader)
+        edited = {**setup, "edited": True}
+        return _make(edited, el.SavableDataLoader, count, setup["resume_persistent"])
+
+    with pytest.raises(StateMismatchError, match="the same indices gave other values"):
+        run_chain(make, chain, EPOCHS, restore_every_global_rng=True)
 
 
 # -- simulated ranks -----------------------------------------------------------------------------

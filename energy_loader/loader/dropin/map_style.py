@@ -41,7 +41,6 @@ from ...transport import Transport
 from ...worker import WorkerConfig
 from ...workers.bundling import BUNDLE_SECONDS, bundle_bytes
 from ...workers.fetch import BatchFetcher, FetchResult, FetchTask, WorkerInit
-from ..progress import MAX_HELD_BACK
 from . import global_rngs
 from .epoch_begin import EpochBeginning
 from .job import agree_on_job
@@ -67,6 +66,7 @@ from .stream import (
     distributed_config,
     sampled_length,
 )
+from .values import ValuesCheck
 
 __all__ = ["MapEngine"]
 
@@ -121,6 +121,7 @@ class MapEngine(EpochBeginning, DropInRestore):
             collate,
             auto_collation=loader.batch_sampler is not None,
             seed_per_sample=seed_per_sample,
+            prove=verify_restore,  # the digest of each batch's values (values.py)
         )
         index_sampler = index_sampler_of(loader)
         self.rng = rng = SamplerRng(loader.generator, index_sampler)
@@ -137,6 +138,8 @@ class MapEngine(EpochBeginning, DropInRestore):
             drop_last=bool(loader.drop_last),
             verify=verify_restore,
         )
+        if verify_restore:  # a restore re-makes the last batch and checks its values
+            self.stream.values_check = ValuesCheck(self.fetcher, loader, seed_per_sample)
         self.index_sampler = index_sampler
         self.stateful = self.stream.stateful
         self.distributed = self.stream.distributed
@@ -346,14 +349,7 @@ class MapEngine(EpochBeginning, DropInRestore):
         self.bundle = max(1, min(2 * self.bundle, target))
 
     def handed(self, epoch: Epoch) -> None:
-        epoch.used += 1
-        recent = epoch.recent
-        while recent and recent[0][0] < epoch.used - MAX_HELD_BACK - 1:
-            recent.popleft()
-        snapshots = epoch.snapshots
-        if snapshots:
-            for number in [n for n in snapshots if n < epoch.used - MAX_HELD_BACK]:
-                del snapshots[number]
+        epoch.hand_out()
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -488,8 +484,11 @@ class MapEngine(EpochBeginning, DropInRestore):
         if self.epoch is None or self.torch_iterator is None:
             self.shutdown()
             return
-        # (the same process goes on: its global RNGs are where they belong, nothing to check)
-        self.restore_record(attrs.evolve(self.record(0, 1, 0), global_rngs_at_save=None))
+        # (the same process goes on: its global RNGs are where they belong, nothing to check,
+        # nor a batch to re-make: it handed out its own)
+        state = self.record(0, 1, 0)
+        proof = attrs.evolve(state.proof, made=None)
+        self.restore_record(attrs.evolve(state, global_rngs_at_save=None, proof=proof))
         self.agreed = True  # the same job goes on: nothing to agree on again
 
     def shutdown(self) -> None:
@@ -562,6 +561,7 @@ class _MapIterator:
                 epoch.ended = True
                 raise
             engine.received(result)
+            epoch.note_made(result.first, result.made)
             decoding = clock()
             self._ready.extend(result.batches())
             self._decode_s += clock() - decoding

@@ -42,6 +42,7 @@ __all__ = [
     "plain_unit",
     "positioned_iterator",
     "saved_after_last_batch",
+    "short_unit",
     "start_of",
     "unit_digest",
     "units_per_epoch",
@@ -228,8 +229,9 @@ def verify_replay(state: MapState, replayed: Replayed, rng: SamplerRng, chain: s
     if proof.last and replayed.last is not _NONE and unit_digest(replayed.last) != proof.last:
         raise StateMismatchError(
             f"the restore re-ran the sampler {chain} to batch {state.used} of epoch "
-            f"{state.epoch}, but batch {state.used - 1} it re-made ({_short(replayed.last)}) is "
-            "not the one the saving loader handed out: the sampler does not replay (it draws "
+            f"{state.epoch}, but batch {state.used - 1} it re-made "
+            f"({short_unit(replayed.last)}) is not the one the saving loader handed out: the "
+            "sampler does not replay (it draws "
             "from the clock, or from a generator the loader cannot see: pass it through the "
             "loader's `generator=` or give the sampler state_dict()/load_state_dict()), or the "
             "dataset or sampler changed. Pass verify_restore=False to the loader to continue "
@@ -246,6 +248,7 @@ def verify_replay(state: MapState, replayed: Replayed, rng: SamplerRng, chain: s
         )
 
 
-def _short(unit: Any) -> str:
+def short_unit(unit: Any) -> str:
+    """A unit as plain data, cut to 60 characters (for messages)."""
     text = repr(plain_unit(unit))
     return text if len(text) <= 60 else text[:57] + "..."

@@ -1,11 +1,11 @@
 """The drop-in loader's saved state: plain data, its own format name and version.
 
-Layout (format version 4; versions 3, without ``global_rngs`` and ``global_rngs_at_save``
-and whose states saved before the first ``iter()`` pin nothing, and 2, without ``proof`` and
-``checks.position``, still restore)::
+Layout (format version 5; versions 4, without ``proof.made``, 3, also without
+``global_rngs`` and ``global_rngs_at_save`` and whose states saved before the first ``iter()``
+pin nothing, and 2, without ``proof`` and ``checks.position``, still restore)::
 
     {
-      "format": "energy_loader.dropin_state", "version": 4,
+      "format": "energy_loader.dropin_state", "version": 5,
       "kind": "map" | "iterable",
       "rank": 0, "world_size": 1,
       "config": {...},            # what must match on restore (dataset, sampler, batching)
@@ -22,7 +22,7 @@ and whose states saved before the first ``iter()`` pin nothing, and 2, without `
       "sampler_state": {...} | null,        # a Stateful sampler's own state_dict()
       "distributed": {"epoch": 2, "offset": 0, "end": 1000, "world": 4, "units": 8,
                       "rank": 1} | null,
-      "proof": {"last": "<hex>", "end": "<hex>"},  # what the restore checks itself against
+      "proof": {"last": "<hex>", "end": "<hex>", "made": "<hex>"},  # what a restore checks
       "checks": {"job": "<hex>", "rng": "<hex>", "rng_at_iter": "<hex>",
                  "global_rngs": "<hex>", "position": "<hex>"},
       # iterable:
@@ -66,9 +66,12 @@ from: the sampler's epoch, and the positions ``offset`` to ``end`` dealt to ``wo
 state restores every rank of any world size or batch size; ``rank`` is the sampler's rank
 that saved it (the restore re-makes that rank's last batch to check itself).
 
-``proof`` lets a restore check its own result (:mod:`.position`): ``last`` is a digest of
-the last batch's indices the saving loader handed out, ``end`` (at an epoch's end) one of the
+``proof`` lets a restore check its own result (:mod:`.position`, :mod:`.values`): ``last`` is
+a digest of the last batch's indices the saving loader handed out, ``made`` one of that
+batch's values as collated (:func:`~energy_loader.state.digests.content_digest`, taken where
+the batch was made; "" with ``verify_restore=False``), ``end`` (at an epoch's end) one of the
 sampler's own generators after the epoch's last pull; "" where there is nothing to prove.
+Version 4 states have no ``made``: they restore without the check of values.
 
 ``checks`` are digests of the fields a reader cannot check by their shape (a flipped byte in
 a generator state is another valid state; so is a flipped digit in ``epoch`` or ``used``):
@@ -85,6 +88,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import Any
 
 import attrs
@@ -110,10 +114,11 @@ __all__ = [
 ]
 
 DROPIN_STATE_FORMAT = "energy_loader.dropin_state"
-DROPIN_STATE_VERSION = 4
-# Version 3 (no global RNGs; a state saved before the first iter() pins nothing) and version 2
-# (no proof, no position digest: restored without the self-check) still restore.
-_READABLE_VERSIONS = (2, 3, DROPIN_STATE_VERSION)
+DROPIN_STATE_VERSION = 5
+# Version 4 (no proof.made: restored without the check of values), version 3 (no global RNGs;
+# a state saved before the first iter() pins nothing) and version 2 (no proof, no position
+# digest: restored without the self-check) still restore.
+_READABLE_VERSIONS = (2, 3, 4, DROPIN_STATE_VERSION)
 
 
 @functools.lru_cache(maxsize=16)
@@ -193,10 +198,13 @@ def check_config(saved: Any, now: dict[str, Any]) -> None:
 class Proof:
     """What a state carries to check its restore: ``last``, the digest of the last unit handed
     out ("" before the first); ``end``, at an epoch's end, the digest of the sampler's own
-    generators after the epoch's last pull ("" elsewhere, or without own generators)."""
+    generators after the epoch's last pull ("" elsewhere, or without own generators);
+    ``made``, the digest of that last unit's values as collated ("" when not taken; None in
+    a state of a version before it)."""
 
     last: str = ""
     end: str = ""
+    made: str | None = ""
 
 
 @attrs.frozen
@@ -277,8 +285,9 @@ class MapState:
         """Saved before the first ``iter()``, with the job's start pinned (:mod:`.pin`)."""
         return not self.started and self.job is not None and self.job.seed is not None
 
-    def position_check(self) -> str:
-        """The digest of every field that places the stream (``checks.position``)."""
+    def position_check(self, with_made: bool = True) -> str:
+        """The digest of every field that places the stream (``checks.position``); without
+        ``proof.made`` for a state of a version before it (``with_made`` false)."""
         sampler = None if self.sampler_state is None else _canonical(self.sampler_state)
         dealt = self.distributed
         at_save = self.global_rngs_at_save
@@ -295,6 +304,8 @@ class MapState:
             self.proof.end,
             # (absent from a version 3 state's digest, which had no such field)
             *(() if at_save is None else (tuple(at_save.items()),)),
+            # (absent from a version 4 state's digest)
+            *((self.proof.made or "",) if with_made else ()),
         )
 
     def global_rngs_check(self) -> str:
@@ -320,7 +331,11 @@ class MapState:
             "distributed": self.distributed,
             "global_rngs": None if self.global_rngs is None else self.global_rngs.to_plain(),
             "global_rngs_at_save": self.global_rngs_at_save,
-            "proof": {"last": self.proof.last, "end": self.proof.end},
+            "proof": {
+                "last": self.proof.last,
+                "end": self.proof.end,
+                "made": self.proof.made or "",
+            },
             "checks": {
                 "job": "" if job is None else job.check(),
                 "rng": self.rng_check or digest("rng", self.rng),
@@ -353,6 +368,7 @@ class MapState:
             _FRAGMENT_CACHE.clear()  # one engine's epoch at a time is what pays to keep
             _FRAGMENT_CACHE[id(self.config)] = (key, fragment, checks)
         sampler = "null" if self.sampler_state is None else _encode(self.sampler_state)
+        proof = self.proof
         started = "true" if self.started else "false"
         at_save = self.global_rngs_at_save
         at_save_json = "null"
@@ -363,7 +379,7 @@ class MapState:
             f'"kind":"map","rank":{int(self.rank)},"world_size":{int(self.world_size)},'
             f'"started":{started},"epoch":{int(self.epoch)},"used":{int(self.used)},'
             f'"sampler_state":{sampler},"global_rngs_at_save":{at_save_json},{fragment},'
-            f'"proof":{{"last":"{self.proof.last}","end":"{self.proof.end}"}},'
+            f'"proof":{{"last":"{proof.last}","end":"{proof.end}","made":"{proof.made or ""}"}},'
             f'"checks":{{{checks},"position":"{self.position_check()}"}}}}'
         )
 
@@ -389,7 +405,16 @@ class MapState:
             texts[name] = value
         version = reader.int("version")
         legacy = version < 3
-        proof = Proof() if legacy else Proof(*(reader.sub("proof").str(n) for n in ("last", "end")))
+        proof = Proof()
+        if not legacy:
+            saved = reader.sub("proof")
+            made = saved.str("made") if version >= 5 else None
+            if made and not _HEX16.fullmatch(made):
+                raise StateFormatError(
+                    f"state.proof.made is {made[:40]!r}: expected a digest of 16 hex digits "
+                    'or "" (an edited or damaged state: restore from an intact copy)'
+                )
+            proof = Proof(saved.str("last"), saved.str("end"), made)
         global_start, at_save = None, None
         if version >= 4:
             plain = reader.raw("global_rngs")
@@ -416,7 +441,7 @@ class MapState:
             global_rngs=global_start,
             global_rngs_at_save=at_save,
         )
-        if not legacy and decoded.position_check() != checks.str("position"):
+        if not legacy and decoded.position_check(version >= 5) != checks.str("position"):
             raise StateFormatError(
                 "the state's position (rank, world_size, started, epoch, used, sampler_state, "
                 "distributed, proof, global_rngs_at_save) does not match its digest in "
@@ -456,6 +481,7 @@ def _distributed(reader: StateReader) -> dict[str, int] | None:
     return out
 
 
+_HEX16 = re.compile("[0-9a-f]{16}")
 _EPOCH_CONSTANT = ("config", "job", "rng", "rng_at_iter", "distributed", "global_rngs")
 # The distributed fields, in the order the position digest takes them.
 _DEALT = ("epoch", "offset", "end", "world", "units", "rank")

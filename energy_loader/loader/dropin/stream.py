@@ -8,13 +8,15 @@ turns a saved position into a running :class:`Epoch` (:meth:`IndexStream.resume`
 running epoch back into a position's fields (:meth:`~IndexStream.proof`,
 :meth:`~IndexStream.distributed_of`). It loads no sample and knows no worker: the engine
 (:mod:`.map_style`) only runs it. How one unit is pulled and how a re-run is checked:
-:mod:`.position`.
+:mod:`.position`; how the values of the last batch are checked (a callback the engine sets,
+:attr:`IndexStream.values_check`): :mod:`.values`.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -24,6 +26,7 @@ from torch.utils.data import DistributedSampler
 from ...errors import StateMismatchError
 from ...torch_internals import distributed_permutation
 from ..planner import Dealing
+from ..progress import MAX_HELD_BACK
 from .position import (
     NOT_REPLAYED,
     Replayed,
@@ -79,6 +82,9 @@ class Epoch:
         # out, as (number, unit), and the digest of the sampler's generators at the epoch's
         # end ("" until then).
         self.recent: collections.deque[tuple[int, Any]] = collections.deque()
+        # The digest of each unit's values as collated where it was made (values.py), by
+        # number, from the moment its result arrives until it is long handed out.
+        self.made: dict[int, str] = {}
         self.end_proof = ""
         self.proven: tuple[int, Proof] | None = None  # the last proof made, by units used
         # A fresh epoch's sampler iterator and what its iter() drew (torch's generators before
@@ -99,6 +105,27 @@ class Epoch:
         # draw from them (a restore refuses; the loader that saved warns).
         self.watch: tuple[str, ...] = ()
         self.watch_refuses = False
+
+    def note_made(self, first: int, made: tuple[str, ...] | None) -> None:
+        """Record the digests of the values of units ``first``, ``first + 1``, ... as made."""
+        if made:
+            for number, digest in enumerate(made, first):
+                self.made[number] = digest
+
+    def hand_out(self) -> None:
+        """Count a unit handed out (or failed), and forget the records of units handed out
+        longer ago than a save may reach back (``held_back``)."""
+        self.used += 1
+        recent, used = self.recent, self.used
+        while recent and recent[0][0] < used - MAX_HELD_BACK - 1:
+            recent.popleft()
+        made = self.made
+        while made and (oldest := next(iter(made))) < used - MAX_HELD_BACK - 1:
+            del made[oldest]
+        snapshots = self.snapshots
+        if snapshots:
+            for number in [n for n in snapshots if n < used - MAX_HELD_BACK]:
+                del snapshots[number]
 
     def sampling(self) -> contextlib.AbstractContextManager[Any]:
         """The context the sampler draws in: its private global stream, if it has one."""
@@ -125,6 +152,9 @@ class IndexStream:
         drop_last: bool,
         verify: bool,
     ) -> None:
+        # A restore's check of the last batch's values (values.py; set by the engine), given
+        # the state and the saving loader's last unit once the re-run proved its indices.
+        self.values_check: Callable[[MapState, Any], None] | None = None
         self.index_sampler = index_sampler
         self.rng = rng
         self.length = length
@@ -157,6 +187,8 @@ class IndexStream:
                 # Any rank's state restores every rank: check the saving rank's batch.
                 replayed = attrs.evolve(replayed, last=self._saving_rank_unit(state))
             verify_replay(state, replayed, self.rng, self.config["sampler"])
+            if self.values_check is not None and replayed.last is not NOT_REPLAYED:
+                self.values_check(state, replayed.last)
         iterator, after = replayed.iterator, replayed.after
         if iterator is None:
             if sampler is not None:  # the next epoch is the one the script set
@@ -166,6 +198,8 @@ class IndexStream:
         epoch = Epoch(state.epoch)
         if state.used and own_last is not NOT_REPLAYED:  # for the next save's proof
             epoch.recent.append((state.used - 1, own_last))
+            if state.proof.made and own_last is replayed.last:  # (the saving rank's unit)
+                epoch.made[state.used - 1] = state.proof.made
         epoch.resumed = True
         epoch.start = start
         epoch.pulled = epoch.used = state.used
@@ -237,6 +271,8 @@ class IndexStream:
         if self.verify and state.used and saved["rank"] >= 0:
             replayed = Replayed(None, [], self._saving_rank_unit(state, permutation))
             verify_replay(state, replayed, self.rng, self.config["sampler"])
+            if self.values_check is not None:
+                self.values_check(state, replayed.last)
         saved_states = start_of(state).states
         if saved_states is not None:  # the loader's generator as the saving job left it
             self.rng.put_own(saved_states)
@@ -266,14 +302,15 @@ class IndexStream:
         proven = epoch.proven
         if proven is not None and proven[0] == used:
             return proven[1]
-        last = ""
+        last = made = ""
         if used:
             first = epoch.recent[0][0] if epoch.recent else used
             if first <= used - 1:
                 last = unit_digest(epoch.recent[used - 1 - first][1])
+                made = epoch.made.get(used - 1, "")
         units = self.length if epoch.units is None else epoch.units
         end = epoch.end_proof if used == units and epoch.end_proof != "-" else ""
-        proof = Proof(last, end)
+        proof = Proof(last, end, made)
         epoch.proven = (used, proof)
         return proof
 

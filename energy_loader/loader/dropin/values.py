@@ -1,0 +1,96 @@
+"""The map-style drop-in's proof of values: a restore re-makes the last batch the saving loader
+handed out and checks that the same indices give the same values.
+
+A save records, next to the digest of the last batch's indices (:mod:`.position`), a digest of
+its values as collated (:func:`~energy_loader.state.digests.content_digest`, ``proof.made``),
+taken where the batch was made: in the worker process, or without workers before the loader
+handed it out, so that a training step writing into the batch changes nothing
+(:class:`~energy_loader.workers.fetch.BatchFetcher`). Once the re-run of the sampler has proven
+the indices, :class:`ValuesCheck` makes that batch again in the main process through the
+fetcher's own code (:meth:`~energy_loader.workers.fetch.BatchFetcher.remake`: the same
+per-sample seeds, ``__getitem__`` and ``collate_fn``), on one thread where a worker process
+made it, and raises ``StateMismatchError`` when its digest differs: a data file edited in
+place, a ``__getitem__`` that reads the clock, a counter or a generator nobody seeds.
+
+When it does not re-make (quietly): a state without ``proof.made`` (version 4 and before, a
+loader with ``verify_restore=False``, nothing handed out yet), a ``Stateful`` sampler that
+loaded its own state (the indices are not re-derived), a loader without ``seed_per_sample``
+(its augmentations are not reproducible), a loader that runs worker processes with a
+``worker_init_fn`` (the dataset may need what it sets up in a worker: the main process has
+none of it), and a dataset that ``copy.copy`` cannot copy (the batch is re-made on a shallow
+copy, so that what ``__getitem__`` opens lazily stays off the dataset the workers fork from).
+Not here: iterable-style datasets (:mod:`.iterable`: their pipeline has a proof of its own).
+Cost: one batch made in the main process per restore.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from ...errors import StateMismatchError
+from ...workers.fetch import BatchFetcher
+from .position import short_unit
+from .sampling import epoch_seed
+from .state import MapState
+
+__all__ = ["ValuesCheck"]
+
+
+class ValuesCheck:
+    """The engine's check of a restored state's last batch (see the module docstring);
+    :class:`~energy_loader.loader.dropin.stream.IndexStream` calls it with the state and the
+    saving loader's last unit once the re-run proved the indices."""
+
+    def __init__(self, fetcher: BatchFetcher, loader: DataLoader[Any], seed_per_sample: bool):
+        self.fetcher = fetcher
+        self.dataset_name = type(loader.dataset).__name__
+        # Re-made in the main process only where that is how a batch could be made.
+        self.enabled = seed_per_sample and not (loader.num_workers and loader.worker_init_fn)
+
+    def __call__(self, state: MapState, unit: Any) -> None:
+        made, job = state.proof.made, state.job
+        if not (self.enabled and made and unit is not None and job and job.seed is not None):
+            return
+        with _threads_as_in(bool(job.workers)):
+            try:
+                found = self.fetcher.remake(unit, epoch_seed(job.seed, state.epoch))
+            except Exception as error:
+                error.add_note(
+                    f"(raised while the restore re-made batch {state.used - 1} of epoch "
+                    f"{state.epoch}, indices {short_unit(unit)}, to check its values: pass "
+                    "verify_restore=False to skip the check)"
+                )
+                raise
+        if found is None or found == made:
+            return
+        raise StateMismatchError(
+            f"the restore re-made the last batch the saving loader handed out (batch "
+            f"{state.used - 1} of epoch {state.epoch}, indices {short_unit(unit)}) from the "
+            f"dataset {self.dataset_name}, and the same indices gave other values than they "
+            "gave then: the dataset makes this batch differently now. Usual causes: a data file "
+            "edited or replaced in place since the save; a __getitem__ (or collate_fn) that "
+            "reads the clock, a counter, or a random generator of its own that nobody seeds "
+            "(the loader seeds python's, numpy's and torch's global RNGs per sample); float "
+            "results that differ with the number of threads. Restore with the data (and code) "
+            "that saved the state, or pass verify_restore=False to the loader to continue with "
+            "the new values (docs/restores.md#the-drop-in-loaders-proof-of-values)"
+        )
+
+
+@contextlib.contextmanager
+def _threads_as_in(worker: bool) -> Iterator[None]:
+    """torch on one thread, as in a worker process, where a worker made the batch."""
+    threads = torch.get_num_threads()
+    if not worker or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
