@@ -95,11 +95,24 @@ class Snapshot:
     # one epoch of its partitions.
     era: int = 0
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A worker sends one every few items: its records' fields as rows, one call to rebuild.
+        rows = tuple(
+            (e.partition, e.checkpoint, e.skip, e.done, e.last, e.checkpoint_check, e.made)
+            for e in self.partitions
+        )
+        return _snapshot, (rows, self.next, self.era)
+
     @classmethod
     def at(cls, position: Position) -> Snapshot:
         """The snapshot of a position (where a worker starts)."""
         partitions, following = position
         return cls(tuple(partitions), following)
+
+
+def _snapshot(rows: tuple[tuple[Any, ...], ...], following: int, era: int) -> Snapshot:
+    """A :class:`Snapshot` from the rows its ``__reduce__`` sent."""
+    return Snapshot(tuple(PartitionState(*row) for row in rows), following, era)
 
 
 # Where a worker stands: each of its partitions' position, then whose turn is next.
@@ -110,6 +123,9 @@ Event = tuple[int, int, Any, str | None]
 
 class PositionBook(CheckpointRing):
     """A worker's :class:`Snapshot` ring plus which partition made each recent item.
+
+    Each snapshot is filed with its partitions' last keys and made digests as the book knew
+    them then (``(snapshot, lasts, mades)``): a worker sends neither, they come with the items.
 
     Kept by the main process for each worker (fed by :meth:`receive` with what comes with the
     items), and by the in-process runner when the loader has no workers. ``events`` holds
@@ -138,27 +154,18 @@ class PositionBook(CheckpointRing):
         last keys and made digests are the book's from here on."""
         self._lasts = [entry.last for entry in snapshot.partitions]
         self._mades = [entry.made for entry in snapshot.partitions]
-        super().add(-1, snapshot)
+        super().add(-1, (snapshot, tuple(self._lasts), tuple(self._mades)))
 
     def add(self, index: int, state: Any, *, optional: bool = False) -> bool:
-        """File snapshot ``state`` taken after item ``index``, each partition with the last
-        key and made digest the book knows of it."""
-        entries = state.partitions
-        lasts, mades = self._lasts, self._mades
-        if len(lasts) != len(entries):
-            lasts = self._lasts = [None] * len(entries)
-            mades = self._mades = [None] * len(entries)
-        state = Snapshot(
-            tuple(
-                PartitionState(
-                    e.partition, e.checkpoint, e.skip, e.done, last, e.checkpoint_check, made
-                )
-                for e, last, made in zip(entries, lasts, mades)
-            ),
-            state.next,
-            state.era,
-        )
-        return super().add(index, state, optional=optional)
+        """File snapshot ``state`` taken after item ``index`` with each partition's last key
+        and made digest as the book knows them now (a worker sends neither); a position read
+        off the book puts them into the partitions' records."""
+        count = len(state.partitions)
+        if len(self._lasts) != count:
+            self._lasts = [None] * count
+            self._mades = [None] * count
+        filed = (state, tuple(self._lasts), tuple(self._mades))
+        return super().add(index, filed, optional=optional)
 
     def _dropped_through(self, oldest: int) -> None:
         events = self.events
@@ -211,15 +218,16 @@ class PositionBook(CheckpointRing):
         over, as a new epoch does.
         """
         with self._lock:
-            index, snapshot = self._find(last_index)
+            index, (snapshot, filed_lasts, filed_mades) = self._find(last_index)
             events = [e for e in self.events if index < e[0] <= last_index]
-            earlier = [(i, s) for i, s in self._entries if i < index and s.era == snapshot.era]
+            earlier = [
+                (i, s[0]) for i, s in self._entries if i < index and s[0].era == snapshot.era
+            ]
             before = [e for e in self.events if e[0] <= index] if earlier else []
         entries, following = snapshot.partitions, snapshot.next
         count = len(entries)
         skips = [entry.skip for entry in entries]
-        lasts = [entry.last for entry in entries]
-        mades = [entry.made for entry in entries]
+        lasts, mades = list(filed_lasts), list(filed_mades)
         for _, slot, key, made in events:
             skips[slot] += 1
             lasts[slot] = key
