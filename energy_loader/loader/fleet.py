@@ -98,7 +98,7 @@ class WorkerFleet:
         self._books = []
         for logical in range(self.num_workers):
             book = PositionBook(settings.capacity, settings.in_flight)
-            book.add(-1, Snapshot.at(*starting(logical)))
+            book.start(Snapshot.at(starting(logical)))
             self._books.append(book)
         side.bundle_limits = context.RawArray("i", [side.items_per_transfer] * self.num_workers)
         self.open_transport()

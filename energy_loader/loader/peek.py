@@ -99,10 +99,7 @@ def future_items(
             yield pair
             turn = next_worker(due, slot, per_rank, count)
         empty_epochs = 0 if yielded else empty_epochs + 1
-        ended = [
-            (tuple(slot.partition for slot in runner.slots), runner.snapshot().states)
-            for runner in runners
-        ]
+        ended = [runner.snapshot() for runner in runners]
         current = [planner.ended_rank_state(ended, plan.start)]
 
 

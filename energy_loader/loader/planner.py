@@ -30,9 +30,8 @@ import attrs
 
 from ..dataset import SavableDataset
 from ..errors import StateFormatError, StateMismatchError
-from ..state.digests import last_digest
 from ..state.fingerprint import ConfigDifference, config_differences, describe_differences
-from ..state.positions import Position, Standing
+from ..state.positions import Position, Snapshot
 from ..state.rank_state import PartitionState, RankState, WorkerSlots
 from ..worker import WorkerConfig
 from ..workers.protocol import RunPlan
@@ -105,22 +104,13 @@ class Planner:
         """Where logical worker ``logical`` of ``plan`` stands before it starts: its restore
         states, or fresh."""
         slots = plan.workers[logical]
-        entries = []
-        for partition in slots.partitions:
-            restore = None if plan.restores is None else plan.restores[partition]
-            if restore is not None:
-                entries.append(
-                    Standing(
-                        restore.checkpoint,
-                        restore.skip,
-                        restore.done,
-                        restore.checkpoint_check,
-                        restore.last,
-                        restore.made,
-                    )
-                )
-            else:
-                entries.append(Standing(self.fresh_checkpoint(partition), 0, False, None, None))
+        restores = plan.restores
+        entries = [
+            PartitionState(partition, self.fresh_checkpoint(partition))
+            if restores is None
+            else restores[partition]
+            for partition in slots.partitions
+        ]
         return entries, slots.next
 
     def rank_state(
@@ -141,18 +131,7 @@ class Planner:
         for logical, (entries, following) in enumerate(positions):
             slots = plan.workers[logical]
             workers.append(WorkerSlots(slots.partitions, following, done[logical]))
-            for partition, entry in zip(slots.partitions, entries):
-                partitions.append(
-                    PartitionState(
-                        partition,
-                        entry.checkpoint,
-                        entry.skip,
-                        entry.done,
-                        last_digest(entry.last),
-                        entry.check,
-                        made=entry.made,
-                    )
-                )
+            partitions.extend(entries)
         return self._rank_state(
             self.config.rank,
             workers=tuple(workers),
@@ -183,16 +162,15 @@ class Planner:
             next_worker=0,
         )
 
-    def ended_rank_state(
-        self, workers: Sequence[tuple[tuple[int, ...], Sequence[dict[str, Any]]]], start: int
-    ) -> RankState:
-        """The state of this rank right after its epoch ended, from each worker's partitions
-        and their states (for ``peek``, which runs the workers in this process)."""
-        slots, partitions = [], []
-        for numbers, states in workers:
-            slots.append(WorkerSlots(tuple(numbers), 0, True))
-            for partition, checkpoint in zip(numbers, states):
-                partitions.append(PartitionState(partition, checkpoint, 0, True))
+    def ended_rank_state(self, workers: Sequence[Snapshot], start: int) -> RankState:
+        """The state of this rank right after its epoch ended, from each worker's snapshot
+        (for ``peek``, which runs the workers in this process)."""
+        slots: list[WorkerSlots] = []
+        partitions: list[PartitionState] = []
+        for snapshot in workers:
+            entries = snapshot.partitions
+            slots.append(WorkerSlots(tuple(entry.partition for entry in entries), 0, True))
+            partitions.extend(PartitionState(e.partition, e.checkpoint, 0, True) for e in entries)
         return self._rank_state(
             self.config.rank,
             workers=tuple(slots),

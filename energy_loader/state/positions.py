@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import attrs
 
-__all__ = ["CheckpointRing", "Position", "PositionBook", "Snapshot", "Standing"]
+from .digests import last_digest
+from .rank_state import PartitionState
+
+__all__ = ["CheckpointRing", "Position", "PositionBook", "Snapshot"]
 
 
 class CheckpointRing:
@@ -76,66 +78,54 @@ class CheckpointRing:
 
 @attrs.frozen
 class Snapshot:
-    """One rolling checkpoint of a worker: every partition's state, in the worker's order.
+    """One rolling checkpoint of a worker: each of its partitions' position, in the worker's
+    order, then ``next``, whose turn came next.
 
-    ``skips`` are items of each partition still to be replayed on top of its state (nonzero
-    only for the snapshot a restored worker starts from), ``done`` which partitions had ended
-    their epoch, ``next`` whose turn came next, ``era`` which of the worker's epochs it was
-    taken in. ``checks`` are the states' digests where the
-    worker process computed them (off the training loop's thread), else ``None``. ``lasts``
-    are the restore keys of each partition's last item handed out (or their saved digests),
-    ``mades`` the digests of those items' values as they were made
-    (:func:`~energy_loader.state.digests.content_digest`): a worker sends neither, the book
-    that files a snapshot knows them from the items.
+    Each :class:`~energy_loader.state.rank_state.PartitionState` is the record a save writes:
+    its ``skip`` counts items still to be replayed on top of its checkpoint (nonzero only in
+    the snapshot a restored worker starts from), its ``checkpoint_check`` is the checkpoint's
+    digest where the worker process computed it (off the training loop's thread), else
+    ``None``. A worker sends neither ``last`` nor ``made``: the book that files a snapshot
+    knows them from the items. ``era`` is which of the worker's epochs it was taken in.
     """
 
-    states: tuple[dict[str, Any], ...]
-    skips: tuple[int, ...]
-    done: tuple[bool, ...]
+    partitions: tuple[PartitionState, ...]
     next: int
-    checks: tuple[str | None, ...] | None = None
-    lasts: tuple[Any, ...] | None = None
-    mades: tuple[str | None, ...] | None = None
     # How many epochs the worker had begun since it started: snapshots of one era belong to
     # one epoch of its partitions.
     era: int = 0
 
-    @classmethod
-    def at(cls, entries: Sequence[Standing], following: int) -> Snapshot:
-        """The snapshot of a position: each partition's standing, then ``next``."""
-        return cls(
-            tuple(entry.checkpoint for entry in entries),
-            tuple(entry.skip for entry in entries),
-            tuple(entry.done for entry in entries),
-            following,
-            tuple(entry.check for entry in entries),
-            tuple(entry.last for entry in entries),
-            tuple(entry.made for entry in entries),
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A worker sends one every few items: its records' fields as rows, one call to rebuild.
+        rows = tuple(
+            (e.partition, e.checkpoint, e.skip, e.done, e.last, e.checkpoint_check, e.made)
+            for e in self.partitions
         )
+        return _snapshot, (rows, self.next, self.era)
+
+    @classmethod
+    def at(cls, position: Position) -> Snapshot:
+        """The snapshot of a position (where a worker starts)."""
+        partitions, following = position
+        return cls(tuple(partitions), following)
 
 
-class Standing(NamedTuple):
-    """Where one partition stands: a checkpoint, items to replay on top of it, whether it
-    ended its epoch, the checkpoint's digest (``None``: not computed yet), the restore key
-    of its last item handed out (or that key's saved digest; ``None``: none) and the digest
-    of that item's values as it was made (``None``: not computed)."""
-
-    checkpoint: dict[str, Any]
-    skip: int
-    done: bool
-    check: str | None
-    last: Any
-    made: str | None = None
+def _snapshot(rows: tuple[tuple[Any, ...], ...], following: int, era: int) -> Snapshot:
+    """A :class:`Snapshot` from the rows its ``__reduce__`` sent."""
+    return Snapshot(tuple(PartitionState(*row) for row in rows), following, era)
 
 
-# Where a worker stands: each partition's standing, then whose turn is next.
-Position = tuple[list[Standing], int]
+# Where a worker stands: each of its partitions' position, then whose turn is next.
+Position = tuple[list[PartitionState], int]
 # One item in a book: its index, the slot that made it, its restore key, its made digest.
 Event = tuple[int, int, Any, str | None]
 
 
 class PositionBook(CheckpointRing):
     """A worker's :class:`Snapshot` ring plus which partition made each recent item.
+
+    Each snapshot is filed with its partitions' last keys and made digests as the book knew
+    them then (``(snapshot, lasts, mades)``): a worker sends neither, they come with the items.
 
     Kept by the main process for each worker (fed by :meth:`receive` with what comes with the
     items), and by the in-process runner when the loader has no workers. ``events`` holds
@@ -159,20 +149,23 @@ class PositionBook(CheckpointRing):
         self._lasts: list[Any] = []
         self._mades: list[str | None] = []
 
+    def start(self, snapshot: Snapshot) -> None:
+        """File where the worker starts (before its first item, index -1): its partitions'
+        last keys and made digests are the book's from here on."""
+        self._lasts = [entry.last for entry in snapshot.partitions]
+        self._mades = [entry.made for entry in snapshot.partitions]
+        super().add(-1, (snapshot, tuple(self._lasts), tuple(self._mades)))
+
     def add(self, index: int, state: Any, *, optional: bool = False) -> bool:
-        """File snapshot ``state`` taken after item ``index`` with the slots' last keys and
-        made digests: its own when it brings them (where a restored worker starts), else the
-        book's."""
-        count = len(state.states)
-        if state.lasts is not None:
-            self._lasts = list(state.lasts)
-            self._mades = list(state.mades or (None,) * count)
-        else:
-            if len(self._lasts) != count:
-                self._lasts = [None] * count
-                self._mades = [None] * count
-            state = attrs.evolve(state, lasts=tuple(self._lasts), mades=tuple(self._mades))
-        return super().add(index, state, optional=optional)
+        """File snapshot ``state`` taken after item ``index`` with each partition's last key
+        and made digest as the book knows them now (a worker sends neither); a position read
+        off the book puts them into the partitions' records."""
+        count = len(state.partitions)
+        if len(self._lasts) != count:
+            self._lasts = [None] * count
+            self._mades = [None] * count
+        filed = (state, tuple(self._lasts), tuple(self._mades))
+        return super().add(index, filed, optional=optional)
 
     def _dropped_through(self, oldest: int) -> None:
         events = self.events
@@ -215,7 +208,8 @@ class PositionBook(CheckpointRing):
                 self.add(taken_at, snapshot)
 
     def position_at(self, last_index: int, *, epoch_ended: bool = True) -> Position:
-        """Each partition's standing and the next slot after ``last_index``.
+        """Each partition's position and the next slot after ``last_index``, as a save
+        writes them (``last`` as its digest).
 
         ``epoch_ended=False``: the worker has not ended the rank's current epoch. If the
         newest snapshot is then one of an epoch it *has* ended (its next epoch's first
@@ -224,48 +218,53 @@ class PositionBook(CheckpointRing):
         over, as a new epoch does.
         """
         with self._lock:
-            index, snapshot = self._find(last_index)
+            index, (snapshot, filed_lasts, filed_mades) = self._find(last_index)
             events = [e for e in self.events if index < e[0] <= last_index]
-            earlier = [(i, s) for i, s in self._entries if i < index and s.era == snapshot.era]
+            earlier = [
+                (i, s[0]) for i, s in self._entries if i < index and s[0].era == snapshot.era
+            ]
             before = [e for e in self.events if e[0] <= index] if earlier else []
-        skips, following = list(snapshot.skips), snapshot.next
-        count = len(skips)
-        lasts = list(snapshot.lasts or (None,) * count)
-        mades = list(snapshot.mades or (None,) * count)
+        entries, following = snapshot.partitions, snapshot.next
+        count = len(entries)
+        skips = [entry.skip for entry in entries]
+        lasts, mades = list(filed_lasts), list(filed_mades)
         for _, slot, key, made in events:
             skips[slot] += 1
             lasts[slot] = key
             mades[slot] = made
             following = (slot + 1) % count
-        checks = snapshot.checks or (None,) * count
-        if not epoch_ended and index <= self.boundary:
-            return [
-                Standing(s, k, False, c, last, made)
-                for s, k, c, last, made in zip(snapshot.states, skips, checks, lasts, mades)
-            ], 0
-        standings = [
-            Standing(s, k, d, c, last, made)
-            for s, k, d, c, last, made in zip(
-                snapshot.states, skips, snapshot.done, checks, lasts, mades
+        restart = not epoch_ended and index <= self.boundary
+        states = [
+            PartitionState(
+                e.partition,
+                e.checkpoint,
+                skip,
+                False if restart else e.done,
+                last_digest(last),
+                e.checkpoint_check,
+                made,
             )
+            for e, skip, last, made in zip(entries, skips, lasts, mades)
         ]
-        for slot, standing in enumerate(standings):
+        if restart:
+            return states, 0
+        for slot, state in enumerate(states):
             if (
-                not standing.skip
-                and not standing.done
-                and (standing.last is not None or standing.made is not None)
+                not state.skip
+                and not state.done
+                and (state.last is not None or state.made is not None)
             ):
-                standings[slot] = _remade(slot, standing, earlier, before + events) or standing
-        return standings, following
+                states[slot] = _remade(slot, state, earlier, before + events) or state
+        return states, following
 
 
 def _remade(
     slot: int,
-    standing: Standing,
+    state: PartitionState,
     earlier: list[tuple[int, Snapshot]],
     events: list[Event],
-) -> Standing | None:
-    """``slot``'s standing from the newest earlier snapshot (of the same epoch) before its
+) -> PartitionState | None:
+    """``slot``'s position from the newest earlier snapshot (of the same epoch) before its
     last item, so that a restore re-makes that item and checks it against the proof; None
     when no such snapshot is kept.
 
@@ -281,11 +280,15 @@ def _remade(
     last_item = items[-1]
     for taken_at, snapshot in reversed(earlier):
         if taken_at < last_item:
-            if snapshot.done[slot]:
+            entry = snapshot.partitions[slot]
+            if entry.done:
                 return None
-            skip = snapshot.skips[slot] + sum(index > taken_at for index in items)
-            check = snapshot.checks[slot] if snapshot.checks else None
-            return standing._replace(
-                checkpoint=snapshot.states[slot], skip=skip, done=False, check=check
+            skip = entry.skip + sum(index > taken_at for index in items)
+            return attrs.evolve(
+                state,
+                checkpoint=entry.checkpoint,
+                skip=skip,
+                done=False,
+                checkpoint_check=entry.checkpoint_check,
             )
     return None

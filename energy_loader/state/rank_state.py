@@ -83,25 +83,43 @@ _CONFIG_CHECKS: dict[int, tuple[Any, str]] = {}
 
 @attrs.frozen
 class PartitionState:
-    """Where one logical partition stands: a pipeline checkpoint plus items to replay.
+    """One partition's position: a pipeline checkpoint plus items to replay on top of it.
 
-    ``last`` is the digest of the restore key of the last item the partition handed out and
-    ``made`` the digest of that item's values as it was made
+    The one record of a partition's position, from a worker's rolling snapshot
+    (:class:`~energy_loader.state.positions.Snapshot`) through the book that files it and a
+    restore's plan to the state file, which holds one per partition. ``done``: the partition
+    had ended its epoch. ``last`` is the digest of the restore key of the last item the
+    partition handed out and ``made`` the digest of that item's values as it was made
     (:func:`~energy_loader.state.digests.content_digest`): the restore's proof, ``None`` where
-    there is none to check. ``checkpoint_check`` is the checkpoint's digest when the worker
-    that took it already computed it (else it is computed when the state is encoded).
+    there is none to check (while a worker's book holds a snapshot, ``last`` is the key
+    itself: a position read off the book holds its digest). ``checkpoint_check`` is the
+    checkpoint's digest when the worker that took it already computed it (else it is
+    computed when the state is encoded).
     """
 
     partition: int
     checkpoint: dict[str, Any]
     skip: int = 0
     done: bool = False
-    last: str | None = None
+    last: Any = None
     checkpoint_check: str | None = attrs.field(default=None, eq=False)
     made: str | None = None
     # Of the items to replay, how many the pipeline may lack: a restore with smaller batches
     # (scale k) re-makes an epoch's short last batch as fewer than k batches. Never saved.
     replay_slack: int = attrs.field(default=0, eq=False)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Snapshots travel from each worker every few items: the fields alone, by position.
+        return PartitionState, (
+            self.partition,
+            self.checkpoint,
+            self.skip,
+            self.done,
+            self.last,
+            self.checkpoint_check,
+            self.made,
+            self.replay_slack,
+        )
 
     def check(self) -> str:
         """The digest of this entry, as ``to_plain`` writes it (without ``made`` when it is

@@ -10,7 +10,7 @@ Torch's DataLoader workers iterate a :class:`WorkerSideDataset`. In each worker 
    epoch, and numbers every item it yields (``index`` counts up for the life of the worker
    process; an epoch's last item is an end marker, so the main process knows this worker is
    done);
-3. takes rolling checkpoints (:class:`Snapshot`: the state of all its partitions) right after
+3. takes rolling checkpoints (:class:`Snapshot`: the position of all its partitions) right after
    an item is made, every ``every_n`` items (and every ``every_sec`` seconds), and when a
    partition ends its epoch or a new epoch begins, and sends each one *with the next item*,
    together with which partition made that item and a digest of the item's values
@@ -46,7 +46,7 @@ from ..errors import StateMismatchError
 from ..metrics import WorkerCounters, clock
 from ..state.digests import checkpoint_digest, content_digest, key_digest
 from ..state.fingerprint import user_code
-from ..state.positions import Position, PositionBook, Snapshot, Standing
+from ..state.positions import Position, PositionBook, Snapshot
 from ..state.rank_state import PartitionState
 from ..worker import active_worker, enter_worker, leave_worker, set_process_worker
 from .commands import CommandServer, exit_without_flushing_if_orphaned
@@ -150,7 +150,7 @@ class Runner:
         # stand" is what the runner was started with: their checkpoints and replay counts. In
         # a worker process the main process's book starts from the same (see the loader).
         if self.outbox is None:
-            self.book.add(-1, self._starting_snapshot())
+            self.book.start(self._starting_snapshot())
         # Items leave the worker encoded by the batch codec, when the loader uses it.
         self.encode = None if owner.transport is None else owner.transport.encoder(physical_id)
         if owner.channels is not None:
@@ -158,32 +158,24 @@ class Runner:
 
     def _starting_snapshot(self) -> Snapshot:
         """The partitions as the runner was started: fresh, or their restore states."""
-        if self.restores is None:
-            states = []
-            for slot in self.slots:
-                slot.pipeline.reset_state()
-                states.append(slot.pipeline.save_state())
-            count = len(states)
-            return Snapshot(tuple(states), (0,) * count, (False,) * count, 0, None, (None,) * count)
-        standing = [
-            Standing(r.checkpoint, r.skip, r.done, r.checkpoint_check, r.last, r.made)
-            for r in self.restores
-        ]
-        return Snapshot.at(standing, self.next)
+        if self.restores is not None:
+            return Snapshot(tuple(self.restores), self.next)
+        entries = []
+        for slot in self.slots:
+            slot.pipeline.reset_state()
+            entries.append(PartitionState(slot.partition, slot.pipeline.save_state()))
+        return Snapshot(tuple(entries), 0)
 
     def snapshot(self) -> Snapshot:
-        """Every partition's state now (iterating thread only, between items). In a worker
-        process the states' digests are computed here, off the training loop's thread."""
-        slots = self.slots
-        states = tuple(slot.pipeline.save_state() for slot in slots)
-        return Snapshot(
-            states,
-            (0,) * len(slots),
-            tuple(slot.done for slot in slots),
-            self.next,
-            None if self.outbox is None else tuple(map(checkpoint_digest, states)),
-            era=self.era,
-        )
+        """Every partition's position now (iterating thread only, between items). In a worker
+        process the checkpoints' digests are computed here, off the training loop's thread."""
+        digests = self.outbox is not None
+        entries = []
+        for slot in self.slots:
+            state = slot.pipeline.save_state()
+            check = checkpoint_digest(state) if digests else None
+            entries.append(PartitionState(slot.partition, state, 0, slot.done, None, check))
+        return Snapshot(tuple(entries), self.next, self.era)
 
     def position_at(self, last_index: int) -> Position:
         """Where each partition stands after item ``last_index`` (iterating thread): the

@@ -164,3 +164,21 @@ def test_state_dict_leaves_are_the_compact_json_of_the_whole_leaf(workers: int) 
         assert text == json.dumps(leaf, separators=(",", ":"))
     assert loader.state_dict_of_ranks([plain]) == leaves
     loader.close()
+
+
+def test_a_partition_state_crosses_a_process_boundary_whole() -> None:
+    """A worker's snapshot pickles each partition's record: every field comes back, those
+    that equality ignores (the checkpoint's digest with its JSON, the replay slack) too."""
+    import pickle
+
+    from energy_loader.state.digests import checkpoint_digest
+    from energy_loader.state.rank_state import PartitionState
+
+    checkpoint = {"source": {"position": 17}, "buffer": [3, 1, 2]}
+    entry = PartitionState(
+        5, checkpoint, 2, False, ("key", 9), checkpoint_digest(checkpoint), "m" * 16, 1
+    )
+    back = pickle.loads(pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL))
+    assert back == entry
+    assert (back.checkpoint_check, back.replay_slack) == (entry.checkpoint_check, 1)
+    assert back.checkpoint_check.text == json.dumps(checkpoint, separators=(",", ":"))
