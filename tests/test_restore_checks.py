@@ -463,3 +463,35 @@ def test_a_state_of_another_pipeline_is_refused_with_the_way_out() -> None:
     message = str(refused.value)
     assert message.startswith("the state belongs to a different pipeline: ")
     assert "FilterDataset" in message and "inspect" in message and "whole factor" in message
+
+
+_LIMIT = {"below": 1000}
+
+
+def _below_limit(sample: dict) -> bool:
+    return sample["index"] < _LIMIT["below"]
+
+
+def test_a_pipeline_that_makes_fewer_items_than_the_save_replayed_names_its_stages() -> None:
+    def build() -> el.SavableDataLoader:
+        source = el.IndexedSource.from_fn(40, MakeSample())
+        return el.SavableDataLoader(
+            el.FilterDataset(source, _below_limit),
+            checkpoint_every_n_samples=8,
+            checkpoint_every_sec=None,
+        )
+
+    state, _ = saved_at(build(), 38)  # a checkpoint after 32 items: 6 to replay
+    (partition,) = state["partitions"]
+    assert partition["skip"] == 6
+    _LIMIT["below"] = 35  # the predicate now drops the last items: the replay ends early
+    try:
+        changed = build()
+        changed.restore_state_rank(state)
+        with pytest.raises(el.StateMismatchError) as refused:
+            next(iter(changed))
+    finally:
+        _LIMIT["below"] = 1000
+    message = str(refused.value)
+    assert "expected 6 item(s) to replay" in message and "ended after 3" in message
+    assert "FilterDataset.predicate" in message and "IndexedSource" in message

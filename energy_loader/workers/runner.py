@@ -238,11 +238,7 @@ class Runner:
             if pair is _END and replayed >= restore.skip - restore.replay_slack:
                 return  # the saved epoch's short last batch, re-made smaller: its end is next
             if pair is _END:
-                raise StateMismatchError(
-                    f"partition {slot.partition}: the pipeline ended after {replayed} of "
-                    f"the {restore.skip} samples to replay from its checkpoint; is the "
-                    "pipeline deterministic (same data, functions and seed)?"
-                )
+                raise StateMismatchError(_ended_early(slot, restore, replayed))
         if not verify or not restore.skip:
             return
         # The proof: the last item replayed is the last one the saving loader handed out...
@@ -374,9 +370,30 @@ def _shown(key: Any) -> str:
     return shown if len(shown) <= 160 else shown[:150] + " ...)"
 
 
+def _where_from(slot: Slot) -> str:
+    """The stages that run the user's code and the sources, for a refusal's message."""
+    functions, sources = user_code(slot.pipeline.config())
+    stages = ", ".join(functions) if functions else "none"
+    return (
+        f"the stages that run your code ({stages}) and the data the sources read "
+        f"({', '.join(sources)})"
+    )
+
+
+def _ended_early(slot: Slot, restore: PartitionState, replayed: int) -> str:
+    """The refusal of a partition whose pipeline ended before its items to replay did."""
+    return (
+        f"partition {slot.partition}: the restore expected {restore.skip} item(s) to replay "
+        f"from its checkpoint, but the pipeline ended after {replayed}: it makes fewer items "
+        f"from the same checkpoint than the saving run did. Where it can come from: "
+        f"{_where_from(slot)}. Usual causes: a filter's predicate or a function that changed "
+        "since the save or draws from a generator nobody seeds; a data file that lost "
+        "records. Restore with the pipeline (and data) that saved the state"
+    )
+
+
 def _other_values(slot: Slot, restore: PartitionState, key: Any) -> str:
     """The refusal of a partition that re-made its last item with other values."""
-    functions, sources = user_code(slot.pipeline.config())
     if restore.last is not None:
         what = (
             f"re-made the last item the saving loader handed out there (restore key "
@@ -388,11 +405,9 @@ def _other_values(slot: Slot, restore: PartitionState, key: Any) -> str:
             "re-made its last item with other values than the one the saving loader handed "
             "out there (its items carry no restore key: it may also be another item)"
         )
-    stages = ", ".join(functions) if functions else "none"
     return (
         f"partition {slot.partition}: the restore replayed {restore.skip} item(s) from its "
-        f"checkpoint and {what}. Where it can come from: the stages that run your code "
-        f"({stages}) and the data the sources read ({', '.join(sources)}). Usual causes: a "
+        f"checkpoint and {what}. Where it can come from: {_where_from(slot)}. Usual causes: a "
         "function that changed since the save, or that reads the clock, a generator nobody "
         "seeds or a global counter; a data file edited in place; float results that differ "
         "with the number of threads. Restore with the pipeline (and data) that saved the "
