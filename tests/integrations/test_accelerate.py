@@ -130,7 +130,8 @@ def two_ranks_dropin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _kill_and_resume(tmp_path_factory.mktemp("accelerate_dropin"), dropin=True)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.slow  # two torchrun-style ranks killed and resumed, ~20 s; test_distributed kills
+@pytest.mark.timeout(300)  # and resumes rank programs in the default run
 @pytest.mark.parametrize("run", ["two_ranks", "two_ranks_dropin"])
 def test_two_processes_killed_mid_epoch_resume_every_rank_exactly(
     run: str, request: pytest.FixtureRequest
@@ -150,6 +151,7 @@ def test_two_processes_killed_mid_epoch_resume_every_rank_exactly(
     assert sorted(samples) == list(range(48))  # the ranks read disjoint halves of an epoch
 
 
+@pytest.mark.slow  # (the two_ranks fixture's job)
 @pytest.mark.timeout(300)
 def test_a_two_process_checkpoint_resumes_on_one_process(two_ranks: Path) -> None:
     """Two ranks x one worker and one process x two workers run the same 2 partitions: the

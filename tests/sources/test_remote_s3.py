@@ -303,6 +303,7 @@ def _index_command(*args: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # the index command in a process of its own; reading S3 runs by default
 def test_index_command_indexes_an_s3_folder_on_a_given_endpoint(
     s3, wds_local, tmp_path, monkeypatch
 ):
@@ -332,6 +333,7 @@ def test_index_command_indexes_an_s3_folder_on_a_given_endpoint(
     assert [s["json"]["i"] for s in plain] == list(range(18))
 
 
+@pytest.mark.slow  # the index command in a process of its own; reading S3 runs by default
 def test_index_command_on_an_unreachable_endpoint_is_one_line_and_exit_1(wds_local):
     endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     result = _index_command(
