@@ -106,13 +106,6 @@ def restore_key_of(sample: Any) -> Key | None:
     return getattr(sample, RESTORE_KEY, None)
 
 
-def strip_restore_key(sample: Any) -> Any:
-    """``sample`` without its restore key entry (dicts only; others are returned as is)."""
-    if isinstance(sample, dict) and RESTORE_KEY in sample:
-        return {k: v for k, v in sample.items() if k != RESTORE_KEY}
-    return sample
-
-
 def callable_name(fn: Callable[..., Any]) -> str:
     """``module.qualname`` of a function or callable object, for configs and messages."""
     target = fn if hasattr(fn, "__qualname__") else type(fn)

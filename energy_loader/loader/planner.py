@@ -144,24 +144,6 @@ class Planner:
             next_worker=next_worker,
         )
 
-    def fresh_rank_state(self, rank: int) -> RankState:
-        """What rank ``rank`` of this layout saves before it starts: every partition fresh."""
-        workers = self.layout().worker_slots(rank)
-        partitions = tuple(
-            PartitionState(p, self.fresh_checkpoint(p)) for w in workers for p in w.partitions
-        )
-        return self._rank_state(
-            rank,
-            workers=workers,
-            partitions=partitions,
-            epoch=0,
-            in_epoch=False,
-            epoch_ended=False,
-            delivered=0,
-            start=0,
-            next_worker=0,
-        )
-
     def ended_rank_state(self, workers: Sequence[Snapshot], start: int) -> RankState:
         """The state of this rank right after its epoch ended, from each worker's snapshot
         (for ``peek``, which runs the workers in this process)."""

@@ -48,7 +48,7 @@ import attrs
 from torch.utils.data import Dataset, Subset, get_worker_info
 
 from ..metrics import clock
-from ..rng import fold_key, kept_rng_state, seed_globals_for_sample
+from ..rng import kept_rng_state, seed_globals_for_sample
 from ..state.digests import content_digest
 from ..torch_internals import ExceptionWrapper, set_worker_info
 from ..transport import Packet, WorkerTransport, decode
@@ -256,11 +256,3 @@ class WorkerInit:
             set_worker_info(dataset=fetcher.dataset)
         if self.user_fn is not None:
             self.user_fn(worker_id)
-
-
-def epoch_seed_of(parts: Sequence[Any]) -> int:
-    """A 64-bit epoch seed from plain parts (the epoch, a digest of the RNG states)."""
-    value = 0
-    for part in parts:
-        value = fold_key(value, part)
-    return value
