@@ -343,3 +343,27 @@ def test_a_function_swapped_between_save_and_restore_is_refused_or_warned_with_w
     spec: PipelineSpec, mode: str, stop: int
 ) -> None:
     _swapped_restore(spec, 2, mode, stop)
+
+
+@pytest.mark.parametrize("entry", ["state_dict", "rank_file", "gathered"])
+def test_other_values_are_refused_through_every_entry_point(entry, shift, tmp_path) -> None:
+    """A state reaches the restore through leaves, a folder of rank files or a gathered
+    list: the proof of values is checked the same on each path."""
+    loader = _loader(_batched(_shifted))
+    iterator = iter(loader)
+    for _ in range(11):
+        next(iterator)
+    leaves = json.loads(json.dumps(loader.state_dict()))
+    state = loader.save_state_rank()
+    el.save_state_rank_file(loader, tmp_path)
+    assert _has_proof(state)
+    shift["value"] = 1
+    changed = _loader(_batched(_shifted))
+    if entry == "state_dict":
+        changed.load_state_dict(leaves)
+    elif entry == "rank_file":
+        el.restore_state_rank_file(changed, tmp_path)
+    else:
+        changed.restore_state_global([state])
+    with pytest.raises(el.StateMismatchError, match="with other values"):
+        next(iter(changed))

@@ -274,3 +274,25 @@ def test_the_re_make_leaves_the_loader_s_dataset_as_it_was(tmp_path: Path) -> No
     restored.close()
     assert dataset.handle is not None
     dataset.handle.close()
+
+
+@pytest.mark.parametrize("entry", ["state_dict", "rank_file"])
+def test_an_edited_file_is_refused_through_every_entry_point(tmp_path: Path, entry: str) -> None:
+    """Leaves or a rank file: the restore re-makes the last batch and compares the same."""
+    folder = _write(tmp_path / "data")
+    loader = _loader(NpyFiles(folder), 0)
+    iterator = iter(loader)
+    for _ in range(3):
+        last = next(iterator)["index"].tolist()
+    leaves = json.loads(json.dumps(loader.state_dict()))
+    el.save_state_rank_file(loader, tmp_path / "states")
+    loader.close()
+    _edit(folder, last[:1])
+    restored = _loader(NpyFiles(folder), 0)
+    if entry == "state_dict":
+        restored.load_state_dict(leaves)
+    else:
+        el.restore_state_rank_file(restored, tmp_path / "states")
+    with pytest.raises(StateMismatchError, match="the same indices gave other values"):
+        iter(restored)
+    restored.close()
