@@ -44,9 +44,30 @@ def _runs_slow(config: pytest.Config) -> bool:
     return config.getoption("--run-slow") or os.environ.get("ENERGY_LOADER_RUN_SLOW") == "1"
 
 
+# Test modules whose tests import heavy libraries (Lightning, Transformers, datasets, s3fs and
+# moto, torch.distributed.checkpoint: 20-200 MB each) run last. An import stays for the rest of
+# the session, and every worker process a later test starts is a fork of this process: its
+# start copies the page tables of everything imported (a 2-worker loader starts in ~60 ms
+# from a light process, ~80 ms from a heavy one). Their modules import them inside the tests
+# (tests.helpers.LazyModule), not at collection.
+RUN_LAST = (
+    "tests/test_peek_replay.py",
+    "tests/loader/test_dropin_cli.py",
+    "tests/test_dcp_scale.py",
+    "tests/sources/test_huggingface.py",
+    "tests/sources/test_remote_s3.py",
+    "tests/loader/test_dropin_huggingface.py",
+    "tests/loader/test_dropin_lightning.py",
+    "tests/test_bench_workloads.py",
+    "tests/integrations/",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Deselect (and count as deselected) the slow tests unless asked for; a test named on the
-    command line (``tests/x.py::test_y``, or one of its parameters) always runs."""
+    """Run the :data:`RUN_LAST` modules last (the order of the others kept); deselect (and
+    count as deselected) the slow tests unless asked for; a test named on the command line
+    (``tests/x.py::test_y``, or one of its parameters) always runs."""
+    items.sort(key=lambda item: item.nodeid.startswith(RUN_LAST))
     if _runs_slow(config):
         return
     named = [arg.split("::", 1)[1] for arg in config.args if "::" in arg]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import os
 import random
@@ -28,6 +29,25 @@ SLOW_MODEL_EXAMPLES = settings(max_examples=500 if _NIGHTLY else 30)
 # processes in the slow step (CI runs both): the default run's drawn pipelines of every
 # wrapper already resume with 1-3 workers (test_pipeline_properties_all).
 WORKERS_0_AND_2 = [0, pytest.param(2, marks=pytest.mark.slow)]
+
+
+class LazyModule:
+    """Module ``name``, imported at the first read of one of its names.
+
+    For the test modules of the heavy integrations (Lightning, Transformers: 140-200 MB once
+    imported): collection does not import them, and the tests that run before them fork their
+    worker processes from a smaller process.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._lazy_name = name
+
+    def __getattr__(self, attribute: str) -> Any:
+        # pytest's collection probes every global of a test module (``__wrapped__``,
+        # ``_mock_name``): those are answered without the import.
+        if attribute.startswith("__") or attribute == "_mock_name":
+            raise AttributeError(attribute)
+        return getattr(importlib.import_module(self._lazy_name), attribute)
 
 
 def resealed(state: dict[str, Any]) -> dict[str, Any]:

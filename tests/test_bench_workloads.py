@@ -10,7 +10,6 @@ import subprocess
 import sys
 import tarfile
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
@@ -21,6 +20,10 @@ from energy_loader import SavableDataLoader
 from energy_loader.cli.bench import llm, vision
 from energy_loader.cli.bench.data import CLASSES, EOS, PAD, ensure_data, parquet_files, tar_shards
 from energy_loader.testing import check_resume
+from tests.helpers import LazyModule
+
+# pyarrow is imported by the first test that runs, not at collection (LazyModule says why).
+pq = LazyModule("pyarrow.parquet")
 
 DOCS = 240
 IMAGES = 96

@@ -19,19 +19,21 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan
-from torch.distributed.checkpoint.planner import SavePlanner as TorchSavePlanner
 
 import energy_loader as el
 from energy_loader.state.rank_state import rank_slots, slot_key
 from energy_loader.testing.storage import CountingReader
-from tests import dcp_scale_helpers as helpers
 from tests import distributed_helpers as dh
-from tests.helpers import reference_pipeline
+from tests.helpers import LazyModule, reference_pipeline
+
+# torch.distributed.checkpoint (~45 MB) is imported by the first test that runs, not at
+# collection (LazyModule says why).
+dcp = LazyModule("torch.distributed.checkpoint")
+dcp_api = LazyModule("torch.distributed.checkpoint.api")
+default_planner = LazyModule("torch.distributed.checkpoint.default_planner")
+dcp_metadata = LazyModule("torch.distributed.checkpoint.metadata")
+dcp_planner = LazyModule("torch.distributed.checkpoint.planner")
+helpers = LazyModule("tests.dcp_scale_helpers")
 
 
 def _read(path: Path) -> Any:
@@ -57,7 +59,7 @@ def test_first_map_wins_is_chainmap_in_value_and_order() -> None:
     assert list(merged) == list(dict(ChainMap(*maps)))
 
 
-def _rank_plans(world_size: int, partitions: int) -> list[SavePlan]:
+def _rank_plans(world_size: int, partitions: int) -> list[dcp_planner.SavePlan]:
     """Every rank's local save plan of a model replicated on all ranks, a step counter and a
     loader that took a few batches: what each rank sends DCP's coordinator."""
     plans = []
@@ -68,21 +70,23 @@ def _rank_plans(world_size: int, partitions: int) -> list[SavePlan]:
             next(iterator)
         state = {"model": {"w": torch.ones(3), "b": torch.zeros(1)}, "step": 7}
         state["loader"] = loader.state_dict()
-        planner = DefaultSavePlanner()
+        planner = default_planner.DefaultSavePlanner()
         planner.set_up_planner(state, storage_meta=None, is_coordinator=rank == 0)
         plans.append(planner.create_local_plan())
         loader.close()
     return plans
 
 
-def _global(planner: DefaultSavePlanner, plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+def _global(
+    planner: default_planner.DefaultSavePlanner, plans: list[dcp_planner.SavePlan]
+) -> tuple[list[dcp_planner.SavePlan], dcp_metadata.Metadata]:
     planner.set_up_planner({}, storage_meta=None, is_coordinator=True)
     return planner.create_global_plan(plans)
 
 
 def test_the_save_planner_plans_exactly_what_torch_plans() -> None:
     plans = _rank_plans(world_size=3, partitions=6)
-    torch_plan, torch_metadata = _global(DefaultSavePlanner(), plans)
+    torch_plan, torch_metadata = _global(default_planner.DefaultSavePlanner(), plans)
     our_plan, our_metadata = _global(el.dcp.SavePlanner(), plans)
     assert our_plan == torch_plan
     assert our_metadata == torch_metadata
@@ -99,18 +103,18 @@ def test_with_plan_caching_an_unchanged_save_reuses_the_plan() -> None:
     planner = el.dcp.SavePlanner(enable_plan_caching=True)
     try:
         _, first = _global(planner, plans)
-        unchanged = [SavePlan([], usable=False)] * len(plans)
+        unchanged = [dcp_planner.SavePlan([], usable=False)] * len(plans)
         delta, second = _global(el.dcp.SavePlanner(enable_plan_caching=True), unchanged)
         assert second is first  # the global step was skipped
         assert all(not plan.usable for plan in delta)
-        assert first == _global(DefaultSavePlanner(), plans)[1]
+        assert first == _global(default_planner.DefaultSavePlanner(), plans)[1]
     finally:  # torch caches plans per planner class, in the class
         for cache in (
-            TorchSavePlanner._cached_all_plans,
-            TorchSavePlanner._cached_global_plan,
-            TorchSavePlanner._cached_metadata,
-            TorchSavePlanner._cached_save_plan,
-            TorchSavePlanner._cached_final_save_plan,
+            dcp_planner.SavePlanner._cached_all_plans,
+            dcp_planner.SavePlanner._cached_global_plan,
+            dcp_planner.SavePlanner._cached_metadata,
+            dcp_planner.SavePlanner._cached_save_plan,
+            dcp_planner.SavePlanner._cached_final_save_plan,
         ):
             cache.pop(planner._cached_plans_key, None)
 
@@ -118,7 +122,7 @@ def test_with_plan_caching_an_unchanged_save_reuses_the_plan() -> None:
 # -- the load planner: a template of the saved partition count -----------------------------------
 
 
-def _metadata_of(path: Path) -> Metadata:
+def _metadata_of(path: Path) -> dcp_metadata.Metadata:
     with open(path / ".metadata", "rb") as file:
         return pickle.load(file)
 
@@ -143,7 +147,7 @@ def test_the_load_planner_fits_a_nested_template_and_leaves_the_rest(tmp_path: P
     # them, and the loader refuses leaves of num_partitions=4 (our error without our planner).
     fresh2 = _loader(0, 1, 2)
     state2 = {"app": {"loader": fresh2.state_dict(), "step": 0}}
-    DefaultLoadPlanner().set_up_planner(state2, metadata, is_coordinator=True)
+    default_planner.DefaultLoadPlanner().set_up_planner(state2, metadata, is_coordinator=True)
     assert sorted(state2["app"]["loader"]) == [slot_key(0), slot_key(1)]
     fresh.close()
     fresh2.close()
@@ -198,7 +202,9 @@ def test_per_rank_keys_on_another_world_size_are_refused_naming_the_one_key_reci
         )
         fresh = make(0, 3)
         key = el.rank_state_key(el.WorkerConfig(rank=0, world_size=3))
-        with pytest.raises(CheckpointException) as caught:  # DCP's wrapper of a rank's error
+        with pytest.raises(
+            dcp_api.CheckpointException
+        ) as caught:  # DCP's wrapper of a rank's error
             dcp.load({key: fresh}, checkpoint_id=folder, planner=el.dcp.LoadPlanner(), no_dist=True)
         message = str(caught.value)
         assert "stores 'loader' under per-rank keys of 2 rank(s)" in message
@@ -326,7 +332,7 @@ def test_eight_ranks_read_metadata_once_from_storage_and_only_their_own_leaves(
     for rank in range(8):
         report = _read(tmp_path / f"shared_rank{rank}.json")
         own = sum(
-            metadata.storage_data[MetadataIndex(f"loader.{slot_key(s)}")].length
+            metadata.storage_data[dcp_metadata.MetadataIndex(f"loader.{slot_key(s)}")].length
             for s in rank_slots(rank, 8, partitions)
         )
         assert report == {"metadata": metadata_size if rank == 0 else 0, "data": own}, rank

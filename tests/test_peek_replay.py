@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed.checkpoint as dcp
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -74,6 +73,8 @@ def saved_run(request, tmp_path_factory):
         el.save_state_rank_file(loader, out / "ranks")
     # ... and as the DCP folder the 2 ranks write: each its own slot leaves under "loader"
     merged = {key: leaf for loader in loaders for key, leaf in loader.state_dict().items()}
+    import torch.distributed.checkpoint as dcp  # heavy: see tests/conftest.py's RUN_LAST
+
     dcp.save({"loader": merged}, checkpoint_id=out / "dcp", no_dist=True)
     streams = []
     for rank, loader in enumerate(loaders):

@@ -15,37 +15,39 @@ from typing import Any
 
 import pytest
 import torch
-from accelerate import Accelerator
-from accelerate.data_loader import prepare_data_loader
 
 import energy_loader as el
-from energy_loader.integrations.accelerate import AcceleratedLoader, prepare_loader
 from tests import distributed_helpers as dh
+from tests.helpers import LazyModule
 from tests.integrations.conftest import stop_workers
 
-from .accelerate_helpers import NoisySamples, pipeline, resume_on_ranks, train, train_on_ranks
+# Accelerate is imported by the first test that runs, not at collection (LazyModule says why).
+accelerate = LazyModule("accelerate")
+accelerate_data_loader = LazyModule("accelerate.data_loader")
+integration = LazyModule("energy_loader.integrations.accelerate")
+ah = LazyModule("tests.integrations.accelerate_helpers")
 
 SAVE_AT = 2  # the step (0-based) after which the killed run saves; it is killed 2 steps later
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_save_state_mid_epoch_and_load_state_resume_exactly(tmp_path: Path, workers: int) -> None:
-    reference, final_weight = train(workers)
-    assert len(reference) == 2 * len(el.SavableDataLoader(pipeline(), num_workers=workers))
+    reference, final_weight = ah.train(workers)
+    assert len(reference) == 2 * len(el.SavableDataLoader(ah.pipeline(), num_workers=workers))
     save_at = len(reference) // 2 - 3  # mid-epoch of the first epoch, stop a few steps later
-    head, _ = train(workers, tmp_path, save_at=save_at, stop_at=save_at + 3)
-    tail, resumed_weight = train(workers, tmp_path)
+    head, _ = ah.train(workers, tmp_path, save_at=save_at, stop_at=save_at + 3)
+    tail, resumed_weight = ah.train(workers, tmp_path)
     assert head[: save_at + 1] + tail == reference
     assert torch.equal(resumed_weight, final_weight)
 
 
 @pytest.mark.parametrize("dropin", [False, True], ids=["pipeline", "dropin"])
 def test_accelerator_prepare_refuses_a_savable_loader_at_the_call(dropin: bool) -> None:
-    accelerator = Accelerator(cpu=True)
+    accelerator = accelerate.Accelerator(cpu=True)
     if dropin:
-        loader = el.SavableDataLoader(NoisySamples(8), batch_size=4, num_workers=2)
+        loader = el.SavableDataLoader(ah.NoisySamples(8), batch_size=4, num_workers=2)
     else:
-        loader = el.SavableDataLoader(pipeline(), num_workers=2)
+        loader = el.SavableDataLoader(ah.pipeline(), num_workers=2)
     name = type(loader).__name__
     with pytest.raises(TypeError, match=rf"prepare\(\) cannot take a {name}.*prepare_loader"):
         accelerator.prepare(loader)
@@ -64,36 +66,45 @@ def test_iterating_what_accelerate_made_of_a_pipeline_loader_is_a_clear_error(
 ) -> None:
     """accelerate's module-level prepare_data_loader skips Accelerator.prepare's check: the
     pipeline's internal dataset still refuses to be iterated by any DataLoader but its own."""
-    loader = el.SavableDataLoader(pipeline(), num_workers=workers)
-    prepared = prepare_data_loader(loader, put_on_device=False)
+    loader = el.SavableDataLoader(ah.pipeline(), num_workers=workers)
+    prepared = accelerate_data_loader.prepare_data_loader(loader, put_on_device=False)
     with pytest.raises(
         TypeError, match=r"use energy_loader\.integrations\.accelerate\.prepare_loader"
     ):
         next(iter(prepared))
+    # accelerate's loader keeps torch's own iterator (persistent workers) in a reference cycle;
+    # collected later by the cyclic collector, its shutdown would wait 5 s a worker (torch
+    # joins workers whose queues the collector closed first). Dropped now, it stops at once.
+    prepared.base_dataloader._iterator = None
     assert next(iter(loader)) is not None
     loader.close()
 
 
 def test_prepare_loader_refuses_what_would_break_the_loader() -> None:
-    accelerator = Accelerator(cpu=True)
-    loader = el.SavableDataLoader(pipeline())
+    accelerator = accelerate.Accelerator(cpu=True)
+    loader = el.SavableDataLoader(ah.pipeline())
     with pytest.raises(TypeError, match=r"what accelerator.prepare\(\) made of a Savable"):
-        prepare_loader(accelerator, prepare_data_loader(loader, put_on_device=False))
+        integration.prepare_loader(
+            accelerator, accelerate_data_loader.prepare_data_loader(loader, put_on_device=False)
+        )
     with pytest.raises(TypeError, match=r"`accelerator` must be an accelerate\.Accelerator"):
-        prepare_loader("cpu", loader)  # type: ignore[arg-type]
+        integration.prepare_loader("cpu", loader)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="`loader` must be an energy_loader SavableDataLoader"):
-        prepare_loader(accelerator, [1, 2])  # type: ignore[arg-type]
-    prepared = prepare_loader(accelerator, loader, register_for_checkpointing=False)
-    assert isinstance(prepared, AcceleratedLoader) and accelerator.prepare(prepared) is prepared
+        integration.prepare_loader(accelerator, [1, 2])  # type: ignore[arg-type]
+    prepared = integration.prepare_loader(accelerator, loader, register_for_checkpointing=False)
+    assert (
+        isinstance(prepared, integration.AcceleratedLoader)
+        and accelerator.prepare(prepared) is prepared
+    )
     with pytest.raises(TypeError, match="already prepared"):
-        prepare_loader(accelerator, prepared)  # type: ignore[arg-type]
+        integration.prepare_loader(accelerator, prepared)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="skip_first_batches\\(\\) is not needed"):
         accelerator.skip_first_batches(prepared, 2)
     with pytest.raises(ValueError, match="`state_prefix` must be a non-empty"):
-        prepare_loader(accelerator, loader, state_prefix="a/b")
-    saved = prepare_loader(accelerator, loader)
+        integration.prepare_loader(accelerator, loader, state_prefix="a/b")
+    saved = integration.prepare_loader(accelerator, loader)
     with pytest.raises(ValueError, match="already saves its state files as 'energy_loader'"):
-        prepare_loader(accelerator, el.SavableDataLoader(pipeline()))
+        integration.prepare_loader(accelerator, el.SavableDataLoader(ah.pipeline()))
     # Accelerate's own registration would keep the main process's state only: refused.
     with pytest.raises(ValueError, match="state_dict"):
         accelerator.register_for_checkpointing(saved)
@@ -111,10 +122,10 @@ def _kill_and_resume(workdir: Path, **options: Any) -> Path:
     steps later; resumed by fresh processes. The files each rank wrote are in the directory."""
     launch = dict(timeout=150, torchrun_env=True, workers=1, **options)
     dh.launch(
-        train_on_ranks, 2, workdir, exitcode=-signal.SIGKILL, save_at=SAVE_AT,
+        ah.train_on_ranks, 2, workdir, exitcode=-signal.SIGKILL, save_at=SAVE_AT,
         kill_at=SAVE_AT + 2, **launch,
     )  # fmt: skip
-    dh.launch(resume_on_ranks, 2, workdir, **launch)
+    dh.launch(ah.resume_on_ranks, 2, workdir, **launch)
     return workdir
 
 
@@ -158,5 +169,5 @@ def test_a_two_process_checkpoint_resumes_on_one_process(two_ranks: Path) -> Non
     one process continues the job's stream (rank 0's and rank 1's batches, step by step)."""
     full = [_read(two_ranks, "full", r)["seen"] for r in range(2)]
     stream = [step for pair in zip(*full, strict=True) for step in pair]
-    tail, _ = train(2, two_ranks / "checkpoint", length=48)
+    tail, _ = ah.train(2, two_ranks / "checkpoint", length=48)
     assert tail == stream[2 * (SAVE_AT + 1) :]

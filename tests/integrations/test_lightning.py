@@ -17,29 +17,13 @@ import torch
 from torch.utils.data import DistributedSampler
 
 import energy_loader as el
-from energy_loader.integrations.lightning import (
-    LoaderStateNotLoadedError,
-    SavableLoaderCallback,
-)
 from tests import distributed_helpers as dh
+from tests.helpers import LazyModule
 from tests.loader.dropin_helpers import dealt_rest, distributed_order
 
-from .lightning_helpers import (
-    DDP_SAMPLES,
-    DROPIN_SAVE_AT,
-    DROPIN_STOP_AT,
-    TinyModel,
-    build_ddp_loader,
-    build_endless_loader,
-    build_loader,
-    dropin_resume,
-    dropin_train_then_stop,
-    fit_two_epochs,
-    resume_after_preemption,
-    run,
-    train_then_preempt,
-    weights,
-)
+# Lightning is imported by the first test that runs, not at collection (LazyModule says why).
+lh = LazyModule("tests.integrations.lightning_helpers")
+integration = LazyModule("energy_loader.integrations.lightning")
 
 # Lightning's advice for real runs (num_workers, logging) and its own deprecations.
 pytestmark = pytest.mark.filterwarnings(
@@ -53,33 +37,35 @@ PER_EPOCH = {True: 12, False: 10}
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[tuple[bool, int], TinyModel]:
+def reference() -> dict[tuple[bool, int], lh.TinyModel]:
     """Uninterrupted two-epoch runs, built once per (sized, num_workers)."""
     return {}
 
 
-def uninterrupted(cache: dict[tuple[bool, int], TinyModel], sized: bool, workers: int) -> TinyModel:
+def uninterrupted(
+    cache: dict[tuple[bool, int], lh.TinyModel], sized: bool, workers: int
+) -> lh.TinyModel:
     if (sized, workers) not in cache:
-        cache[(sized, workers)] = run(build_loader(sized=sized, num_workers=workers))
+        cache[(sized, workers)] = lh.run(lh.build_loader(sized=sized, num_workers=workers))
     return cache[(sized, workers)]
 
 
-def checkpoint_at(tmp_path: Path, step: int, **kwargs: Any) -> tuple[TinyModel, str]:
+def checkpoint_at(tmp_path: Path, step: int, **kwargs: Any) -> tuple[lh.TinyModel, str]:
     """Train ``step`` steps, checkpointing at the last; return the model and the file."""
-    first = run(max_steps=step, checkpoint_dir=tmp_path, checkpoint_every=step, **kwargs)
+    first = lh.run(max_steps=step, checkpoint_dir=tmp_path, checkpoint_every=step, **kwargs)
     (checkpoint,) = tmp_path.glob("*.ckpt")
     return first, str(checkpoint)
 
 
-def assert_same_training(first: TinyModel, second: TinyModel, full: TinyModel) -> None:
+def assert_same_training(first: lh.TinyModel, second: lh.TinyModel, full: lh.TinyModel) -> None:
     assert first.seen + second.seen == full.seen
-    for mine, theirs in zip(weights(second), weights(full), strict=True):
+    for mine, theirs in zip(lh.weights(second), lh.weights(full), strict=True):
         assert torch.equal(mine, theirs)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_two_epochs_train_every_batch_twice(reference, workers: int) -> None:
-    assert len(build_loader(sized=True, num_workers=workers)) == 12
+    assert len(lh.build_loader(sized=True, num_workers=workers)) == 12
     model = uninterrupted(reference, True, workers)
     assert model.global_step_at_end == 24
     assert [epoch for epoch, _ in model.seen] == [0] * 12 + [1] * 12
@@ -97,9 +83,9 @@ def test_resume_trains_the_same_batches_and_weights(
     full = uninterrupted(reference, sized, workers)
     step = 5 if where == "mid_epoch" else PER_EPOCH[sized]
     first, checkpoint = checkpoint_at(
-        tmp_path, step, loader=build_loader(sized=sized, num_workers=workers)
+        tmp_path, step, loader=lh.build_loader(sized=sized, num_workers=workers)
     )
-    second = run(build_loader(sized=sized, num_workers=workers), ckpt_path=checkpoint)
+    second = lh.run(lh.build_loader(sized=sized, num_workers=workers), ckpt_path=checkpoint)
     assert_same_training(first, second, full)
 
 
@@ -108,11 +94,11 @@ def test_endless_pipeline_with_max_steps_resumes_exactly(tmp_path: Path, workers
     """RepeatDataset + max_steps (max_epochs unset): also the estimated_stepping_batches
     workaround, since Lightning then answers max_steps without building the loader."""
     steps = dict(max_epochs=None, max_steps=16, read_estimated_steps=True)
-    full = run(build_endless_loader(workers), **steps)
+    full = lh.run(lh.build_endless_loader(workers), **steps)
     assert full.estimated_steps == 16
     assert len(full.seen) == 16
-    first = run(
-        build_endless_loader(workers),
+    first = lh.run(
+        lh.build_endless_loader(workers),
         max_epochs=None,
         max_steps=5,
         checkpoint_dir=tmp_path,
@@ -120,7 +106,7 @@ def test_endless_pipeline_with_max_steps_resumes_exactly(tmp_path: Path, workers
         read_estimated_steps=True,
     )
     (checkpoint,) = tmp_path.glob("*.ckpt")
-    second = run(build_endless_loader(workers), ckpt_path=str(checkpoint), **steps)
+    second = lh.run(lh.build_endless_loader(workers), ckpt_path=str(checkpoint), **steps)
     assert_same_training(first, second, full)
 
 
@@ -130,9 +116,11 @@ def test_without_the_callback_an_unsized_resume_skips_the_prefetched_batch(
     """The symptom the callback fixes: Lightning saved while holding batch 6 untrained."""
     full = uninterrupted(reference, False, 0)
     first, checkpoint = checkpoint_at(
-        tmp_path, 5, loader=build_loader(sized=False, num_workers=0), use_callback=False
+        tmp_path, 5, loader=lh.build_loader(sized=False, num_workers=0), use_callback=False
     )
-    second = run(build_loader(sized=False, num_workers=0), ckpt_path=checkpoint, use_callback=False)
+    second = lh.run(
+        lh.build_loader(sized=False, num_workers=0), ckpt_path=checkpoint, use_callback=False
+    )
     assert first.seen == full.seen[:5]
     assert second.seen == full.seen[6:]
 
@@ -148,15 +136,15 @@ class CountingLoader(el.SavableDataLoader):
 
 
 def resume_reading_estimated_steps(
-    tmp_path: Path, callback: SavableLoaderCallback | None = None
-) -> tuple[TinyModel, TinyModel]:
+    tmp_path: Path, callback: integration.SavableLoaderCallback | None = None
+) -> tuple[lh.TinyModel, lh.TinyModel]:
     """Checkpoint at step 5 and resume, reading estimated_stepping_batches in both runs."""
     CountingLoader.loads = 0
     first, checkpoint = checkpoint_at(
-        tmp_path, 5, loader=build_loader(sized=True, num_workers=0), read_estimated_steps=True
+        tmp_path, 5, loader=lh.build_loader(sized=True, num_workers=0), read_estimated_steps=True
     )
-    loader = build_loader(sized=True, num_workers=0, loader_class=CountingLoader)
-    second = run(loader, ckpt_path=checkpoint, read_estimated_steps=True, callback=callback)
+    loader = lh.build_loader(sized=True, num_workers=0, loader_class=CountingLoader)
+    second = lh.run(loader, ckpt_path=checkpoint, read_estimated_steps=True, callback=callback)
     return first, second
 
 
@@ -166,14 +154,16 @@ def test_estimated_stepping_batches_keeps_lightning_from_loading_the_state(
     """Lightning's bug, not the loader's: it never calls load_state_dict. Without our check
     the resumed run restarts the epoch from its first batch."""
     full = uninterrupted(reference, True, 0)
-    _, second = resume_reading_estimated_steps(tmp_path, SavableLoaderCallback(check_resume=False))
+    _, second = resume_reading_estimated_steps(
+        tmp_path, integration.SavableLoaderCallback(check_resume=False)
+    )
     assert second.estimated_steps == 24
     assert CountingLoader.loads == 0
     assert second.seen[0] == full.seen[0]
 
 
 def test_the_callback_refuses_a_resume_that_did_not_load_the_state(tmp_path: Path) -> None:
-    with pytest.raises(LoaderStateNotLoadedError, match="estimated_stepping_batches"):
+    with pytest.raises(integration.LoaderStateNotLoadedError, match="estimated_stepping_batches"):
         resume_reading_estimated_steps(tmp_path)
     assert CountingLoader.loads == 0
 
@@ -184,16 +174,18 @@ def test_the_same_resume_works_when_configure_optimizers_does_not_read_it(
     """The workaround: the total steps computed without Lightning's estimate."""
     CountingLoader.loads = 0
     full = uninterrupted(reference, True, 0)
-    first, checkpoint = checkpoint_at(tmp_path, 5, loader=build_loader(sized=True, num_workers=0))
-    loader = build_loader(sized=True, num_workers=0, loader_class=CountingLoader)
-    second = run(loader, ckpt_path=checkpoint)
+    first, checkpoint = checkpoint_at(
+        tmp_path, 5, loader=lh.build_loader(sized=True, num_workers=0)
+    )
+    loader = lh.build_loader(sized=True, num_workers=0, loader_class=CountingLoader)
+    second = lh.run(loader, ckpt_path=checkpoint)
     assert CountingLoader.loads == 1
     assert_same_training(first, second, full)
 
 
 def test_state_dict_saves_with_the_held_back_source() -> None:
     """What the callback relies on: state_dict() with no arguments asks held_back_source."""
-    loader = build_loader(sized=True, num_workers=0)
+    loader = lh.build_loader(sized=True, num_workers=0)
     iterator = iter(loader)
     handed_out = [next(iterator)["index"].tolist() for _ in range(3)]
     loader.held_back_source = lambda: 1
@@ -201,7 +193,7 @@ def test_state_dict_saves_with_the_held_back_source() -> None:
     states["overridden"] = loader.state_dict(held_back=0)
     after = {}
     for name, state in states.items():
-        resumed = build_loader(sized=True, num_workers=0)
+        resumed = lh.build_loader(sized=True, num_workers=0)
         resumed.load_state_dict(state)
         after[name] = next(iter(resumed))["index"].tolist()
     assert after == {
@@ -214,7 +206,7 @@ def test_state_dict_saves_with_the_held_back_source() -> None:
 
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(TypeError, match="check_resume"):
-        SavableLoaderCallback(check_resume="yes")  # type: ignore[arg-type]
+        integration.SavableLoaderCallback(check_resume="yes")  # type: ignore[arg-type]
 
 
 # -- several ranks: Trainer(strategy="ddp") on two gloo ranks ----------------------------------
@@ -234,10 +226,10 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     workdir = tmp_path_factory.mktemp("lightning_ddp")
     launch = dict(timeout=150, torchrun_env=True, num_workers=1)
     dh.launch(
-        train_then_preempt, 2, workdir, exitcode=-signal.SIGKILL, save_at=DDP_SAVE_AT,
+        lh.train_then_preempt, 2, workdir, exitcode=-signal.SIGKILL, save_at=DDP_SAVE_AT,
         kill_at=DDP_KILL_AT, **launch,
     )  # fmt: skip
-    dh.launch(resume_after_preemption, 2, workdir, **launch)
+    dh.launch(lh.resume_after_preemption, 2, workdir, **launch)
     return workdir
 
 
@@ -254,7 +246,7 @@ def test_ddp_ranks_killed_mid_epoch_resume_exactly(ddp_run: Path) -> None:
             assert torch.equal(mine, theirs)
     epoch = [i for r in range(2) for _, batch, _ in _read(ddp_run, "full", r)["seen"][:12]
              for i in batch]  # fmt: skip
-    assert sorted(epoch) == list(range(DDP_SAMPLES))  # each rank read its own half
+    assert sorted(epoch) == list(range(lh.DDP_SAMPLES))  # each rank read its own half
 
 
 @pytest.mark.timeout(300)
@@ -263,7 +255,7 @@ def test_a_ddp_checkpoint_resumes_on_one_device(ddp_run: Path) -> None:
     continues the job's stream (rank 0's and rank 1's batches, step by step)."""
     full = [_read(ddp_run, "full", r)["seen"] for r in range(2)]
     stream = [step for pair in zip(*full, strict=True) for step in pair]
-    model = fit_two_epochs(build_ddp_loader(2), ddp_run, devices=1, resume=True)
+    model = lh.fit_two_epochs(lh.build_ddp_loader(2), ddp_run, devices=1, resume=True)
     assert model.seen == stream[2 * DDP_SAVE_AT :]
 
 
@@ -272,7 +264,7 @@ def dropin_ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two ranks of DDP with a drop-in loader (one worker each, Lightning's DistributedSampler):
     an uninterrupted run, and runs checkpointed mid-epoch 0 with and without the callback."""
     workdir = tmp_path_factory.mktemp("lightning_dropin_ddp")
-    dh.launch(dropin_train_then_stop, 2, workdir, timeout=150, torchrun_env=True, num_workers=1)
+    dh.launch(lh.dropin_train_then_stop, 2, workdir, timeout=150, torchrun_env=True, num_workers=1)
     return workdir
 
 
@@ -284,11 +276,11 @@ def test_ddp_dropin_loader_resumes_exactly(dropin_ddp_run: Path, callback: bool)
     trains, after the resume, on the batches (indices and augmented inputs) of the
     uninterrupted run through 2 epochs, and ends with the same weights."""
     dh.launch(
-        dropin_resume, 2, dropin_ddp_run, timeout=150, torchrun_env=True, num_workers=1,
+        lh.dropin_resume, 2, dropin_ddp_run, timeout=150, torchrun_env=True, num_workers=1,
         callback=callback,
     )  # fmt: skip
     (checkpoint,) = (dropin_ddp_run / f"ckpt_{callback}").glob("*.ckpt")
-    assert f"step={DROPIN_SAVE_AT}" in checkpoint.name
+    assert f"step={lh.DROPIN_SAVE_AT}" in checkpoint.name
     halves = []
     for rank in range(2):
         full, head, tail = (
@@ -296,12 +288,12 @@ def test_ddp_dropin_loader_resumes_exactly(dropin_ddp_run: Path, callback: bool)
             for name in ("dropin_full", f"dropin_head_{callback}", f"dropin_tail_{callback}_on2")
         )
         assert [epoch for epoch, *_ in full["seen"]] == [0] * 12 + [1] * 12
-        assert len(head["seen"]) == DROPIN_STOP_AT
-        assert head["seen"][:DROPIN_SAVE_AT] + tail["seen"] == full["seen"]
+        assert len(head["seen"]) == lh.DROPIN_STOP_AT
+        assert head["seen"][: lh.DROPIN_SAVE_AT] + tail["seen"] == full["seen"]
         for mine, theirs in zip(tail["weights"], full["weights"], strict=True):
             assert torch.equal(mine, theirs)
         halves.append({i for _, batch, _ in full["seen"][:12] for i in batch})
-    assert not halves[0] & halves[1] and len(halves[0] | halves[1]) == DDP_SAMPLES
+    assert not halves[0] & halves[1] and len(halves[0] | halves[1]) == lh.DDP_SAMPLES
 
 
 @pytest.mark.timeout(120)
@@ -333,7 +325,7 @@ def test_ddp_dropin_checkpoint_resumes_on_another_number_of_devices(
     deals it)."""
     refused = devices > 2 and not callback
     dh.launch(
-        dropin_resume, devices, dropin_ddp_run, timeout=150, torchrun_env=True, num_workers=1,
+        lh.dropin_resume, devices, dropin_ddp_run, timeout=150, torchrun_env=True, num_workers=1,
         callback=callback, exitcode=1 if refused else 0,
     )  # fmt: skip
     if refused:
@@ -353,11 +345,11 @@ def test_ddp_dropin_checkpoint_resumes_on_another_number_of_devices(
         index
         for rank in range(2)
         for _, batch, _ in _read(dropin_ddp_run, f"dropin_head_{callback}", rank)["seen"][
-            :DROPIN_SAVE_AT
+            : lh.DROPIN_SAVE_AT
         ]
         for index in batch
     ]
-    order = distributed_order(DDP_SAMPLES, 0, seed=0)  # Lightning's sampler seed: 0
+    order = distributed_order(lh.DDP_SAMPLES, 0, seed=0)  # Lightning's sampler seed: 0
     assert sorted(head) == sorted(order[: len(head)])
     rest: list[int] = []
     for rank in range(devices):
@@ -366,9 +358,9 @@ def test_ddp_dropin_checkpoint_resumes_on_another_number_of_devices(
             assert xs == [augmented[epoch, index] for index in batch], (rank, epoch)
         by_epoch = [[i for e, batch, _ in seen if e == epoch for i in batch] for epoch in (0, 1)]
         assert by_epoch[0] == dealt_rest(order, len(head), devices, rank), rank
-        sampler = DistributedSampler(range(DDP_SAMPLES), num_replicas=devices, rank=rank, seed=0)
+        sampler = DistributedSampler(range(lh.DDP_SAMPLES), num_replicas=devices, rank=rank, seed=0)
         sampler.set_epoch(1)
         assert by_epoch[1] == list(sampler), rank
         rest += by_epoch[0]
-    assert sorted(set(head + rest)) == list(range(DDP_SAMPLES))
-    assert len(head) + len(rest) - DDP_SAMPLES < devices  # DistributedSampler's padding
+    assert sorted(set(head + rest)) == list(range(lh.DDP_SAMPLES))
+    assert len(head) + len(rest) - lh.DDP_SAMPLES < devices  # DistributedSampler's padding

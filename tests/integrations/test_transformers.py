@@ -8,13 +8,15 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
 import energy_loader as el
-from energy_loader.integrations.transformers import SavableLoaderTrainer, _check_sharding
 from tests import distributed_helpers as dh
-from tests.integrations import trainer_helpers as th
+from tests.helpers import LazyModule
 from tests.integrations.conftest import stop_workers
+
+# Transformers is imported by the first test that runs, not at collection (LazyModule says why).
+th = LazyModule("tests.integrations.trainer_helpers")
+integration = LazyModule("energy_loader.integrations.transformers")
 
 VOCAB, TOKENS, SAMPLES, BATCH = 64, 8, 45, 4
 TOTAL_STEPS = 30  # 12 batches per epoch
@@ -32,24 +34,10 @@ def _loader(workers: int) -> el.SavableDataLoader:
     return el.SavableDataLoader(el.BatchDataset(source, BATCH), num_workers=workers)
 
 
-class RecordingTrainer(SavableLoaderTrainer):
-    """Records the sample indices of every batch it trains on."""
+def _trainer(out: Path, workers: int, stop: int = 0, callbacks: list[Any] | None = None) -> Any:
+    """A ``trainer_helpers.RecordingTrainer`` of a one-layer GPT-2 on :func:`_loader`."""
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.trained: list[list[int]] = []
-        self.epochs: list[float] = []
-        self.add_callback(th._EpochLog(self.epochs))
-
-    def training_step(self, model: Any, inputs: dict[str, Any], *args: Any) -> torch.Tensor:
-        assert set(inputs) == {"input_ids", "labels"}, "the restore key must not reach the model"
-        self.trained.append(inputs["input_ids"][:, 0].tolist())
-        return super().training_step(model, inputs, *args)
-
-
-def _trainer(
-    out: Path, workers: int, stop: int = 0, callbacks: list[Any] | None = None
-) -> RecordingTrainer:
     torch.manual_seed(0)
     config = GPT2Config(
         vocab_size=VOCAB, n_positions=TOKENS, n_embd=16, n_layer=1, n_head=2,
@@ -66,7 +54,7 @@ def _trainer(
         disable_tqdm=True,
         seed=3,
     )
-    return RecordingTrainer(
+    return th.RecordingTrainer(
         model=GPT2LMHeadModel(config),
         args=args,
         train_loader=_loader(workers),
@@ -105,6 +93,9 @@ def test_resume_from_checkpoint_trains_on_exactly_the_remaining_batches(
 
 
 def test_arguments_are_checked(tmp_path: Path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    SavableLoaderTrainer = integration.SavableLoaderTrainer
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     model = GPT2LMHeadModel(GPT2Config(vocab_size=8, n_positions=4, n_embd=4, n_layer=1, n_head=1))
     with pytest.raises(TypeError, match="`train_loader` must be an energy_loader"):
@@ -207,10 +198,10 @@ def test_resumed_on_more_processes_every_row_once_an_epoch(tmp_path: Path) -> No
 
 def test_loaders_that_would_repeat_rows_on_several_processes_are_refused() -> None:
     with pytest.raises(ValueError, match=r"RandomSampler\).*DistributedSampler"):
-        _check_sharding(th.loader("shuffle", replicas=2, rank=0), 2)
+        integration._check_sharding(th.loader("shuffle", replicas=2, rank=0), 2)
     with pytest.raises(ValueError, match="built for a single rank"):
-        _check_sharding(th.loader("distributed"), 2)
-    _check_sharding(th.loader("distributed", replicas=2, rank=1), 2)
+        integration._check_sharding(th.loader("distributed"), 2)
+    integration._check_sharding(th.loader("distributed", replicas=2, rank=1), 2)
 
 
 def test_a_pipeline_with_len_resumed_on_another_number_of_processes_is_refused(

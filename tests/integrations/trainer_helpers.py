@@ -70,6 +70,16 @@ class Recording(SavableLoaderTrainer):
         return super().training_step(model, inputs, *args)
 
 
+class RecordingTrainer(Recording):
+    """:class:`Recording` for token samples whose first token is the sample's index
+    (test_transformers' GPT-2 runs)."""
+
+    def training_step(self, model: Any, inputs: dict[str, Any], *args: Any) -> torch.Tensor:
+        assert set(inputs) == {"input_ids", "labels"}, "the restore key must not reach the model"
+        self.trained.append(inputs["input_ids"][:, 0].tolist())
+        return SavableLoaderTrainer.training_step(self, model, inputs, *args)
+
+
 class _EpochLog(TrainerCallback):  # type: ignore[misc]
     def __init__(self, epochs: list[float]) -> None:
         self.epochs = epochs

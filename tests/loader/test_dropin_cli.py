@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 import energy_loader as el
 
@@ -165,6 +164,8 @@ def distributed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, lis
             torch.save({"loader": loader.state_dict()}, folder / "checkpoint.pt")
             # What dcp.save of the 2-rank job writes: every rank saves {"rank_any": JSON}
             # under "loader", DCP keeps one (tests/distributed_helpers.py writes it for real).
+            import torch.distributed.checkpoint as dcp  # heavy: see tests/conftest.py's RUN_LAST
+
             dcp.save({"loader": loader.state_dict()}, checkpoint_id=folder / "dcp", no_dist=True)
         after.append([_as_lists(batch) for batch in iterator])
     return folder / "checkpoint.pt", after
@@ -244,6 +245,8 @@ def test_inspect_shows_the_job_seed(saved: tuple[Path, list[Any]]) -> None:
 
 
 def test_inspect_of_a_dcp_folder_without_a_loader_says_so(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp  # heavy: see tests/conftest.py's RUN_LAST
+
     dcp.save({"model": {"weight": torch.zeros(3)}}, checkpoint_id=tmp_path, no_dist=True)
     code, out, err = _main("inspect", str(tmp_path))
     assert (code, out) == (2, "")

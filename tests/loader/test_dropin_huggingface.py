@@ -8,10 +8,8 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
-import datasets.distributed
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
@@ -19,12 +17,19 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 import energy_loader as el
 from energy_loader.workers.fetch import draws_nothing
 
+from .dropin_helpers import assert_same, run_epochs
+
+if TYPE_CHECKING:
+    import datasets
+
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 ROWS = 300
 
 
 def stream() -> datasets.IterableDataset:
+    import datasets  # heavy: imported when a test runs, not at collection
+
     return datasets.Dataset.from_dict({"id": list(range(ROWS))}).to_iterable_dataset(num_shards=4)
 
 
@@ -67,6 +72,18 @@ def test_a_restored_stream_runs_every_later_epoch_whole(workers: int) -> None:
     last.close()
 
 
+def test_a_table_yields_what_torchs_loader_yields() -> None:
+    import datasets
+
+    table = datasets.Dataset.from_dict({"x": list(range(10)), "t": [f"s{i}" for i in range(10)]})
+    runs = []
+    for cls in (DataLoader, el.SavableDataLoader):
+        torch.manual_seed(0)
+        runs.append(run_epochs(cls(table, batch_size=4, shuffle=True, num_workers=1), 2))
+    theirs, ours = runs
+    assert_same(ours[:3], theirs[:3])  # epoch 0 (later ones: the job's own shuffle)
+
+
 def augment(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
     """A ``set_transform`` that draws: python ``random`` and torch, one draw each a row."""
     return {
@@ -77,6 +94,8 @@ def augment(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
 
 
 def augmented_table(n: int = 40) -> datasets.Dataset:
+    import datasets  # heavy: imported when a test runs, not at collection
+
     table = datasets.Dataset.from_dict({"id": list(range(n))})
     table.set_transform(augment)
     return table
@@ -182,6 +201,8 @@ def test_an_unsplit_stream_on_two_ranks_is_refused_and_a_split_one_trains_in_ste
 
 
 def test_a_stream_split_for_another_layout_is_refused_in_one_process() -> None:
+    import datasets.distributed
+
     split = datasets.distributed.split_dataset_by_node(stream(), rank=1, world_size=2)
     with pytest.raises(ValueError, match="for rank 1 of 2, but the loader runs as rank 0 of 1"):
         el.SavableDataLoader(split, batch_size=2)
@@ -192,6 +213,8 @@ def test_a_stream_split_for_another_layout_is_refused_in_one_process() -> None:
 
 
 def test_a_table_without_a_transform_is_read_a_batch_a_call_and_a_late_transform_is_seen() -> None:
+    import datasets
+
     table = datasets.Dataset.from_dict({"id": list(range(40))})
     assert draws_nothing(table)  # HF's formats are deterministic: batched reads stay
     assert not draws_nothing(augmented_table())

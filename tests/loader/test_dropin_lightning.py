@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pytorch_lightning.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import energy_loader as el
@@ -18,6 +17,8 @@ DATA = TensorDataset(torch.arange(20))
 @pytest.mark.parametrize("workers", [0, 2])
 def test_lightning_injects_a_distributed_sampler_into_a_drop_in_loader(workers: int) -> None:
     """What Lightning's trainer does with ``use_distributed_sampler=True`` under DDP."""
+    # Imported here: Lightning is a heavy import the other modules' tests need not pay for.
+    from pytorch_lightning.utilities.data import _update_dataloader
 
     def rebuilt(loader: DataLoader) -> DataLoader:
         sampler = DistributedSampler(DATA, num_replicas=2, rank=1, shuffle=True, seed=3)

@@ -4,10 +4,9 @@ HuggingFaceIterableSource (its own state_dict kept as plain data)."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-from datasets import Dataset
 
 import energy_loader as el
 from energy_loader import HuggingFaceIterableSource, IndexedSource
@@ -15,9 +14,14 @@ from energy_loader.sources.huggingface import to_plain_state
 from energy_loader.testing import check_resume
 from energy_loader.worker import WorkerContext
 
+if TYPE_CHECKING:
+    from datasets import Dataset
+
 
 def table(n: int = 24) -> Dataset:
-    return Dataset.from_dict({"i": list(range(n)), "text": [f"t{i}" for i in range(n)]})
+    import datasets  # heavy: imported when a test runs, not at collection
+
+    return datasets.Dataset.from_dict({"i": list(range(n)), "text": [f"t{i}" for i in range(n)]})
 
 
 def test_a_map_style_dataset_is_an_indexed_source(no_leftover_processes):

@@ -7,8 +7,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -20,7 +18,12 @@ from energy_loader.sources import FeistelPermutation
 from energy_loader.sources._order import EpochOrder
 from energy_loader.testing import check_resume
 from energy_loader.worker import WorkerContext
+from tests.helpers import LazyModule
 from tests.sources.helpers import assert_readers_interleave, keys_of
+
+# pyarrow is imported by the first test that runs, not at collection (LazyModule says why).
+pa = LazyModule("pyarrow")
+pq = LazyModule("pyarrow.parquet")
 
 
 def write_files(directory: Path, sizes: list[int], row_group_size: int = 4) -> int:

@@ -20,8 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import s3fs
-from moto.server import ThreadedMotoServer
 
 import energy_loader as el
 from energy_loader import (
@@ -133,6 +131,10 @@ def s3() -> Iterator[dict[str, Any]]:
         "AWS_DEFAULT_REGION": "us-east-1",
     }.items():
         patch.setenv(name, value)
+    # Imported here: s3fs and moto are heavy imports the other modules' tests need not pay for.
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
