@@ -610,6 +610,9 @@ def test_a_rank_file_of_another_run_mixed_into_a_folder_is_refused(
 PREEMPTIONS = 30
 
 
+# ~6 s: slow (the kill loop of the drop-in across rank counts). The default run restores a
+# drop-in job saved on two ranks on one and three (test_a_dropin_job_saved_on_two_ranks_...).
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_dropin_job_killed_again_and_again_on_other_rank_counts_trains_each_epoch_once(
     tmp_path: Path, no_leftover_processes: None

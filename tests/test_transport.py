@@ -411,12 +411,10 @@ _ARENA_NAME = re.compile(r"energy_loader-arena-\d+-\d+")
 
 
 @pytest.mark.timeout(120)
-# 1 and 3 workers: slow. Each transport resumes here with 2, and
-# test_resume_properties_hold_with_every_transport draws 1-3 workers for every transport.
-@pytest.mark.parametrize(
-    "workers",
-    [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)],
-)
+# Slow: test_resume_properties_hold_with_every_transport draws 1-3 workers for every
+# transport in the default run.
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2, 3])
 @pytest.mark.parametrize("codec", [True, False], ids=["codec", "torch"])
 def test_resume_is_exact_with_the_codec_on_and_off(workers: int, codec: bool) -> None:
     spec = PipelineSpec(
@@ -484,8 +482,12 @@ def test_shared_memory_path_resumes_exactly_under_fork() -> None:
 @pytest.mark.parametrize(
     ("method", "workers"),
     # A spawned worker is a fresh interpreter (~4 s of imports on 2 cores, twice: the restore
-    # restarts it): one by default, two in the slow step; forkserver's two run by default.
-    [("spawn", 1), pytest.param("spawn", 2, marks=pytest.mark.slow), ("forkserver", 2)],
+    # restarts it): the slow step's. Forkserver's two (the same pickled start) run by default.
+    [
+        pytest.param("spawn", 1, marks=pytest.mark.slow),
+        pytest.param("spawn", 2, marks=pytest.mark.slow),
+        ("forkserver", 2),
+    ],
 )
 def test_arenas_reach_spawned_workers_and_are_recreated_on_restore(
     method: str, workers: int

@@ -45,6 +45,8 @@ def _alive(pid: int) -> bool:
         return stat.read().split(") ")[1][0] != "Z"
 
 
+# ~7 s, most of it waiting for torch's check on the parent (every 5 s): slow.
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_workers_of_a_killed_main_process_exit(tmp_path: Path) -> None:
     pids_file = tmp_path / "pids"

@@ -113,6 +113,9 @@ def _torture(tmp_path: Path, kills_wanted: int, kinds: tuple[str, ...] = ()) -> 
     return kills, write_kills
 
 
+# ~12 s (four runs of the job): slow. The default run's real SIGKILL and resume is the demo's
+# (tests/test_cli.py); a failed checkpoint write is tests/state/test_checkpoint.py's.
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_sigkills_in_a_write_and_at_a_step_lose_and_repeat_nothing(tmp_path) -> None:
     assert _torture(tmp_path, 2, kinds=("save", "step")) == (2, 1)
