@@ -87,13 +87,20 @@ def test_another_pipeline_config_names_the_stage_both_values_and_the_way_out() -
     assert "Restore it into the pipeline that saved it" in message
 
 
-def test_a_changed_filter_names_the_partition_both_key_digests_and_the_way_out(shift) -> None:
-    state, _ = saved_at(_loader(_filtered()), 11)
-    (entry,) = [p for p in state["partitions"] if p["skip"] and p["last"]]
-    shift["value"] = 2  # keeps other samples: the replay re-makes another last batch
-    loader = _loader(_filtered())
+def _replay_refusal(build: Any, shift: dict, value: int) -> tuple[dict[str, Any], str]:
+    """The entry of the partition with items to replay in a state saved after 11 batches of
+    ``build()``, and the refusal of its restore once ``shift`` is ``value``."""
+    state, _ = saved_at(_loader(build()), 11)
+    (entry,) = [p for p in state["partitions"] if p["skip"] and p["last"] and p["made"]]
+    shift["value"] = value
+    loader = _loader(build())
     loader.restore_state_rank(state)
-    message = _refusal(lambda: next(iter(loader)))
+    return entry, _refusal(lambda: next(iter(loader)))
+
+
+def test_a_changed_filter_names_the_partition_both_key_digests_and_the_way_out(shift) -> None:
+    # The filter keeps other samples: the replay re-makes another last batch.
+    entry, message = _replay_refusal(_filtered, shift, 2)
     assert f"partition {entry['partition']}:" in message, message
     found = re.search(r"key digest ([0-9a-f]{16})\) is not the one", message)
     assert found is not None and found.group(1) != entry["last"], message
@@ -103,12 +110,7 @@ def test_a_changed_filter_names_the_partition_both_key_digests_and_the_way_out(s
 
 
 def test_other_values_name_the_partition_the_stage_both_digests_and_the_way_out(shift) -> None:
-    state, _ = saved_at(_loader(_pipeline()), 11)
-    (entry,) = [p for p in state["partitions"] if p["skip"] and p["made"]]
-    shift["value"] = 1  # the same code and keys, other values
-    loader = _loader(_pipeline())
-    loader.restore_state_rank(state)
-    message = _refusal(lambda: next(iter(loader)))
+    entry, message = _replay_refusal(_pipeline, shift, 1)  # the same code and keys
     assert f"partition {entry['partition']}:" in message, message
     found = re.search(rf"values digest {entry['made']} saved, ([0-9a-f]+) now", message)
     assert found is not None and found.group(1) != entry["made"], message
