@@ -330,7 +330,8 @@ def _check_states_list(states: Any) -> list[Any]:
         if world_size != saved_size:
             raise StateMismatchError(
                 f"states[{index}] was saved with world_size={world_size}, states[0] with "
-                f"{saved_size}: the states of different saves are mixed"
+                f"{saved_size}: the states of different saves are mixed; pass every rank's "
+                "state of one save, in rank order"
             )
         if rank != index:
             raise StateMismatchError(

@@ -54,8 +54,10 @@ class StateMismatchError(EnergyLoaderError, ValueError):
     """The saved state is well formed but belongs to a different pipeline or layout.
 
     Raised when the pipeline configuration, world size, rank or number of workers differ
-    between the run that saved the state and the one restoring it. The message lists every
-    difference as ``path: saved X, now Y``.
+    between the run that saved the state and the one restoring it, or when the restore does
+    not re-make what the saving run handed out. The message names where (the stage, dataset
+    or sampler; the partition, rank or state file), what the state holds and what was found
+    now (a configuration difference as ``path: saved X, now Y``), and what to do.
     """
 
 

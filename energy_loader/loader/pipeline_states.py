@@ -174,7 +174,8 @@ def _check_witness(
     if other.config_digest != own.config_digest:
         raise StateMismatchError(
             f"{path.parent}: {witness.name} holds another pipeline config than "
-            f"{path.name}: files of different saves or runs are mixed in the folder"
+            f"{path.name}: files of different saves or runs are mixed in the folder. Keep "
+            "each save's files in a folder of their own"
         )
     header = RankState.from_plain(
         {**other.header, "config": state.config, "partitions": []}, complete=False
@@ -216,7 +217,7 @@ def _slot_states(engine: StatesReader, folder: RankFolder, first: RankFile) -> l
                 missing,
                 saved.num_partitions,
                 f"{file.path} does not hold (it holds {len(file.slots)} slots): files of "
-                "different saves mixed?",
+                "different saves mixed? Keep each save's files in a folder of their own",
             )
         header = {**file.header, "config": config}
         for key, entry in file.partitions(keys).items():

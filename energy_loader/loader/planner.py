@@ -194,7 +194,7 @@ class Planner:
             raise StateMismatchError(
                 f"the state was saved with num_partitions={saved}, which world_size="
                 f"{world_size} cannot run (every rank runs the same number of partitions): "
-                f"{saved} partitions run on a world size in {world_sizes_for(saved)}"
+                f"restore it on a world size in {world_sizes_for(saved)}"
             )
         return Planner(self.pipeline, self.config, saved)
 

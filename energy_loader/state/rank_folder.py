@@ -197,15 +197,17 @@ def _rank_files(directory: Path, prefix: str | None) -> list[Path]:
     (sizes,) = found.values()
     if len(sizes) > 1:
         raise StateMismatchError(
-            f"{directory} holds state files of several world sizes {sorted(sizes)}; keep the "
-            "files of one save in a directory"
+            f"{directory} holds state files of several world sizes {sorted(sizes)}, where one "
+            "save writes files of one world size; keep the files of each save in a directory "
+            "of their own"
         )
     ((size, files),) = sizes.items()
     missing = [r for r in range(size) if r not in files]
     if missing:
         raise StateMismatchError(
             f"{directory} holds state files of world size {size} but not those of ranks "
-            f"{missing}: an incomplete save"
+            f"{missing}: an incomplete save. Restore from a save whose every rank file is "
+            "there (copy the missing files back, or restore an earlier save)"
         )
     return [files[r] for r in range(size)]
 

@@ -243,18 +243,20 @@ class Runner:
             return
         # The proof: the last item replayed is the last one the saving loader handed out...
         key, sample = pair
-        if restore.last is not None and key_digest(key) != restore.last:
+        if restore.last is not None and (found := key_digest(key)) != restore.last:
             raise StateMismatchError(
                 f"partition {slot.partition}: the restore replayed {restore.skip} item(s) from "
-                f"its checkpoint, but the last one (restore key {_shown(key)}) is not the one "
-                "the saving loader handed out there: the pipeline does not make the same items "
-                "again (a function, filter or source that changed, or that depends on "
-                "something besides the sample and its seed, such as the clock or an unseeded "
-                "generator). Restore with the pipeline that saved the state"
+                f"its checkpoint, but the last one (restore key {_shown(key)}, key digest "
+                f"{found}) is not the one the saving loader handed out there (key digest "
+                f"{restore.last}): the pipeline does not make the same items again (a "
+                "function, filter or source that changed, or that depends on something besides "
+                "the sample and its seed, such as the clock or an unseeded generator). Where it "
+                f"can come from: {_where_from(slot)}. Restore with the pipeline that saved the "
+                "state, or pass verify_restore=False to continue anyway"
             )
         # ... and it holds the same values (digested as run_epoch digests them).
-        if restore.made is not None and content_digest(sample) != restore.made:
-            raise StateMismatchError(_other_values(slot, restore, key))
+        if restore.made is not None and (made := content_digest(sample)) != restore.made:
+            raise StateMismatchError(_other_values(slot, restore, key, made))
 
     def _begin_epoch(self) -> None:
         self.era += 1
@@ -392,8 +394,9 @@ def _ended_early(slot: Slot, restore: PartitionState, replayed: int) -> str:
     )
 
 
-def _other_values(slot: Slot, restore: PartitionState, key: Any) -> str:
-    """The refusal of a partition that re-made its last item with other values."""
+def _other_values(slot: Slot, restore: PartitionState, key: Any, made: str) -> str:
+    """The refusal of a partition that re-made its last item with other values (``made``:
+    their digest now)."""
     if restore.last is not None:
         what = (
             f"re-made the last item the saving loader handed out there (restore key "
@@ -407,7 +410,8 @@ def _other_values(slot: Slot, restore: PartitionState, key: Any) -> str:
         )
     return (
         f"partition {slot.partition}: the restore replayed {restore.skip} item(s) from its "
-        f"checkpoint and {what}. Where it can come from: {_where_from(slot)}. Usual causes: a "
+        f"checkpoint and {what} (values digest {restore.made} saved, {made} now). Where it "
+        f"can come from: {_where_from(slot)}. Usual causes: a "
         "function that changed since the save, or that reads the clock, a generator nobody "
         "seeds or a global counter; a data file edited in place; float results that differ "
         "with the number of threads. Restore with the pipeline (and data) that saved the "

@@ -183,7 +183,8 @@ class IterableEngine(DropInRestore):
             raise StateMismatchError(
                 f"the state was saved with num_workers={saved.get('num_workers')}, this loader "
                 f"has {self.num_workers}: an iterable dataset's copies are one per worker, so "
-                "it restores on the same num_workers (a savable pipeline restores on any)"
+                f"it restores on the same count. Build the loader with "
+                f"num_workers={saved.get('num_workers')} (a savable pipeline restores on any)"
             )
         check_config(saved, self.state_config)
         return self.inner.plan(self.inner.decode([state.pipeline]))

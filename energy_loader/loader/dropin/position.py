@@ -207,8 +207,9 @@ def positioned_iterator(
                 last = next(iterator, _NONE)
                 if last is _NONE:
                     raise StateMismatchError(
-                        f"the sampler ran out after {done} batches of the saved epoch, but the "
-                        f"state says {used} were used: not the same sampler or dataset"
+                        f"the sampler {rng.chain} ran out after {done} batches of the saved "
+                        f"epoch, but the state says {used} were used: not the same sampler or "
+                        "dataset. Restore with the dataset and sampler that saved the state"
                     )
         # An epoch of known length whose units were all used is over (its end was pulled).
         peeked = _NONE if used == length else iterator.peek()
@@ -230,20 +231,22 @@ def verify_replay(state: MapState, replayed: Replayed, rng: SamplerRng, chain: s
         raise StateMismatchError(
             f"the restore re-ran the sampler {chain} to batch {state.used} of epoch "
             f"{state.epoch}, but batch {state.used - 1} it re-made "
-            f"({short_unit(replayed.last)}) is not the one the saving loader handed out: the "
-            "sampler does not replay (it draws "
-            "from the clock, or from a generator the loader cannot see: pass it through the "
+            f"({short_unit(replayed.last)}, digest {unit_digest(replayed.last)}) is not the "
+            f"one the saving loader handed out (digest {proof.last}): the sampler does not "
+            "replay (it draws from the clock, or from a generator the loader cannot see: pass "
+            "it through the "
             "loader's `generator=` or give the sampler state_dict()/load_state_dict()), or the "
             "dataset or sampler changed. Pass verify_restore=False to the loader to continue "
             "from the re-derived position anyway (docs/loader.md#restores-check-themselves)"
         )
     ended = replayed.iterator is None
-    if proof.end and ended and own_generators_digest(rng, replayed.after) != proof.end:
+    if proof.end and ended and (found := own_generators_digest(rng, replayed.after)) != proof.end:
         raise StateMismatchError(
             f"the restore re-ran the sampler {chain} through epoch {state.epoch} (saved at "
-            "its end), but its generators then differ from the saving loader's: the next "
-            "epoch's order would not be the one the uninterrupted run draws (a sampler "
-            "that draws differently on every run?). Pass verify_restore=False to the "
+            f"its end), but its generators then differ from the saving loader's (digest "
+            f"{proof.end} saved, {found} now): the next epoch's order would not be the one "
+            "the uninterrupted run draws (a sampler that draws differently on every run?). "
+            "Pass verify_restore=False to the "
             "loader to continue anyway (docs/loader.md#restores-check-themselves)"
         )
 

@@ -83,6 +83,14 @@ def _draws_nothing(index_sampler: Any) -> bool:
     return all(type(s) in (BatchSampler, SequentialSampler, DistributedSampler) for s in samplers)
 
 
+# The generators a SamplerRng's ``kinds`` name, for messages.
+_KIND_NAMES = {
+    "global": "torch's global generator",
+    "loader": "the loader's generator=",
+    "sampler": "a sampler's generator",
+}
+
+
 class SamplerRng:
     """The generators that drive one loader's sampler: capture and put back their states."""
 
@@ -112,6 +120,17 @@ class SamplerRng:
         # Whether a restore needs their states: the sampler draws, or a generator of the
         # loader's own moves (torch draws the base seed from the loader's ``generator``).
         self.recorded = self.draws or len(self.generators) > int(uses_global)
+        self.chain = describe_chain(index_sampler)
+
+    def count_mismatch(self, saved: int) -> StateMismatchError:
+        """The refusal of a state holding ``saved`` generator states, not one per generator."""
+        named = ", ".join(_KIND_NAMES[kind] for kind in self.kinds)
+        return StateMismatchError(
+            f"the state holds {saved} generator state(s) of the sampler, this loader's "
+            f"sampler {self.chain} is driven by {len(self.generators)}"
+            f"{f' ({named})' if named else ''}: not the same sampler setup. Build the loader "
+            "with the sampler and generator= of the loader that saved the state"
+        )
 
     def capture(self) -> list[torch.Tensor]:
         """Every generator's state now (copies)."""
@@ -119,10 +138,7 @@ class SamplerRng:
 
     def put(self, states: list[torch.Tensor]) -> None:
         if len(states) != len(self.generators):
-            raise StateMismatchError(
-                f"the state holds {len(states)} generator state(s) of the sampler, this loader's "
-                f"sampler is driven by {len(self.generators)}: not the same sampler setup"
-            )
+            raise self.count_mismatch(len(states))
         for generator, state in zip(self.generators, states):
             generator.set_state(state)
 

@@ -174,7 +174,8 @@ def read_header(state: Any, kind: str) -> StateReader:
     if saved_kind != kind:
         raise StateMismatchError(
             f"the state was saved by a drop-in loader over a {saved_kind}-style dataset; this "
-            f"one runs a {kind}-style dataset"
+            f"one runs a {kind}-style dataset: restore it into a loader over the dataset that "
+            "saved it"
         )
     return reader
 
@@ -190,7 +191,9 @@ def check_config(saved: Any, now: dict[str, Any]) -> None:
     ]
     if differences:
         raise StateMismatchError(
-            "the state belongs to another dataset or sampling setup: " + "; ".join(differences)
+            "the state belongs to another dataset or sampling setup: "
+            + "; ".join(differences)
+            + ". Build the loader with the dataset, sampler and batching that saved the state"
         )
 
 

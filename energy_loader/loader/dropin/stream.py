@@ -392,13 +392,11 @@ def check_restorable(state: MapState, stream: IndexStream) -> None:
     if state.started and units is not None and state.used > units:
         raise StateMismatchError(
             f"state.used is {state.used}, but an epoch of the saving loader had {units} "
-            "batches: the position lies outside the epoch (an edited or foreign state)"
+            "batches: the position lies outside the epoch (an edited or foreign state). "
+            "Restore a state this loader's setup saved, as it saved it"
         )
     if state.rng is not None and len(state.rng) != len(stream.rng.generators):
-        raise StateMismatchError(
-            f"the state holds {len(state.rng)} generator state(s) of the sampler, this loader's "
-            f"sampler is driven by {len(stream.rng.generators)}: not the same sampler setup"
-        )
+        raise stream.rng.count_mismatch(len(state.rng))
 
 
 # What may differ when a DistributedSampler job continues on another layout or batch size.
