@@ -220,7 +220,7 @@ class MapEngine(EpochBeginning, DropInRestore):
         saved = self.job
         pin, self.pin = self.pin, None
         if pin is not None:  # the job's first iter(), its start pinned by a save (pin.py)
-            fresh, job = True, pin.job
+            fresh, job = True, pin.job_for(pending, self.worker_config, self.base_seed_generator)
         elif saved is None or saved.seed is None:  # the job's first iter()
             persistent = self.persistent_workers if saved is None else saved.persistent
             workers = (

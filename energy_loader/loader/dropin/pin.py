@@ -32,10 +32,13 @@ Not here: a started epoch's position (:mod:`.stream`), the state's layout (:mod:
 
 from __future__ import annotations
 
+import warnings
+
 import attrs
 import torch
 
 from ...state.digests import digest
+from ...worker import WorkerConfig
 from . import global_rngs
 from .sampling import SamplerRng, job_seed
 from .state import JobStart, MapState, decode_generator_states, encode_generator_states
@@ -106,6 +109,42 @@ class Pin:
             "",
             global_rngs_at_save=self.at_save,
         )
+
+    def job_for(
+        self, restored: MapState | None, config: WorkerConfig, generator: torch.Generator
+    ) -> JobStart:
+        """The pinned job, as the first ``iter()`` of the loader of ``config``'s rank takes it
+        (``restored``: the state the pin came from, None for the loader that saved it;
+        ``generator``: the one the job seed is a hash of).
+
+        Warns (``UserWarning``) on rank 0 when the pin was saved by another rank of a
+        multi-rank job and pins another seed than rank 0's generator gives now: the job takes
+        rank 0's seed at its first ``iter()`` (:mod:`.job`), and a
+        ``torch.distributed.checkpoint`` of a step-0 save keeps one rank's entry (the position
+        is every rank's), so where the ranks seed differently the restored job would augment
+        as that rank's seed does without a word. Ranks seeded alike give the same seed (no
+        warning); rank 0's generator moved since the save is the one case warned for nothing.
+        """
+        if (
+            restored is not None
+            and config.rank == 0
+            and restored.world_size > 1
+            and restored.rank != 0
+            and self.job.seed != job_seed(generator)
+        ):
+            warnings.warn(
+                f"this loader restored a state saved before the first iter() by rank "
+                f"{restored.rank} of {restored.world_size} (a torch.distributed.checkpoint keeps "
+                f"one rank's entry of such a save), and its job seed differs from the one rank "
+                f"0's generator gives now: if your ranks seed differently (torch.manual_seed(1000 "
+                f"+ rank)), the restored job augments every sample as rank {restored.rank}'s seed "
+                f"does, not as the job that saved. Seed every rank alike, checkpoint after the "
+                f"first batch, or restore from per-rank files (save_state_rank_file); if the "
+                f"ranks seed alike and only rank 0's generator moved since the save, the restore "
+                f"is exact (docs/dropin.md#a-checkpoint-at-step-0)",
+                stacklevel=4,
+            )
+        return self.job
 
     def moved(self, rng: SamplerRng) -> bool:
         """Whether the generators that drive the sampler stand elsewhere than pinned."""
