@@ -102,7 +102,7 @@ def test_demo_resumed_from_an_epochs_last_batch_runs_each_epoch_once(demo_run, t
 def test_inspect_reads_a_checkpoint_the_demo_wrote(demo_run) -> None:
     out, _ = demo_run
     checkpoint = sorted((out / "checkpoints").glob("*.pt"))[-1]
-    result = _run("inspect", str(checkpoint))
+    (result,) = run_commands(("inspect", str(checkpoint)))
     assert result.returncode == 0, result.stderr
     assert f"format energy_loader.rank_state version {RANK_STATE_VERSION}" in result.stdout
     assert "rank 0 of 1, 2 workers, 2 logical partitions (1 per worker)" in result.stdout

@@ -24,7 +24,7 @@ import energy_loader as el
 from energy_loader.cli.pipelines import build_loader
 from energy_loader.cli.replay import loader_and_states, parse_steps, replay
 
-from .helpers import run_command, run_commands
+from .helpers import run_commands
 from .observe_pipelines import LENGTH, build
 
 SAVE, AFTER, SEED, RANKS = 7, 24, 5, 2
@@ -187,7 +187,8 @@ def test_replay_command_line(saved_run) -> None:
 
 
 def _command(*args: str, log_dir: Path) -> subprocess.CompletedProcess:
-    return run_command(*args, ENERGY_LOADER_TEST_LOG_DIR=str(log_dir))
+    (result,) = run_commands(args, ENERGY_LOADER_TEST_LOG_DIR=str(log_dir))
+    return result
 
 
 @COMMANDS_ON_EACH_RUN

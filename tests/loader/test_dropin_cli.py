@@ -102,17 +102,8 @@ def test_replay_of_a_distributed_sampler_job_serves_any_rank_from_rank_0s_checkp
 
 def _main(command: str, *args: str) -> tuple[int, str, str]:
     """``python -m energy_loader COMMAND ARGS`` in this process: exit code, stdout, stderr."""
-    import contextlib
-    import io
-
-    from energy_loader.cli import inspect as inspect_command
-    from energy_loader.cli import replay as replay_command
-
-    main = {"inspect": inspect_command.main, "replay": replay_command.main}[command]
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(args))
-    return code, out.getvalue(), err.getvalue()
+    (result,) = run_commands((command, *args))
+    return result.returncode, result.stdout, result.stderr
 
 
 def _as_lists(batch: dict[str, Any]) -> dict[str, Any]:
