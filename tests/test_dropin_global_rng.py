@@ -290,47 +290,35 @@ def test_ranks_of_a_distributed_sampler_saved_before_the_first_iter_keep_their_a
         assert_same(again, uninterrupted)
 
 
-@pytest.mark.parametrize("seeds", [(1000, 1001), (7, 7)], ids=["per-rank", "alike"])
-def test_rank_0_restoring_another_ranks_step_0_entry_warns_where_the_seeds_differ(
-    seeds: tuple[int, int],
-) -> None:
+def _step_0_warnings(saved_by: int, saver_seed: int, restorer_seed: int, moved: bool) -> list[str]:
+    """Rank 0 restores the step-0 ``state_dict()`` of rank ``saved_by`` (seeded
+    ``saver_seed``; rank 0 seeded ``restorer_seed``, its generator ``moved`` since): the
+    warnings about another rank's step-0 entry at its first iter()."""
+    program_start(saver_seed)
+    saved = _rank_loader(saved_by).state_dict()
+    assert list(saved) == ["rank_any"], "a DistributedSampler's state is any rank's"
+    program_start(restorer_seed)
+    if moved:
+        _elsewhere()
+    restored = _rank_loader(0)
+    restored.load_state_dict(saved)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        next(iter(restored))
+    restored.close()
+    return [str(w.message) for w in caught if "before the first iter() by rank" in str(w.message)]
+
+
+def test_rank_0_restoring_another_ranks_step_0_entry_warns_where_the_seeds_differ() -> None:
     """A torch.distributed.checkpoint of a step-0 save keeps one rank's ``rank_any`` entry
     (every rank's position is the same), and the job takes rank 0's seed at its first iter().
     Rank 0 restoring rank 1's entry warns where that entry pins another seed than rank 0's
-    generator gives (ranks seeded apart), and restores quietly where they seed alike."""
-    program_start(seeds[1])
-    saved = _rank_loader(1).state_dict()
-    assert list(saved) == ["rank_any"], "a DistributedSampler's state is any rank's"
-    program_start(seeds[0])
-    restored = _rank_loader(0)
-    restored.load_state_dict(saved)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        next(iter(restored))
-    restored.close()
-    found = [
-        str(w.message) for w in caught if "saved before the first iter() by rank" in str(w.message)
-    ]
-    if seeds[0] == seeds[1]:
-        assert found == []
-    else:
-        assert (
-            len(found) == 1 and "by rank 1 of 2" in found[0] and "Seed every rank alike" in found[0]
-        )
-
-
-def test_rank_0_restoring_its_own_step_0_entry_does_not_warn() -> None:
-    program_start(1000)
-    saved = _rank_loader(0).state_dict()
-    program_start(1000)
-    _elsewhere()  # rank 0's generator moved: the pin restores the job's start, no warning
-    restored = _rank_loader(0)
-    restored.load_state_dict(saved)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        next(iter(restored))
-    restored.close()
-    assert not [w for w in caught if "saved before the first iter() by rank" in str(w.message)]
+    generator gives (ranks seeded apart), and restores quietly where they seed alike or the
+    entry is its own (its generator moved since: the pin restores the job's start)."""
+    (warning,) = _step_0_warnings(1, 1001, 1000, moved=False)
+    assert "by rank 1 of 2" in warning and "Seed every rank alike" in warning
+    assert _step_0_warnings(1, 7, 7, moved=False) == []
+    assert _step_0_warnings(0, 1000, 1000, moved=True) == []
 
 
 class _Drawing(IterableDataset[Any]):

@@ -121,7 +121,14 @@ def test_tuple_samples_come_as_lists_as_torch_gives_them() -> None:
 
 @pytest.mark.parametrize(
     ("workers", "resume_workers", "persistent"),
-    [(0, 0, False), (2, 1, False), (0, 2, False), (1, 2, True)],
+    # Two of the four layouts in the slow set: the drawn model (test_dropin_properties) draws
+    # 0-3 workers, another count on restart and persistent workers in the default run too.
+    [
+        (0, 0, False),
+        pytest.param(2, 1, False, marks=pytest.mark.slow),
+        (0, 2, False),
+        pytest.param(1, 2, True, marks=pytest.mark.slow),
+    ],
 )
 @pytest.mark.parametrize("with_generator", [False, True])
 def test_resumes_exactly_at_every_stop(

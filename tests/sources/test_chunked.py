@@ -266,7 +266,15 @@ def pipeline_500(folder: Path, *, probe: bool = False) -> el.SavableDataset:
 
 
 @pytest.mark.parametrize(
-    ("num_workers", "num_partitions"), [(0, None), (1, None), (2, None), (3, None), (2, 4)]
+    ("num_workers", "num_partitions"),
+    # 1 and 3 workers in the slow set: 0, 2 and two partitions a worker run by default.
+    [
+        (0, None),
+        pytest.param(1, None, marks=pytest.mark.slow),
+        (2, None),
+        pytest.param(3, None, marks=pytest.mark.slow),
+        (2, 4),
+    ],
 )
 @pytest.mark.timeout(240)
 def test_any_file_sizes_with_any_workers(
