@@ -9,7 +9,9 @@ uninterrupted run and end with the same weight.
 
 from __future__ import annotations
 
+import gc
 import signal
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -68,14 +70,21 @@ def test_iterating_what_accelerate_made_of_a_pipeline_loader_is_a_clear_error(
     pipeline's internal dataset still refuses to be iterated by any DataLoader but its own."""
     loader = el.SavableDataLoader(ah.pipeline(), num_workers=workers)
     prepared = accelerate_data_loader.prepare_data_loader(loader, put_on_device=False)
-    with pytest.raises(
-        TypeError, match=r"use energy_loader\.integrations\.accelerate\.prepare_loader"
-    ):
-        next(iter(prepared))
-    # accelerate's loader keeps torch's own iterator (persistent workers) in a reference cycle;
-    # collected later by the cyclic collector, its shutdown would wait 5 s a worker (torch
-    # joins workers whose queues the collector closed first). Dropped now, it stops at once.
-    prepared.base_dataloader._iterator = None
+    # The error holds torch's own iterator (accelerate's loader is a torch DataLoader) in
+    # reference cycles: collected by the cyclic collector, its shutdown would wait 5 s a worker
+    # (torch joins workers whose queues the collector closed first). So no collection runs until
+    # the cycles are broken and the iterator shuts its workers down by reference count.
+    gc.disable()
+    try:
+        with pytest.raises(
+            TypeError, match=r"use energy_loader\.integrations\.accelerate\.prepare_loader"
+        ) as caught:
+            next(iter(prepared))
+        traceback.clear_frames(caught.tb)
+        del caught
+        prepared.base_dataloader._iterator = None
+    finally:
+        gc.enable()
     assert next(iter(loader)) is not None
     loader.close()
 
