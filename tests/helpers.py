@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import importlib
 import io
 import os
@@ -48,7 +49,13 @@ class LazyModule:
         # ``_mock_name``): those are answered without the import.
         if attribute.startswith("__") or attribute == "_mock_name":
             raise AttributeError(attribute)
-        return getattr(importlib.import_module(self._lazy_name), attribute)
+        module = self.__dict__.get("_module")
+        if module is None:
+            module = self._module = importlib.import_module(self._lazy_name)
+            # What the import made lives as long as the session: out of the collector's full
+            # passes (tests/conftest.py's pytest_collection_finish says why).
+            gc.freeze()
+        return getattr(module, attribute)
 
 
 def resealed(state: dict[str, Any]) -> dict[str, Any]:
