@@ -40,7 +40,7 @@ from torch.utils.data import (
 import energy_loader as el
 from energy_loader.errors import StateFormatError, StateMismatchError
 from energy_loader.state.digests import digest
-from energy_loader.testing.runs import program_start
+from energy_loader.testing.runs import move_global_rngs, program_start, training_step
 
 from .helpers import dropin_version_4
 from .loader.dropin_helpers import (
@@ -57,20 +57,6 @@ EPOCHS = 2
 LENGTH = 11  # batches of 2: five full and a last one of one index
 
 
-def _step() -> None:
-    """A training step's own draws."""
-    torch.rand(3)
-    random.random()
-    np.random.rand()
-
-
-def _elsewhere() -> None:
-    """The restarted program drew more than the saving one before iterating."""
-    torch.rand(1)
-    random.random()
-    np.random.rand(2)
-
-
 def _run(loader: Any, out: list[Any], stop: int | None = None, *, after_loop: bool = False) -> None:
     """The loop people write, appending ``(epoch, batch)``; returns early at ``stop`` batches
     in all (right after that batch, or, with ``after_loop``, after the ``for`` loop ended)."""
@@ -81,7 +67,7 @@ def _run(loader: Any, out: list[Any], stop: int | None = None, *, after_loop: bo
             sampler.set_epoch(epoch)
         for batch in loader:
             out.append((epoch, batch))
-            _step()
+            training_step()
             if stop is not None and len(out) == stop and not after_loop:
                 return
         if stop is not None and len(out) == stop:
@@ -195,7 +181,7 @@ def test_a_state_saved_before_the_first_iter_restores_with_the_global_rngs_moved
     assert torch.equal(torch.get_rng_state(), after_never_saved)
 
     program_start(0)
-    _elsewhere()
+    move_global_rngs()
     restored = make(restore_workers)
     _load(restored, state_file)
     again: list[Any] = []
@@ -220,7 +206,7 @@ def test_a_program_that_draws_between_its_save_and_its_first_iter_is_continued_b
     loader.close()
 
     program_start(0)
-    _elsewhere()
+    move_global_rngs()
     restored = _shuffled(restore_workers)
     _load(restored, tmp_path / "state.pt")
     again: list[Any] = []
@@ -251,7 +237,7 @@ def test_a_sampler_whose_iter_draws_restores_on_another_number_of_workers(
     _save(loader, tmp_path / "state.json")
     loader.close()
     program_start(0)
-    _elsewhere()
+    move_global_rngs()
     restored = _draws_at_iter(*restoring)
     _load(restored, tmp_path / "state.json")
     _run(restored, again)
@@ -281,7 +267,7 @@ def test_ranks_of_a_distributed_sampler_saved_before_the_first_iter_keep_their_a
         loader.close()
 
         program_start(1000 + rank)
-        _elsewhere()
+        move_global_rngs()
         restored = _rank_loader(rank)
         _load(restored, tmp_path / f"rank{rank}.json")
         again: list[Any] = []
@@ -299,7 +285,7 @@ def _step_0_warnings(saved_by: int, saver_seed: int, restorer_seed: int, moved: 
     assert list(saved) == ["rank_any"], "a DistributedSampler's state is any rank's"
     program_start(restorer_seed)
     if moved:
-        _elsewhere()
+        move_global_rngs()
     restored = _rank_loader(0)
     restored.load_state_dict(saved)
     with warnings.catch_warnings(record=True) as caught:
@@ -347,7 +333,7 @@ def test_an_iterable_drop_in_saved_before_the_first_iter_restores_with_the_rngs_
     _run(loader, uninterrupted)
     loader.close()
     program_start(0)
-    _elsewhere()
+    move_global_rngs()
     restored = make()
     _load(restored, tmp_path / "state.pt")
     again: list[Any] = []
@@ -395,7 +381,7 @@ def test_version_3_states_restore_as_they_did() -> None:
     _run(loader, again, stop=3)
     started = _as_version_3(loader.save_state_rank())
     program_start(0)
-    _elsewhere()
+    move_global_rngs()
     restored = _shuffled(0)
     restored.restore_state_rank(json.loads(json.dumps(started)))
     _run(restored, again)
@@ -404,11 +390,11 @@ def test_version_3_states_restore_as_they_did() -> None:
     program_start(0)
     unstarted = _as_version_3(_shuffled(0).save_state_rank())
     program_start(0)
-    _elsewhere()
+    move_global_rngs()
     fresh: list[Any] = []
     _run(_shuffled(0), fresh)
     program_start(0)
-    _elsewhere()
+    move_global_rngs()
     restored = _shuffled(0)
     restored.restore_state_rank(unstarted)
     again = []
@@ -488,7 +474,7 @@ def test_a_sampler_drawing_from_a_global_rng_restores_exactly_where_the_program_
         head, rngs = _head_and_state(kind, workers, stop, after_loop, path)
         for put_back_first in (True, False):
             program_start(0)
-            _elsewhere()
+            move_global_rngs()
             restored = _drawing_loader(kind, 0 if workers else 2)
             if put_back_first:
                 _put_global_rngs(rngs)
@@ -517,7 +503,7 @@ def test_a_sampler_drawing_from_a_global_rng_is_refused_where_the_program_left_i
     head, rngs = _head_and_state(kind, workers, stop, after_loop, tmp_path / "state.pt")
 
     program_start(0)
-    _elsewhere()
+    move_global_rngs()
     restored = _drawing_loader(kind, workers)
     _load(restored, tmp_path / "state.pt")
     call = "random.setstate" if kind.startswith("python") else "np.random.set_state"
@@ -556,7 +542,7 @@ def test_a_state_saved_before_the_first_iter_of_a_python_sampler(
     assert_same(again, uninterrupted)
 
     program_start(0)
-    _elsewhere()
+    move_global_rngs()
     restored = _drawing_loader("python", workers)
     _load(restored, tmp_path / "state.json")
     with pytest.raises(StateMismatchError, match="python's global `random`"):
@@ -564,7 +550,7 @@ def test_a_state_saved_before_the_first_iter_of_a_python_sampler(
     restored.close()
 
     program_start(0)
-    _elsewhere()
+    move_global_rngs()
     restored = _drawing_loader("python", workers)
     _load(restored, tmp_path / "state.json")
     _put_global_rngs(rngs)
@@ -612,7 +598,7 @@ def test_an_unseeded_python_sampler_saved_at_a_one_index_last_batch_is_always_re
 def test_without_verify_restore_a_moved_rng_continues_unchecked(tmp_path: Path) -> None:
     _head_and_state("python", 0, 6, True, tmp_path / "state.pt")
     program_start(0)
-    _elsewhere()
+    move_global_rngs()
     restored = _drawing_loader("python", 0, verify_restore=False)
     _load(restored, tmp_path / "state.pt")
     rest: list[Any] = []

@@ -43,9 +43,11 @@ __all__ = [
     "UNREPLAYABLE",
     "TrainingLoop",
     "load",
+    "move_global_rngs",
     "program_start",
     "round_trip",
     "run_chain",
+    "training_step",
 ]
 
 
@@ -100,14 +102,14 @@ def program_start(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _training_step() -> None:
+def training_step() -> None:
     """A step's own draws (dropout, augmentation in the loop) from every global RNG."""
     torch.rand(3)
     random.random()
     np.random.rand()
 
 
-def _move_global_rngs() -> None:
+def move_global_rngs() -> None:
     """A restarted program is elsewhere in its global RNGs than the one that saved."""
     torch.rand(5)
     random.random()
@@ -209,7 +211,7 @@ class TrainingLoop:
                     self.on_first(self.loader, value)
                     self.on_first = None
                 self.out.append(Batch(epoch, len(self.out), value))
-                _training_step()
+                training_step()
                 if self.stop == SavePoint(len(self.out)):
                     return True
             self.ends.append(len(self.out))
@@ -235,7 +237,7 @@ def _peek(loader: Any) -> Any:
         keys = loader.peek_keys(1)
         kept = random.getstate(), np.random.get_state(), torch.get_rng_state()
         try:
-            _move_global_rngs()
+            move_global_rngs()
             again = loader.peek_keys(1)
         finally:
             random.setstate(kept[0])
@@ -314,7 +316,7 @@ def run_chain(
                     # (by default a program restored from a state saved before the first
                     # batch is where a fresh start is: a checkpoint at step 0 of the same
                     # script)
-                    _move_global_rngs()
+                    move_global_rngs()
             program = TrainingLoop(
                 loader, epochs, out, stop, number > 0, peek_at, on_restored_batch
             )
