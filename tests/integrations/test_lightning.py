@@ -8,7 +8,9 @@ must be bit-identical.
 
 from __future__ import annotations
 
+import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -298,14 +300,15 @@ def test_ddp_dropin_loader_resumes_exactly(dropin_ddp_run: Path, callback: bool)
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    # The default run keeps one case of each: the callback's per-rank states on fewer devices
-    # (1-True), rank 0's state dealt over more devices (3-False; 2 devices: test above).
+    # The default run keeps the callback's per-rank states on fewer devices (1-True; 2 devices:
+    # test above); Lightning's count on more devices, refused or counted by the callback, is
+    # test_a_larger_batch_size_under_ddp_is_counted_by_the_callback_or_refused's, in one process.
     ("devices", "callback"),
     [
         (1, True),
         pytest.param(1, False, marks=pytest.mark.slow),
         pytest.param(3, True, marks=pytest.mark.slow),
-        (3, False),
+        pytest.param(3, False, marks=pytest.mark.slow),
     ],
     ids=["1-True", "1-False", "3-True", "3-False"],
 )
@@ -364,3 +367,46 @@ def test_ddp_dropin_checkpoint_resumes_on_another_number_of_devices(
         rest += by_epoch[0]
     assert sorted(set(head + rest)) == list(range(lh.DDP_SAMPLES))
     assert len(head) + len(rest) - lh.DDP_SAMPLES < devices  # DistributedSampler's padding
+
+
+@pytest.fixture
+def ddp_in_this_process() -> Iterator[None]:
+    """Lightning's "ddp" strategy on one device runs in the test's own process: it opens a
+    1-rank gloo group and sets MASTER_ADDR and the like, both undone after the test."""
+    environ = dict(os.environ)
+    try:
+        yield
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+@pytest.mark.usefixtures("ddp_in_this_process")
+def test_a_larger_batch_size_under_ddp_is_counted_by_the_callback_or_refused(
+    tmp_path: Path,
+) -> None:
+    """Lightning's count of a resumed epoch, as on more devices, in one process: a drop-in
+    loader under Lightning's (1-rank) DistributedSampler checkpointed after 2 batches of 4 and
+    resumed with batches of 8 has 5 batches of epoch 0 left, where Lightning counts
+    len(loader) - 2 = 4. Without the callback ``fit`` refuses before the first batch, naming
+    it; with it, the resumed run trains the uninterrupted run's samples from the ninth on,
+    augmented alike, through epoch 1."""
+
+    def loader(batch_size: int) -> el.SavableDataLoader:
+        return el.SavableDataLoader(lh.JitteredSamples(), batch_size=batch_size, shuffle=True)
+
+    def samples(model: Any) -> list[tuple[int, int, float]]:
+        return [(e, i, x) for e, batch, xs in model.seen for i, x in zip(batch, xs, strict=True)]
+
+    fit = lh.fit_two_epochs
+    full = fit(loader(4), tmp_path, devices=1, strategy="ddp")
+    head = fit(loader(4), tmp_path, devices=1, strategy="ddp", save_at=2, max_steps=2)
+    assert head.seen == full.seen[:2]
+    with pytest.raises(el.StateMismatchError, match="5 batches of the resumed epoch left") as error:
+        fit(loader(8), tmp_path, devices=1, strategy="ddp", resume=True, callback=False)
+    assert "SavableLoaderCallback()" in str(error.value)
+    tail = fit(loader(8), tmp_path, devices=1, strategy="ddp", resume=True)
+    assert [len(batch) for _, batch, _ in tail.seen] == [8] * (5 + 6)
+    assert samples(tail) == samples(full)[2 * 4 :]
