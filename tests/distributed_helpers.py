@@ -1,6 +1,6 @@
 """Multi-process harness for tests/test_distributed.py.
 
-:func:`launch` starts ``world_size`` real processes with the spawn start method, joins them
+:func:`launch` starts ``world_size`` real processes (from a fork server, below), joins them
 into a gloo process group on 127.0.0.1 (a free port per launch) and runs one *rank program*
 (a module-level function of this module, so spawned processes can import it) on each. A rank
 program writes what it saw to files in the work directory; the test reads them. Every launch
@@ -22,6 +22,7 @@ import importlib
 import json
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -54,14 +55,14 @@ FORKSERVER_PRELOAD = [
     "energy_loader",
     "tests.distributed_helpers",
 ]
-# Rank programs of other modules, preloaded as well when this session imported them (the tests
-# that launch them import them at collection): each of Lightning's ranks would otherwise import
-# pytorch_lightning itself (~3 s of CPU a rank).
+# Rank programs of other modules that import a heavy library, preloaded as well once this
+# session imported them (their tests import them at first use, tests.helpers.LazyModule): each
+# rank would otherwise import pytorch_lightning or transformers itself (~2 s of CPU a rank; a
+# default run starts 11 Lightning ranks). Accelerate's and datasets' rank programs import in
+# 0.1-0.4 s, less than restarting the server would cost (_fork_server_preloading).
 RANK_PROGRAM_MODULES = [
     "tests.integrations.lightning_helpers",
-    "tests.integrations.accelerate_helpers",
     "tests.integrations.trainer_helpers",
-    "tests.loader.hf_rank_programs",
 ]
 
 
@@ -101,7 +102,7 @@ def launch(
     context = multiprocessing.get_context(START_METHOD)
     if START_METHOD == "forkserver":
         imported = [name for name in RANK_PROGRAM_MODULES if name in sys.modules]
-        context.set_forkserver_preload(FORKSERVER_PRELOAD + imported)
+        _fork_server_preloading(FORKSERVER_PRELOAD + imported)
     port = free_port()
     processes = [
         context.Process(
@@ -143,6 +144,23 @@ def launch(
         reports = "\n".join(_error_report(workdir, rank) for rank in range(world_size))
         raise AssertionError(f"ranks hung past {timeout} s: {hung}; failed: {failed}\n{reports}")
     return [p.exitcode for p in processes]
+
+
+def _fork_server_preloading(modules: list[str]) -> None:
+    """Have multiprocessing's fork server preload ``modules`` for the ranks it forks next.
+
+    The server reads its preload list once, when it starts: at this session's first launch,
+    or at the first loader test with forkserver workers (which preloads nothing). A server
+    running without one of ``modules`` is stopped here, between launches (no process it forked
+    is left then), and the next rank's start starts it again with all of them: one import of
+    Lightning, say, instead of one in each of its ranks."""
+    server = multiprocessing.forkserver._forkserver  # the server every forkserver context uses
+    running = getattr(server, "_forkserver_pid", None) is not None
+    if running and set(modules) <= set(getattr(server, "_preload_modules", ())):
+        return
+    if running and hasattr(server, "_stop"):
+        server._stop()
+    server.set_forkserver_preload(modules)
 
 
 def _error_report(workdir: Path, rank: int) -> str:
