@@ -24,6 +24,9 @@ checked in one file. What and why:
   dataset shards by ``get_worker_info().id``, which after a restore must name the logical
   worker whose stream the process now continues. ``WorkerInfo`` refuses attribute changes
   after construction, so its fields are replaced with ``object.__setattr__``.
+- ``_BaseDataLoaderIter.__init__``'s base seed: one ``int64`` drawn from the loader's
+  ``generator`` (the global torch generator without one) at every iterator torch makes; the
+  iterable drop-in draws it where torch would (:func:`draw_base_seed`).
 - ``DistributedSampler.__iter__``'s permutation (``randperm`` of a generator seeded with
   ``seed + epoch``, or ``range``): the drop-in loader deals the rest of an epoch to another
   number of ranks from the same permutation (:func:`distributed_permutation`).
@@ -43,6 +46,7 @@ __all__ = [
     "ExceptionWrapper",
     "WorkersDataLoader",
     "distributed_permutation",
+    "draw_base_seed",
     "has_iterator",
     "outstanding_tasks",
     "set_worker_info",
@@ -158,6 +162,12 @@ def set_worker_info(**fields: Any) -> None:
         return
     for name, value in fields.items():
         object.__setattr__(info, name, value)
+
+
+def draw_base_seed(loader: DataLoader[Any]) -> int:
+    """The draw torch's ``_BaseDataLoaderIter.__init__`` makes for its workers' base seed
+    (torch 2.x), from the loader's ``generator`` or the global torch generator."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
 
 
 def distributed_permutation(length: int, shuffle: bool, seed: int, epoch: int) -> list[int]:

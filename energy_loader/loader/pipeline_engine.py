@@ -25,11 +25,13 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
+import torch
 from torch.utils.data import DataLoader
 
 from ..dataset import SavableDataset, attach_restore_key, restore_key_of
 from ..errors import CodeChangedWarning, StateFormatError, StateMismatchError, WorkerError
 from ..metrics import LoaderMetrics, StallPolicy, clock
+from ..rng import kept_rng_state
 from ..state.fingerprint import CODE_SUFFIX, code_differences
 from ..state.plain import to_key
 from ..state.positions import Position
@@ -180,8 +182,18 @@ class PipelineEngine:
         )
 
     def torch_arguments(self, prefetch_factor: int | None) -> dict[str, Any]:
-        """The arguments of the torch DataLoader that runs :attr:`side`."""
+        """The arguments of the torch DataLoader that runs :attr:`side`.
+
+        Its ``generator`` is the engine's own: torch draws a base seed for the worker
+        processes from it at every iterator it makes (each epoch without workers, each start
+        of the workers), which would otherwise move the training process's global torch
+        generator, and move it differently in a restored run (an iterator made at the restore,
+        none at a continued epoch's start). A pipeline seeds its own randomness
+        (:mod:`energy_loader.rng`), so the base seed is used for nothing.
+        """
         workers = self.num_workers
+        generator = torch.Generator()
+        generator.manual_seed(self.worker_config.seed)
         return {
             "batch_size": None,
             "num_workers": workers,
@@ -189,6 +201,7 @@ class PipelineEngine:
             "prefetch_factor": prefetch_factor if workers else None,
             "persistent_workers": workers > 0,
             "multiprocessing_context": self._args.mp_context,
+            "generator": generator,
         }
 
     @property
@@ -208,6 +221,19 @@ class PipelineEngine:
         if not continuation:
             self.begin_epoch()
         return _EngineIterator(self, continuation)
+
+    def next_iter_begins_epoch(self) -> bool:
+        """Whether the next :meth:`iterate` starts an epoch (where torch's own DataLoader makes
+        a new iterator) rather than continuing one that has items left."""
+        progress = self.progress
+        if not progress.in_epoch or progress.epoch_ended:
+            return True
+        return self.restored and self._restored_epoch_is_over()
+
+    def has_begun(self) -> bool:
+        """Whether an epoch has begun in this run or in the run whose state it restored."""
+        progress = self.progress
+        return progress.epoch > 0 or progress.in_epoch or progress.epoch_ended
 
     def begin_epoch(self) -> None:
         """Start the next epoch (or the first), from the canonical partition assignment."""
@@ -278,7 +304,12 @@ class PipelineEngine:
         if isinstance(inner, Unbundler):
             progress = self.progress
             return inner.next_item(progress.next_worker, progress.done)
-        return next(inner)  # type: ignore[no-any-return]
+        # In this process the stages seed the global RNGs per sample (and unseeded user code
+        # draws from them): the training's own draws (dropout) must not see any of it, nor the
+        # replay of a restore, so their states are put back after each item (~85 us an item,
+        # most of it numpy's get_state/set_state).
+        with kept_rng_state():
+            return next(inner)  # type: ignore[no-any-return]
 
     def _open_torch_iterator(self) -> Iterator[Any]:
         """torch's iterator over the worker side (starting the workers, or continuing them)."""
@@ -504,8 +535,10 @@ class PipelineEngine:
         return self.fleet.poll_stats(self.side.offset)
 
     def restore_sample(self, key: Any) -> Any:
+        """Rebuild a sample in this process; the caller's global RNGs stay where they were
+        (the stages seed them per sample, or draw from them)."""
         key = to_key(key)
-        with active_worker(self.planner.config.context(0)):
+        with kept_rng_state(), active_worker(self.planner.config.context(0)):
             return attach_restore_key(self.planner.pipeline.restore_sample(key), key)
 
     def config(self) -> dict[str, Any]:

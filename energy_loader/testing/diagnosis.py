@@ -82,11 +82,15 @@ class Difference:
     number: int
     detail: str
     epoch_differs: bool = False
+    rngs_differ: bool = False  # the batch is right; the global RNGs after it are not
 
 
-def compare_runs(expected: Sequence[Batch], got: Sequence[Batch]) -> Difference | None:
-    """``None`` when both runs hand out the same batches in the same epochs, else the first
-    difference."""
+def compare_runs(
+    expected: Sequence[Batch], got: Sequence[Batch], *, rngs: Sequence[str] = ()
+) -> Difference | None:
+    """``None`` when both runs hand out the same batches in the same epochs, with the global
+    RNGs named in ``rngs`` (``"python"``, ``"numpy"``, ``"torch"``) where the uninterrupted run
+    had them after each batch, else the first difference."""
     for want, have in zip(expected, got):
         if want.epoch != have.epoch:
             return Difference(
@@ -98,6 +102,21 @@ def compare_runs(expected: Sequence[Batch], got: Sequence[Batch]) -> Difference 
         detail = first_difference(want.value, have.value, "batch")
         if detail is not None:
             return Difference(want.number, detail)
+        moved = [
+            name
+            for name in rngs
+            if want.rngs is not None
+            and have.rngs is not None
+            and want.rngs[name] != have.rngs[name]
+        ]
+        if moved:
+            return Difference(
+                want.number,
+                f"the batch is right, but {' and '.join(moved)}'s global RNG stood elsewhere "
+                "after it than in the uninterrupted run: the loader drew from the training "
+                "process's generator differently (a model with dropout trains other weights)",
+                rngs_differ=True,
+            )
     if len(expected) != len(got):
         number = min(len(expected), len(got))
         longer = expected if len(expected) > len(got) else got
@@ -144,6 +163,8 @@ def diagnose(
             + (builder or _not_reproducible(first, second, words))
         )
     where = _where(full.batches, difference.number)
+    if difference.rngs_differ:
+        return f"{where}: {difference.detail}"
     if difference.epoch_differs:
         return (
             f"{where}: {difference.detail} (the epoch loader.epoch gives after the restore is "

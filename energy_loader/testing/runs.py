@@ -24,6 +24,7 @@ differs from the uninterrupted run even where its batches are the same.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import random
@@ -42,6 +43,7 @@ __all__ = [
     "SavePoint",
     "UNREPLAYABLE",
     "TrainingLoop",
+    "global_rng_digests",
     "load",
     "move_global_rngs",
     "program_start",
@@ -53,11 +55,15 @@ __all__ = [
 
 @attrs.frozen
 class Batch:
-    """One batch of a run: the loop's epoch, the batch, and its 0-based number in the run."""
+    """One batch of a run: the loop's epoch, the batch, its 0-based number in the run, and
+    where python's, numpy's and torch's global RNGs stood right after the loader handed it
+    out (:func:`global_rng_digests`; not part of equality: :func:`compare_runs` compares them
+    where asked)."""
 
     epoch: int
     number: int
     value: Any
+    rngs: dict[str, str] | None = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen(order=True)
@@ -107,6 +113,22 @@ def training_step() -> None:
     torch.rand(3)
     random.random()
     np.random.rand()
+
+
+def global_rng_digests() -> dict[str, str]:
+    """A short digest of each global RNG's state (``python``, ``numpy``, ``torch``): what a
+    training step would draw next from each."""
+    python = random.getstate()
+    numpy: Any = np.random.get_state()
+    return {
+        "python": _hex(repr(python).encode()),
+        "numpy": _hex(numpy[1].tobytes() + repr(numpy[2:]).encode()),
+        "torch": _hex(torch.get_rng_state().numpy().tobytes()),
+    }
+
+
+def _hex(raw: bytes) -> str:
+    return hashlib.blake2b(raw, digest_size=8).hexdigest()
 
 
 def move_global_rngs() -> None:
@@ -210,7 +232,7 @@ class TrainingLoop:
                 if self.on_first is not None and self.restored:
                     self.on_first(self.loader, value)
                     self.on_first = None
-                self.out.append(Batch(epoch, len(self.out), value))
+                self.out.append(Batch(epoch, len(self.out), value, global_rng_digests()))
                 training_step()
                 if self.stop == SavePoint(len(self.out)):
                     return True

@@ -283,7 +283,12 @@ def test_equal_to_torch_and_a_restarted_loop_equals_the_uninterrupted_one(
         assert may_refuse, f"{chain}: a legitimate restore was refused: {refusal}"
         assert "global RNG" in str(refusal) or "global `random`" in str(refusal), str(refusal)
         return
-    difference = compare_runs(full.batches, got.batches)
+    # Where the restarted programs put the global RNGs back, the training's own draws after
+    # every batch are the uninterrupted run's too (a model with dropout: the same weights).
+    rngs = {"every": ("python", "numpy", "torch"), "torch": ("torch",)}.get(
+        setup["restore_rng"], ()
+    )
+    difference = compare_runs(full.batches, got.batches, rngs=rngs)
     if difference is not None:
         why = diagnose(_factory(setup), chain, EPOCHS, 0, full, got, difference)
         pytest.fail(f"{chain}: {why}")

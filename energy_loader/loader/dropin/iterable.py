@@ -30,12 +30,13 @@ from torch.utils.data import DataLoader
 from ...dataset import RESTORE_KEY
 from ...errors import StateMismatchError
 from ...sources.iterable import IterableSource
-from ...torch_internals import WorkersDataLoader
+from ...torch_internals import WorkersDataLoader, draw_base_seed
 from ...worker import WorkerConfig
 from ...wrappers.batch import BatchDataset
 from ...wrappers.map import MapDataset
 from ..arguments import resolve_arguments
 from ..pipeline_engine import PipelineEngine
+from .encoding import decode_generator_states, encode_generator_states
 from .hf_stream import check_stream_split
 from .restore import DropInRestore
 from .state import DROPIN_STATE_FORMAT, DROPIN_STATE_VERSION, check_config, read_header
@@ -44,15 +45,26 @@ __all__ = ["IterableEngine", "IterableState"]
 
 
 class IterableState:
-    """An iterable drop-in loader's state: the inner pipeline's rank state, wrapped."""
+    """An iterable drop-in loader's state: the inner pipeline's rank state, wrapped, and the
+    state of the loader's ``generator=`` (None without one), which torch draws each epoch's
+    base seed from (:meth:`IterableEngine.iterate`)."""
 
-    def __init__(self, rank: int, world_size: int, config: dict[str, Any], pipeline: Any) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        config: dict[str, Any],
+        pipeline: Any,
+        generator: torch.Tensor | None = None,
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.config = config
         self.pipeline = pipeline
+        self.generator = generator
 
     def to_plain(self) -> dict[str, Any]:
+        generator = self.generator
         return {
             "format": DROPIN_STATE_FORMAT,
             "version": DROPIN_STATE_VERSION,
@@ -61,16 +73,19 @@ class IterableState:
             "world_size": self.world_size,
             "config": self.config,
             "pipeline": self.pipeline,
+            "generator": None if generator is None else encode_generator_states([generator])[0],
         }
 
     @classmethod
     def from_plain(cls, state: Any) -> IterableState:
         reader = read_header(state, "iterable")
+        text = reader.raw("generator")
         return cls(
             reader.int("rank"),
             reader.int("world_size", minimum=1),
             reader.raw("config"),
             reader.raw("pipeline"),
+            None if text is None else decode_generator_states([text], "state.generator")[0],
         )
 
 
@@ -155,7 +170,21 @@ class IterableEngine(DropInRestore):
         return self._state_config
 
     def iterate(self) -> _Stripped:
-        return _Stripped(self.inner.iterate())
+        """The epoch's batches; where torch's DataLoader would make a new iterator (an epoch
+        begins: every one without persistent workers, the first with them) it draws the
+        workers' base seed from the loader's ``generator`` (the global torch generator without
+        one), and so does this loader: the training process's generators move as under torch,
+        and a restored run moves them as the uninterrupted one did (no draw where a restore
+        continues an epoch whose draw came before the save). The workers seed from the job
+        seed instead (:mod:`energy_loader.sources.iterable`)."""
+        inner = self.inner
+        loader = self._owner()
+        if loader is None:
+            raise RuntimeError("the drop-in loader that owned this engine is gone")
+        persistent_and_drawn = loader.persistent_workers and inner.has_begun()
+        if not persistent_and_drawn and inner.next_iter_begins_epoch():
+            draw_base_seed(loader)
+        return _Stripped(inner.iterate())
 
     @property
     def epoch_number(self) -> int:
@@ -169,7 +198,15 @@ class IterableEngine(DropInRestore):
         return DataLoader.__len__(loader)
 
     def record(self, rank: int, world_size: int, held_back: int) -> IterableState:
-        return IterableState(rank, world_size, self.state_config, self.inner.save(held_back))
+        loader = self._owner()
+        generator = None if loader is None else loader.generator
+        return IterableState(
+            rank,
+            world_size,
+            self.state_config,
+            self.inner.save(held_back),
+            None if generator is None else generator.get_state(),
+        )
 
     def decode_one(self, state: Any) -> IterableState:
         return IterableState.from_plain(state)
@@ -198,6 +235,9 @@ class IterableEngine(DropInRestore):
 
     def restore_record(self, state: IterableState) -> None:
         self.inner.apply(self._inner_plan(state))
+        loader = self._owner()
+        if loader is not None and loader.generator is not None and state.generator is not None:
+            loader.generator.set_state(state.generator)
 
     def reset(self) -> None:
         self.inner.reset()
