@@ -44,6 +44,7 @@ from ..workers.protocol import CheckpointSettings, RunPlan, WorkerItem
 from ..workers.side import WorkerSideDataset
 from . import pipeline_states
 from .arguments import LoaderArguments
+from .equal_steps import pieces_for, split_item
 from .fleet import WorkerFleet
 from .partitions import idle_workers_warning
 from .planner import Planner, RestorePlan
@@ -136,6 +137,7 @@ class PipelineEngine:
         verify: bool = True,
         savable: bool = True,
         on_code_change: str = "warn",
+        equal_steps: bool = True,
     ) -> None:
         config = args.config
         self.worker_config = config
@@ -160,6 +162,11 @@ class PipelineEngine:
         # Raw items pulled to learn whether a restored epoch has any left (see `epoch`), handed
         # on by the next pulls; _EPOCH_OVER stands for the end found.
         self._peeked: collections.deque[Any] = collections.deque()
+        # The item being handed out in pieces (equal steps) and its pieces not handed out yet.
+        self._pieces: tuple[WorkerItem, collections.deque[Any]] | None = None
+        # Every rank takes as many steps per epoch (equal_steps.py); not for a drop-in, which
+        # ends where torch's loader ends.
+        self.equal_steps = equal_steps
         self.restored = False  # restored, and not iterated since
         self.generation = 0
         self.failure: WorkerError | None = None
@@ -247,12 +254,16 @@ class PipelineEngine:
                 progress = self.progress
             progress.start_epoch(progress.start % self.worker_config.world_size)
             self._inner = None
+        if not progress.in_epoch and self.equal_steps:
+            progress.count(self.planner.tally(progress.start))
         progress.in_epoch = True
 
     def next_sample(self) -> Any:
         """The next sample of the current epoch, with its bookkeeping; ``StopIteration`` at
         the epoch's end (which is then recorded)."""
         progress = self.progress
+        if self._pieces:
+            return self._next_piece(clock(), 0.0)
         decoding = self.transport is not None
         began, decode_s = clock(), 0.0  # for loader.stats()
         while True:
@@ -263,6 +274,7 @@ class PipelineEngine:
                     decoding_began = clock()
                     sample = decode(sample)
                     decode_s += clock() - decoding_began
+                pieces = None if item.is_end else self._pieces_of(sample)
             except StopIteration:
                 progress.end_epoch()
                 self._inner = None
@@ -276,11 +288,52 @@ class PipelineEngine:
                 self._fail(failure)
                 raise failure from error
             self._fleet.receive(item, None if item.is_end else restore_key_of(sample))
+            if pieces is not None:  # the rank's last item, cut for equal steps
+                self._pieces = (item, collections.deque(pieces[progress.pieces :]))
+                return self._next_piece(began, decode_s)
             progress.handed_out(item.worker, item.number, item.slot, item.is_end)
             if item.is_end:
                 continue
             self.metrics.item(began, decode_s)
             return sample
+
+    def _pieces_of(self, sample: Any) -> list[Any] | None:
+        """``sample`` cut into pieces when this rank lacks steps against the epoch's count
+        and its items left are few enough (:mod:`.equal_steps`); None to hand it out whole."""
+        progress = self.progress
+        if progress.job_left is None or progress.extra <= 0:
+            return None
+        pieces = pieces_for(progress.items_left, progress.extra, progress.per_rank)
+        if pieces < 2:
+            return None
+        cut = split_item(sample, pieces)
+        if cut is None and progress.items_left <= 1:
+            warnings.warn(
+                f"this rank's last item of epoch {progress.epoch} cannot be cut into the "
+                f"{progress.extra + 1} steps the other ranks still take (not a batch, or too "
+                "few rows): the rank ends its epoch early, and a data-parallel step that waits "
+                "for it may hang. Batch the pipeline (BatchDataset), or give the partitions "
+                "equal lengths",
+                UserWarning,
+                stacklevel=4,
+            )
+        return cut
+
+    def _next_piece(self, began: float, decode_s: float) -> Any:
+        """The next piece of the item being handed out in pieces; the last one records the
+        item as handed out."""
+        pending = self._pieces
+        if pending is None:
+            raise RuntimeError("no item is being handed out in pieces")
+        item, pieces = pending
+        piece = pieces.popleft()
+        if pieces:
+            self.progress.handed_out_piece()
+        else:
+            self._pieces = None
+            self.progress.handed_out(item.worker, item.number, item.slot, False)
+        self.metrics.item(began, decode_s)
+        return piece
 
     def _pull(self) -> WorkerItem:
         """The next raw item of the current epoch."""
@@ -401,6 +454,8 @@ class PipelineEngine:
             start=progress.start,
             next_worker=mark.next_worker,
             done=mark.done,
+            tally=progress.tally(mark),
+            pieces=mark.pieces,
         )
         self.metrics.save(clock() - began)
         return state
@@ -504,6 +559,7 @@ class PipelineEngine:
         """Iterators made before this point belong to a position the loader left."""
         self._inner = None
         self._peeked.clear()
+        self._pieces = None
         self.failure = None
         self.generation += 1
 

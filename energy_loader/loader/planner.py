@@ -35,6 +35,8 @@ from ..state.positions import Position, Snapshot
 from ..state.rank_state import PartitionState, RankState, WorkerSlots
 from ..worker import WorkerConfig
 from ..workers.protocol import RunPlan
+from .equal_steps import Tally
+from .equal_steps import tally as equal_tally
 from .partitions import PartitionLayout, world_sizes_for
 
 __all__ = ["Planner", "RestorePlan", "check_states_of_one_save", "plan_restore"]
@@ -56,6 +58,8 @@ class Planner:
         pipeline.bind(config.context(0))
         self.pipeline_config = pipeline.config()
         pipeline.reset_state()
+        # Every partition's items per epoch (empty: unknown), for equal steps; on first use.
+        self._lengths: tuple[int, ...] | None = None
 
     # -- layouts -------------------------------------------------------------------------------
 
@@ -87,6 +91,32 @@ class Planner:
         finally:
             pipeline.bind(config.context(0))
         return total
+
+    def tally(self, start: int, consumed: int = 0) -> Tally | None:
+        """This rank's count of the epoch's steps (:mod:`.equal_steps`) where an assignment
+        begins at global position ``start`` after the job consumed ``consumed`` items of the
+        epoch; None when a stage's length is unknown."""
+        lengths = self.partition_lengths()
+        if not lengths:
+            return None
+        layout = self.layout(start % self.num_partitions)
+        return equal_tally(lengths, layout, self.config.rank, consumed)
+
+    def partition_lengths(self) -> tuple[int, ...]:
+        """Every partition's items per epoch (empty when a stage's length is unknown)."""
+        if self._lengths is None:
+            config, pipeline = self.config, self.pipeline
+            try:
+                lengths = []
+                for partition in range(self.num_partitions):
+                    pipeline.bind(config.partition_context(partition, self.num_partitions))
+                    lengths.append(len(pipeline))  # type: ignore[arg-type]
+            except TypeError:
+                lengths = []
+            finally:
+                pipeline.bind(config.context(0))
+            self._lengths = tuple(lengths)
+        return self._lengths
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -125,6 +155,8 @@ class Planner:
         start: int,
         next_worker: int,
         done: Sequence[bool],
+        tally: Tally | None = None,
+        pieces: int = 0,
     ) -> RankState:
         """This rank's state from each logical worker's position."""
         workers, partitions = [], []
@@ -142,6 +174,10 @@ class Planner:
             delivered=delivered,
             start=start,
             next_worker=next_worker,
+            job_left=None if tally is None else tally.job_left,
+            items_left=0 if tally is None else tally.items_left,
+            extra=0 if tally is None else tally.extra,
+            pieces=pieces,
         )
 
     def ended_rank_state(self, workers: Sequence[Snapshot], start: int) -> RankState:
@@ -248,6 +284,7 @@ class Planner:
             num_workers=config.num_workers,
             num_partitions=self.num_partitions,
             scale=scale,
+            lengths=self.partition_lengths(),
         )
 
     def _replay_scale(self, state: RankState) -> int:
@@ -330,6 +367,8 @@ class RestorePlan:
     start: int
     next_worker: int
     offset: int
+    tally: Tally | None = None
+    pieces: int = 0
 
     def keys_only(self) -> RestorePlan:
         """This plan with each partition's proof of values dropped, its keys' kept: for a
@@ -447,6 +486,7 @@ def plan_restore(
     num_workers: int,
     num_partitions: int,
     scale: int = 1,
+    lengths: Sequence[int] = (),
 ) -> RestorePlan:
     """Plan rank ``rank`` of the layout ``(world_size, num_workers)`` from saved rank states.
 
@@ -455,7 +495,8 @@ def plan_restore(
     another layout the job's position ``B`` is the saved assignment's start plus
     ``world_size x`` the items the lowest given rank delivered (every rank's count, in the
     lockstep of synchronous data-parallel training), and the rank takes the partitions its
-    steps reach from ``B`` on. Replay counts are multiplied by
+    steps reach from ``B`` on, counting the epoch's steps again from every partition's
+    ``lengths`` (:mod:`.equal_steps`; none when empty). Replay counts are multiplied by
     ``scale`` (a smaller batch size). Raises ``StateMismatchError`` naming what differs or
     which partitions no given state holds.
     """
@@ -464,6 +505,9 @@ def plan_restore(
     same_layout = first.world_size == world_size and first.num_workers == num_workers
     if own is not None and same_layout and not own.epoch_ended:
         restores = {p.partition: _scaled(p, scale) for p in own.partitions}
+        # (smaller batches: more items than the saved count, which no longer holds; the next
+        # epoch counts again)
+        tally = _tally_of(own) if scale == 1 else None
         return RestorePlan(
             workers=own.workers,
             restores=restores,
@@ -474,6 +518,8 @@ def plan_restore(
             start=own.start,
             next_worker=own.next_worker,
             offset=0 if num_workers == 0 else own.next_worker,
+            tally=tally,
+            pieces=own.pieces if tally is not None else 0,
         )
     basis = min(states, key=lambda s: s.rank)
     ended = (
@@ -510,6 +556,20 @@ def plan_restore(
         entry, rank_ended = available[p]
         done = False if ended else (entry.done or rank_ended)
         restores[p] = attrs.evolve(_scaled(entry, scale), done=done)
+    tally = None
+    if not ended:
+        if basis.pieces:
+            raise StateMismatchError(
+                f"the state was saved while rank {basis.rank} handed out an item in pieces (its "
+                "epoch's last steps, cut so that every rank takes as many): it restores on the "
+                f"layout that saved it (world_size={first.world_size} x num_workers="
+                f"{first.num_workers}), not on world_size={world_size} x num_workers="
+                f"{num_workers}. Restore it there, or a state saved at another step"
+            )
+        if basis.job_left is not None and scale == 1 and lengths:
+            # The items the job consumed since the assignment began: every rank's steps.
+            left = max(0, basis.job_left - first.world_size * basis.delivered)
+            tally = equal_tally(lengths, layout, rank, sum(lengths) - left)
     return RestorePlan(
         workers=layout.worker_slots(rank),
         restores=restores,
@@ -520,7 +580,14 @@ def plan_restore(
         start=layout.start,
         next_worker=0,
         offset=0,
+        tally=tally,
     )
+
+
+def _tally_of(state: RankState) -> Tally | None:
+    if state.job_left is None:
+        return None
+    return Tally(state.job_left, state.items_left, state.extra)
 
 
 # -- the drop-in loader under a DistributedSampler: the job's position in the permutation -----

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from .equal_steps import Tally
 from .partitions import next_worker
 
 if TYPE_CHECKING:
@@ -28,12 +29,17 @@ MAX_HELD_BACK = 2
 
 @attrs.frozen
 class Mark:
-    """Where the rank stood right after handing out one item (for held-back saves)."""
+    """Where the rank stood right after handing out one item (for held-back saves), or one
+    piece of an item split for equal steps (:mod:`.equal_steps`): then the position is still
+    before that item, and ``pieces`` of it were handed out."""
 
     last_index: tuple[int, ...]
     done: tuple[bool, ...]
     next_worker: int
     delivered: int
+    pieces: int = 0
+    items_left: int = 0
+    extra: int = 0
 
 
 class Progress:
@@ -48,8 +54,16 @@ class Progress:
         self.epoch = 0
         self.in_epoch = False
         self.epoch_ended = False
+        # Steps this rank took in the epoch: items handed out, and pieces of split ones.
         self.delivered = 0
         self.start = 0
+        # Equal steps (equal_steps.py): the items the job had left where the epoch's
+        # assignment began (None: no count, a pipeline of unknown length), this rank's items
+        # left, the steps it lacks, and the pieces of the next item already handed out.
+        self.job_left: int | None = None
+        self.items_left = 0
+        self.extra = 0
+        self.pieces = 0
         # The position after each of the last items handed out, and before the first one.
         self.marks: collections.deque[Mark] = collections.deque(maxlen=MAX_HELD_BACK + 1)
         self.marks.append(self.mark())
@@ -65,6 +79,8 @@ class Progress:
         progress.epoch_ended = plan.epoch_ended
         progress.delivered = plan.delivered
         progress.start = plan.start
+        progress.count(plan.tally)
+        progress.pieces = plan.pieces
         progress.marks.clear()
         progress.marks.append(progress.mark())
         return progress
@@ -77,6 +93,7 @@ class Progress:
         self.next_worker = 0
         self.delivered = 0
         self.start = start
+        self.count(None)
         self.marks.clear()
         self.marks.append(self.mark())
 
@@ -96,7 +113,32 @@ class Progress:
             return
         self.next_worker = next_worker(worker, slot, self.per_rank, len(self.done))
         self.delivered += 1
+        if self.job_left is not None:
+            self.items_left -= 1
+            if self.pieces:  # the last piece of a cut item: its other pieces were extra steps
+                self.extra -= self.pieces
+        self.pieces = 0
         self.marks.append(self.mark())
+
+    def handed_out_piece(self) -> None:
+        """Record one piece of a cut item, all but its last, as handed out: a step, with the
+        position still before the item."""
+        self.delivered += 1
+        self.pieces += 1
+        self.marks.append(self.mark())
+
+    def count(self, tally: Tally | None) -> None:
+        """Count the epoch's steps from ``tally`` (None: no count)."""
+        self.job_left = None if tally is None else tally.job_left
+        self.items_left = 0 if tally is None else tally.items_left
+        self.extra = 0 if tally is None else tally.extra
+        self.pieces = 0
+
+    def tally(self, mark: Mark) -> Tally | None:
+        """The tally as of ``mark`` (a position this epoch's count applies to)."""
+        if self.job_left is None:
+            return None
+        return Tally(self.job_left, mark.items_left, mark.extra)
 
     @property
     def fresh(self) -> bool:
@@ -104,7 +146,15 @@ class Progress:
         return self.epoch == 0 and not self.in_epoch and not self.epoch_ended
 
     def mark(self) -> Mark:
-        return Mark(tuple(self.last_index), tuple(self.done), self.next_worker, self.delivered)
+        return Mark(
+            tuple(self.last_index),
+            tuple(self.done),
+            self.next_worker,
+            self.delivered,
+            self.pieces,
+            self.items_left,
+            self.extra,
+        )
 
     def held_back(self, count: int) -> Mark:
         """Where the rank stood ``count`` items before the last one it handed out."""

@@ -12,9 +12,16 @@ Layout (format version 5)::
       "epoch": 3,                 # the loader's epoch (0 for the first)
       "in_epoch": true,           # an iterator of this epoch was started
       "epoch_ended": false,       # the loader reported the end of the current epoch
-      "delivered": 41,            # items this rank handed out in the current epoch
+      "delivered": 41,            # steps this rank took in the current epoch
       "start": 0,                 # global position (mod P) the current assignment started at
       "next_worker": 1,           # the worker whose item the user receives next
+      "job_left": 48,             # equal steps: the items the job had left where the
+                                  # epoch's assignment began (these four fields are absent
+                                  # for a pipeline of unknown length)
+      "items_left": 7,            # this rank's items left in the epoch
+      "extra": 0,                 # the steps it lacks against the rank with the most items
+      "pieces": 0,                # pieces of its next item already handed out (an item cut
+                                  # so that every rank takes as many steps)
       "workers": [                # one per worker (one entry when num_workers == 0)
         {"partitions": [0, 2],    # the partitions it runs, in round-robin order (may be
                                   # empty: a worker beyond P / world_size idles)
@@ -239,6 +246,13 @@ class RankState:
     partitions: tuple[PartitionState, ...]
     # The WorkerConfig seed the partitions ran with (None: a version 2 state, which had none).
     seed: int | None = None
+    # Equal steps (loader/equal_steps.py): the items the job had left where the epoch's
+    # assignment began (None: no count, a pipeline of unknown length), this rank's items left,
+    # the steps it lacks, and the pieces of the next item already handed out.
+    job_left: int | None = None
+    items_left: int = 0
+    extra: int = 0
+    pieces: int = 0
 
     def position_check(self) -> str:
         """The digest of every field but ``config`` and the partitions (``checks.position``)."""
@@ -256,6 +270,10 @@ class RankState:
             self.start,
             self.next_worker,
             tuple((w.partitions, w.next, w.done) for w in self.workers),
+            self.job_left,
+            self.items_left,
+            self.extra,
+            self.pieces,
         )
 
     def config_check(self) -> str:
@@ -310,6 +328,11 @@ class RankState:
             "workers": [w.to_plain() for w in self.workers],
             "checks": {"position": self.position_check(), "config": self.config_check()},
         }
+        if self.job_left is not None:  # a count of the epoch's steps (absent: none)
+            plain["job_left"] = self.job_left
+            plain["items_left"] = self.items_left
+            plain["extra"] = self.extra
+            plain["pieces"] = self.pieces
         if with_partitions:
             plain["partitions"] = [p.to_plain() for p in self.partitions]
         return plain
@@ -400,6 +423,7 @@ class RankState:
             workers=workers,
             partitions=partitions,
             seed=None if version < 3 else reader.int("seed"),
+            **_step_fields(reader, version),
         )
         if version < 3:
             return state
@@ -417,9 +441,9 @@ class RankState:
             raise StateFormatError(
                 "state.checks.position does not match the state's fields (rank, world_size, "
                 "num_workers, num_partitions, seed, epoch, in_epoch, epoch_ended, delivered, "
-                "start, next_worker, workers): the state was edited or damaged after it was "
-                "saved, or pieces of different saves were put together; restore from an intact "
-                "state"
+                "start, next_worker, workers, job_left, items_left, extra, pieces): the state "
+                "was edited or damaged after it was saved, or pieces of different saves were "
+                "put together; restore from an intact state"
             )
         if version >= 4 and state.config_check() != reader.sub("checks").str("config"):
             raise StateFormatError(
@@ -428,6 +452,21 @@ class RankState:
                 "restore with smaller batches); restore from an intact state"
             )
         return state
+
+
+def _step_fields(reader: StateReader, version: int) -> dict[str, Any]:
+    """``job_left``, ``items_left``, ``extra`` and ``pieces``: all four, or none (no count of
+    the epoch's steps: a pipeline of unknown length)."""
+    names = ("job_left", "items_left", "extra", "pieces")
+    present = [name for name in names if reader.has(name)]
+    if not present:
+        return {}
+    if len(present) != len(names):
+        raise StateFormatError(
+            f"state has {', '.join(present)} but not all of {', '.join(names)} (the count of "
+            "the epoch's steps)"
+        )
+    return {name: reader.int(name) for name in names}
 
 
 def _check_partitions(

@@ -45,9 +45,10 @@ __all__ = ["IterableEngine", "IterableState"]
 
 
 class IterableState:
-    """An iterable drop-in loader's state: the inner pipeline's rank state, wrapped, and the
+    """An iterable drop-in loader's state: the inner pipeline's rank state, wrapped; the
     state of the loader's ``generator=`` (None without one), which torch draws each epoch's
-    base seed from (:meth:`IterableEngine.iterate`)."""
+    base seed from, and whether the job's workers persist, which says when it draws
+    (:meth:`IterableEngine.iterate`)."""
 
     def __init__(
         self,
@@ -56,12 +57,14 @@ class IterableState:
         config: dict[str, Any],
         pipeline: Any,
         generator: torch.Tensor | None = None,
+        persistent: bool = False,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.config = config
         self.pipeline = pipeline
         self.generator = generator
+        self.persistent = persistent
 
     def to_plain(self) -> dict[str, Any]:
         generator = self.generator
@@ -74,6 +77,7 @@ class IterableState:
             "config": self.config,
             "pipeline": self.pipeline,
             "generator": None if generator is None else encode_generator_states([generator])[0],
+            "persistent": self.persistent,
         }
 
     @classmethod
@@ -86,6 +90,7 @@ class IterableState:
             reader.raw("config"),
             reader.raw("pipeline"),
             None if text is None else decode_generator_states([text], "state.generator")[0],
+            reader.bool("persistent"),
         )
 
 
@@ -136,6 +141,9 @@ class IterableEngine(DropInRestore):
         self.num_workers = loader.num_workers
         self.worker_config = config
         self._owner = weakref.ref(loader)  # for torch's len(): no cycle
+        # Whether the job's workers persist (torch then draws the base seed once): the
+        # saving job's, once a state is restored; this loader's own before.
+        self._job_persistent: bool | None = None
         prefetch = 2 if loader.prefetch_factor is None else loader.prefetch_factor
         args = resolve_arguments(
             pipeline,
@@ -146,7 +154,10 @@ class IterableEngine(DropInRestore):
             multiprocessing_context=loader.multiprocessing_context,
             **options,
         )
-        self.inner = PipelineEngine(pipeline, args, adopts_partitions=True, verify=verify)
+        # (torch's loader ends each worker's copy where it ends: no equal steps)
+        self.inner = PipelineEngine(
+            pipeline, args, adopts_partitions=True, verify=verify, equal_steps=False
+        )
         with warnings.catch_warnings():  # torch warned about num_workers once already
             warnings.simplefilter("ignore")
             self.torch_loader = WorkersDataLoader(
@@ -181,7 +192,10 @@ class IterableEngine(DropInRestore):
         loader = self._owner()
         if loader is None:
             raise RuntimeError("the drop-in loader that owned this engine is gone")
-        persistent_and_drawn = loader.persistent_workers and inner.has_begun()
+        persistent = self._job_persistent
+        if persistent is None:
+            persistent = bool(loader.persistent_workers)
+        persistent_and_drawn = persistent and inner.has_begun()
         if not persistent_and_drawn and inner.next_iter_begins_epoch():
             draw_base_seed(loader)
         return _Stripped(inner.iterate())
@@ -206,6 +220,9 @@ class IterableEngine(DropInRestore):
             self.state_config,
             self.inner.save(held_back),
             None if generator is None else generator.get_state(),
+            bool(loader.persistent_workers)
+            if self._job_persistent is None and loader is not None
+            else bool(self._job_persistent),
         )
 
     def decode_one(self, state: Any) -> IterableState:
@@ -235,12 +252,14 @@ class IterableEngine(DropInRestore):
 
     def restore_record(self, state: IterableState) -> None:
         self.inner.apply(self._inner_plan(state))
+        self._job_persistent = state.persistent
         loader = self._owner()
         if loader is not None and loader.generator is not None and state.generator is not None:
             loader.generator.set_state(state.generator)
 
     def reset(self) -> None:
         self.inner.reset()
+        self._job_persistent = None
 
     def close(self) -> None:
         self.inner.close()
