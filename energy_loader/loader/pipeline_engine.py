@@ -137,7 +137,7 @@ class PipelineEngine:
         verify: bool = True,
         savable: bool = True,
         on_code_change: str = "warn",
-        equal_steps: bool = True,
+        dropin: bool = False,
     ) -> None:
         config = args.config
         self.worker_config = config
@@ -164,9 +164,11 @@ class PipelineEngine:
         self._peeked: collections.deque[Any] = collections.deque()
         # The item being handed out in pieces (equal steps) and its pieces not handed out yet.
         self._pieces: tuple[WorkerItem, collections.deque[Any]] | None = None
-        # Every rank takes as many steps per epoch (equal_steps.py); not for a drop-in, which
-        # ends where torch's loader ends.
-        self.equal_steps = equal_steps
+        # The inner engine of an iterable drop-in, which behaves as torch's loader: each
+        # worker's copy ends where it ends (no equal steps, equal_steps.py), and without
+        # workers the dataset draws from the training's generators. A pipeline instead gives
+        # every rank as many steps and never moves those generators.
+        self.dropin = dropin
         self.restored = False  # restored, and not iterated since
         self.generation = 0
         self.failure: WorkerError | None = None
@@ -254,7 +256,7 @@ class PipelineEngine:
                 progress = self.progress
             progress.start_epoch(progress.start % self.worker_config.world_size)
             self._inner = None
-        if not progress.in_epoch and self.equal_steps:
+        if not progress.in_epoch and not self.dropin:
             progress.count(self.planner.tally(progress.start))
         progress.in_epoch = True
 
@@ -357,6 +359,8 @@ class PipelineEngine:
         if isinstance(inner, Unbundler):
             progress = self.progress
             return inner.next_item(progress.next_worker, progress.done)
+        if self.dropin:  # torch's: the dataset draws from the training's generators
+            return next(inner)  # type: ignore[no-any-return]
         # In this process the stages seed the global RNGs per sample (and unseeded user code
         # draws from them): the training's own draws (dropout) must not see any of it, nor the
         # replay of a restore, so their states are put back after each item (~85 us an item,

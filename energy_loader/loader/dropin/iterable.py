@@ -154,9 +154,8 @@ class IterableEngine(DropInRestore):
             multiprocessing_context=loader.multiprocessing_context,
             **options,
         )
-        # (torch's loader ends each worker's copy where it ends: no equal steps)
         self.inner = PipelineEngine(
-            pipeline, args, adopts_partitions=True, verify=verify, equal_steps=False
+            pipeline, args, adopts_partitions=True, verify=verify, dropin=True
         )
         with warnings.catch_warnings():  # torch warned about num_workers once already
             warnings.simplefilter("ignore")
