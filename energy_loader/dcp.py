@@ -17,8 +17,12 @@ fix what DCP's defaults cost or refuse once the job is large or its layout chang
   (~135 B per partition of the job); wrapped in this reader, the coordinator reads it from
   storage and broadcasts it to the other ranks.
 
-And :func:`read_loader_entries` reads a checkpoint's loader leaves in one process, without a
-process group (``python -m energy_loader inspect`` and ``replay`` on a DCP folder).
+And :func:`load`, torch's ``dcp.load`` whose failure for a loader of more partitions than
+the checkpoint's (torch's "Missing key in checkpoint state_dict: loader.slot_00001", raised in
+torch's planning before the loader is asked) is a :class:`~energy_loader.StateMismatchError`
+naming both counts and the fixes; :func:`read_loader_entries` reads a checkpoint's loader
+leaves in one process, without a process group (``python -m energy_loader inspect`` and
+``replay`` on a DCP folder).
 
 Usage (each piece is optional and independent of the others)::
 
@@ -59,7 +63,7 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import StorageReader
+from torch.distributed.checkpoint import CheckpointException, StorageReader
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
@@ -69,6 +73,7 @@ from torch.futures import Future
 
 from .errors import StateMismatchError
 from .loader.dropin.entries import ANY_RANK_KEY, RANK_KEY_PREFIX
+from .loader.partitions import world_sizes_for
 from .state.rank_state import (
     PARTITION_KEY_PREFIX,
     SLOT_KEY_PREFIX,
@@ -83,6 +88,7 @@ __all__ = [
     "SharedMetadataReader",
     "first_map_wins",
     "is_dcp_checkpoint",
+    "load",
     "read_loader_entries",
 ]
 
@@ -291,15 +297,141 @@ def _fit_template(template: dict[str, Any], prefix: str, saved: int, metadata: M
 
 def _template_layout(template: dict[str, Any]) -> tuple[int, int] | None:
     """(rank, world size) from a template leaf's ``rank_state``, or None if it has none."""
-    leaf = template[min(template)]
+    header = _template_header(template)
+    if header is None:
+        return None
+    return header["rank"], header["world_size"]
+
+
+def _template_header(template: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``rank_state`` of a template's first leaf if it names a rank of a world size, else
+    None."""
     try:
-        header = json.loads(leaf)["rank_state"]
+        header: dict[str, Any] = json.loads(template[min(template)])["rank_state"]
         rank, world_size = header["rank"], header["world_size"]
     except (TypeError, ValueError, KeyError):
         return None
     if not (isinstance(rank, int) and isinstance(world_size, int) and 0 <= rank < world_size):
         return None
-    return rank, world_size
+    return header
+
+
+# -- loading with torch's planner: its missing-key failure in the loader's words ------------------
+
+
+def load(state_dict: dict[str, Any], **kwargs: Any) -> None:
+    """``torch.distributed.checkpoint.load(state_dict, **kwargs)``, with a loader of another
+    partition count than the checkpoint's refused in the loader's words.
+
+    Same arguments, same planner (torch's ``DefaultLoadPlanner`` unless ``planner=`` is
+    given), same result. Torch's default planner looks for the slots a fresh loader lists for
+    its own ``num_partitions``; when the checkpoint holds fewer, torch refuses the first it
+    lacks during its own planning, before the loader is asked, with a ``CheckpointException``
+    (a ``BaseException``, which ``except Exception`` does not catch) saying "Missing key in
+    checkpoint state_dict: loader.slot_00001". Here that failure is a
+    :class:`~energy_loader.StateMismatchError` naming the saved and the loader's counts and
+    the two fixes (build the loader with the saved ``num_partitions``, or leave it unset and
+    load with :class:`LoadPlanner`), chained to torch's exception, on every rank (each rank
+    reads the checkpoint's ``.metadata`` again, on this failure only). A checkpoint of *more*
+    partitions than the loader's needs no help: torch loads the slots the loader lists and
+    the loader refuses them, naming both counts. Every other failure is torch's, as it was.
+
+    Looks at loaders at the top level of ``state_dict`` (``{"loader": loader}``, whose
+    ``state_dict()`` DCP fills) and at loader templates at any depth (``{"app": {"loader":
+    loader.state_dict()}}``); the ``.metadata`` is read through ``storage_reader``
+    (a :class:`SharedMetadataReader`'s wrapped reader, on each rank alone), or from the folder
+    ``checkpoint_id`` names. Example::
+
+        el.dcp.load({"model": model_state, "loader": loader}, checkpoint_id=step_dir)
+    """
+    try:
+        dcp_load(state_dict, **kwargs)
+    except CheckpointException as error:
+        refusal = _fewer_partitions_saved(state_dict, kwargs)
+        if refusal is None:
+            raise
+        raise refusal from error
+
+
+def _fewer_partitions_saved(
+    state_dict: dict[str, Any], kwargs: dict[str, Any]
+) -> StateMismatchError | None:
+    """The refusal of the first loader in ``state_dict`` that runs more partitions than the
+    checkpoint holds slots under its key (None where there is none, or the checkpoint's
+    metadata cannot be read: torch's failure then stands)."""
+    if isinstance(kwargs.get("planner"), LoadPlanner):
+        return None  # it listed the saved slots: what it could not fit, torch names
+    templates = dict(_loader_templates(_loader_state_dicts(state_dict), ""))
+    if not templates:
+        return None
+    try:
+        metadata = _read_metadata_alone(kwargs)
+    except Exception:  # what torch read a moment ago: unreadable now, torch's error stands
+        return None
+    if metadata is None:
+        return None
+    saved_counts = _saved_slot_counts(metadata, templates)
+    for prefix, template in templates.items():
+        header = _template_header(template)
+        count = None if header is None else header.get("num_partitions")
+        saved = saved_counts[prefix]
+        if header is None or not isinstance(count, int) or not 0 < saved < count:
+            continue
+        world_size = header["world_size"]
+        lacking = [
+            key for key in sorted(template) if f"{prefix}.{key}" not in metadata.state_dict_metadata
+        ]
+        fix = (
+            f"Build the loader with num_partitions={saved}, or leave num_partitions unset and "
+            "load with planner=energy_loader.dcp.LoadPlanner(), which lists the saved "
+            "count's slots (a loader built without num_partitions adopts the saved count)"
+            if saved % world_size == 0
+            else f"{saved} partition(s) run on a world size in {world_sizes_for(saved)}, not "
+            f"on world_size={world_size}: load it on one of those, with num_partitions="
+            f"{saved} or with planner=energy_loader.dcp.LoadPlanner()"
+        )
+        lacks = (
+            f"this rank's {', '.join(lacking[:4])}{' ...' if len(lacking) > 4 else ''}"
+            if lacking
+            else "another rank's slots"
+        )
+        slots = slot_key(0) if saved == 1 else f"{slot_key(0)} to {slot_key(saved - 1)}"
+        return StateMismatchError(
+            f"the checkpoint holds {prefix!r} of num_partitions={saved} ({slots}), and this "
+            f"loader runs num_partitions={count} (on world_size={world_size} x num_workers="
+            f"{header.get('num_workers')}): torch's load planner looks for the slots the "
+            f"loader lists for its own count and refused {lacks}, which the checkpoint lacks, "
+            f"before the loader was asked. {fix}"
+        )
+    return None
+
+
+def _loader_state_dicts(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with each savable loader at its top level replaced by its
+    ``state_dict()``, the template DCP's load filled (DCP asks top-level values only); other
+    values as they are, nothing else called."""
+    from .loader.savable_loader import SavableDataLoader
+
+    return {
+        key: value.state_dict() if isinstance(value, SavableDataLoader) else value
+        for key, value in state_dict.items()
+    }
+
+
+def _read_metadata_alone(kwargs: Mapping[str, Any]) -> Metadata | None:
+    """The checkpoint's metadata, read by this rank alone, from a load's arguments."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reader = kwargs.get("storage_reader")
+    if isinstance(reader, SharedMetadataReader):
+        reader = reader.reader  # no broadcast in an error path
+    if reader is None:
+        checkpoint_id = kwargs.get("checkpoint_id")
+        if checkpoint_id is None or not is_dcp_checkpoint(checkpoint_id):
+            return None
+        reader = FileSystemReader(checkpoint_id)
+    metadata = reader.read_metadata()
+    return metadata if isinstance(metadata, Metadata) else None
 
 
 # -- reading: a checkpoint's loader leaves, without a process group ------------------------------

@@ -71,22 +71,24 @@ def load_other_counts(
     world_size: int,
     workdir: Path,
     *,
-    cases: list[tuple[int | None, bool]],
+    cases: list[tuple[int | None, bool | str]],
     steps: int,
 ) -> None:
     """Load ``dcp/`` into fresh loaders, one per case ``(num_partitions, ours)``
     (``None``: built without ``num_partitions``; ``ours``: energy_loader's load planner, else
-    torch's default); record each outcome under ``"<count>/<ours>"`` and, when it loaded, the
-    next ``steps`` batches' keys. Last, a load of a missing checkpoint through a
-    SharedMetadataReader (``"missing"``): every rank must raise, none wait."""
+    torch's default; ``"load"``: torch's default through ``energy_loader.dcp.load``); record
+    each outcome under ``"<count>/<ours>"`` and, when it loaded, the next ``steps`` batches'
+    keys. Last, a load of a missing checkpoint through a SharedMetadataReader
+    (``"missing"``): every rank must raise, none wait."""
     from energy_loader import dcp as el_dcp
 
     report: dict[str, Any] = {}
     for count, ours in cases:
         loader = small_loader(count)
-        kwargs = {"planner": el_dcp.LoadPlanner()} if ours else {}
+        kwargs = {"planner": el_dcp.LoadPlanner()} if ours is True else {}
+        load = el_dcp.load if ours == "load" else dcp.load
         result = outcome(
-            functools.partial(dcp.load, {"loader": loader}, checkpoint_id=workdir / "dcp", **kwargs)
+            functools.partial(load, {"loader": loader}, checkpoint_id=workdir / "dcp", **kwargs)
         )
         keys = []
         if result[0] == "ok":

@@ -28,6 +28,16 @@ def _plus_two(sample: dict) -> dict:
     return {**sample, "y": sample["index"] + 2}
 
 
+def _plus_one_index(index: int) -> dict:
+    return {"index": index, "y": index + 1}
+
+
+def _plus_two_index(index: int) -> dict:
+    return {"index": index, "y": index + 2}
+
+
+_ORIGINAL_INDEX_CODE = _plus_one_index.__code__
+
 _ORIGINAL_CODE = _plus_one.__code__
 
 
@@ -81,6 +91,23 @@ def test_a_restore_with_changed_code_warns_naming_the_function_and_continues() -
     assert all(int(y) == int(i) + 2 for b in batches for i, y in zip(b["index"], b["y"]))
 
 
+def test_from_fn_is_user_code_whose_change_warns_naming_it() -> None:
+    def build() -> el.SavableDataset:
+        return el.BatchDataset(el.IndexedSource.from_fn(60, _plus_one_index), batch_size=4)
+
+    saving = el.SavableDataLoader(build())
+    iterator = iter(saving)
+    for _ in range(3):
+        next(iterator)
+    state = saving.save_state_rank()
+    _plus_one_index.__code__ = _plus_two_index.__code__
+    try:
+        with pytest.warns(el.CodeChangedWarning, match=r"BatchDataset > IndexedSource\.from_fn "):
+            el.SavableDataLoader(build()).restore_state_rank(state)
+    finally:
+        _plus_one_index.__code__ = _ORIGINAL_INDEX_CODE
+
+
 def test_on_code_change_refuse_refuses_naming_the_function() -> None:
     state, _ = _saved()
     _plus_one.__code__ = _plus_two.__code__
@@ -93,6 +120,7 @@ def test_unchanged_code_and_states_without_fingerprints_restore_quietly() -> Non
     state, rest = _saved()
     older = resealed(state)
     del older["config"]["inner"]["fn_code"]  # a state saved before fingerprints
+    del older["config"]["inner"]["inner"]["from_fn_code"]  # ... and before from_fn's
     older = resealed(older)
     for saved in (state, older):
         loader = el.SavableDataLoader(_pipeline())

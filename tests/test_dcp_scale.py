@@ -175,6 +175,70 @@ def test_a_single_process_load_through_both_adopts_the_saved_count(tmp_path: Pat
     fresh.close()
 
 
+def _saved_with(folder: Path, partitions: int) -> list[Any]:
+    """A checkpoint of a loader of ``partitions`` after 3 batches (one process), and the
+    restore keys of the 4 batches after them."""
+    saved = _loader(0, 1, partitions)
+    iterator = iter(saved)
+    for _ in range(3):
+        next(iterator)
+    dcp.save({"loader": saved}, checkpoint_id=folder, no_dist=True)
+    expected = [next(iterator)["__restore_key__"] for _ in range(4)]
+    saved.close()
+    return expected
+
+
+def test_more_partitions_than_saved_through_load_is_our_error_naming_both_fixes(
+    tmp_path: Path,
+) -> None:
+    # Torch's default planner refuses the slots the checkpoint lacks during its own planning
+    # (a CheckpointException, a BaseException); energy_loader.dcp.load says it in our words.
+    _saved_with(tmp_path, 2)
+    fresh = _loader(0, 1, 4)
+    with pytest.raises(dcp_api.CheckpointException, match=r"Missing key .*loader\.slot_00002"):
+        dcp.load({"loader": fresh}, checkpoint_id=tmp_path, no_dist=True)
+    with pytest.raises(el.StateMismatchError) as caught:
+        el.dcp.load({"loader": fresh}, checkpoint_id=tmp_path, no_dist=True)
+    message = str(caught.value)
+    assert "the checkpoint holds 'loader' of num_partitions=2 (slot_00000 to slot_00001)" in (
+        message
+    ), message
+    assert "this loader runs num_partitions=4 (on world_size=1 x num_workers=0)" in message
+    assert "refused this rank's slot_00002, slot_00003, which the checkpoint lacks" in message
+    fixes = (
+        "Build the loader with num_partitions=2, or leave num_partitions unset and load with "
+        "planner=energy_loader.dcp.LoadPlanner()"
+    )
+    assert fixes in message
+    assert isinstance(caught.value.__cause__, dcp_api.CheckpointException)
+    fresh.close()
+
+
+def test_fewer_partitions_than_saved_with_torchs_planner_names_both_fixes(tmp_path: Path) -> None:
+    # Torch loads the slots the loader lists (all saved): the loader refuses them itself.
+    _saved_with(tmp_path, 4)
+    for load in (dcp.load, el.dcp.load):
+        fresh = _loader(0, 1, 2)
+        with pytest.raises(el.StateMismatchError) as caught:
+            load({"loader": fresh}, checkpoint_id=tmp_path, no_dist=True)
+        message = str(caught.value)
+        assert "saved with num_partitions=4" in message, message
+        assert "this loader runs num_partitions=2" in message
+        assert "Pass num_partitions=4 to the loader, or leave num_partitions unset" in message
+        assert "with planner=energy_loader.dcp.LoadPlanner()" in message
+        fresh.close()
+
+
+def test_load_with_the_saved_count_or_our_planner_is_torchs_load(tmp_path: Path) -> None:
+    expected = _saved_with(tmp_path, 2)
+    for count, planner in ((2, None), (None, el.dcp.LoadPlanner())):
+        fresh = _loader(0, 1, count)
+        el.dcp.load({"loader": fresh}, checkpoint_id=tmp_path, no_dist=True, planner=planner)
+        iterator = iter(fresh)
+        assert [next(iterator)["__restore_key__"] for _ in range(4)] == expected
+        fresh.close()
+
+
 def test_per_rank_keys_on_another_world_size_are_refused_naming_the_one_key_recipe(
     tmp_path: Path,
 ) -> None:
@@ -276,16 +340,22 @@ def test_both_save_planners_write_the_same_metadata(saved_on_two_ranks: Path) ->
 def test_another_partition_count_is_our_error_on_every_rank_or_adopted(
     saved_on_two_ranks: Path, no_leftover_processes: None
 ) -> None:
-    cases = [(8, False), (8, True), (2, True), (None, True), (SAVED_PARTITIONS, True)]
+    cases = [(8, False), (8, "load"), (8, True), (2, True), (None, True), (SAVED_PARTITIONS, True)]
     dh.launch(
         helpers.load_other_counts, 2, saved_on_two_ranks, timeout=90, cases=cases, steps=STEPS
     )
     for rank in range(2):
         report = _read(saved_on_two_ranks / f"other_counts_rank{rank}.json")
         expected = torch.load(saved_on_two_ranks / f"saved{rank}.pt", weights_only=True)
-        # Torch's planner: its missing-key error, wrapped, before the loader is asked.
+        # Torch's planner: its missing-key error, wrapped, before the loader is asked; through
+        # energy_loader.dcp.load, ours on every rank.
         kind, message = report["8/False"]["outcome"]
         assert kind == "CheckpointException" and "Missing key" in message
+        kind, message = report["8/load"]["outcome"]
+        assert kind == "StateMismatchError", message
+        assert f"of num_partitions={SAVED_PARTITIONS} " in message
+        assert "this loader runs num_partitions=8 (on world_size=2" in message
+        assert f"this rank's {slot_key(4 + rank)}, {slot_key(6 + rank)}," in message
         for count in (8, 2):  # ours: the loader's refusal, naming both counts and the fix
             kind, message = report[f"{count}/True"]["outcome"]
             assert kind == "StateMismatchError", message

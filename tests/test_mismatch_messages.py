@@ -118,6 +118,59 @@ def test_other_values_name_the_partition_the_stage_both_digests_and_the_way_out(
     assert "verify_restore=False" in message
 
 
+def _noisy(index: int) -> dict:
+    return {"index": index, "noise": torch.rand(()).item()}
+
+
+def _ranks(world_size: int, seed_per_sample: bool) -> list[el.SavableDataLoader]:
+    """Every rank's loader of a from_fn source whose function draws random numbers."""
+    return [
+        el.SavableDataLoader(
+            el.BatchDataset(
+                el.IndexedSource.from_fn(40, _noisy, seed_per_sample=seed_per_sample), 2
+            ),
+            num_partitions=4,
+            worker_config=el.WorkerConfig(rank=rank, world_size=world_size, num_workers=0, seed=3),
+        )
+        for rank in range(world_size)
+    ]
+
+
+def _resized(seed_per_sample: bool) -> tuple[list[Any], el.SavableDataLoader]:
+    """The job's batches after 3 steps of 2 ranks (what one rank must hand out next), and
+    one rank restored from both ranks' states."""
+    saving = _ranks(2, seed_per_sample)
+    iterators = [iter(loader) for loader in saving]
+    for _ in range(3):
+        for iterator in iterators:
+            next(iterator)
+    states = [json.loads(json.dumps(loader.save_state_rank())) for loader in saving]
+    following = [next(iterator) for _ in range(2) for iterator in iterators]
+    (restoring,) = _ranks(1, seed_per_sample)
+    restoring.restore_state_global(states)
+    return following, restoring
+
+
+def test_an_unseeded_from_fn_that_draws_names_it_as_your_code_and_the_fix() -> None:
+    # Its draws are not re-made by the replay on one rank: it is user code, and the fix is
+    # seed_per_sample=True (its states then restore on 1 rank as the 2 ranks went on).
+    _, restoring = _resized(seed_per_sample=False)
+    message = _refusal(lambda: next(iter(restoring)))
+    function = "tests.test_mismatch_messages._noisy"
+    assert (
+        f"the stages that run your code (BatchDataset > IndexedSource.from_fn ({function}, "
+        "seed_per_sample=False))" in message
+    ), message
+    assert f"IndexedSource.from_fn({function}) runs without per-sample seeds" in message
+    assert (
+        f"If it draws random numbers, build IndexedSource.from_fn({function}) with "
+        "seed_per_sample=True" in message
+    )
+    following, restoring = _resized(seed_per_sample=True)
+    iterator = iter(restoring)
+    assert all(torch.equal(batch["noise"], next(iterator)["noise"]) for batch in following)
+
+
 def test_another_partition_count_names_both_counts_and_the_fix() -> None:
     state, _ = saved_at(_loader(_pipeline()), 3)
     restoring = el.SavableDataLoader(_pipeline(), num_workers=0, num_partitions=2)

@@ -82,6 +82,26 @@ def test_check_resume_names_seed_per_sample_false_when_restore_sample_differs() 
         check_resume(build, num_workers=2, stop_points=[0], epochs=1)
 
 
+def _noisy_read(index: int) -> dict[str, Any]:
+    return {"index": index, "noise": torch.rand(2)}
+
+
+def test_check_resume_names_an_unseeded_from_fn_when_restore_sample_differs() -> None:
+    # from_fn's function is user code, unseeded by default: named as a likely cause too.
+    with pytest.raises(
+        ResumeMismatch,
+        match=r"likely cause: .*; or IndexedSource\.from_fn\(tests\.test_testing_harness\."
+        r"_noisy_read\), which runs without per-sample seeds \(seed_per_sample=False, "
+        r"from_fn's default\), draws random numbers: build it with seed_per_sample=True",
+    ):
+        check_resume(
+            lambda: el.IndexedSource.from_fn(6, _noisy_read),
+            num_workers=2,
+            stop_points=[0],
+            epochs=1,
+        )
+
+
 class _OwnGenerator:
     """Draws from a generator of its own, seeded once when built, never per sample."""
 

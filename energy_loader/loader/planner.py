@@ -454,7 +454,8 @@ def _check_partition_count(state: RankState, num_partitions: int, world_size: in
     saved = state.num_partitions
     advice = (
         f"Pass num_partitions={saved} to the loader, or leave num_partitions unset (a "
-        "loader given none adopts the saved count), to continue that stream"
+        "loader given none adopts the saved count; in a torch.distributed.checkpoint load, "
+        "with planner=energy_loader.dcp.LoadPlanner()), to continue that stream"
         if saved % world_size == 0
         else f"{saved} partitions run on a world size in {world_sizes_for(saved)}, "
         f"not on world_size={world_size}"

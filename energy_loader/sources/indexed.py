@@ -46,8 +46,10 @@ from ..dataset import (
     SavableDataset,
     apply_user_fn,
     callable_name,
+    code_fingerprint,
 )
 from ..rng import stable_hash
+from ..state.fingerprint import CODE_SUFFIX, FROM_FN
 from ..validation import require_bool, require_callable, require_int
 from ._strided import StridedCursor
 from .permutation import FeistelPermutation
@@ -94,6 +96,10 @@ class IndexedSource(SavableDataset):
         source = IndexedSource.from_fn(length=10**10, fn=make_sample, shuffle=True)
     """
 
+    # from_fn's function: user code, fingerprinted in the config as a map's function is
+    # (None over a data object).
+    _from_fn: Callable[[int], Any] | None = None
+
     def __init__(
         self,
         data: Any,
@@ -124,11 +130,14 @@ class IndexedSource(SavableDataset):
     ) -> IndexedSource:
         """A source of ``length`` samples where sample ``i`` is ``fn(i)``; with
         ``seed_per_sample=True`` each call runs under sample ``i``'s seed (for an ``fn`` that
-        draws random numbers)."""
+        draws random numbers: without it, a restore does not re-make its draws and refuses
+        to continue). ``fn`` is user code: its code fingerprint (``from_fn_code``) is
+        checked at a restore as a map function's is."""
         require_callable(fn, "fn")
         self = cls.__new__(cls)
         SavableDataset.__init__(self)
         self._init(length, fn, callable_name(fn), shuffle, seed, seed_per_sample)
+        self._from_fn = fn
         return self
 
     def _init(
@@ -183,6 +192,13 @@ class IndexedSource(SavableDataset):
             "length": self.length,
             "shuffle": self.shuffle,
             "seed": self.seed,
+            # the function's name is the data's; only its code is added (a code field, which
+            # states saved without it do not compare)
+            **(
+                {FROM_FN + CODE_SUFFIX: code_fingerprint(self._from_fn)}
+                if self._from_fn is not None
+                else {}
+            ),
             # only when on: states saved unseeded (and before the option) keep their config
             **({"seed_per_sample": True} if self.seed_per_sample else {}),
         }

@@ -16,11 +16,14 @@ import attrs
 __all__ = [
     "CODE_SUFFIX",
     "ConfigDifference",
+    "FROM_FN",
+    "UserFunction",
     "code_differences",
     "config_differences",
     "describe_differences",
     "pipeline_stages",
     "user_code",
+    "user_functions",
 ]
 
 # A config field that holds a user function's code fingerprint ends so (``fn_code``): it is
@@ -129,21 +132,70 @@ def pipeline_stages(config: Any, path: str = "") -> Iterator[tuple[str, Mapping[
         yield from pipeline_stages(child, f"{path}[{index}]")
 
 
-def user_code(config: Any) -> tuple[list[str], list[str]]:
-    """What in a pipeline config can make other values from the same restore key: the user
-    functions (each ``*_code`` field's function, ``BatchDataset > MapDataset.fn
-    (mymodule.augment)``, marked where it runs with ``seed_per_sample=False``), and the
-    sources, which read the data (the stages without an inner one), outermost first."""
-    functions: list[str] = []
-    sources: list[str] = []
+# IndexedSource.from_fn(length, fn) records fn's code as ``from_fn_code`` and its name as the
+# source's ``data``; it records ``seed_per_sample`` only when on (its states saved before the
+# option keep their config), so its function runs unseeded where the field is absent.
+FROM_FN = "from_fn"
+
+
+@attrs.frozen
+class UserFunction:
+    """A user function a pipeline config records (a ``*_code`` field): the stage that runs
+    it (``path``, ending in the stage's ``type``), the argument it was passed as, its name,
+    and whether it runs without per-sample seeds (``seed_per_sample=False``), so that the
+    random numbers it draws are not re-made by a restore."""
+
+    path: str
+    stage: str
+    argument: str
+    name: Any
+    unseeded: bool
+
+    def __str__(self) -> str:
+        """As a restore's refusal lists it: ``BatchDataset > MapDataset.fn (mymodule.augment)``."""
+        unseeded = ", seed_per_sample=False" if self.unseeded else ""
+        return f"{self.path}.{self.argument} ({self.name}{unseeded})"
+
+    def call(self) -> str:
+        """As the user built it: ``MapDataset(mymodule.augment)``,
+        ``IndexedSource.from_fn(mymodule.make_sample)``."""
+        if self.argument == FROM_FN:
+            return f"{self.stage}.{FROM_FN}({self.name})"
+        return f"{self.stage}({self.name})"
+
+
+def user_functions(config: Any) -> list[UserFunction]:
+    """The user functions of a pipeline config, outermost stage first: each ``*_code``
+    field's function (a map's ``fn``, a filter's ``predicate``, ``IndexedSource.from_fn``'s
+    function...)."""
+    found: list[UserFunction] = []
     for path, stage in pipeline_stages(config):
+        seeded = stage.get("seed_per_sample")
         for name in stage:
             if isinstance(name, str) and name.endswith(CODE_SUFFIX):
-                field = name[: -len(CODE_SUFFIX)]
-                unseeded = (
-                    ", seed_per_sample=False" if stage.get("seed_per_sample") is False else ""
+                argument = name[: -len(CODE_SUFFIX)]
+                from_fn = argument == FROM_FN
+                found.append(
+                    UserFunction(
+                        path=path,
+                        stage=str(stage.get("type", "?")),
+                        argument=argument,
+                        name=stage.get("data") if from_fn else stage.get(argument),
+                        unseeded=seeded is not True if from_fn else seeded is False,
+                    )
                 )
-                functions.append(f"{path}.{field} ({stage.get(field)}{unseeded})")
-        if "inner" not in stage and "inners" not in stage:
-            sources.append(path or "the source")
+    return found
+
+
+def user_code(config: Any) -> tuple[list[str], list[str]]:
+    """What in a pipeline config can make other values from the same restore key: the user
+    functions (:func:`user_functions`, ``BatchDataset > MapDataset.fn (mymodule.augment)``,
+    marked where it runs with ``seed_per_sample=False``), and the sources, which read the data
+    (the stages without an inner one), outermost first."""
+    functions = [str(function) for function in user_functions(config)]
+    sources = [
+        path or "the source"
+        for path, stage in pipeline_stages(config)
+        if "inner" not in stage and "inners" not in stage
+    ]
     return functions, sources

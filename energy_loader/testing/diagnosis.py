@@ -22,6 +22,7 @@ from typing import Any
 
 import attrs
 
+from ..state.fingerprint import FROM_FN, user_functions
 from .compare import first_difference
 from .runs import UNREPLAYABLE, Batch, Chain, ChainRun, run_chain
 
@@ -209,43 +210,41 @@ def builder_differs(make: Callable[[int], Any], workers: int) -> str | None:
     )
 
 
-def _unseeded_stages(config: Any) -> list[str]:
-    """The stages of a pipeline config (outermost first) built with ``seed_per_sample=False``."""
-    found: list[str] = []
-    nodes = [config]
-    while nodes:
-        node = nodes.pop(0)
-        if not isinstance(node, dict):
-            continue
-        if node.get("seed_per_sample") is False:
-            fn = node.get("fn", node.get("predicate"))
-            found.append(f"{node.get('type', '?')}({fn})" if fn else str(node.get("type", "?")))
-        nodes += [node.get("inner"), *node.get("inners", ())]
-    return found
-
-
 def unseeded_draws(loader: Any) -> str:
     """The likely cause of samples whose randomness is not reproduced from their keys, for
     ``loader``: the stages it runs with ``seed_per_sample=False`` by name, else a function
-    drawing from a generator of its own."""
+    drawing from a generator of its own, or an ``IndexedSource.from_fn`` function (unseeded
+    by default) drawing random numbers."""
     stages: list[str] = []
     if getattr(loader, "seed_per_sample", True) is False:
         stages.append("the loader (SavableDataLoader(..., seed_per_sample=False))")
     config = getattr(loader, "config", None)
+    functions = []
     if callable(config):  # a drop-in's config has no "pipeline": no stage to name
-        stages += _unseeded_stages(config().get("pipeline"))
+        functions = [f for f in user_functions(config().get("pipeline")) if f.unseeded]
+        stages += [f.call() for f in functions if f.argument != FROM_FN]
     if stages:
         return (
             f"likely cause: {', '.join(stages)} draws random numbers with seed_per_sample=False, "
             "so they are not re-made from the sample's restore key; keep the default "
             "seed_per_sample=True for a function that draws random numbers"
         )
+    # from_fn's function runs unseeded unless asked (most draw nothing): named beside the
+    # generator of its own, not instead of it.
+    from_fn = [f.call() for f in functions if f.argument == FROM_FN]
+    also = (
+        f"; or {', '.join(from_fn)}, which runs without per-sample seeds "
+        "(seed_per_sample=False, from_fn's default), draws random numbers: build it with "
+        "seed_per_sample=True"
+        if from_fn
+        else ""
+    )
     return (
         "likely cause: a function (a map, a filter, __getitem__ or collate_fn) draws from a "
         "generator of its own that nobody seeds per sample (random.Random(), "
         "np.random.default_rng(), a torch.Generator made once); draw from python's random, "
         "numpy's global RNG or torch's default generator instead, which the loader seeds per "
-        "sample"
+        f"sample{also}"
     )
 
 

@@ -45,7 +45,7 @@ from ..dataset import SavableDataset, attach_restore_key
 from ..errors import StateMismatchError
 from ..metrics import WorkerCounters, clock
 from ..state.digests import checkpoint_digest, content_digest, key_digest
-from ..state.fingerprint import user_code
+from ..state.fingerprint import user_code, user_functions
 from ..state.positions import Position, PositionBook, Snapshot
 from ..state.rank_state import PartitionState
 from ..worker import active_worker, enter_worker, leave_worker, set_process_worker
@@ -382,6 +382,26 @@ def _where_from(slot: Slot) -> str:
     )
 
 
+def _unseeded(slot: Slot) -> str:
+    """For a refusal's message: the user functions that run without per-sample seeds, whose
+    random draws a restore does not re-make, and the fix (empty where there are none)."""
+    unseeded = [f.call() for f in user_functions(slot.pipeline.config()) if f.unseeded]
+    if not unseeded:
+        return ""
+    calls = ", ".join(unseeded)
+    if len(unseeded) == 1:
+        runs, fix = "runs", f"If it draws random numbers, build {calls}"
+    else:
+        runs, fix = "run", "Build the ones that draw random numbers"
+    return (
+        f"{calls} {runs} without per-sample seeds (seed_per_sample=False), so a restore does "
+        "not re-make random numbers drawn there: its replay draws from another point of the "
+        "generator, in another worker on another world size or num_workers. "
+        f"{fix} with seed_per_sample=True so that a restore re-makes them on any layout (a "
+        "state saved without it restores only into a pipeline without it). "
+    )
+
+
 def _ended_early(slot: Slot, restore: PartitionState, replayed: int) -> str:
     """The refusal of a partition whose pipeline ended before its items to replay did."""
     return (
@@ -390,7 +410,7 @@ def _ended_early(slot: Slot, restore: PartitionState, replayed: int) -> str:
         f"from the same checkpoint than the saving run did. Where it can come from: "
         f"{_where_from(slot)}. Usual causes: a filter's predicate or a function that changed "
         "since the save or draws from a generator nobody seeds; a data file that lost "
-        "records. Restore with the pipeline (and data) that saved the state"
+        f"records. {_unseeded(slot)}Restore with the pipeline (and data) that saved the state"
     )
 
 
@@ -414,6 +434,6 @@ def _other_values(slot: Slot, restore: PartitionState, key: Any, made: str) -> s
         f"can come from: {_where_from(slot)}. Usual causes: a "
         "function that changed since the save, or that reads the clock, a generator nobody "
         "seeds or a global counter; a data file edited in place; float results that differ "
-        "with the number of threads. Restore with the pipeline (and data) that saved the "
-        "state, or pass verify_restore=False to continue anyway"
+        f"with the number of threads. {_unseeded(slot)}Restore with the pipeline (and data) "
+        "that saved the state, or pass verify_restore=False to continue anyway"
     )
