@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 prune(args.ckpt_dir, args.keep)
                 print(f"[rank 0] step {training.step}: loss {loss:.4f}, checkpoint written")
+    del model, training  # DDP goes before the group, or the rank may hang at exit (the tutorial)
     dist.destroy_process_group()
     return 0
 

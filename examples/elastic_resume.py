@@ -52,6 +52,7 @@ def batch_ids(batch: dict[str, Any]) -> list[int]:
 def _rank(rank: int, world_size: int, port: int, role: str, workers: int, args: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    model = None
     try:
         torch.manual_seed(0)
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
@@ -72,6 +73,7 @@ def _rank(rank: int, world_size: int, port: int, role: str, workers: int, args: 
                 eld.save_state_rank_file(loader, workdir / "checkpoint")
         torch.save(seen, workdir / f"{role}-rank{rank}.pt")
     finally:
+        model = None  # DDP goes before the group, or the rank may hang at exit (the tutorial)
         dist.destroy_process_group()
 
 

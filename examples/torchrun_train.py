@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 prune(args.ckpt_dir, args.keep)
                 print(f"[rank 0] step {step}: loss {loss:.4f}, checkpoint written", flush=True)
+    del model  # DDP goes before the group, or the rank may hang at exit (docs/tutorial-torchrun.md)
     dist.destroy_process_group()
     return 0
 

@@ -201,7 +201,8 @@ def _rank_main(
             timeout=PG_TIMEOUT,
         )
         program(rank, world_size, Path(workdir), **program_kwargs)
-        dist.destroy_process_group()
+        if dist.is_initialized():  # unless the program ended the group itself
+            dist.destroy_process_group()
     except BaseException:
         (Path(workdir) / f"error_rank{rank}.txt").write_text(traceback.format_exc())
         # Exit without waiting for peers or loader workers (they notice and stop).
@@ -487,6 +488,47 @@ def dcp_round_trip(rank: int, world_size: int, workdir: Path, *, steps: int, mor
         workdir / f"dcp_rank{rank}.json",
         {"key": key, "continuation": compare_events(expected, got), "same_params": same_params},
     )
+
+
+def tutorial_teardown(rank: int, world_size: int, workdir: Path, *, steps: int, every: int) -> None:
+    """docs/tutorial-torchrun.md's job, ended as the page ends it; the rank must then exit.
+
+    A DDP model with dropout trains on a pipeline loader (2 workers, 12 partitions), saved
+    with DCP (the package's planner) every ``every`` steps. ``train`` hands back the bare
+    module, so no DDP wrapper outlives it: torch's gloo group can hang the exit of a rank
+    whose DDP model is still alive when ``destroy_process_group()`` runs (the tutorial's
+    "Ending the job"). The loader, its workers running, is alive at ``destroy_process_group()``
+    (called here, so the launcher skips its own) and until the rank returns; its workers'
+    pids go to ``workers_rank{rank}.json``, to check that none outlives the rank.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    loader = make_loader(2, num_partitions=12)
+
+    def train() -> torch.nn.Module:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(
+            torch.nn.Linear(2, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 1)
+        )
+        model = torch.nn.parallel.DistributedDataParallel(net)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        state = {"model": model, "optimizer": optimizer, "loader": loader}
+        batches = iter(loader)
+        for step in range(1, steps + 1):
+            loss = model(next(batches)["x"].float() / 64).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if step % every == 0:
+                dcp.save(state, checkpoint_id=workdir / "ckpt", planner=el.dcp.SavePlanner())
+        return model.module
+
+    train()
+    pids = [worker.pid for worker in worker_processes(loader)]
+    if len(pids) != 2:
+        raise AssertionError(f"the loader's workers should still run; found {pids}")
+    save_json(workdir / f"workers_rank{rank}.json", pids)
+    dist.destroy_process_group()
 
 
 # -- elastic resume: save on one layout, restore on another ----------------------------------------

@@ -139,6 +139,19 @@ def indices(batch_or_sample: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie has exited; it only waits to be reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:  # reaped in between
+        return False
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -7,8 +7,10 @@ every rank runs a SavableDataLoader with worker processes. The rest run in this 
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from energy_loader import distributed as eld
 from energy_loader.state.rank_file import read_rank_file
 from energy_loader.testing.resume import compare_events, record_events
 from tests import distributed_helpers as dh
-from tests.helpers import reference_pipeline
+from tests.helpers import process_alive, reference_pipeline
 from tests.loader.dropin_helpers import assert_same, dealt_rest, distributed_order
 
 LENGTH = 64  # samples in the pipelines of tests/distributed_helpers.make_loader
@@ -329,6 +331,45 @@ def test_dcp_round_trip_with_one_loader_key(tmp_path: Path, no_leftover_processe
     for rank in range(2):
         report = _read(tmp_path / f"dcp_rank{rank}.json")
         assert report == {"key": "loader", "continuation": None, "same_params": True}
+
+
+# A rank that hangs at exit runs into this (torchrun would wait for ever); a job that ends well
+# takes 2-5 s on two cores.
+TEARDOWN_TIMEOUT = 60
+
+
+def _end_as_the_tutorial_ends(workdir: Path) -> None:
+    """One tutorial-shaped 2-rank job (dh.tutorial_teardown): every rank exits 0 in time, and
+    the loader workers it left running at ``destroy_process_group()`` are gone with it."""
+    dh.launch(dh.tutorial_teardown, 2, workdir, timeout=TEARDOWN_TIMEOUT, torchrun_env=True,
+              steps=4, every=2)  # fmt: skip
+    pids = [pid for rank in range(2) for pid in _read(workdir / f"workers_rank{rank}.json")]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(process_alive(pid) for pid in pids):
+        time.sleep(0.05)
+    lingering = [pid for pid in pids if process_alive(pid)]
+    for pid in lingering:
+        os.kill(pid, signal.SIGKILL)
+    assert not lingering, f"loader workers {lingering} outlived their rank"
+
+
+@pytest.mark.timeout(2 * TEARDOWN_TIMEOUT)
+def test_a_job_ended_as_the_torchrun_tutorial_ends_exits(
+    tmp_path: Path, no_leftover_processes: None
+) -> None:
+    _end_as_the_tutorial_ends(tmp_path)
+
+
+# A hang at exit comes and goes with timing: torch's, with the DDP model kept alive at
+# destroy_process_group(), hung 4 and 5 of 20 of these jobs (with and without the loader).
+# Twenty runs, ~25 s.
+@pytest.mark.slow
+@pytest.mark.timeout(20 * TEARDOWN_TIMEOUT)
+def test_twenty_jobs_ended_as_the_torchrun_tutorial_ends_all_exit(
+    tmp_path: Path, no_leftover_processes: None
+) -> None:
+    for run in range(20):
+        _end_as_the_tutorial_ends(tmp_path / f"run{run}")
 
 
 def _job_stream(streams: list[list[Any]]) -> list[Any]:

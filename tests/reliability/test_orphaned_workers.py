@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import process_alive
+
 REPOSITORY = Path(__file__).resolve().parents[2]
 
 # Batches of ~20 KB travel inline, 16 to a bundle: what a worker still has to send when the
@@ -36,15 +38,6 @@ TRAINER = textwrap.dedent(
 )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:  # a zombie has exited
-        return stat.read().split(") ")[1][0] != "Z"
-
-
 # ~7 s, most of it waiting for torch's check on the parent (every 5 s): slow.
 @pytest.mark.slow
 @pytest.mark.timeout(120)
@@ -63,9 +56,9 @@ def test_workers_of_a_killed_main_process_exit(tmp_path: Path) -> None:
     pids = [int(p) for p in pids_file.read_text().split()]
     # Torch's workers check on their parent every 5 s; give them 4x that.
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(process_alive(p) for p in pids):
         time.sleep(0.1)
-    lingering = [p for p in pids if _alive(p)]
+    lingering = [p for p in pids if process_alive(p)]
     for pid in lingering:
         os.kill(pid, 9)
     assert not lingering, f"worker processes {lingering} outlived their killed main process"
