@@ -189,7 +189,8 @@ def run_jobs(launches: list[tuple[Job, Path]]) -> None:
             process = subprocess.Popen(
                 job.command(workdir),
                 cwd=workdir,
-                env={**ENVIRONMENT, MARKER: str(workdir)},
+                # TMPDIR: torchrun's own log folders (torchelastic_*) go with the job's
+                env={**ENVIRONMENT, MARKER: str(workdir), "TMPDIR": str(workdir)},
                 stdout=output,
                 stderr=subprocess.STDOUT,
             )
