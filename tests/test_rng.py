@@ -4,12 +4,15 @@ values are those earlier releases drew (a restore across an upgrade draws the sa
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import energy_loader as el
 from energy_loader.rng import fold_key, sample_seed, sample_seed_base, seed_globals_for_sample
 
 _KEYS = st.one_of(
@@ -32,3 +35,29 @@ def test_the_seeded_draws_are_those_of_earlier_releases() -> None:
     seed_globals_for_sample(7, 12345, (41,))
     draws = (random.random(), float(np.random.rand()), float(torch.rand(())))
     assert draws == (0.5905798470945213, 0.05238807501157661, 0.41134727001190186)
+
+
+def _draws_everywhere(sample: dict[str, Any]) -> dict[str, Any]:
+    return {**sample, "noise": (torch.rand(()).item(), random.random(), float(np.random.rand()))}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("loader_type", [el.SavableDataLoader, el.BasicDataLoader])
+def test_a_pipeline_leaves_the_training_generators_where_they_were(loader_type, workers):
+    """The training's python, numpy and torch generators (dropout draws from torch's) are the
+    training's: an epoch of a pipeline whose stages draw from all three, in this process or
+    in workers, leaves them as they were."""
+    source = el.IndexedSource.from_fn(12, lambda i: {"i": i}, shuffle=True, seed=1)
+    pipeline = el.MapDataset(source, _draws_everywhere)
+    loader = loader_type(pipeline, batch_size=4, num_workers=workers)
+    random.seed(3)
+    np.random.seed(3)
+    torch.manual_seed(3)
+    before = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        assert sorted(i for batch in loader for i in batch["i"].tolist()) == list(range(12))
+    finally:
+        loader.close()
+    assert random.getstate() == before[0]
+    assert np.array_equal(np.random.get_state()[1], before[1][1])
+    assert torch.equal(torch.get_rng_state(), before[2])

@@ -381,6 +381,8 @@ class PipelineEngine:
         if self.num_workers > 0 and not self._fleet.running:
             self._fleet.open_transport()
         inner = self._open_torch_iterator()
+        if self.num_workers == 0:  # the stages run here: the training's generators are kept
+            inner = _keeping_rngs(inner)
         return inner if self.transport is None else map(decode, inner)
 
     def _starting_position(self, logical: int) -> Position:
@@ -612,6 +614,18 @@ class PipelineEngine:
             "num_partitions": planner.num_partitions,
             "seed": config.seed,
         }
+
+
+def _keeping_rngs(inner: Iterator[Any]) -> Iterator[Any]:
+    """``inner``'s items, each made with the global RNGs put back after it (the stages of a
+    pipeline run in this process seed them per sample)."""
+    while True:
+        with kept_rng_state():
+            try:
+                item = next(inner)
+            except StopIteration:
+                return
+        yield item
 
 
 def _report_code_changes(saved: dict[str, Any], now: dict[str, Any], policy: str) -> bool:
