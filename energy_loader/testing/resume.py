@@ -146,8 +146,11 @@ def check_resume(
     loop. A tuple of stop points is a chain of restarts: save at the first, restore on a fresh
     loader, run to the second, save again, ... (two equal points: save right after a load).
     States go through ``json`` and ``torch.save``/``torch.load(weights_only=True)`` in turn.
-    Every restored run must equal the uninterrupted one, epochs included.
-    Default stop points: the start, the first sample, mid-epoch, right before and right after
+    Every restored run must equal the uninterrupted one, epochs included; every other chain
+    follows the docs' recipe (the restarted program puts back the global RNG states saved
+    with the checkpoint) and must then also leave python's, numpy's and torch's global
+    generators where the uninterrupted run had them after every batch (a model with dropout
+    trains the same weights). Default stop points: the start, the first sample, mid-epoch, right before and right after
     the first epoch end, the last sample, and a chain through the first epoch end. Use it in
     your own test suite::
 
@@ -209,7 +212,10 @@ def check_loader_resume(
     after a load) plus ``draws`` chains drawn from ``seed``. Restarts run on the worker
     counts of ``restore_workers`` in turn (default: ``num_workers`` and one other; an
     iterable dataset's state restores on the same count only, so ``num_workers`` alone).
-    Each restarted program's global RNGs are elsewhere than the saving one's.
+    Every other chain's restarted programs leave their global RNGs elsewhere than the saving
+    one's; the others put back the states saved with the checkpoint (the docs' recipe) and
+    must then draw as the uninterrupted run did: its generators after every batch are
+    compared too.
 
     On the first batch that differs the error says which batch, how the chain got there, and
     why: the uninterrupted run is itself not reproducible (it ran twice and differed: a
