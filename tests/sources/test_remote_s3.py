@@ -135,9 +135,11 @@ def s3() -> Iterator[dict[str, Any]]:
     import s3fs
     from moto.server import ThreadedMotoServer
 
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    # Port 0: the server binds a port of its own (a port probed free a moment before can be
+    # taken by another test process's server in between, which then answers for both).
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
+    port = server.get_host_and_port()[1]
     proxy = FaultProxy(port)
     thread = threading.Thread(target=proxy.serve_forever, daemon=True)
     thread.start()
