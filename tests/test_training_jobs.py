@@ -219,6 +219,16 @@ def run_jobs(launches: list[tuple[Job, Path]]) -> None:
         (workdir / RESULT).write_text(json.dumps(result))
 
 
+TORCH_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _torch_abort(job: Job, workdir: Path) -> bool:
+    """Whether a job that was not killed on purpose failed with torch's abort at exit."""
+    result = json.loads((workdir / RESULT).read_text())
+    output = (workdir / "torchrun.out").read_text(errors="replace")
+    return job.kill_at is None and result["returncode"] != 0 and TORCH_EXIT_ABORT in output
+
+
 class Runs:
     """Each job run once per test session, in ``root`` (shared by the session's xdist
     workers): the jobs a call needs that no process has run run at once, the restarts after
@@ -227,6 +237,14 @@ class Runs:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+
+    def _prepare(self, job: Job, workdir: Path) -> None:
+        """An empty folder for ``job`` (what a failed attempt left removed), holding the
+        checkpoints of the job it restarts from."""
+        shutil.rmtree(workdir, ignore_errors=True)
+        workdir.mkdir()
+        if job.resume_from is not None:  # the restarted job finds the killed one's
+            shutil.copytree(self.root / job.resume_from.name / "ckpt", workdir / "ckpt")
 
     def get(self, *jobs: Job) -> list[Run]:
         killed = [job.resume_from for job in jobs if job.resume_from is not None]
@@ -249,13 +267,19 @@ class Runs:
                 locks.append(lock)
                 if (workdir / RESULT).exists():
                     continue
-                shutil.rmtree(workdir, ignore_errors=True)  # what a failed attempt left
-                workdir.mkdir()
-                if job.resume_from is not None:  # the restarted job finds the killed one's
-                    shutil.copytree(self.root / job.resume_from.name / "ckpt", workdir / "ckpt")
+                self._prepare(job, workdir)
                 mine.append((job, workdir))
             if mine:
                 run_jobs(mine)
+                # torch's gloo can abort a rank that finished at interpreter exit (a C++
+                # thread destroyed unjoined: "terminate called without an active exception";
+                # seen once in some 30 runs of the slow set, with no loader thread left).
+                # Such a job runs once more; the test fails if it happens again.
+                again = [(job, workdir) for job, workdir in mine if _torch_abort(job, workdir)]
+                for job, workdir in again:
+                    self._prepare(job, workdir)
+                if again:
+                    run_jobs(again)
         finally:
             for lock in locks:
                 lock.close()  # releases it
