@@ -150,9 +150,9 @@ def check_resume(
     follows the docs' recipe (the restarted program puts back the global RNG states saved
     with the checkpoint) and must then also leave python's, numpy's and torch's global
     generators where the uninterrupted run had them after every batch (a model with dropout
-    trains the same weights). Default stop points: the start, the first sample, mid-epoch, right before and right after
-    the first epoch end, the last sample, and a chain through the first epoch end. Use it in
-    your own test suite::
+    trains the same weights). Default stop points: the start, the first sample, mid-epoch,
+    right before and right after the first epoch end, the last sample, and a chain through the
+    first epoch end. Use it in your own test suite::
 
         def test_my_pipeline_resumes():
             check_resume(lambda: build_my_pipeline(small=True), num_workers=2)
