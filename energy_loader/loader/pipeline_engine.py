@@ -241,8 +241,7 @@ class PipelineEngine:
 
     def has_begun(self) -> bool:
         """Whether an epoch has begun in this run or in the run whose state it restored."""
-        progress = self.progress
-        return progress.epoch > 0 or progress.in_epoch or progress.epoch_ended
+        return not self.progress.fresh
 
     def begin_epoch(self) -> None:
         """Start the next epoch (or the first), from the canonical partition assignment."""
