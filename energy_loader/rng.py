@@ -19,6 +19,7 @@ import _random
 import contextlib
 import functools
 import random
+import threading
 import zlib
 from collections.abc import Hashable, Iterator
 
@@ -27,6 +28,7 @@ import torch
 
 __all__ = [
     "kept_rng_state",
+    "kept_rng_state_if_seeded",
     "CounterRng",
     "fold_key",
     "mix64",
@@ -161,6 +163,9 @@ def seed_globals_for_sample(seed: int, position: int, key: Hashable) -> None:
     ``torch.default_generator.manual_seed`` rather than ``torch.manual_seed``, which would
     also seed every CUDA device (~180 us).
     """
+    keeping = _KEEPING.scope
+    if keeping is not None and not keeping:
+        keeping.append(_global_states())  # the first seeding in a lazy scope: what to put back
     value = sample_seed(seed, position, key)
     _PY_SEED(_PY_RANDOM, value)
     # Random.seed also resets gauss_next; typeshed does not declare it
@@ -169,18 +174,62 @@ def seed_globals_for_sample(seed: int, position: int, key: Hashable) -> None:
     _TORCH_GENERATOR.manual_seed(value)
 
 
+def _global_states() -> tuple[object, object, torch.Tensor]:
+    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+
+def _put_back(states: tuple[object, object, torch.Tensor]) -> None:
+    random.setstate(states[0])  # type: ignore[arg-type]
+    np.random.set_state(states[1])  # type: ignore[arg-type]
+    torch.set_rng_state(states[2])
+
+
 @contextlib.contextmanager
 def kept_rng_state() -> Iterator[None]:
     """Put the global ``random``, ``numpy`` and ``torch`` RNG states back on exit.
 
-    Per-sample seeding reseeds the global generators; work done on the training process's
-    behalf (a peek, a replay, a drop-in loader's batches without workers) must not change what
-    the training process draws next.
+    For work done on the training process's behalf that may run code drawing from them
+    without seeding (a drop-in's dataset peeked ahead): it must not change what the training
+    process draws next. Costs ~80 us (numpy's ``get_state`` and ``set_state``, ~33 us each);
+    where only the library's per-sample seeding moves them, :func:`kept_rng_state_if_seeded`
+    costs nothing until a sample is seeded.
     """
-    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    saved = _global_states()
     try:
         yield
     finally:
-        random.setstate(saved[0])
-        np.random.set_state(saved[1])
-        torch.set_rng_state(saved[2])
+        _put_back(saved)
+
+
+class _Keeping(threading.local):
+    """The innermost open :func:`kept_rng_state_if_seeded` scope of this thread: an empty list
+    until :func:`seed_globals_for_sample` first runs in it, then the states to put back."""
+
+    scope: list[tuple[object, object, torch.Tensor]] | None = None
+
+
+_KEEPING = _Keeping()
+
+
+@contextlib.contextmanager
+def kept_rng_state_if_seeded() -> Iterator[None]:
+    """Put the global RNG states back on exit if the library seeded them per sample inside.
+
+    A pipeline run in the training process (no workers) seeds the three generators before
+    each user function that draws (:func:`seed_globals_for_sample`); the training's own draws
+    (dropout) must not see that, nor a restore's replay. The states are saved at the first
+    seeding in the scope, so an item whose stages seed nothing costs no save and no put-back
+    (the ~80 us of :func:`kept_rng_state` an item, measured on the light pipeline of
+    docs/benchmarks.md). User code that draws *without* per-sample seeds draws from the
+    training's generators, as a torch ``DataLoader`` without workers lets it; its values
+    then differ on a replay, which a checked restore refuses.
+    """
+    outer = _KEEPING.scope
+    scope: list[tuple[object, object, torch.Tensor]] = []
+    _KEEPING.scope = scope
+    try:
+        yield
+    finally:
+        _KEEPING.scope = outer
+        if scope:
+            _put_back(scope[0])

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 from ..dataset import SavableDataset, attach_restore_key, restore_key_of
 from ..errors import CodeChangedWarning, StateFormatError, StateMismatchError, WorkerError
 from ..metrics import LoaderMetrics, StallPolicy, clock
-from ..rng import kept_rng_state
+from ..rng import kept_rng_state_if_seeded
 from ..state.fingerprint import CODE_SUFFIX, code_differences
 from ..state.plain import to_key
 from ..state.positions import Position
@@ -360,11 +360,10 @@ class PipelineEngine:
             return inner.next_item(progress.next_worker, progress.done)
         if self.dropin:  # torch's: the dataset draws from the training's generators
             return next(inner)  # type: ignore[no-any-return]
-        # In this process the stages seed the global RNGs per sample (and unseeded user code
-        # draws from them): the training's own draws (dropout) must not see any of it, nor the
-        # replay of a restore, so their states are put back after each item (~85 us an item,
-        # most of it numpy's get_state/set_state).
-        with kept_rng_state():
+        # In this process the stages seed the global RNGs per sample: the training's own draws
+        # (dropout) must not see it, nor the replay of a restore, so their states are put back
+        # after an item whose stages seeded them (~80 us; nothing for an item that seeded none).
+        with kept_rng_state_if_seeded():
             return next(inner)  # type: ignore[no-any-return]
 
     def _open_torch_iterator(self) -> Iterator[Any]:
@@ -597,9 +596,9 @@ class PipelineEngine:
 
     def restore_sample(self, key: Any) -> Any:
         """Rebuild a sample in this process; the caller's global RNGs stay where they were
-        (the stages seed them per sample, or draw from them)."""
+        (the stages seed them per sample)."""
         key = to_key(key)
-        with kept_rng_state(), active_worker(self.planner.config.context(0)):
+        with kept_rng_state_if_seeded(), active_worker(self.planner.config.context(0)):
             return attach_restore_key(self.planner.pipeline.restore_sample(key), key)
 
     def config(self) -> dict[str, Any]:
@@ -619,7 +618,7 @@ def _keeping_rngs(inner: Iterator[Any]) -> Iterator[Any]:
     """``inner``'s items, each made with the global RNGs put back after it (the stages of a
     pipeline run in this process seed them per sample)."""
     while True:
-        with kept_rng_state():
+        with kept_rng_state_if_seeded():
             try:
                 item = next(inner)
             except StopIteration:

@@ -23,9 +23,11 @@ import decimal
 import enum
 import fractions
 import hashlib
+import io
 import json
 import math
 import pathlib
+import pickle
 import struct
 import uuid
 import zlib
@@ -194,28 +196,125 @@ def content_digest(value: Any) -> str:
 
     It reads: dicts (entries in order, the restore key's entry :data:`RESTORE_KEY` left out)
     and other mappings, lists, tuples and named tuples (their type's name too), sets (their
-    elements in any order), torch tensors and numpy arrays (dtype, shape and up to 4,096
-    elements at an even stride of their flattened view, the stride prime to the size of one
-    row so that the elements read spread over every row's positions; a tensor on another
-    device copies only those), str and bytes (in full up to 64 Ki characters, then 64 pieces
-    at an even stride, and the length), ints, floats (their bits), bools, None, numpy
-    scalars, and values whose ``repr`` is their value (dates and times, decimals, fractions,
-    UUIDs, paths, ranges, complex numbers, enum members by name). Sequences and dicts of more
-    than 512 items are read at an even stride the same way, and a nested item shares the
-    budget out among its parts: a 256 x 3 x 224 x 224 uint8 batch costs tens of microseconds.
-    The elements and texts read go through CRC-32 (fast), the rest and those checksums
-    through BLAKE2b.
+    elements in any order), torch tensors and numpy arrays (dtype, shape and their elements:
+    all of them up to 64 KiB, else up to 4,096 at an even stride of their flattened view, the
+    stride prime to the size of one row so that the elements read spread over every row's
+    positions; a tensor on another device copies only those), str and bytes, ints, floats
+    (their bits), bools, None, numpy scalars, and values whose ``repr`` is their value (dates
+    and times, decimals, fractions, UUIDs, paths, ranges, complex numbers, enum members by
+    name).
+
+    How, at what cost: an item is pickled at C speed, with every value that is not a plain
+    python value (a tensor, an array, any other object) replaced by its own digest, and the
+    bytes go through CRC-32: ~11 us for a batch of 64 small dicts, ~0.2 us a sample (walking
+    it value by value in python cost 380 us). An item that does not pickle so, that holds a set
+    (whose order depends on the process's string hashing) or a restore key, or that pickles
+    to more than 8 MiB (long texts or lists), is walked value by value instead, reading
+    long texts, sequences and dicts at an even stride (64 Ki characters, 512 items) and
+    sharing 4,096 elements out among its tensors. Which of the two reads an item depends on
+    its values only, so equal items get equal digests.
 
     What it cannot see: values of any other type (an object's attributes, a PIL image, a
     sparse, quantized or nested tensor's elements) count by their type's name only, never by
     ``repr``, which can hold addresses that differ between processes; elements of a large
-    tensor, text or sequence between the ones read; nesting deeper than 32 levels. Floats
-    compare by their bits: a result that differs in its last bit (a reduction run on another
-    number of threads) is another value.
+    tensor (or, walked, a large text or sequence) between the ones read; nesting deeper than
+    32 levels. Floats compare by their bits: a result that differs in its last bit (a
+    reduction run on another number of threads) is another value.
     """
+    pickled = _pickled(value)
+    if pickled is not None:
+        return _hash_bytes(b"P" + _CHECKSUM.pack(zlib.crc32(pickled), len(pickled)))
     hasher = hashlib.blake2b(digest_size=8)
     _feed(hasher.update, value, _BUDGET, 0)
     return hasher.hexdigest()
+
+
+def _hash_bytes(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+# Pickled items larger than this are walked instead (which samples long texts and lists).
+_PICKLED_LIMIT = 8 << 20
+# Arrays and tensors of at most this many bytes are read in full (a sample's tokens).
+_SMALL_ARRAY = 64 << 10
+# The restore key's entry, pickled: an item that holds one is pickled again without it.
+_RESTORE_KEY_MARK = b"X" + struct.pack("<I", len(RESTORE_KEY)) + RESTORE_KEY.encode()
+
+
+class _Walk(Exception):
+    """Raised while pickling an item that :func:`content_digest` walks instead."""
+
+
+def _leaf(*parts: Any) -> tuple[Any, ...]:
+    """What a value other than a plain python one pickles as in :func:`_pickled`: a call of
+    this function (by its name) on the value's digest, or on a small array's kind, dtype,
+    shape and bytes."""
+    return parts
+
+
+_LEAF_MEMO = {id(_leaf): (0, _leaf)}
+
+
+class _ValuePickler(pickle.Pickler):
+    """Pickles plain python values (the C pickler's own: ``None``, bools, ints, floats, str,
+    bytes, dicts, lists, tuples, sets) without its memo, so that equal values pickle to equal
+    bytes whichever objects they share; every other value (``reducer_override``) as its
+    digest."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if obj is set or obj is frozenset:  # a set's elements pickle in hash order
+            raise _Walk
+        if obj is _leaf:
+            return NotImplemented  # the reductions' own function: pickled by its name
+        kind = type(obj)
+        if kind is np.ndarray and obj.nbytes <= _SMALL_ARRAY and not obj.dtype.hasobject:
+            return _leaf, ("A", obj.dtype.str, obj.shape, obj.tobytes())
+        if (
+            kind is torch.Tensor
+            and obj.is_cpu
+            and obj.dtype in _NUMPY_DTYPES
+            and obj.layout is torch.strided
+            and obj.numel() * obj.element_size() <= _SMALL_ARRAY
+            and not obj.requires_grad
+        ):
+            return _leaf, ("T", str(obj.dtype), tuple(obj.shape), obj.numpy().tobytes())
+        hasher = hashlib.blake2b(digest_size=8)
+        _feed(hasher.update, obj, _BUDGET, 1)
+        return _leaf, (hasher.digest(),)
+
+
+def _pickled(value: Any, *, keyed: bool = True) -> bytes | None:
+    """``value`` pickled by :class:`_ValuePickler`, or ``None`` where the walk reads it;
+    ``keyed``: the value may hold restore keys' entries, left out (an item as handed out)."""
+    buffer = io.BytesIO()
+    pickler = _ValuePickler(buffer, 3)
+    pickler.fast = True  # no memo: the bytes depend on the values, not on shared objects
+    # ... but for _leaf, written as a reference to slot 0 (half the cost of each array).
+    pickler.memo = _LEAF_MEMO
+    try:
+        pickler.dump(value)
+    except (_Walk, pickle.PicklingError, ValueError, TypeError, RecursionError):
+        return None  # a set, a cycle (fast mode refuses it), a value pickle cannot name
+    pickled = buffer.getvalue()
+    if len(pickled) > _PICKLED_LIMIT:
+        return None
+    if keyed and _RESTORE_KEY_MARK in pickled:
+        return _pickled(_without_restore_keys(value), keyed=False)
+    return pickled
+
+
+def _without_restore_keys(value: Any) -> Any:
+    """A copy of ``value``'s dicts, lists and tuples without the restore keys' entries."""
+    kind = type(value)
+    if kind is dict:
+        return {
+            k: _without_restore_keys(v)
+            for k, v in value.items()
+            if not (type(k) is str and k == RESTORE_KEY)
+        }
+    if kind is list or kind is tuple:
+        return kind(map(_without_restore_keys, value))
+    return value
 
 
 def _feed(update: _Update, value: Any, share: int, depth: int) -> None:

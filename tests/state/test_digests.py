@@ -20,7 +20,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from energy_loader.state.digests import RESTORE_KEY, content_digest, digest, key_digest
+from energy_loader.state.digests import RESTORE_KEY, _pickled, content_digest, digest, key_digest
 
 _INDEX = st.one_of(st.integers(-(2**70), 2**70), st.booleans())
 _KEYS = st.one_of(
@@ -64,11 +64,12 @@ class Opaque:
         self.value = value
 
 
-def made_item() -> dict:
-    """An item of every kind the digest reads, built the same way in any process."""
+def made_item(*, sets: bool = True) -> dict:
+    """An item of every kind the digest reads, built the same way in any process; without
+    ``sets`` it is one the digest pickles rather than walks (a set's order is the process's)."""
     generator = torch.Generator().manual_seed(3)
     image = torch.randint(0, 255, (8, 3, 64, 64), dtype=torch.uint8, generator=generator)
-    return {
+    item = {
         "image": image,
         "channels_last": image.permute(0, 2, 3, 1),  # not contiguous
         "half": torch.linspace(0, 1, 50).to(torch.bfloat16),
@@ -87,27 +88,47 @@ def made_item() -> dict:
         "colour": Colour.BLUE,
         "scalar": np.int16(7),
         "opaque": Opaque(1),
+        "small": np.arange(12, dtype=np.int32).reshape(3, 4).T,  # read in full, a view
+        "small_tensor": torch.arange(10),
         "__restore_key__": ((1,), (2,)),
     }
+    if not sets:
+        del item["tags"], item["frozen"]
+    return item
 
 
-def test_equal_values_have_one_digest_in_every_process() -> None:
+@pytest.mark.parametrize("sets", [True, False], ids=["walked", "pickled"])
+def test_equal_values_have_one_digest_in_every_process(sets: bool) -> None:
     # Another process, with its own string hashing (this one's is drawn at random).
     code = (
         "from energy_loader.state.digests import content_digest\n"
         "from tests.state.test_digests import made_item\n"
-        "print(content_digest(made_item()))"
+        f"print(content_digest(made_item(sets={sets})))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "1"}
     other = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
-    assert other.stdout.strip() == content_digest(made_item())
-    assert content_digest(made_item()) == content_digest(copy.deepcopy(made_item()))
+    assert other.stdout.strip() == content_digest(made_item(sets=sets))
+    assert (_pickled(made_item(sets=sets)) is None) == sets  # the two ways are both tested
+    assert content_digest(made_item(sets=sets)) == content_digest(
+        copy.deepcopy(made_item(sets=sets))
+    )
+
+
+def test_objects_shared_or_not_have_one_digest() -> None:
+    """The pickled digest depends on the values only: not on whether two parts are one
+    object, nor on whether a string was interned."""
+    sample = {"text": "".join(["ab", "c"]), "ids": [1, 2]}
+    shared = [sample, sample]
+    equal = [{"text": "abc", "ids": [1, 2]}, {"text": "abc", "ids": [1, 2]}]
+    assert content_digest(shared) == content_digest(equal)
 
 
 def test_the_restore_key_entry_is_not_a_value_and_the_order_of_entries_is() -> None:
     assert content_digest({"a": 1, RESTORE_KEY: (3,)}) == content_digest({"a": 1})
+    nested = {"x": [{"a": np.arange(3), RESTORE_KEY: (3,)}, "b"]}
+    assert content_digest(nested) == content_digest({"x": [{"a": np.arange(3)}, "b"]})
     assert content_digest({"a": 1, "b": 2}) != content_digest({"b": 2, "a": 1})
 
 
@@ -125,6 +146,9 @@ def _changed(name: str, item: dict) -> dict:
         item[name] = value[:50_000] + "e" * 50_000  # the second half
     elif name == "bytes":
         item[name] = value[:-1] + b"x"
+    elif name in ("small", "small_tensor"):
+        item[name] = value.copy() if name == "small" else value.clone()
+        item[name][-1, ...] += 1  # the last row only
     elif name == "ints":
         item[name] = [v + 1 for v in value]
     else:
@@ -143,9 +167,17 @@ def _changed(name: str, item: dict) -> dict:
     return item
 
 
-@pytest.mark.parametrize("name", [name for name in made_item() if name not in ("__restore_key__",)])
-def test_every_part_of_an_item_counts(name: str) -> None:
-    item = made_item()
+@pytest.mark.parametrize(
+    ("name", "sets"),
+    [
+        (name, sets)
+        for sets in (True, False)
+        for name in made_item(sets=sets)
+        if name != RESTORE_KEY
+    ],
+)
+def test_every_part_of_an_item_counts(name: str, sets: bool) -> None:
+    item = made_item(sets=sets)
     assert content_digest(_changed(name, item)) != content_digest(item)
 
 
@@ -205,3 +237,4 @@ _VALUES = st.recursive(
 @given(value=_VALUES)
 def test_a_copy_has_the_digest_of_the_original(value: object) -> None:
     assert content_digest(copy.deepcopy(value)) == content_digest(value)
+    assert content_digest([value, value]) == content_digest([value, copy.deepcopy(value)])
