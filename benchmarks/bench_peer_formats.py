@@ -22,7 +22,9 @@ litdata, a document of 256 uint16 tokens for Megatron.
 The peers' interpreters default to ``.venv-peers/<mds|litdata|megatron>/bin/python``; each
 needs its library (``streaming-community``, ``litdata``, ``megatron-core``) with torch from
 ``constraints.txt`` and this repository on ``PYTHONPATH``. A peer whose interpreter is missing is
-skipped, with why.
+skipped, with why. With ``--baseline-tree DIR`` (repeatable: another checkout of energy_loader,
+such as the commit before a change) our readers run from that tree too, in the same loop, and
+a last table gives each tree's samples/s and CPU against this tree's.
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ def _loader(name: str, root: Path) -> Any:
     import torch.utils.data
 
     kind, side = name.rsplit("_", 1)
-    if side == "ours":
+    if side != "peer":
         import energy_loader as el
 
         source: Any
@@ -190,7 +192,7 @@ def run(name: str, root: Path) -> dict[str, Any]:
     batches (its size as JSON) restored on a new loader (to its first batch). The libraries
     are imported before the clock starts (megatron-core's import alone takes seconds)."""
     kind, side = name.rsplit("_", 1)
-    if side == "ours":
+    if side != "peer":
         import energy_loader  # noqa: F401
     elif kind == "mds":
         _import_streaming()
@@ -238,7 +240,7 @@ def run(name: str, root: Path) -> dict[str, Any]:
 
 
 def _python(kind: str, side: str, options: argparse.Namespace) -> str | None:
-    if side == "ours":
+    if side != "peer":  # ours, from this tree or a baseline tree
         return sys.executable
     chosen = getattr(options, f"{kind}_python") or str(
         REPOSITORY / ".venv-peers" / kind / "bin" / "python"
@@ -252,6 +254,13 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=24000)
     for kind in FORMATS:
         parser.add_argument(f"--{kind}-python", default=None, help=f"the {kind} peer's python")
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        action="append",
+        default=[],
+        help="another checkout of energy_loader whose readers run side by side (repeatable)",
+    )
     parser.add_argument("--run", help=argparse.SUPPRESS)
     parser.add_argument("--make", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
@@ -266,6 +275,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-peer-formats-") as directory:
         root = Path(directory)
         names: list[str] = []
+        trees = {"ours": REPOSITORY} | {
+            f"base{i}": tree for i, tree in enumerate(options.baseline_tree)
+        }
+        for i, tree in enumerate(options.baseline_tree):
+            for kind in FORMATS:
+                LABELS[f"{kind}_base{i}"] = f"{LABELS[kind + '_ours']} (baseline {tree.name})"
         for kind in FORMATS:
             python = _python(kind, "peer", options)
             if python is None:
@@ -286,7 +301,7 @@ def main() -> int:
                 env=environment,
                 capture_output=True,
             )
-            names += [f"{kind}_peer", f"{kind}_ours"]
+            names += [f"{kind}_peer"] + [f"{kind}_{side}" for side in trees]
         results: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
         for repetition in range(options.repetitions):
             shift = repetition % max(1, len(names))
@@ -294,11 +309,12 @@ def main() -> int:
                 kind, side = name.rsplit("_", 1)
                 python = _python(kind, side, options)
                 assert python is not None
+                tree = trees.get(side, REPOSITORY)
                 done = subprocess.run(
                     [python, __file__, "--run", name, "--root", str(root)],
                     capture_output=True,
                     text=True,
-                    env=environment,
+                    env={**environment, "PYTHONPATH": str(tree)},
                 )
                 if done.returncode:
                     sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
@@ -344,6 +360,19 @@ def main() -> int:
             f"| {kind}: CPU per sample, the peer's / ours | {statistics.median(cpu):.2f}x | "
             f"{min(cpu):.2f}x | {max(cpu):.2f}x |"
         )
+    if len(trees) > 1:
+        print("\n| our reader, from | samples/s vs this tree | CPU per sample vs this tree |")
+        print("|---|---:|---:|")
+        for kind in FORMATS:
+            for side in list(trees)[1:]:
+                if f"{kind}_{side}" not in results:
+                    continue
+                pairs = list(zip(results[f"{kind}_{side}"], results[f"{kind}_ours"]))
+                rate = statistics.median(theirs["rate"] / ours["rate"] for theirs, ours in pairs)
+                cpu = statistics.median(
+                    theirs["cpu_per_1k"] / ours["cpu_per_1k"] for theirs, ours in pairs
+                )
+                print(f"| {LABELS[f'{kind}_{side}']} | {rate:.2f}x | {cpu:.2f}x |")
     return 0
 
 

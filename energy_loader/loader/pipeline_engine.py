@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 from ..dataset import SavableDataset, attach_restore_key, restore_key_of
 from ..errors import CodeChangedWarning, StateFormatError, StateMismatchError, WorkerError
 from ..metrics import LoaderMetrics, StallPolicy, clock
-from ..rng import kept_rng_state_if_seeded
+from ..rng import kept_rng_state, kept_rng_state_if_seeded
 from ..state.fingerprint import CODE_SUFFIX, code_differences
 from ..state.plain import to_key
 from ..state.positions import Position
@@ -596,9 +596,9 @@ class PipelineEngine:
 
     def restore_sample(self, key: Any) -> Any:
         """Rebuild a sample in this process; the caller's global RNGs stay where they were
-        (the stages seed them per sample)."""
+        (the stages seed them per sample, or draw from them unseeded)."""
         key = to_key(key)
-        with kept_rng_state_if_seeded(), active_worker(self.planner.config.context(0)):
+        with kept_rng_state(), active_worker(self.planner.config.context(0)):
             return attach_restore_key(self.planner.pipeline.restore_sample(key), key)
 
     def config(self) -> dict[str, Any]:
