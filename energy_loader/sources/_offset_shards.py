@@ -67,13 +67,15 @@ class OffsetShardFile:
                     f"{where} is truncated or damaged: {size} bytes, its offset table runs to "
                     f"{int(self.offsets[-1])}"
                 )
+            self._bounds: list[int] = self.offsets.tolist()  # python ints: ~0.3 us a read
         except BaseException:
             self.file.close()
             raise
 
     def read(self, row: int) -> bytes:
         """The bytes of sample ``row``."""
-        start, stop = int(self.offsets[row]), int(self.offsets[row + 1])
+        bounds = self._bounds
+        start, stop = bounds[row], bounds[row + 1]
         self.file.seek(start)
         data = self.file.read(stop - start)
         if len(data) != stop - start:

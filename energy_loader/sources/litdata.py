@@ -138,12 +138,14 @@ def _unsafe_pickle(data: bytes) -> Any:
     return pickle.loads(data)  # only with allow_unsafe_types=True
 
 
+_INT = struct.Struct("<q")
+_FLOAT = struct.Struct("<d")
 _DECODERS: dict[str, Decoder] = {
     "str": lambda data: data.decode("utf-8"),
     "text": lambda data: data.decode("utf-8"),
     "bool": lambda data: data[0] != 0,
-    "int": lambda data: struct.unpack("<q", data)[0],
-    "float": lambda data: struct.unpack("<d", data)[0],
+    "int": lambda data: _INT.unpack(data)[0],
+    "float": lambda data: _FLOAT.unpack(data)[0],
     "bytes": bytes,
     "numpy": _numpy,
     "tensor": _tensor,
@@ -243,7 +245,8 @@ class LitDataSource(OffsetShardSource):
         self._formats: list[str] = []
         self._spec_text = ""
         # Made from the two above in each process (functions are not sent to workers).
-        self._decoders: list[Decoder] | None = None
+        # (the leaves' decoders, the item header's layout)
+        self._decoding: tuple[list[Decoder], struct.Struct] | None = None
         self._spec: Any = None
         self._rebuild: Callable[[Iterator[Any]], Any] | None = None
         super().__init__(
@@ -326,28 +329,34 @@ class LitDataSource(OffsetShardSource):
             shards.append(info)
         return None, tuple(shards)
 
-    def decode(self, data: bytes, shard: int, row: int) -> Any:
-        from torch.utils._pytree import tree_unflatten, treespec_loads
+    def _prepare_decoding(self) -> tuple[list[Decoder], struct.Struct]:
+        """The leaves' decoders, the header's layout and the item's rebuilder, made once a
+        process (they are not pickled to the workers)."""
+        from torch.utils._pytree import treespec_loads
 
-        decoders = self._decoders
-        if decoders is None:
-            where = self.remote.where("index.json")
-            decoders = [_decoder(f, self.allow_unsafe_types, where) for f in self._formats]
-            self._decoders = decoders
-            self._spec = treespec_loads(self._spec_text)
-            self._rebuild = _rebuilder(self._spec)
+        where = self.remote.where("index.json")
+        decoders = [_decoder(f, self.allow_unsafe_types, where) for f in self._formats]
+        self._spec = treespec_loads(self._spec_text)
+        self._rebuild = _rebuilder(self._spec)
+        self._decoding = decoders, struct.Struct(f"<{len(decoders)}I")
+        return self._decoding
+
+    def decode(self, data: bytes, shard: int, row: int) -> Any:
+        decoders, header = self._decoding or self._prepare_decoding()
         try:
-            count = len(decoders)
-            sizes = struct.unpack_from(f"<{count}I", data, 0)
-            at = 4 * count
+            sizes = header.unpack_from(data, 0)
+            at = header.size
+            if at + sum(sizes) > len(data):
+                raise ValueError("a leaf runs past the item's end")
             leaves = []
             for size, decoder in zip(sizes, decoders):
-                if at + size > len(data):
-                    raise ValueError("a leaf runs past the item's end")
-                leaves.append(decoder(data[at : at + size]))
-                at += size
+                end = at + size
+                leaves.append(decoder(data[at:end]))
+                at = end
             if self._rebuild is not None:
                 return self._rebuild(iter(leaves))
+            from torch.utils._pytree import tree_unflatten
+
             return tree_unflatten(leaves, self._spec)
         except Exception as error:
             raise SourceDataError(
@@ -359,5 +368,5 @@ class LitDataSource(OffsetShardSource):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_decoders=None, _spec=None, _rebuild=None)
+        state.update(_decoding=None, _spec=None, _rebuild=None)
         return state

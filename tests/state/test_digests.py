@@ -116,6 +116,22 @@ def test_equal_values_have_one_digest_in_every_process(sets: bool) -> None:
     )
 
 
+def test_a_list_of_arrays_counts_each_array_its_order_and_its_container() -> None:
+    """Documents batched as a list of token arrays: hashed array by array."""
+    documents = [np.arange(5, dtype=np.uint16), np.arange(12, dtype=np.int32).reshape(3, 4)]
+    as_views = [documents[0], np.ascontiguousarray(documents[1].T).T]  # not contiguous
+    assert content_digest(as_views) == content_digest(documents)
+    assert content_digest(tuple(documents)) != content_digest(documents)
+    assert content_digest(documents[::-1]) != content_digest(documents)
+    reshaped = [documents[0], documents[1].reshape(4, 3)]
+    assert content_digest(reshaped) != content_digest(documents)
+    changed = [documents[0], documents[1].copy()]
+    changed[1][2, 3] += 1
+    assert content_digest(changed) != content_digest(documents)
+    objects = [np.array(["a", 1], dtype=object)]
+    assert content_digest(objects) != content_digest([np.array(["a", 2], dtype=object)])
+
+
 def test_objects_shared_or_not_have_one_digest() -> None:
     """The pickled digest depends on the values only: not on whether two parts are one
     object, nor on whether a string was interned."""
