@@ -305,8 +305,9 @@ class _ValuePickler(pickle.Pickler):
             and obj.dtype in _NUMPY_DTYPES
             and obj.layout is torch.strided
             and obj.numel() * obj.element_size() <= _SMALL_ARRAY
-            and not obj.requires_grad
         ):
+            if obj.requires_grad or obj.is_conj() or obj.is_neg():  # its values, as a copy
+                obj = obj.detach().resolve_conj().resolve_neg()
             return _leaf, ("T", str(obj.dtype), tuple(obj.shape), obj.numpy().tobytes())
         hasher = hashlib.blake2b(digest_size=8)
         _feed(hasher.update, obj, _BUDGET, 1)
@@ -323,7 +324,7 @@ def _pickled(value: Any, *, keyed: bool = True) -> bytes | None:
     pickler.memo = _LEAF_MEMO
     try:
         pickler.dump(value)
-    except (_Walk, pickle.PicklingError, ValueError, TypeError, RecursionError):
+    except (_Walk, pickle.PicklingError, ValueError, TypeError, RecursionError, RuntimeError):
         return None  # a set, a cycle (fast mode refuses it), a value pickle cannot name
     pickled = buffer.getvalue()
     if len(pickled) > _PICKLED_LIMIT:

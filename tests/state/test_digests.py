@@ -213,6 +213,13 @@ def test_a_view_counts_as_its_values_and_a_cycle_ends() -> None:
     )
     array = np.arange(600).reshape(20, 30)
     assert content_digest(array.T) == content_digest(np.ascontiguousarray(array.T))
+    complex_values = torch.tensor([1 + 2j, 3 - 1j])
+    assert content_digest([complex_values.conj()]) == content_digest(
+        [complex_values.conj().resolve_conj()]
+    )
+    assert content_digest({"w": torch.ones(3, requires_grad=True)}) == content_digest(
+        {"w": torch.ones(3)}
+    )
     looped: list = [1]
     looped.append(looped)
     assert content_digest(looped) == content_digest(looped)
