@@ -248,8 +248,8 @@ def _arrays_digest(value: list[Any] | tuple[Any, ...]) -> str | None:
     for array in value:
         if type(array) is not np.ndarray:
             return None
-        dtype, nbytes = array.dtype, array.nbytes
-        if nbytes > _SMALL_ARRAY or dtype.hasobject:
+        code, nbytes = _dtype_code(array.dtype), array.nbytes
+        if nbytes > _SMALL_ARRAY or not code:
             return None
         try:
             hasher.update(array)  # type: ignore[arg-type]  # (an array is a buffer)
@@ -257,10 +257,21 @@ def _arrays_digest(value: list[Any] | tuple[Any, ...]) -> str | None:
             hasher.update(np.ascontiguousarray(array))  # type: ignore[arg-type]
         size += nbytes
         shapes.append(array.shape)
-        dtypes.append(dtype.str)
+        dtypes.append(code)
     tag = b"L" if type(value) is list else b"U"
     layout = f"{shapes!r}{dtypes!r}".encode()
     return _hash_bytes(tag + layout + _CHECKSUM.pack(hasher.intdigest(), size))
+
+
+_DTYPE_CODES: dict[np.dtype[Any], str] = {}
+
+
+def _dtype_code(dtype: np.dtype[Any]) -> str:
+    """``dtype.str`` (~270 ns a call: cached, 60), or ``""`` for a dtype that holds objects."""
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        code = _DTYPE_CODES[dtype] = "" if dtype.hasobject else dtype.str
+    return code
 
 
 # Pickled items larger than this are walked instead (which samples long texts and lists).
@@ -292,14 +303,14 @@ class _ValuePickler(pickle.Pickler):
     digest."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if obj is set or obj is frozenset:  # a set's elements pickle in hash order
-            raise _Walk
-        if obj is _leaf:
-            return NotImplemented  # the reductions' own function: pickled by its name
         kind = type(obj)
-        if kind is np.ndarray and obj.nbytes <= _SMALL_ARRAY and not obj.dtype.hasobject:
-            return _leaf, ("A", obj.dtype.str, obj.shape, obj.tobytes())
-        if (
+        if kind is np.ndarray:
+            code = _dtype_code(obj.dtype)
+            if code and obj.nbytes <= _SMALL_ARRAY:
+                return _leaf, (code, obj.shape, obj.tobytes())
+        elif obj is set or obj is frozenset:  # a set's elements pickle in hash order
+            raise _Walk
+        elif (
             kind is torch.Tensor
             and obj.is_cpu
             and obj.dtype in _NUMPY_DTYPES
@@ -308,7 +319,7 @@ class _ValuePickler(pickle.Pickler):
         ):
             if obj.requires_grad or obj.is_conj() or obj.is_neg():  # its values, as a copy
                 obj = obj.detach().resolve_conj().resolve_neg()
-            return _leaf, ("T", str(obj.dtype), tuple(obj.shape), obj.numpy().tobytes())
+            return _leaf, (str(obj.dtype), tuple(obj.shape), obj.numpy().tobytes())
         hasher = hashlib.blake2b(digest_size=8)
         _feed(hasher.update, obj, _BUDGET, 1)
         return _leaf, (hasher.digest(),)
