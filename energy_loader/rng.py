@@ -211,8 +211,7 @@ class _Keeping(threading.local):
 _KEEPING = _Keeping()
 
 
-@contextlib.contextmanager
-def kept_rng_state_if_seeded() -> Iterator[None]:
+class kept_rng_state_if_seeded:  # lower case: a context manager used as `with f():`
     """Put the global RNG states back on exit if the library seeded them per sample inside.
 
     A pipeline run in the training process (no workers) seeds the three generators before
@@ -222,14 +221,18 @@ def kept_rng_state_if_seeded() -> Iterator[None]:
     (the ~80 us of :func:`kept_rng_state` an item, measured on the light pipeline of
     docs/benchmarks.md). User code that draws *without* per-sample seeds draws from the
     training's generators, as a torch ``DataLoader`` without workers lets it; its values
-    then differ on a replay, which a checked restore refuses.
+    then differ on a replay, which a checked restore refuses. (A class, not a generator
+    function: it opens once an item, and ``contextlib``'s machinery cost more than the rest.)
     """
-    outer = _KEEPING.scope
-    scope: list[tuple[object, object, torch.Tensor]] = []
-    _KEEPING.scope = scope
-    try:
-        yield
-    finally:
-        _KEEPING.scope = outer
-        if scope:
-            _put_back(scope[0])
+
+    __slots__ = ("outer", "scope")
+
+    def __enter__(self) -> None:
+        self.outer = _KEEPING.scope
+        self.scope: list[tuple[object, object, torch.Tensor]] = []
+        _KEEPING.scope = self.scope
+
+    def __exit__(self, *exc_info: object) -> None:
+        _KEEPING.scope = self.outer
+        if self.scope:
+            _put_back(self.scope[0])

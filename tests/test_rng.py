@@ -61,3 +61,29 @@ def test_a_pipeline_leaves_the_training_generators_where_they_were(loader_type, 
     assert random.getstate() == before[0]
     assert np.array_equal(np.random.get_state()[1], before[1][1])
     assert torch.equal(torch.get_rng_state(), before[2])
+
+
+def _draws() -> tuple[float, float, float]:
+    return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+
+def test_the_generators_are_put_back_where_the_library_seeded_them_and_only_there() -> None:
+    from energy_loader.rng import kept_rng_state_if_seeded
+
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    expected = _draws()
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    with kept_rng_state_if_seeded():
+        with kept_rng_state_if_seeded():  # nested scopes: the inner one puts back its own
+            seed_globals_for_sample(0, 1, (7,))
+            _draws()
+        seed_globals_for_sample(0, 1, (8,))
+        _draws()
+    assert _draws() == expected
+    # Where nothing seeded them, an unseeded draw stays drawn (as under torch's DataLoader
+    # without workers): the scope saved nothing to put back.
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    with kept_rng_state_if_seeded():
+        first = _draws()
+    assert first == expected
+    assert _draws() != expected

@@ -194,28 +194,28 @@ def content_digest(value: Any) -> str:
     """A short digest of an item's values as the pipeline made it (a sample, or a batch as
     collated), the same in every process and run for equal values.
 
-    It reads: dicts (entries in order, the restore key's entry :data:`RESTORE_KEY` left out)
-    and other mappings, lists, tuples and named tuples (their type's name too), sets (their
-    elements in any order), torch tensors and numpy arrays (dtype, shape and their elements:
-    all of them up to 64 KiB, else up to 4,096 at an even stride of their flattened view, the
-    stride prime to the size of one row so that the elements read spread over every row's
-    positions; a tensor on another device copies only those), str and bytes, ints, floats
-    (their bits), bools, None, numpy scalars, and values whose ``repr`` is their value (dates
-    and times, decimals, fractions, UUIDs, paths, ranges, complex numbers, enum members by
-    name).
+    It reads: dicts (entries in order) and other mappings, lists, tuples and named tuples (their
+    type's name too), sets (their elements in any order), torch tensors and numpy arrays (dtype,
+    shape and their elements: all of them up to 64 KiB, else up to 4,096 at an even stride of
+    their flattened view, the stride prime to the size of one row so that the elements read
+    spread over every row's positions; a tensor on another device copies only those), str and
+    bytes, ints, floats (their bits), bools, None, numpy scalars, and values whose ``repr`` is
+    their value (dates and times, decimals, fractions, UUIDs, paths, ranges, complex numbers,
+    enum members by name).
 
     How, at what cost: an item is pickled at C speed, without the pickler's memo (so that the
     bytes depend on the values, not on which objects they share), with every value that is not a
     plain python value (a tensor, an array, any other object) replaced by its own digest or, for
     a small array, its bytes; the bytes go through XXH3 (``xxhash``: 64 KiB in 1 us here, where
-    CRC-32 takes 18): ~13 us for a batch of 64 small dicts, ~0.2 us a sample, where walking it
+    CRC-32 takes 18): ~12 us for a batch of 64 small dicts, ~0.2 us a sample, where walking it
     value by value in python cost 380 us. A list or tuple of small numpy arrays (documents
     batched as a list) is hashed array by array without pickling. An item that does not pickle
     so, that holds a set (whose order depends on the process's string hashing), or that pickles
     to more than 8 MiB (long texts or lists), is walked value by value instead, reading long
     texts, sequences and dicts at an even stride (64 Ki characters, 512 items) and sharing 4,096
     elements out among its tensors. Which way reads an item depends on its values only, so equal
-    items get equal digests; an item holding a restore key's entry is pickled again without it.
+    items get equal digests. Items are digested as made, before the loader attaches their restore
+    key.
 
     What it cannot see: values of any other type (an object's attributes, a PIL image, a
     sparse, quantized or nested tensor's elements) count by their type's name only, never by
@@ -278,8 +278,6 @@ def _dtype_code(dtype: np.dtype[Any]) -> str:
 _PICKLED_LIMIT = 8 << 20
 # Arrays and tensors of at most this many bytes are read in full (a sample's tokens).
 _SMALL_ARRAY = 64 << 10
-# The restore key's entry, pickled: an item that holds one is pickled again without it.
-_RESTORE_KEY_MARK = b"X" + struct.pack("<I", len(RESTORE_KEY)) + RESTORE_KEY.encode()
 
 
 class _Walk(Exception):
@@ -305,7 +303,7 @@ class _ValuePickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         kind = type(obj)
         if kind is np.ndarray:
-            code = _dtype_code(obj.dtype)
+            code = _DTYPE_CODES.get(obj.dtype) or _dtype_code(obj.dtype)
             if code and obj.nbytes <= _SMALL_ARRAY:
                 return _leaf, (code, obj.shape, obj.tobytes())
         elif obj is set or obj is frozenset:  # a set's elements pickle in hash order
@@ -325,9 +323,8 @@ class _ValuePickler(pickle.Pickler):
         return _leaf, (hasher.digest(),)
 
 
-def _pickled(value: Any, *, keyed: bool = True) -> bytes | None:
-    """``value`` pickled by :class:`_ValuePickler`, or ``None`` where the walk reads it;
-    ``keyed``: the value may hold restore keys' entries, left out (an item as handed out)."""
+def _pickled(value: Any) -> bytes | None:
+    """``value`` pickled by :class:`_ValuePickler`, or ``None`` where the walk reads it."""
     buffer = io.BytesIO()
     pickler = _ValuePickler(buffer, 3)
     pickler.fast = True  # no memo: the bytes depend on the values, not on shared objects
@@ -340,23 +337,7 @@ def _pickled(value: Any, *, keyed: bool = True) -> bytes | None:
     pickled = buffer.getvalue()
     if len(pickled) > _PICKLED_LIMIT:
         return None
-    if keyed and _RESTORE_KEY_MARK in pickled:
-        return _pickled(_without_restore_keys(value), keyed=False)
     return pickled
-
-
-def _without_restore_keys(value: Any) -> Any:
-    """A copy of ``value``'s dicts, lists and tuples without the restore keys' entries."""
-    kind = type(value)
-    if kind is dict:
-        return {
-            k: _without_restore_keys(v)
-            for k, v in value.items()
-            if not (type(k) is str and k == RESTORE_KEY)
-        }
-    if kind is list or kind is tuple:
-        return kind(map(_without_restore_keys, value))
-    return value
 
 
 def _feed(update: _Update, value: Any, share: int, depth: int) -> None:
@@ -407,7 +388,7 @@ def _feed(update: _Update, value: Any, share: int, depth: int) -> None:
 
 
 def _feed_mapping(update: _Update, mapping: Any, share: int, depth: int) -> None:
-    items = [(k, v) for k, v in mapping.items() if not (type(k) is str and k == RESTORE_KEY)]
+    items = list(mapping.items())
     count = len(items)
     update(b"d%d;" % count)
     if count > _ITEMS:

@@ -11,6 +11,7 @@ Restore key: the tuple of the samples' keys; ``restore_sample`` rebuilds and re-
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -34,17 +35,12 @@ class _BatchCursor(WrapperCursor):
 
     def resume(self) -> Iterator[tuple[Key, Any]]:
         size, collate = self.dataset.batch_size, self.dataset.collate
-        keys: list[Key] = []
-        samples: list[Any] = []
-        for key, sample in self.inner_samples():
-            keys.append(key)
-            samples.append(sample)
-            if len(samples) == size:
-                batch_key, batch = tuple(keys), collate(samples)
-                keys, samples = [], []
-                yield batch_key, batch
-        if samples and not self.dataset.drop_last:
-            yield tuple(keys), collate(samples)
+        inner = self.inner_samples()
+        while pairs := list(itertools.islice(inner, size)):  # a batch's pulls at C speed
+            if len(pairs) < size and self.dataset.drop_last:
+                return
+            keys, samples = zip(*pairs)
+            yield keys, collate(list(samples))
 
     def fields(self) -> dict[str, Any]:
         return {}

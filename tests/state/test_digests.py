@@ -141,11 +141,11 @@ def test_objects_shared_or_not_have_one_digest() -> None:
     assert content_digest(shared) == content_digest(equal)
 
 
-def test_the_restore_key_entry_is_not_a_value_and_the_order_of_entries_is() -> None:
-    assert content_digest({"a": 1, RESTORE_KEY: (3,)}) == content_digest({"a": 1})
-    nested = {"x": [{"a": np.arange(3), RESTORE_KEY: (3,)}, "b"]}
-    assert content_digest(nested) == content_digest({"x": [{"a": np.arange(3)}, "b"]})
+def test_the_order_of_entries_counts() -> None:
     assert content_digest({"a": 1, "b": 2}) != content_digest({"b": 2, "a": 1})
+    assert content_digest({"a": 1, RESTORE_KEY: (3,)}) != content_digest(
+        {"a": 1, RESTORE_KEY: (4,)}
+    )
 
 
 def _changed(name: str, item: dict) -> dict:
