@@ -10,7 +10,12 @@ the digest of each partition's last item (``partitions[j].made``). This times th
   int64[32, 64]}``;
 - ``reference sample``: one of its samples before batching (an int and ``int64[64]``);
 - ``token list``: a sample of 2,048 python ints (a tokenizer's output before collation);
-- ``text``: a 100,000-character document.
+- ``text``: a 100,000-character document;
+- ``light batch``: 64 small records as a list (an int, a short str, an int label, a float:
+  the light samples of ``benchmarks/bench_light.py``);
+- ``documents batch``: 64 ``{"tokens": uint16[256], "index": int}`` as a list (what
+  ``MegatronIndexedSource`` batched as lists hands out);
+- ``token arrays``: 64 ``int32[256]`` arrays as a list.
 
 Each round times every item once, in a shuffled order, ``--repetitions`` rounds; prints the
 median and p95 in microseconds. Then, with ``--passes N`` (default 6), what the digests cost
@@ -52,6 +57,22 @@ def items() -> dict[str, Any]:
         "reference sample": {"index": 7, "tokens": torch.arange(64)},
         "token list": {"input_ids": list(range(2048))},
         "text": {"text": "lorem ipsum " * 8_334},
+        "light batch": [
+            {"id": i, "text": f"sample {i}", "label": i % 10, "score": i * 0.5} for i in range(64)
+        ],
+        "documents batch": [
+            {
+                "tokens": torch.randint(0, 50_000, (256,), generator=generator)
+                .numpy()
+                .astype("uint16"),
+                "index": i,
+            }
+            for i in range(64)
+        ],
+        "token arrays": [
+            torch.randint(0, 50_000, (256,), generator=generator, dtype=torch.int32).numpy()
+            for _ in range(64)
+        ],
     }
 
 

@@ -26,9 +26,9 @@ FIGURES = {
         "bench-ratios-dropin.png",
         "throughput, x plain torch DataLoader (paired median, recorded range)",
     ),
-    "Reading existing formats: WebDataset tars and Parquet": (
+    "Reading the peers' formats: MDS, litdata chunks, Megatron indexed files": (
         "bench-ratios-formats.png",
-        "throughput, x the library's own reader (median, min-max)",
+        "ours / the library's own loader (median, min-max)",
     ),
     "Elastic partitions": (
         "bench-ratios-partitions.png",

@@ -206,16 +206,16 @@ def content_digest(value: Any) -> str:
     How, at what cost: an item is pickled at C speed, without the pickler's memo (so that the
     bytes depend on the values, not on which objects they share), with every value that is not a
     plain python value (a tensor, an array, any other object) replaced by its own digest or, for
-    a small array, its bytes; the bytes go through XXH3 (``xxhash``: 64 KiB in 1 us here, where
-    CRC-32 takes 18): ~12 us for a batch of 64 small dicts, ~0.2 us a sample, where walking it
-    value by value in python cost 380 us. A list or tuple of small numpy arrays (documents
-    batched as a list) is hashed array by array without pickling. An item that does not pickle
-    so, that holds a set (whose order depends on the process's string hashing), or that pickles
-    to more than 8 MiB (long texts or lists), is walked value by value instead, reading long
-    texts, sequences and dicts at an even stride (64 Ki characters, 512 items) and sharing 4,096
-    elements out among its tensors. Which way reads an item depends on its values only, so equal
-    items get equal digests. Items are digested as made, before the loader attaches their restore
-    key.
+    a small array, its bytes; the bytes are hashed with XXH3 (``xxhash``: 64 KiB in 1 us here,
+    where CRC-32 takes 18): ~12 us for a batch of 64 small dicts, ~0.2 us a sample, where
+    walking it value by value in python cost 380 us. A list or tuple of small numpy arrays
+    (documents batched as a list) is hashed array by array without pickling. An item that does
+    not pickle so, that holds a set (whose order depends on the process's string hashing), or
+    that pickles to more than 8 MiB (long texts or lists), is walked value by value instead,
+    reading long texts, sequences and dicts at an even stride (64 Ki characters, 512 items) and
+    sharing 4,096 elements out among its tensors. Which way reads an item depends on its values
+    only, so equal items get equal digests. Items are digested as made, before the loader
+    attaches their restore key.
 
     What it cannot see: values of any other type (an object's attributes, a PIL image, a
     sparse, quantized or nested tensor's elements) count by their type's name only, never by
@@ -231,7 +231,7 @@ def content_digest(value: Any) -> str:
             return arrays
     pickled = _pickled(value)
     if pickled is not None:
-        return _hash_bytes(b"P" + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(pickled), len(pickled)))
+        return xxhash.xxh3_64_hexdigest(pickled)  # (starts with the protocol: its own domain)
     hasher = hashlib.blake2b(digest_size=8)
     _feed(hasher.update, value, _BUDGET, 0)
     return hasher.hexdigest()
