@@ -237,30 +237,24 @@ def content_digest(value: Any) -> str:
     return hasher.hexdigest()
 
 
-def _hash_bytes(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=8).hexdigest()
-
-
 def _arrays_digest(value: list[Any] | tuple[Any, ...]) -> str | None:
     """A list or tuple of small numpy arrays (documents of tokens batched as a list: a third
     of the cost of pickling them), read in full; ``None`` for any other sequence."""
-    hasher, size, shapes, dtypes = xxhash.xxh3_64(), 0, [], []
+    hasher, shapes, dtypes = xxhash.xxh3_64(b"L" if type(value) is list else b"U"), [], []
     for array in value:
         if type(array) is not np.ndarray:
             return None
-        code, nbytes = _dtype_code(array.dtype), array.nbytes
-        if nbytes > _SMALL_ARRAY or not code:
+        code = _dtype_code(array.dtype)
+        if array.nbytes > _SMALL_ARRAY or not code:
             return None
         try:
             hasher.update(array)  # type: ignore[arg-type]  # (an array is a buffer)
         except ValueError:  # not contiguous: its elements in order
             hasher.update(np.ascontiguousarray(array))  # type: ignore[arg-type]
-        size += nbytes
         shapes.append(array.shape)
         dtypes.append(code)
-    tag = b"L" if type(value) is list else b"U"
-    layout = f"{shapes!r}{dtypes!r}".encode()
-    return _hash_bytes(tag + layout + _CHECKSUM.pack(hasher.intdigest(), size))
+    hasher.update(f"{shapes!r}{dtypes!r}".encode())  # the layout after the elements
+    return hasher.hexdigest()
 
 
 _DTYPE_CODES: dict[np.dtype[Any], str] = {}
@@ -286,8 +280,8 @@ class _Walk(Exception):
 
 def _leaf(*parts: Any) -> tuple[Any, ...]:
     """What a value other than a plain python one pickles as in :func:`_pickled`: a call of
-    this function (by its name) on the value's digest, or on a small array's kind, dtype,
-    shape and bytes."""
+    this function (by its name) on the value's digest, or on a small array's dtype, shape and
+    bytes."""
     return parts
 
 
@@ -296,14 +290,14 @@ _LEAF_MEMO = {id(_leaf): (0, _leaf)}
 
 class _ValuePickler(pickle.Pickler):
     """Pickles plain python values (the C pickler's own: ``None``, bools, ints, floats, str,
-    bytes, dicts, lists, tuples, sets) without its memo, so that equal values pickle to equal
-    bytes whichever objects they share; every other value (``reducer_override``) as its
-    digest."""
+    bytes, dicts, lists, tuples) without its memo, so that equal values pickle to equal bytes
+    whichever objects they share; small arrays and tensors as their dtype, shape and bytes, and
+    every other value as its digest (``reducer_override``). A set raises :class:`_Walk`."""
 
     def reducer_override(self, obj: Any) -> Any:
         kind = type(obj)
         if kind is np.ndarray:
-            code = _DTYPE_CODES.get(obj.dtype) or _dtype_code(obj.dtype)
+            code = _DTYPE_CODES.get(obj.dtype) or _dtype_code(obj.dtype)  # (inlined: per array)
             if code and obj.nbytes <= _SMALL_ARRAY:
                 return _leaf, (code, obj.shape, obj.tobytes())
         elif obj is set or obj is frozenset:  # a set's elements pickle in hash order
