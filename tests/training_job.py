@@ -42,11 +42,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.utils.data import Dataset, DistributedSampler
 
 import energy_loader as el
 from energy_loader.state import fsync_directory, write_atomically
+
+# The model, optimizer and step as one ``Stateful``: the example's own, so that this job runs
+# the code users copy from examples/dcp_checkpoint.py.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from dcp_checkpoint import TrainingState
 
 LENGTH = 384  # samples an epoch
 BATCH_SIZE = 8
@@ -96,26 +100,6 @@ def build_loader(
         worker_config=config,
     )
     return loader, sampler
-
-
-class TrainingState:
-    """Model, optimizer and step as one ``Stateful`` (DCP calls these on save and load)."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer, self.step = model, optimizer, 0
-
-    def state_dict(self) -> dict[str, Any]:
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        return {"model": model_state, "optimizer": optimizer_state, "step": self.step}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-        )
-        self.step = state["step"]
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
