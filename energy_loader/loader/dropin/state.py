@@ -62,7 +62,7 @@ first ``iter()``.
 
 ``distributed`` (under a ``DistributedSampler``) is where the epoch's permutation is dealt
 from: the sampler's epoch, and the positions ``offset`` to ``end`` dealt to ``world`` ranks in
-``units`` batches each (:class:`energy_loader.loader.planner.Dealing`), so that any rank's
+``units`` batches each (:class:`energy_loader.loader.dropin.dealing.Dealing`), so that any rank's
 state restores every rank of any world size or batch size; ``rank`` is the sampler's rank
 that saved it (the restore re-makes that rank's last batch to check itself).
 
@@ -274,7 +274,7 @@ class MapState:
     sampler_state: Any
     rng_check: str = ""
     rng_at_iter_check: str = ""
-    # Under a DistributedSampler: the sampler's epoch and the epoch's dealing (planner.Dealing)
+    # Under a DistributedSampler: the sampler's epoch and the epoch's dealing (dealing.Dealing)
     # as {"epoch", "offset", "end", "world", "units"}; None otherwise.
     distributed: dict[str, int] | None = None
     proof: Proof = attrs.field(factory=Proof)

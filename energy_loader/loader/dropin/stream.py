@@ -25,8 +25,8 @@ from torch.utils.data import DistributedSampler
 
 from ...errors import StateMismatchError
 from ...torch_internals import distributed_permutation
-from ..planner import Dealing
 from ..progress import MAX_HELD_BACK
+from .dealing import Dealing
 from .position import (
     NOT_REPLAYED,
     Replayed,
