@@ -19,7 +19,7 @@ the digest of each partition's last item (``partitions[j].made``). This times th
 
 Each round times every item once, in a shuffled order, ``--repetitions`` rounds; prints the
 median and p95 in microseconds. Then, with ``--passes N`` (default 6), what the digests cost
-a pipeline: the reference workload (``energy_loader.cli.bench.workloads``, 20,000 samples ->
+a pipeline: the reference workload (``energy_loader.cli.bench``, 20,000 samples ->
 map -> shuffle buffer 1000 -> batch 32) run in this process (``num_workers=0``, where the
 digest is taken on the loop's thread; with workers it is taken in the worker processes) with
 ``verify_restore=True`` (a digest per batch) and ``False`` (none), interleaved in alternating
@@ -79,7 +79,7 @@ def items() -> dict[str, Any]:
 def _pass(verify: bool, samples: int = 20_000) -> float:
     """CPU seconds per batch of one pass over the reference workload in this process."""
     from energy_loader import SavableDataLoader
-    from energy_loader.cli.bench.workloads import savable_pipeline
+    from energy_loader.cli.bench import savable_pipeline
 
     loader = SavableDataLoader(savable_pipeline(samples), verify_restore=verify)
     iterator = iter(loader)

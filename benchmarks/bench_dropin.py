@@ -24,13 +24,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import energy_loader as el
-from energy_loader.cli.bench.runner import p95
-from energy_loader.cli.bench.workloads import (
+from energy_loader.cli.bench import (
     BATCH,
     PREFETCH,
     SAVE_EVERY,
     WORKERS,
     make_sample,
+    p95,
     tokenize,
 )
 

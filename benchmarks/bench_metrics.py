@@ -1,6 +1,6 @@
 """What ``loader.stats()``'s always-on counters cost: this tree vs a tree without them.
 
-Runs the reference workload (energy_loader.cli.bench.workloads: 64-token samples -> map ->
+Runs the reference workload (energy_loader.cli.bench: 64-token samples -> map ->
 shuffle buffer of 1000 -> batch of 32, 2 workers, prefetch 2) for one epoch with this
 checkout's ``energy_loader`` and with a baseline checkout (the commit before the counters),
 each run in a fresh subprocess, interleaved over ``--repetitions`` rounds in alternating
@@ -22,7 +22,10 @@ from pathlib import Path
 _RUN = """
 import json, sys, time
 from energy_loader import SavableDataLoader
-from energy_loader.cli.bench.workloads import savable_pipeline
+try:
+    from energy_loader.cli.bench import savable_pipeline
+except ImportError:  # a tree from before the bench's workloads left cli/bench/
+    from energy_loader.cli.bench.workloads import savable_pipeline
 loader = SavableDataLoader(savable_pipeline({samples}), num_workers=2, prefetch_factor=2)
 iterator = iter(loader)
 first = next(iterator)

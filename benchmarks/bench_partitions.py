@@ -76,19 +76,31 @@ def _pipeline(kind: str, samples: int, workloads: Any) -> Any:
     return BatchDataset(ShuffleBufferDataset(mapped, spec.buffer), workloads.BATCH)
 
 
+def _reference_workload() -> Any:
+    """The reference workload's module of the tree under test, wherever its version kept it:
+    ``energy_loader.cli.bench`` now, ``workloads`` in the ``cli/bench/`` (or, before that,
+    ``bench/``) package of older trees."""
+    import importlib
+
+    for name in ("energy_loader.cli.bench", "energy_loader.cli.bench.workloads"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "savable_pipeline"):
+            return module
+    return importlib.import_module("energy_loader.bench.workloads")
+
+
 def _child(options: dict[str, Any]) -> dict[str, Any]:
     """One measurement in this process: throughput with saves, then restores and state size."""
     import energy_loader as el
 
-    try:
-        from energy_loader.cli.bench import workloads
-        from energy_loader.cli.bench.processes import cpu_seconds, descendants
-    except ImportError:  # a baseline checkout from before the cli/ package
-        from energy_loader.bench import workloads  # type: ignore[no-redef]
-        from energy_loader.bench.processes import (  # type: ignore[no-redef]
-            cpu_seconds,
-            descendants,
-        )
+    # The reading of /proc is this checkout's (after the tree under test on the path).
+    sys.path.append(str(HERE))
+    from benchmarks.harness.processes import cpu_seconds, descendants
+
+    workloads = _reference_workload()
 
     samples = options["samples"]
     kwargs: dict[str, Any] = {
@@ -153,7 +165,7 @@ def _child(options: dict[str, Any]) -> dict[str, Any]:
 def _state_sizes(samples: int) -> dict[int, int]:
     """State size (JSON bytes) a quarter into the epoch against partitions per rank."""
     import energy_loader as el
-    from energy_loader.cli.bench.workloads import savable_pipeline
+    from energy_loader.cli.bench import savable_pipeline
 
     sizes = {}
     for per_rank in (1, 2, 4, 8, 16):
@@ -221,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         "--no-partition-variants", action="store_true", help="leave out the P=4xRxW rows"
     )
     args = parser.parse_args(argv)
-    from energy_loader.cli.bench.workloads import WORKERS
+    from energy_loader.cli.bench import WORKERS
 
     trees = {"": HERE}
     for tree in args.baseline_tree:

@@ -1,8 +1,8 @@
 """The bench's workloads with the other libraries' loaders side by side with ours and a plain
 torch DataLoader, in one run: where the peers' figures of docs/benchmarks.md come from.
 
-It is ``python -m energy_loader bench`` (same workloads, options, tables, bench.json and
-figure) with the peers of ``benchmarks/peers/`` added to its contenders: torchdata's
+It is ``benchmarks/bench_loader.py`` (same workloads, options, tables, bench.json and figure)
+with the peers of ``benchmarks/peers/`` added to its contenders: torchdata's
 ``StatefulDataLoader`` and megatron-energon's ``SavableDataLoader`` when installed (``pip
 install -c constraints.txt -e '.[bench]'``), MosaicML Streaming and Grain on the llm and
 vision workloads when their venvs exist (``bash benchmarks/peer_venvs.sh``; ``--peer-venvs``
@@ -21,42 +21,41 @@ import argparse
 import sys
 from pathlib import Path
 
-from peers import peer_contenders
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.harness, .peers
 
-from energy_loader.cli.bench.contender import Contender
-from energy_loader.cli.bench.runner import Bench, baseline_contenders, run
+from benchmarks.harness.runner import WorkloadBench
+from benchmarks.peers import peer_contenders
+from energy_loader.cli.bench import Contender
 
 
-def _add_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--peer-venvs",
-        type=Path,
-        default=None,
-        help="where benchmarks/peer_venvs.sh made the venvs of MosaicML Streaming and Grain "
-        "(default: .venv-peers in the repository)",
+class PeerBench(WorkloadBench):
+    """The workloads' bench with the peers after ours and the plain DataLoader."""
+
+    prog = "python benchmarks/bench_peers.py"
+    description = (
+        "The benchmark workloads (docs/benchmarks.md): a plain torch DataLoader, energy_loader "
+        "and the installed peers (torchdata, megatron-energon: pip install -c constraints.txt "
+        "-e '.[bench]'; MosaicML Streaming and Grain in their own venvs: bash "
+        "benchmarks/peer_venvs.sh) running the same pipeline, interleaved repetitions, medians "
+        "and ratios."
     )
-
-
-def _contenders(workload: str, folder: Path | None, options: argparse.Namespace) -> list[Contender]:
-    """Ours and the plain DataLoader first, then the peers."""
-    return [
-        *baseline_contenders(workload, folder),
-        *peer_contenders(workload, folder, options.peer_venvs),
-    ]
-
-
-BENCH = Bench(
-    prog="python benchmarks/bench_peers.py",
-    description="The benchmark workloads (docs/benchmarks.md): a plain torch DataLoader, "
-    "energy_loader and the installed peers (torchdata, megatron-energon: pip install -c "
-    "constraints.txt -e '.[bench]'; MosaicML Streaming and Grain in their own venvs: bash "
-    "benchmarks/peer_venvs.sh) running the same pipeline, interleaved repetitions, medians "
-    "and ratios.",
     # Each measured run, a peer's in its own venv too, is this file run again.
-    command=(str(Path(__file__).resolve()),),
-    contenders=_contenders,
-    add_options=_add_options,
-)
+    command = (str(Path(__file__).resolve()),)
+
+    def add_options(self, parser: argparse.ArgumentParser) -> None:
+        super().add_options(parser)
+        parser.add_argument(
+            "--peer-venvs",
+            type=Path,
+            default=None,
+            help="where benchmarks/peer_venvs.sh made the venvs of MosaicML Streaming and Grain "
+            "(default: .venv-peers in the repository)",
+        )
+
+    def contenders(self, args: argparse.Namespace) -> list[Contender]:
+        peers = peer_contenders(args.workload, self.folder(args), args.peer_venvs)
+        return [*super().contenders(args), *peers]
+
 
 if __name__ == "__main__":
-    sys.exit(run(BENCH, sys.argv[1:]))
+    sys.exit(PeerBench().main(sys.argv[1:]))

@@ -278,7 +278,7 @@ def _resized_file_reads(samples: int, folder: Path) -> dict[str, Any]:
     same whoever runs it)."""
     import energy_loader as el
     from energy_loader import distributed as eld
-    from energy_loader.cli.bench.workloads import savable_pipeline
+    from energy_loader.cli.bench import savable_pipeline
     from energy_loader.state.rank_file import ReadTally
 
     saved, partitions = 4, 8
@@ -316,7 +316,7 @@ def reference_state(samples: int) -> dict[str, Any]:
 
     import energy_loader as el
     from energy_loader import distributed as eld
-    from energy_loader.cli.bench.workloads import PREFETCH, WORKERS, savable_pipeline
+    from energy_loader.cli.bench import PREFETCH, WORKERS, savable_pipeline
     from energy_loader.testing.storage import CountingWriter
 
     out: dict[str, Any] = {"samples": samples, "workers": WORKERS}

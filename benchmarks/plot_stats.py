@@ -1,6 +1,6 @@
 """The picture in docs/observability.md: ``loader.stats()`` with a fast and a slow map.
 
-Runs the reference workload (energy_loader.cli.bench.workloads, 2 workers) under a simulated
+Runs the reference workload (energy_loader.cli.bench, 2 workers) under a simulated
 training loop that takes ``--step-ms`` per batch, once with the reference map (fast) and once
 with a map that burns ``--slow-us`` of CPU per sample, reads ``loader.stats()`` every 20
 steps and plots, per window, the share of the step time spent waiting in ``next()`` and the
@@ -24,7 +24,7 @@ from energy_loader import (
     SavableDataLoader,
     ShuffleBufferDataset,
 )
-from energy_loader.cli.bench.workloads import BATCH, make_sample, tokenize
+from energy_loader.cli.bench import BATCH, make_sample, tokenize
 
 
 class SlowTokenize:
@@ -57,7 +57,7 @@ def _windows(loader: SavableDataLoader, steps: int, step_s: float) -> list[dict[
 
 
 def _pipeline(slow_us: int) -> Any:
-    """The reference pipeline (as energy_loader.cli.bench.workloads builds it), map swapped."""
+    """The reference pipeline (as energy_loader.cli.bench builds it), map swapped."""
     source = IndexedSource.from_fn(20_000, make_sample, shuffle=True, seed=0)
     mapped = MapDataset(source, SlowTokenize(slow_us) if slow_us else tokenize)
     return BatchDataset(ShuffleBufferDataset(mapped, 1000), BATCH)

@@ -1,11 +1,11 @@
 """Where the time of the real workloads goes (docs/benchmarks.md#real-workloads).
 
-For ``llm`` and ``vision`` (the data of ``python -m energy_loader bench``, made once in the
+For ``llm`` and ``vision`` (the data of ``benchmarks/bench_loader.py``, made once in the
 cache), two measurements on one thread in this process, no loader workers:
 
 1. the per-sample work alone, the floor under any loader: tokenizing the documents
-   (:class:`~energy_loader.cli.bench.llm.Tokenize`) or decoding and augmenting the JPEGs
-   (:func:`~energy_loader.cli.bench.vision.decode_and_augment`), read straight from the files;
+   (:class:`~benchmarks.harness.llm.Tokenize`) or decoding and augmenting the JPEGs
+   (:func:`~benchmarks.harness.vision.decode_and_augment`), read straight from the files;
 2. our pipeline and the plain one (the plain DataLoader's dataset, iterated directly) over the
    same samples under ``cProfile``, their time put in buckets: the per-sample work, reading
    the files, packing / batching / collating, per-sample seeding, and the rest.
@@ -14,7 +14,7 @@ With ``--in-loader``, instead, each loader of the bench (the plain torch ``DataL
 energy_loader and torchdata's ``StatefulDataLoader``, 2 workers) runs ``--items`` batches and
 each of its processes reports, per 1,000 samples: CPU seconds, context switches (voluntary and
 involuntary, all threads) and minor page faults, from ``/proc``
-(:mod:`energy_loader.cli.bench.processes`).
+(:mod:`benchmarks.harness.processes`).
 
 The CPU a sample costs in a loader is (1) plus that loader's own overhead, in the workers and in
 the main process, which competes with them for the cores. In one thread (2) shows the overhead
@@ -34,14 +34,17 @@ import cProfile
 import itertools
 import os
 import pstats
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from energy_loader.cli.bench import llm, processes, vision
-from energy_loader.cli.bench.data import DEFAULT_CACHE, ensure_data
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.harness, .peers
+
+from benchmarks.harness import llm, processes, vision
+from benchmarks.harness.data import DEFAULT_CACHE, ensure_data
 
 BUCKETS = {
     "per-sample work": ("tokenizers", "encode", "torch.tensor", "llm.py:__call__",
@@ -84,9 +87,8 @@ _count: Any = None
 def _in_loader(workload: str, folder: Path, items: int) -> int:
     """Each in-process contender of the bench over ``items`` batches: per process, CPU
     seconds, context switches and minor page faults per 1,000 samples."""
-    from peers.peer_torchdata import torchdata_real_contender
-
-    from energy_loader.cli.bench.real import REAL_WORKLOADS, real_contenders
+    from benchmarks.harness.workloads import REAL_WORKLOADS, real_contenders
+    from benchmarks.peers.peer_torchdata import torchdata_real_contender
 
     count_of = REAL_WORKLOADS[workload].count
     contenders = [*real_contenders(workload, folder), torchdata_real_contender(workload, folder)]

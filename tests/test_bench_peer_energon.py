@@ -54,9 +54,9 @@ def test_energon_peer_rejects_unknown_options() -> None:
 def test_energon_reads_the_vision_tars_and_resumes_pixel_for_pixel(tmp_path) -> None:
     """energon's own webdataset reader over the bench's tars (``.nv-meta`` written by the
     contender's ``prepare``); with ``restore_seeds`` the augmentations come back too."""
+    from benchmarks.harness.data import ensure_data
+    from benchmarks.harness.vision import fingerprint
     from benchmarks.peers.peer_energon import energon_vision_contender
-    from energy_loader.cli.bench.data import ensure_data
-    from energy_loader.cli.bench.vision import fingerprint
 
     folder = ensure_data(tmp_path, "vision", 256, progress=False)
     contender = energon_vision_contender(folder)

@@ -6,8 +6,9 @@ import pytest
 
 pytest.importorskip("torchdata.stateful_dataloader")
 
+from benchmarks.harness.workloads import WORKLOADS
 from benchmarks.peers.peer_torchdata import torchdata_contender, torchdata_real_contender
-from energy_loader.cli.bench.workloads import BATCH, WORKLOADS
+from energy_loader.cli.bench import BATCH
 
 
 def _indices(loader) -> list[list[int]]:
@@ -39,8 +40,8 @@ def test_torchdata_peer_resumes_exactly_mid_epoch(workload: str, samples: int) -
 
 def test_torchdata_peer_resumes_the_llm_workload_exactly(tmp_path) -> None:
     """Its Stateful docs dataset (epoch, document, token offset) continues token for token."""
-    from energy_loader.cli.bench.data import ensure_data
-    from energy_loader.cli.bench.llm import fingerprint
+    from benchmarks.harness.data import ensure_data
+    from benchmarks.harness.llm import fingerprint
 
     folder = ensure_data(tmp_path, "llm", 160, progress=False)
     contender = torchdata_real_contender("llm", folder)

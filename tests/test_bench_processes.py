@@ -1,4 +1,4 @@
-"""The bench's process accounting (``/proc``): it finds a loader's worker processes and counts
+"""The benchmarks' process accounting (``/proc``): it finds a loader's worker processes and counts
 what they spend, so the CPU, RSS and context-switch figures of docs/benchmarks.md come from
 the processes that did the work."""
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from energy_loader.cli.bench import processes
+from benchmarks.harness import processes
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
 

@@ -1,6 +1,6 @@
-"""The bench's real workloads on tiny data: the cache builder makes what the docs say, and our
-llm and vision pipelines resume exactly (sequence for sequence, pixel for pixel) with 0 and
-2 workers."""
+"""The benchmarks' real workloads (benchmarks/harness) on tiny data: the cache builder makes what
+the docs say, and our llm and vision pipelines resume exactly (sequence for sequence, pixel for
+pixel) with 0 and 2 workers."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import tarfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,11 +17,13 @@ from PIL import Image
 
 pytest.importorskip("tokenizers")
 
+from benchmarks.harness import llm, vision
+from benchmarks.harness.data import CLASSES, EOS, PAD, ensure_data, parquet_files, tar_shards
 from energy_loader import SavableDataLoader
-from energy_loader.cli.bench import llm, vision
-from energy_loader.cli.bench.data import CLASSES, EOS, PAD, ensure_data, parquet_files, tar_shards
 from energy_loader.testing import check_resume
 from tests.helpers import LazyModule
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # pyarrow is imported by the first test that runs, not at collection (LazyModule says why).
 pq = LazyModule("pyarrow.parquet")
@@ -162,9 +165,9 @@ def test_vision_pipeline_resumes_pixel_for_pixel(vision_data, workers: int, one_
 
 @pytest.mark.slow  # test_cli runs the bench end to end; the llm pipeline resumes exactly above
 @pytest.mark.timeout(280)
-def test_bench_runs_the_llm_workload_at_a_tiny_size(cache, llm_data, tmp_path) -> None:
+def test_bench_loader_runs_the_llm_workload_at_a_tiny_size(cache, llm_data, tmp_path) -> None:
     command = [
-        sys.executable, "-m", "energy_loader", "bench", "--workload", "llm",
+        sys.executable, str(ROOT / "benchmarks" / "bench_loader.py"), "--workload", "llm",
         "--samples", str(DOCS), "--repetitions", "1", "--cache", str(cache),
         "--out", str(tmp_path),
     ]  # fmt: skip
@@ -178,3 +181,4 @@ def test_bench_runs_the_llm_workload_at_a_tiny_size(cache, llm_data, tmp_path) -
     assert ours["exact_resume"] is True and set(ours["exact"]) == {"0.1", "0.5", "0.9"}
     assert summary["workload"]["unit"] == "sequences (2,048 real tokens)"
     assert summary["missing"] == {}  # the peers are benchmarks/bench_peers.py's
+    assert (tmp_path / "bench.png").exists()

@@ -56,15 +56,8 @@ from typing import Any
 
 import attrs
 
-from energy_loader.cli.bench.contender import Contender, bound_to_folder
-from energy_loader.cli.bench.workloads import (
-    BATCH,
-    PREFETCH,
-    WORKERS,
-    WORKLOADS,
-    collate,
-    epoch_order,
-)
+from benchmarks.harness.workloads import WORKLOADS, bound_to_folder
+from energy_loader.cli.bench import BATCH, PREFETCH, WORKERS, Contender, collate, epoch_order
 
 __all__ = ["energon_contender", "energon_vision_contender"]
 
@@ -256,7 +249,7 @@ def _energon_vision_prepare(folder: Any) -> None:
     from megatron.energon.epathlib import EPath
     from megatron.energon.flavors.webdataset.prepare import WebdatasetPreparator
 
-    from energy_loader.cli.bench.data import tar_shards
+    from benchmarks.harness.data import tar_shards
 
     tars = Path(folder) / "tars"
     meta = tars / ".nv-meta"
@@ -277,7 +270,7 @@ def _vision_encoder_class() -> type:
     import torch.utils.data
     from megatron.energon import DefaultTaskEncoder, stateless
 
-    from energy_loader.cli.bench import vision
+    from benchmarks.harness import vision
 
     class AugmentImages(DefaultTaskEncoder):  # type: ignore[misc]
         """Raw JPEG bytes -> :func:`vision.decode_and_augment`, seeds restored per sample."""
@@ -301,7 +294,7 @@ def _energon_vision_loader(folder: Any, **options: Any) -> Any:
         raise TypeError(f"the energon contender takes no options (got {sorted(options)})")
     from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
-    from energy_loader.cli.bench import vision
+    from benchmarks.harness import vision
 
     config = WorkerConfig(rank=0, world_size=1, num_workers=vision.WORKERS)
     tars = Path(folder) / "tars"

@@ -34,9 +34,10 @@ from typing import Any
 
 import torch
 
-from energy_loader.cli.bench import llm, vision
-from energy_loader.cli.bench.contender import Contender, bound_to_folder, shutdown_workers
-from energy_loader.cli.bench.data import parquet_files, tar_shards
+from benchmarks.harness import llm, vision
+from benchmarks.harness.data import parquet_files, tar_shards
+from benchmarks.harness.workloads import bound_to_folder
+from energy_loader.cli.bench import Contender, shutdown_workers
 
 from .venvs import peer_venv_python, venv_missing
 

@@ -27,15 +27,17 @@ from typing import Any
 
 import attrs
 
-from energy_loader.cli.bench import llm, vision
-from energy_loader.cli.bench.contender import Contender, bound_to_folder, shutdown_workers
-from energy_loader.cli.bench.workloads import (
+from benchmarks.harness import llm, vision
+from benchmarks.harness.workloads import WORKLOADS, bound_to_folder
+from energy_loader.cli.bench import (
     BATCH,
     PREFETCH,
     WORKERS,
-    WORKLOADS,
+    Contender,
     PlainPipeline,
     ShuffleProgress,
+    Workload,
+    shutdown_workers,
 )
 
 __all__ = ["StatefulDocs", "StatefulPipeline", "torchdata_contender", "torchdata_real_contender"]
@@ -44,7 +46,7 @@ __all__ = ["StatefulDocs", "StatefulPipeline", "torchdata_contender", "torchdata
 class StatefulPipeline(PlainPipeline):
     """:class:`PlainPipeline` with torchdata's ``Stateful`` protocol."""
 
-    def __init__(self, samples: int, seed: int = 0, workload: str = "reference") -> None:
+    def __init__(self, samples: int, seed: int = 0, workload: Workload = WORKLOADS["reference"]):
         super().__init__(samples, seed, workload)
         self._resume: dict[str, Any] | None = None
         self._progress: ShuffleProgress | None = None
@@ -81,7 +83,7 @@ class StatefulPipeline(PlainPipeline):
 
 
 class StatefulDocs(llm.PlainDocs):
-    """The plain DataLoader's documents (:class:`~energy_loader.cli.bench.llm.PlainDocs`) with
+    """The plain DataLoader's documents (:class:`~benchmarks.harness.llm.PlainDocs`) with
     torchdata's ``Stateful`` protocol: the state is the epoch and where the next sequence
     starts (document number in the worker's shard, token offset); a restore re-reads and
     re-tokenizes that document and goes on from there."""
@@ -121,7 +123,7 @@ def _build(samples: int, workload: str) -> Any:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     return StatefulDataLoader(
-        StatefulPipeline(samples, workload=workload),
+        StatefulPipeline(samples, workload=WORKLOADS[workload]),
         batch_size=None if WORKLOADS[workload].plain_batches_itself else BATCH,
         num_workers=WORKERS,
         prefetch_factor=PREFETCH,

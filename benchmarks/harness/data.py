@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import EnergyLoaderError
+from energy_loader.errors import EnergyLoaderError
 
 __all__ = [
     "CLASSES",
@@ -161,15 +161,21 @@ def _train_tokenizer(texts: list[str], path: Path) -> None:
     tokenizer.save(str(path))
 
 
+def _emptied(folder: Path, inner: str) -> Path:
+    """``folder`` made anew (what it held removed), with an empty ``inner`` folder in it."""
+    folder = Path(folder)
+    if folder.exists():
+        shutil.rmtree(folder)
+    (folder / inner).mkdir(parents=True)
+    return folder
+
+
 def make_llm_data(folder: Path, docs: int, *, progress: bool = True) -> None:
     """Write the llm workload's Parquet files and tokenizer into ``folder`` (replaced)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    folder = Path(folder)
-    if folder.exists():
-        shutil.rmtree(folder)
-    (folder / "parquet").mkdir(parents=True)
+    folder = _emptied(folder, "parquet")
     rng = np.random.default_rng(SEED)
     per_file = -(-docs // LLM_FILES)
     bar = _bar(docs, "making llm documents", "doc", progress)
@@ -214,12 +220,9 @@ def make_vision_data(folder: Path, images: int, *, progress: bool = True) -> Non
     """Write the vision workload's tar shards (and their member indexes) into ``folder``."""
     import webdataset as wds
 
-    from ..index import index_shards
+    from energy_loader.cli.index import index_shards
 
-    folder = Path(folder)
-    if folder.exists():
-        shutil.rmtree(folder)
-    (folder / "tars").mkdir(parents=True)
+    folder = _emptied(folder, "tars")
     rng = np.random.default_rng(SEED)
     bar = _bar(images, "making vision JPEGs", "img", progress)
     # At least 8 shards (so every worker of every loader gets some, also in tests).

@@ -116,8 +116,8 @@ def fingerprint(batch: dict[str, Any]) -> str:
 
 def vision_pipeline(folder: Path, seed: int = 0, *, seed_per_sample: bool = True) -> Any:
     """The workload as an energy_loader pipeline over the tar shards in ``folder``."""
-    from ...sources import WebDatasetSource
-    from ...wrappers import BatchDataset, MapDataset
+    from energy_loader.sources import WebDatasetSource
+    from energy_loader.wrappers import BatchDataset, MapDataset
 
     source = WebDatasetSource(tar_shards(folder), shuffle=True, seed=seed, decode=False)
     images = MapDataset(source, decode_and_augment, seed_per_sample=seed_per_sample)

@@ -135,8 +135,8 @@ def collate_packs(packs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def llm_pipeline(folder: Path, seed: int = 0, *, seed_per_sample: bool = True) -> Any:
     """The workload as an energy_loader pipeline over the Parquet files in ``folder``."""
-    from ...sources import ParquetSource
-    from ...wrappers import BatchDataset, PackingDataset
+    from energy_loader.sources import ParquetSource
+    from energy_loader.wrappers import BatchDataset, PackingDataset
 
     tokenize = Tokenize(tokenizer_path(folder))
     # The plain peers' shuffle: row groups permuted, rows permuted within each one. (The
