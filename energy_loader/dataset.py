@@ -35,9 +35,6 @@ from .rng import seed_globals_for_sample, stable_hash
 from .state.digests import RESTORE_KEY
 from .state.fingerprint import CODE_SUFFIX
 from .state.plain import StateReader
-
-# Re-exported: the validators lived here before energy_loader.validation.
-from .validation import require_bool, require_callable, require_int  # noqa: F401
 from .worker import WorkerContext, current_worker
 
 __all__ = [

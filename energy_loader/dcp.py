@@ -75,7 +75,6 @@ from .errors import StateMismatchError
 from .loader.dropin.entries import ANY_RANK_KEY, RANK_KEY_PREFIX
 from .loader.partitions import world_sizes_for
 from .state.rank_state import (
-    PARTITION_KEY_PREFIX,
     SLOT_KEY_PREFIX,
     is_partition_entries,
     rank_slots,
@@ -437,11 +436,9 @@ def _read_metadata_alone(kwargs: Mapping[str, Any]) -> Metadata | None:
 # -- reading: a checkpoint's loader leaves, without a process group ------------------------------
 
 
-# The state_dict keys of a loader's leaves: a savable pipeline's slots (partitions, in the first
-# layout), a drop-in loader's ranks (rank_00001, or rank_any).
-_LOADER_LEAF = re.compile(
-    rf"(?:{SLOT_KEY_PREFIX}|{PARTITION_KEY_PREFIX}|{RANK_KEY_PREFIX})\d{{5}}|{ANY_RANK_KEY}"
-)
+# The state_dict keys of a loader's leaves: a savable pipeline's slots, a drop-in loader's ranks
+# (rank_00001, or rank_any).
+_LOADER_LEAF = re.compile(rf"(?:{SLOT_KEY_PREFIX}|{RANK_KEY_PREFIX})\d{{5}}|{ANY_RANK_KEY}")
 
 
 def is_dcp_checkpoint(path: str | os.PathLike[str]) -> bool:

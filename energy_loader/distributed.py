@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from .errors import StateFormatError, StateMismatchError, WorkerError
-from .process_groups import check_group_layout, data_parallel_layout, process_group_initialized
+from .process_groups import data_parallel_layout, process_group_initialized
 from .state.plain import StateReader
 from .state.rank_file import ReadTally, write_rank_file
 from .state.rank_folder import RankFolder, rank_file_name, rank_state_files
@@ -45,10 +45,7 @@ if TYPE_CHECKING:  # structurally: this module never imports the loader at run t
     from .loader.engine import Engine, EngineOwner
 
 __all__ = [
-    "check_group_layout",
-    "data_parallel_layout",
     "data_parallel_ranks",
-    "process_group_initialized",
     "rank_state_files",
     "rank_state_key",
     "rank_state_path",

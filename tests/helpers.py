@@ -93,28 +93,6 @@ def saved_at(loader: el.SavableDataLoader, steps: int) -> tuple[dict[str, Any], 
     return state, [indices(batch) for batch in iterator]
 
 
-def version_4(state: dict[str, Any]) -> dict[str, Any]:
-    """A pipeline rank state as version 4 wrote it: without the digests of the values made
-    (``partitions[j].made``), each entry's ``check`` computed without it."""
-    old = copy.deepcopy(state)
-    old["version"] = 4
-    for entry in old["partitions"]:
-        del entry["made"]
-    return resealed(old)
-
-
-def dropin_version_4(state: dict[str, Any]) -> dict[str, Any]:
-    """A map-style drop-in state as version 4 wrote it: without the digest of the last batch's
-    values (``proof.made``), its position digest computed without it."""
-    from energy_loader.loader.dropin.state import MapState
-
-    old = copy.deepcopy(state)
-    old["version"] = 4
-    del old["proof"]["made"]
-    old["checks"]["position"] = MapState.from_plain(state).position_check(with_made=False)
-    return old
-
-
 def make_sample(index: int) -> dict[str, Any]:
     return {"index": index, "x": torch.tensor([index])}
 

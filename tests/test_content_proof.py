@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import energy_loader as el
 from energy_loader.testing.compare import first_difference
 from energy_loader.testing.strategies import MakeSample, PipelineSpec, pipelines
-from tests.helpers import MODEL_EXAMPLES, indices, reference_pipeline, saved_at, version_4
+from tests.helpers import MODEL_EXAMPLES, indices, reference_pipeline, saved_at
 
 # What _shifted adds: a module global, so a test changes the function's behaviour between the
 # saving run and the restoring one without changing its code (a fingerprint cannot see it).
@@ -205,21 +205,6 @@ def test_a_restored_loader_saved_again_keeps_the_proof_of_values(shift) -> None:
 
 
 # -- older states, edits, the opt-out ----------------------------------------------------------
-
-
-def test_a_version_4_state_restores_without_the_proof_of_values(shift) -> None:
-    state, rest = saved_at(_loader(_batched(_shifted)), 11)
-    old = version_4(state)
-    loader = _loader(_batched(_shifted))
-    loader.restore_state_rank(old)
-    assert [indices(batch) for batch in loader] == rest
-    # It has no digest of values to check: a changed map continues (its keys are the same).
-    shift["value"] = 1
-    unchecked = _loader(_batched(_shifted))
-    unchecked.restore_state_rank(old)
-    batches = list(unchecked)
-    assert [indices(batch) for batch in batches] == rest
-    assert all(int(y) == int(i) + 1 for b in batches for i, y in zip(b["index"], b["y"]))
 
 
 @pytest.mark.parametrize("made", ["0" * 16, None, 7])

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import energy_loader as el
 from energy_loader.state.digests import content_digest, key_digest
 from energy_loader.testing.strategies import AddNoise, MakeSample
-from tests.helpers import MODEL_EXAMPLES, indices, reference_pipeline, saved_at, version_4
+from tests.helpers import MODEL_EXAMPLES, indices, reference_pipeline, saved_at
 
 # What the filter keeps: a module global, so a test can change the pipeline's behaviour between
 # the saving run and the restoring one without changing its config (as edited code would).
@@ -346,29 +346,6 @@ def test_an_edited_config_is_refused_even_where_it_would_pass_for_smaller_batche
         edited_leaves[key] = json.dumps(leaf)
     with pytest.raises(el.StateFormatError, match=r"checks\.config"):
         _loader(_filtered(_kept), workers).load_state_dict(edited_leaves)
-
-
-def test_a_version_3_state_still_restores_exactly_without_the_config_check() -> None:
-    state, rest = saved_at(_loader(_filtered(_kept), 0), 11)
-    old = version_4(state)
-    old["version"] = 3
-    del old["checks"]["config"]
-    loader = _loader(_filtered(_kept), 0)
-    loader.restore_state_rank(old)
-    assert [indices(batch) for batch in loader] == rest
-
-
-def test_a_version_2_state_still_restores_exactly_without_the_checks() -> None:
-    state, rest = saved_at(_loader(_filtered(_kept), 0), 11)
-    old = copy.deepcopy(state)
-    old["version"] = 2
-    for name in ("seed", "checks"):
-        del old[name]
-    for entry in old["partitions"]:
-        del entry["last"], entry["check"]
-    loader = _loader(_filtered(_kept), 0)
-    loader.restore_state_rank(old)
-    assert [indices(batch) for batch in loader] == rest
 
 
 def _rank_loader(rank: int, world: int = 2) -> el.SavableDataLoader:

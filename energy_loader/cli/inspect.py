@@ -219,8 +219,7 @@ def describe_rank_state(state: Any) -> str:
         f"rank {decoded.rank} of {decoded.world_size}, {decoded.num_workers} workers, "
         f"{decoded.num_partitions} logical partitions ({per_worker} per worker)",
         where,
-        "seed: "
-        + ("not recorded (a version 2 state)" if decoded.seed is None else str(decoded.seed)),
+        f"seed: {decoded.seed}",
         f"next worker: {decoded.next_worker}",
         "workers (a restore places each partition at its worker's rolling checkpoint, the newest "
         "one before the last item handed out, then replays the items after it):",

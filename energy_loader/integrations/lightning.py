@@ -56,10 +56,11 @@ import weakref
 from typing import Any
 
 from ..dataset import is_stateful
-from ..distributed import process_group_initialized, save_state_global
+from ..distributed import save_state_global
 from ..errors import EnergyLoaderError
 from ..loader import SavableDataLoader
-from ..loader.dropin import runs_dropin
+from ..loader.dropin.build import runs_dropin
+from ..process_groups import process_group_initialized
 
 try:  # the unified package, if the user has it; otherwise the standalone one
     from lightning.pytorch import Callback, LightningModule, Trainer

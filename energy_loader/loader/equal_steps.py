@@ -27,8 +27,9 @@ Pure: no processes, no I/O. The engine (:mod:`.pipeline_engine`) applies it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -36,7 +37,16 @@ from ..dataset import attach_restore_key, restore_key_of
 from ..wrappers.unbatch import batch_length, take_rows
 from .partitions import PartitionLayout
 
-__all__ = ["Tally", "consumed_by", "piece_bounds", "pieces_for", "split_item", "tally"]
+__all__ = [
+    "Standing",
+    "Tally",
+    "consumed_by",
+    "cut_for_equal_steps",
+    "piece_bounds",
+    "pieces_for",
+    "split_item",
+    "tally",
+]
 
 
 @attrs.frozen
@@ -112,3 +122,37 @@ def split_item(item: Any, pieces: int) -> list[Any] | None:
             piece = attach_restore_key(piece, keys[start:stop])
         out.append(piece)
     return out
+
+
+class Standing(Protocol):
+    """Where a rank stands against the epoch's count (the engine's progress)."""
+
+    job_left: int | None
+    items_left: int
+    extra: int
+    per_rank: int
+    epoch: int
+
+
+def cut_for_equal_steps(sample: Any, progress: Standing) -> list[Any] | None:
+    """``sample`` cut into pieces when the rank lacks steps against the epoch's count and its
+    items left are few enough (:func:`pieces_for`); None to hand it out whole. An item that
+    cannot be cut when it is the rank's last is handed out whole, with a warning: the rank
+    then ends its epoch a step early."""
+    if progress.job_left is None or progress.extra <= 0:
+        return None
+    pieces = pieces_for(progress.items_left, progress.extra, progress.per_rank)
+    if pieces < 2:
+        return None
+    cut = split_item(sample, pieces)
+    if cut is None and progress.items_left <= 1:
+        warnings.warn(
+            f"this rank's last item of epoch {progress.epoch} cannot be cut into the "
+            f"{progress.extra + 1} steps the other ranks still take (not a batch, or too "
+            "few rows): the rank ends its epoch early, and a data-parallel step that waits "
+            "for it may hang. Batch the pipeline (BatchDataset), or give the partitions "
+            "equal lengths",
+            UserWarning,
+            stacklevel=5,
+        )
+    return cut

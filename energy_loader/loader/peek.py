@@ -29,12 +29,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..dataset import Key, require_int
+from ..dataset import Key
 from ..rng import kept_rng_state
 from ..state.rank_state import RankState
+from ..validation import require_int
 from ..workers.protocol import CheckpointSettings, RunPlan
 from ..workers.runner import Runner
 from ..workers.side import WorkerSideDataset
+from .checks import check_fits
 from .partitions import next_worker
 from .planner import Planner
 
@@ -70,10 +72,12 @@ def future_items(
     """
     empty_epochs = 0
     current = list(states)
+    scale = check_fits(planner, current)  # the next epochs' states are the peek's own
     while empty_epochs < 2:
         # What a peek tells is keys: its replay checks the keys it re-makes, not their values
         # (the samples, where asked for, are made again by restore_sample).
-        plan = planner.plan_restore(current).keys_only()
+        plan = planner.plan(current, scale=scale).keys_only()
+        scale = 1
         owner = WorkerSideDataset(
             planner.pipeline,
             planner.config,

@@ -29,14 +29,13 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..dataset import SavableDataset, attach_restore_key, restore_key_of
-from ..errors import CodeChangedWarning, StateFormatError, StateMismatchError, WorkerError
+from ..errors import WorkerError
 from ..metrics import LoaderMetrics, StallPolicy, clock
 from ..rng import kept_rng_state, kept_rng_state_if_seeded
-from ..state.fingerprint import CODE_SUFFIX, code_differences
 from ..state.plain import to_key
 from ..state.positions import Position
 from ..state.rank_folder import RankFolder
-from ..state.rank_state import RankState, partition_entries
+from ..state.rank_state import RankState, decode_rank_states, partition_entries
 from ..transport import decode
 from ..validation import require_int
 from ..worker import WorkerConfig, active_worker
@@ -44,7 +43,7 @@ from ..workers.protocol import CheckpointSettings, RunPlan, WorkerItem
 from ..workers.side import WorkerSideDataset
 from . import pipeline_states
 from .arguments import LoaderArguments
-from .equal_steps import pieces_for, split_item
+from .equal_steps import cut_for_equal_steps
 from .fleet import WorkerFleet
 from .partitions import idle_workers_warning
 from .planner import Planner, RestorePlan
@@ -126,6 +125,10 @@ class PipelineEngine:
     ``adopts_partitions``: a loader given no ``num_partitions`` continues whatever partition
     count it restores. ``verify``: a restore checks its proof (what it re-made is what the
     saving loader handed out). ``savable=False``: a loader that saves nothing (evaluation).
+    ``dropin``: the inner engine of an iterable drop-in, which behaves as torch's loader: each
+    worker's copy ends where it ends (no equal steps, :mod:`.equal_steps`), and without
+    workers the dataset draws from the training's generators. A pipeline instead gives every
+    rank as many steps and never moves those generators.
     """
 
     def __init__(
@@ -164,10 +167,6 @@ class PipelineEngine:
         self._peeked: collections.deque[Any] = collections.deque()
         # The item being handed out in pieces (equal steps) and its pieces not handed out yet.
         self._pieces: tuple[WorkerItem, collections.deque[Any]] | None = None
-        # The inner engine of an iterable drop-in, which behaves as torch's loader: each
-        # worker's copy ends where it ends (no equal steps, equal_steps.py), and without
-        # workers the dataset draws from the training's generators. A pipeline instead gives
-        # every rank as many steps and never moves those generators.
         self.dropin = dropin
         self.restored = False  # restored, and not iterated since
         self.generation = 0
@@ -191,27 +190,9 @@ class PipelineEngine:
         )
 
     def torch_arguments(self, prefetch_factor: int | None) -> dict[str, Any]:
-        """The arguments of the torch DataLoader that runs :attr:`side`.
-
-        Its ``generator`` is the engine's own: torch draws a base seed for the worker
-        processes from it at every iterator it makes (each epoch without workers, each start
-        of the workers), which would otherwise move the training process's global torch
-        generator, and move it differently in a restored run (an iterator made at the restore,
-        none at a continued epoch's start). A pipeline seeds its own randomness
-        (:mod:`energy_loader.rng`), so the base seed is used for nothing.
-        """
-        workers = self.num_workers
-        generator = torch.Generator()
-        generator.manual_seed(self.worker_config.seed)
-        return {
-            "batch_size": None,
-            "num_workers": workers,
-            "collate_fn": _identity,
-            "prefetch_factor": prefetch_factor if workers else None,
-            "persistent_workers": workers > 0,
-            "multiprocessing_context": self._args.mp_context,
-            "generator": generator,
-        }
+        """The arguments of the torch DataLoader that runs :attr:`side`
+        (:func:`_torch_arguments`)."""
+        return _torch_arguments(self.worker_config, self._args.mp_context, prefetch_factor)
 
     @property
     def _fleet(self) -> WorkerFleet:
@@ -251,7 +232,7 @@ class PipelineEngine:
             if not self.planner.is_canonical(side.plan, side.offset, progress.start):
                 # A restore rotated the workers or partitions: put every partition back where
                 # a new epoch expects it (only this rank's own partitions move).
-                self._apply(self.planner.plan_own([self.record(0)]))
+                self._apply(self.planner.plan([self.record(0)]))
                 progress = self.progress
             progress.start_epoch(progress.start % self.worker_config.world_size)
             self._inner = None
@@ -275,7 +256,7 @@ class PipelineEngine:
                     decoding_began = clock()
                     sample = decode(sample)
                     decode_s += clock() - decoding_began
-                pieces = None if item.is_end else self._pieces_of(sample)
+                pieces = None if item.is_end else cut_for_equal_steps(sample, progress)
             except StopIteration:
                 progress.end_epoch()
                 self._inner = None
@@ -297,28 +278,6 @@ class PipelineEngine:
                 continue
             self.metrics.item(began, decode_s)
             return sample
-
-    def _pieces_of(self, sample: Any) -> list[Any] | None:
-        """``sample`` cut into pieces when this rank lacks steps against the epoch's count
-        and its items left are few enough (:mod:`.equal_steps`); None to hand it out whole."""
-        progress = self.progress
-        if progress.job_left is None or progress.extra <= 0:
-            return None
-        pieces = pieces_for(progress.items_left, progress.extra, progress.per_rank)
-        if pieces < 2:
-            return None
-        cut = split_item(sample, pieces)
-        if cut is None and progress.items_left <= 1:
-            warnings.warn(
-                f"this rank's last item of epoch {progress.epoch} cannot be cut into the "
-                f"{progress.extra + 1} steps the other ranks still take (not a batch, or too "
-                "few rows): the rank ends its epoch early, and a data-parallel step that waits "
-                "for it may hang. Batch the pipeline (BatchDataset), or give the partitions "
-                "equal lengths",
-                UserWarning,
-                stacklevel=4,
-            )
-        return cut
 
     def _next_piece(self, began: float, decode_s: float) -> Any:
         """The next piece of the item being handed out in pieces; the last one records the
@@ -349,7 +308,7 @@ class PipelineEngine:
         inner = self._inner
         if inner is None:
             if self.num_workers > 0 and not self._fleet.running:
-                self._fleet.open(self._starting_position)
+                self._fleet.open(self.starting_position)
             inner = self._open_torch_iterator()
             if self.num_workers > 0:
                 side = self.side
@@ -383,7 +342,7 @@ class PipelineEngine:
             inner = _keeping_rngs(inner)
         return inner if self.transport is None else map(decode, inner)
 
-    def _starting_position(self, logical: int) -> Position:
+    def starting_position(self, logical: int) -> Position:
         return self.planner.pending_position(self.side.plan, logical)
 
     @property
@@ -448,33 +407,10 @@ class PipelineEngine:
         began = clock()
         progress = self.progress
         mark = progress.held_back(held_back)
-        state = self.planner.rank_state(
-            self.side.plan,
-            self._positions(mark),
-            epoch=progress.epoch,
-            in_epoch=progress.in_epoch or held_back > 0,
-            epoch_ended=progress.epoch_ended and held_back == 0,
-            delivered=mark.delivered,
-            start=progress.start,
-            next_worker=mark.next_worker,
-            done=mark.done,
-            tally=progress.tally(mark),
-            pieces=mark.pieces,
-        )
+        fields = progress.saved_fields(mark, held_back)
+        state = self.planner.rank_state(self.side.plan, _positions(self, mark), **fields)
         self.metrics.save(clock() - began)
         return state
-
-    def _positions(self, mark: Mark) -> list[Position]:
-        """Each logical worker's partitions' (checkpoint, skip, done) and its next slot."""
-        if self.num_workers == 0:
-            runner = self.side.local_runner
-            if runner is None or not runner.started:
-                return [self._starting_position(0)]
-            return [runner.position_at(mark.last_index[0])]
-        positions = self._fleet.positions(mark)
-        if positions is None:
-            return [self._starting_position(w) for w in range(self.num_workers)]
-        return positions
 
     def _fail(self, failure: WorkerError) -> None:
         """Stop the workers now and refuse to save until a restore or reset.
@@ -490,18 +426,7 @@ class PipelineEngine:
     # -- restoring: decode -> check -> plan -> apply ---------------------------------------
 
     def decode(self, states: Sequence[Any]) -> list[RankState]:
-        out = []
-        for index, entry in enumerate(states):
-            if isinstance(entry, RankState):  # decoded already (a carrier's records)
-                out.append(entry)
-                continue
-            try:
-                out.append(RankState.from_plain(entry))
-            except StateFormatError as error:
-                if len(states) == 1:
-                    raise
-                raise StateFormatError(f"states[{index}]: {error}") from None
-        return out
+        return decode_rank_states(states)
 
     def decode_leaves(self, leaves: dict[str, Any]) -> list[RankState] | None:
         return pipeline_states.leaves_to_run(self, leaves)
@@ -518,20 +443,11 @@ class PipelineEngine:
     def planner_for(self, states: Sequence[RankState]) -> Planner:
         """The planner a restore from ``states`` uses: this engine's own, or, for a loader
         given no ``num_partitions``, one for the states' partition count."""
-        if not self.adopts_partitions:
-            return self.planner
-        return self.planner.adopting(states)
+        return self.planner.adopting(states) if self.adopts_partitions else self.planner
 
     def plan(self, records: list[RankState]) -> PipelinePlan:
         planner = self.planner_for(records)
-        restore = planner.plan_restore(records)
-        if records and _report_code_changes(
-            records[0].config, planner.pipeline_config, self.on_code_change
-        ):
-            # Continued with the new code, as the warning says: the items re-made may hold
-            # other values than the saved ones, so only their keys are checked.
-            restore = restore.keys_only()
-        return PipelinePlan(planner, restore)
+        return PipelinePlan(planner, pipeline_states.plan(planner, records, self.on_code_change))
 
     def apply(self, plan: PipelinePlan) -> None:
         if plan.planner is not self.planner:
@@ -574,7 +490,7 @@ class PipelineEngine:
         if fleet is None or not fleet.running or self.failure is not None:
             self.shutdown()
             return
-        self._apply(self.planner.plan_own([self.record(0)]))
+        self._apply(self.planner.plan([self.record(0)]))
 
     def shutdown(self) -> None:
         self._inner = None
@@ -584,16 +500,6 @@ class PipelineEngine:
     def stats(self) -> dict[str, Any]:
         return self.metrics.stats()
 
-    def poll_workers(self) -> Readings:
-        """Each logical worker's counters and queue depth, for ``stats()``."""
-        workers = self.num_workers
-        if workers == 0:
-            runner = self.side.local_runner
-            return [None if runner is None else runner.counters.read()], [0]
-        if self.failure is not None or self.fleet is None:
-            return [None] * workers, [0] * workers
-        return self.fleet.poll_stats(self.side.offset)
-
     def restore_sample(self, key: Any) -> Any:
         """Rebuild a sample in this process; the caller's global RNGs stay where they were
         (the stages seed them per sample, or draw from them unseeded)."""
@@ -602,16 +508,7 @@ class PipelineEngine:
             return attach_restore_key(self.planner.pipeline.restore_sample(key), key)
 
     def config(self) -> dict[str, Any]:
-        planner = self.planner
-        config = planner.config
-        return {
-            "pipeline": planner.pipeline_config,
-            "rank": config.rank,
-            "world_size": config.world_size,
-            "num_workers": self.num_workers,
-            "num_partitions": planner.num_partitions,
-            "seed": config.seed,
-        }
+        return self.planner.describe()
 
 
 def _keeping_rngs(inner: Iterator[Any]) -> Iterator[Any]:
@@ -624,32 +521,6 @@ def _keeping_rngs(inner: Iterator[Any]) -> Iterator[Any]:
             except StopIteration:
                 return
         yield item
-
-
-def _report_code_changes(saved: dict[str, Any], now: dict[str, Any], policy: str) -> bool:
-    """Warn (``CodeChangedWarning``) or refuse (``StateMismatchError``) when a user function's
-    code differs from the one that saved the state: never silent. True when it warned."""
-    changed = code_differences(saved, now)
-    if not changed:
-        return False
-    listed = "; ".join(f"{d.path.rsplit(CODE_SUFFIX, 1)[0]}" for d in changed)
-    message = (
-        f"the code of {listed} differs from the code that saved the state (the same name, "
-        "other bytecode: a fixed bug?)"
-    )
-    if policy == "refuse":
-        raise StateMismatchError(
-            f"{message}; restore with the code that saved it, or build the loader with "
-            "on_code_change='warn' to continue with the new code"
-        )
-    warnings.warn(
-        f"{message}: the restore continues with the new code, so the items made from here on "
-        "may differ from those the saving run would have made (on_code_change='refuse' "
-        "refuses instead)",
-        CodeChangedWarning,
-        stacklevel=4,
-    )
-    return True
 
 
 def _warn_if_idle(num_partitions: int, config: WorkerConfig) -> None:
@@ -667,7 +538,57 @@ def _make_metrics(engine: PipelineEngine, stall: StallPolicy | None) -> LoaderMe
         live = owner()
         if live is None:
             return [None] * max(1, workers), [0] * max(1, workers)
-        return live.poll_workers()
+        return _poll_workers(live)
 
     warner = None if stall is None else StallWarner(workers, stall.threshold)
     return LoaderMetrics(max(1, workers), poll, stall, warner)
+
+
+def _torch_arguments(
+    config: WorkerConfig, mp_context: Any, prefetch_factor: int | None
+) -> dict[str, Any]:
+    """The arguments of the torch DataLoader that runs a pipeline engine's worker side.
+
+    Its ``generator`` is the engine's own: torch draws a base seed for the worker processes
+    from it at every iterator it makes (each epoch without workers, each start of the
+    workers), which would otherwise move the training process's global torch generator, and
+    move it differently in a restored run (an iterator made at the restore, none at a
+    continued epoch's start). A pipeline seeds its own randomness (:mod:`energy_loader.rng`),
+    so the base seed is used for nothing.
+    """
+    workers = config.num_workers
+    generator = torch.Generator()
+    generator.manual_seed(config.seed)
+    return {
+        "batch_size": None,
+        "num_workers": workers,
+        "collate_fn": _identity,
+        "prefetch_factor": prefetch_factor if workers else None,
+        "persistent_workers": workers > 0,
+        "multiprocessing_context": mp_context,
+        "generator": generator,
+    }
+
+
+def _poll_workers(engine: PipelineEngine) -> Readings:
+    """Each logical worker's counters and queue depth, for ``stats()``."""
+    workers = engine.num_workers
+    if workers == 0:
+        runner = engine.side.local_runner
+        return [None if runner is None else runner.counters.read()], [0]
+    if engine.failure is not None or engine.fleet is None:
+        return [None] * workers, [0] * workers
+    return engine.fleet.poll_stats(engine.side.offset)
+
+
+def _positions(engine: PipelineEngine, mark: Mark) -> list[Position]:
+    """Each logical worker's partitions' (checkpoint, skip, done) and its next slot."""
+    if engine.num_workers == 0:
+        runner = engine.side.local_runner
+        if runner is None or not runner.started:
+            return [engine.starting_position(0)]
+        return [runner.position_at(mark.last_index[0])]
+    positions = engine.fleet.positions(mark) if engine.fleet is not None else None
+    if positions is None:
+        return [engine.starting_position(w) for w in range(engine.num_workers)]
+    return positions

@@ -6,7 +6,7 @@ key of its *slot* (its place in the job's stream: rank ``r`` of ``R`` holds slot
 holds its rank's slots, each readable on its own. So a restoring rank of any layout reads only
 the slots it runs: from DCP's leaves (:func:`leaves_to_run`) or from the files that hold them
 (:func:`read_rank_files`), plus the one header that names the saved partition count. Then it
-checks that what it read is one save (the headers agree), and hands the records to the
+checks, once, that what it read is one save (the headers agree), and hands the records to the
 planner.
 
 Not here: planning (:mod:`.planner`), the file format (:mod:`energy_loader.state.rank_file`).
@@ -19,9 +19,8 @@ from typing import Any, Protocol
 
 from ..errors import StateFormatError, StateMismatchError, missing_slots_error
 from ..state.rank_file import RankFile
-from ..state.rank_folder import RankFolder, whole_states
+from ..state.rank_folder import RankFolder
 from ..state.rank_state import (
-    PARTITION_KEY_PREFIX,
     RANK_STATE_FORMAT,
     SLOT_KEY_PREFIX,
     RankState,
@@ -31,9 +30,16 @@ from ..state.rank_state import (
     states_from_entries,
 )
 from ..worker import WorkerConfig
-from .planner import Planner, check_states_of_one_save
+from . import checks
+from .planner import Planner, RestorePlan
 
-__all__ = ["StatesReader", "check_headers_of_one_save", "leaves_to_run", "read_rank_files"]
+__all__ = [
+    "StatesReader",
+    "check_headers_of_one_save",
+    "leaves_to_run",
+    "plan",
+    "read_rank_files",
+]
 
 
 class StatesReader(Protocol):
@@ -48,18 +54,34 @@ class StatesReader(Protocol):
     def saved_ranks_needed(self, first: RankState, rank: int) -> list[int]: ...
 
 
+def plan(planner: Planner, records: list[RankState], on_code_change: str) -> RestorePlan:
+    """Check that ``records`` fit ``planner``'s pipeline and plan the restore (:mod:`.checks`,
+    then :meth:`~energy_loader.loader.planner.Planner.plan`); a user function whose code
+    changed since the save warns or refuses (``on_code_change``), and a restore that continues
+    with the new code checks only the keys of the items it re-makes, not their values."""
+    restore = planner.plan(records, scale=checks.check_fits(planner, records))
+    checks.check_checkpoints(planner, restore.restores)
+    if checks.report_code_changes(records[0].config, planner.pipeline_config, on_code_change):
+        restore = restore.keys_only()
+    return restore
+
+
 def check_headers_of_one_save(states: Sequence[Any], *, across: bool) -> None:
-    """``StateMismatchError`` unless the pipeline rank states of a list agree as the states of
-    one save (:func:`~energy_loader.loader.planner.check_states_of_one_save`; ``across``: on
-    another world size), even where each rank will restore from its own entry alone. Reads
-    the headers only; entries that are not pipeline rank states are left to the decoder."""
+    """``StateMismatchError`` unless the pipeline rank states of a list (plain, or decoded
+    records) agree as the states of one save
+    (:func:`~energy_loader.loader.checks.check_states_of_one_save`; ``across``: on another
+    world size), even where each rank will restore from its own entry alone. Decodes the
+    headers only; entries that are not pipeline rank states are left to the decoder."""
     headers = [
-        RankState.from_plain({**state, "partitions": []}, complete=False)
+        state
+        if isinstance(state, RankState)
+        else RankState.from_plain({**state, "partitions": []}, complete=False)
         for state in states
-        if isinstance(state, dict) and state.get("format") == RANK_STATE_FORMAT
+        if isinstance(state, RankState)
+        or (isinstance(state, dict) and state.get("format") == RANK_STATE_FORMAT)
     ]
     if len(headers) > 1:
-        check_states_of_one_save(headers, across=across)
+        checks.check_states_of_one_save(headers, across=across)
 
 
 def slots_to_run(engine: StatesReader, saved: RankState) -> list[str]:
@@ -67,7 +89,7 @@ def slots_to_run(engine: StatesReader, saved: RankState) -> list[str]:
     saved rank's state) belongs to (``StateMismatchError`` naming both counts if this loader
     cannot run that many partitions)."""
     planner = engine.planner_for([saved])
-    planner.check_partition_count(saved)
+    checks.check_partition_count(saved, planner.num_partitions, engine.worker_config.world_size)
     config = engine.worker_config
     return [slot_key(s) for s in rank_slots(config.rank, config.world_size, planner.num_partitions)]
 
@@ -81,8 +103,6 @@ def leaves_to_run(engine: StatesReader, leaves: dict[str, Any]) -> list[RankStat
     """
     if not is_partition_entries(leaves):
         return None
-    if any(key.startswith(PARTITION_KEY_PREFIX) for key in leaves):
-        return states_from_entries(leaves)  # the first layout: keys name partitions
     lowest = min(leaves)
     (first,) = states_from_entries({lowest: leaves[lowest]}, complete=False)
     wanted = slots_to_run(engine, first)
@@ -99,117 +119,45 @@ def leaves_to_run(engine: StatesReader, leaves: dict[str, Any]) -> list[RankStat
             "planner=energy_loader.dcp.LoadPlanner() (it lists the saved count's slots); "
             "otherwise pass every rank's state_dict leaves",
         )
-    return states_of_slots(engine, {key: leaves[key] for key in wanted})
-
-
-def states_of_slots(engine: StatesReader, leaves: dict[str, Any]) -> list[RankState]:
-    """The saved rank states holding the slots this rank runs, from their leaves (JSON text,
-    or the parsed ``{"rank_state": ..., "partition": ...}``), checked to stand at one position
-    of the job's stream (a rank running partitions of several saved ranks needs them saved at
-    the same step)."""
-    states = states_from_entries(leaves, complete=False)
-    positions = {state.rank: state.stream_position() for state in states}
-    if len(set(positions.values())) > 1:
-        config = engine.worker_config
-        raise StateMismatchError(
-            f"the saved ranks {sorted(positions)} whose partitions rank {config.rank} now "
-            f"runs stood at different positions of the job's stream {positions} (saved "
-            "at different steps, or at an epoch's end on some ranks only); restore on "
-            f"the saved world size {states[0].world_size}, or save when every rank has "
-            "taken the same number of steps"
-        )
+    states = states_from_entries({key: leaves[key] for key in wanted}, complete=False)
+    _check_slot_states(engine, states)
     return states
 
 
-def read_rank_files(engine: StatesReader, folder: RankFolder) -> list[RankState]:
-    """The saved states ``engine``'s rank restores from, out of a folder of rank files.
-
-    On the world size that saved them, its own file, checked against the header of one other
-    rank's file of the save. Otherwise the states of the saved ranks whose slots it now runs,
-    each holding only those slots (the lowest-numbered needed file's header names the saved
-    partition count). Files of an earlier release hold whole states and are read whole.
-    """
-    if folder.has_own():
-        own = folder.open_own()
-        state = _decoded(engine, own)
-        _check_witness(engine, folder, own, state)
-        return [state]
-    # The saved rank holding this rank's first slot (r' % R) if the partition count is the
-    # loader's; its header names the saved count, which a loader built without
-    # num_partitions adopts.
-    first = folder.open(folder.rank % len(folder.files))
-    if first.split:
-        return _slot_states(engine, folder, first)
-    return whole_states(
-        folder,
-        decode=lambda file: _decoded(engine, file),
-        needed=lambda state: engine.saved_ranks_needed(state, engine.worker_config.rank),
-        check=None,
-    )
-
-
-def _decoded(engine: StatesReader, file: RankFile) -> RankState:
-    try:
-        (state,) = engine.decode([file.state()])
-    except StateFormatError as error:
-        raise StateFormatError(f"{file.path}: {error}") from None
-    return state
-
-
-def _check_witness(
-    engine: StatesReader, folder: RankFolder, own: RankFile, state: RankState
+def _check_slot_states(
+    engine: StatesReader, states: list[RankState], witnesses: Sequence[RankState] = ()
 ) -> None:
-    """A rank's own state checked against the header of one other rank's file of the save
-    (rank 0's; rank 1's for rank 0), found by its name (no directory listing): a file of
-    another save or run left in the folder is a ``StateMismatchError`` on at least one rank.
-    Reads one small header."""
-    if folder.world_size < 2 or state.seed is None:
-        return
-    path, witness = own.path, folder.witness_path()
-    if not witness.is_file():
-        return  # an incomplete folder: the rank whose file is missing refuses itself
-    other = folder.open_witness()
-    if not other.split:
-        return  # a file of an earlier release: whole, and without a seed to compare
-    if other.config_digest != own.config_digest:
-        raise StateMismatchError(
-            f"{path.parent}: {witness.name} holds another pipeline config than "
-            f"{path.name}: files of different saves or runs are mixed in the folder. Keep "
-            "each save's files in a folder of their own"
-        )
-    header = RankState.from_plain(
-        {**other.header, "config": state.config, "partitions": []}, complete=False
-    )
-    try:
-        check_states_of_one_save([header, state], across=False)
-    except StateMismatchError as error:
-        raise StateMismatchError(
-            f"{path.parent}: {error} ({path.name} and {witness.name} are not of one save)"
-        ) from None
+    """The saved states holding the slots this rank runs (and ``witnesses``: other ranks'
+    headers of the save) are of one save (:mod:`.checks`), and stood at one
+    position of the job's stream: a rank running partitions of several saved ranks needs them
+    saved at the same step."""
+    config = engine.worker_config
+    across = states[0].world_size != config.world_size
+    checks.check_states_of_one_save([*states, *witnesses], across=across)
+    checks.check_one_position(states, config.rank)
 
 
-def _slot_states(engine: StatesReader, folder: RankFolder, first: RankFile) -> list[RankState]:
-    """The saved states, holding only the slots this rank runs, from a resized job's rank
-    files (``first``: one of them, opened; its header gives the saved layout and its config
-    the pipeline's, which the other files must share)."""
+def read_rank_files(engine: StatesReader, folder: RankFolder) -> list[RankState]:
+    """The saved states ``engine``'s rank restores from, out of a folder of rank files, each
+    holding only the slots the rank now runs, checked to be of one save.
+
+    One way on any layout: the file holding this rank's first slot (its own file on the world
+    size that saved it, found by name) gives the saved layout and the pipeline's config; the
+    files of the saved ranks whose slots it runs give those slots (a byte range each); one
+    other rank's file (the witness, where only one file is read) gives its header. All of them
+    must share the config's digest and pass the check of one save (:mod:`.checks`), so a file
+    of another save or run left in the folder is refused on at least one rank.
+    """
+    first = folder.open_own() if folder.has_own() else folder.open(folder.rank % len(folder.files))
     config = first.config()
-    try:
-        saved = RankState.from_plain(
-            {**first.header, "config": config, "partitions": []}, complete=False
-        )
-    except StateFormatError as error:
-        raise StateFormatError(f"{first.path}: {error}") from None
+    saved = _header_state(first, config)
     by_file: dict[int, list[str]] = {}
     for key in slots_to_run(engine, saved):
         by_file.setdefault(int(key[len(SLOT_KEY_PREFIX) :]) % saved.world_size, []).append(key)
-    leaves: dict[str, Any] = {}
+    states = []
     for rank, keys in sorted(by_file.items()):
-        file = folder.open(rank)
-        if file.config_digest != first.config_digest:
-            raise StateMismatchError(
-                f"{file.path} and {first.path.name} hold different pipeline configs: files of "
-                "different saves mixed in one folder? Keep the files of one save together"
-            )
+        file = first if rank == saved.rank else folder.open_saved(rank, saved.world_size)
+        _check_same_config(file, first)
         missing = [key for key in keys if key not in file.slots]
         if missing:
             raise missing_slots_error(
@@ -220,9 +168,40 @@ def _slot_states(engine: StatesReader, folder: RankFolder, first: RankFile) -> l
                 "different saves mixed? Keep each save's files in a folder of their own",
             )
         header = {**file.header, "config": config}
-        for key, entry in file.partitions(keys).items():
-            leaves[key] = {"rank_state": header, "partition": entry}
+        leaves = {key: {"rank_state": header, "partition": entry}
+                  for key, entry in file.partitions(keys).items()}  # fmt: skip
+        try:
+            states.extend(states_from_entries(leaves, complete=False))
+        except StateFormatError as error:
+            raise StateFormatError(f"{file.path}: {error}") from None
+    witnesses = []
+    witness_rank = folder.witness_rank(saved.world_size, {state.rank for state in states})
+    if witness_rank is not None:
+        witness = folder.open_saved(witness_rank, saved.world_size)
+        _check_same_config(witness, first)
+        witnesses.append(_header_state(witness, config))
     try:
-        return states_of_slots(engine, leaves)
+        _check_slot_states(engine, states, witnesses)
+    except StateMismatchError as error:
+        raise StateMismatchError(f"{folder.directory}: {error}") from None
+    return states
+
+
+def _header_state(file: RankFile, config: dict[str, Any]) -> RankState:
+    """A rank file's header as a state without partitions (``StateFormatError`` naming the
+    file)."""
+    try:
+        return RankState.from_plain(
+            {**file.header, "config": config, "partitions": []}, complete=False
+        )
     except StateFormatError as error:
-        raise StateFormatError(f"{folder.directory}: {error}") from None
+        raise StateFormatError(f"{file.path}: {error}") from None
+
+
+def _check_same_config(file: RankFile, first: RankFile) -> None:
+    if file.config_check != first.config_check:
+        raise StateMismatchError(
+            f"{file.path} and {first.path.name} hold different pipeline configs: files of "
+            "different saves or runs mixed in one folder? Keep each save's files in a folder "
+            "of their own"
+        )

@@ -3,9 +3,10 @@
 A save is a :class:`~energy_loader.state.rank_state.RankState` built from what the main process
 knows (:mod:`energy_loader.loader.progress`) and where each worker stands
 (:mod:`energy_loader.state.positions`); a restore is a :class:`RestorePlan` computed from some
-or all ranks' saved states by :func:`plan_restore`, after :class:`Planner` checked that they
-belong to this pipeline. The loader, ``peek``/``replay`` and :mod:`energy_loader.distributed`
-all plan through a :class:`Planner`, so the rules live here once:
+or all ranks' saved states by :meth:`Planner.plan`, once :mod:`.checks` found that they fit
+this pipeline and are of one save. The loader, ``peek``/``replay`` and
+:mod:`energy_loader.distributed` all plan through a :class:`Planner`, so the rules live here
+once:
 
 - On the layout that saved them a rank needs only its own state and continues exactly.
 - On another layout (see :mod:`energy_loader.loader.partitions`) the job's position is the
@@ -26,8 +27,7 @@ from typing import Any
 import attrs
 
 from ..dataset import SavableDataset
-from ..errors import StateFormatError, StateMismatchError
-from ..state.fingerprint import ConfigDifference, config_differences, describe_differences
+from ..errors import StateMismatchError
 from ..state.positions import Position, Snapshot
 from ..state.rank_state import PartitionState, RankState, WorkerSlots
 from ..worker import WorkerConfig
@@ -36,9 +36,7 @@ from .equal_steps import Tally
 from .equal_steps import tally as equal_tally
 from .partitions import PartitionLayout, world_sizes_for
 
-__all__ = ["Planner", "RestorePlan", "check_states_of_one_save", "plan_restore"]
-
-_PASS_THROUGH_TYPES = ("MapDataset", "FilterDataset", "GcDataset")
+__all__ = ["Planner", "RestorePlan"]
 
 
 class Planner:
@@ -57,6 +55,18 @@ class Planner:
         pipeline.reset_state()
         # Every partition's items per epoch (empty: unknown), for equal steps; on first use.
         self._lengths: tuple[int, ...] | None = None
+
+    def describe(self) -> dict[str, Any]:
+        """What ``loader.config()`` says of the engine: the pipeline and its layout."""
+        config = self.config
+        return {
+            "pipeline": self.pipeline_config,
+            "rank": config.rank,
+            "world_size": config.world_size,
+            "num_workers": config.num_workers,
+            "num_partitions": self.num_partitions,
+            "seed": config.seed,
+        }
 
     # -- layouts -------------------------------------------------------------------------------
 
@@ -249,32 +259,12 @@ class Planner:
                 ranks.add((partition - first.start) % first.world_size)
         return sorted(ranks)
 
-    def check_partition_count(self, state: RankState) -> None:
-        """``StateMismatchError`` naming both counts unless ``state`` has this planner's
-        ``num_partitions``."""
-        _check_partition_count(state, self.num_partitions, self.config.world_size)
-
-    def plan_restore(self, states: list[RankState]) -> RestorePlan:
-        """Check ``states`` against this pipeline and plan this rank's restore.
-
-        Raises ``StateMismatchError`` for another pipeline or partitioning, and
-        ``StateFormatError`` for a checkpoint the pipeline cannot read (every partition's
-        checkpoint is decoded here, in the main process, so errors surface before any worker
-        starts).
-        """
-        _check_common(states, self.num_partitions, self.config.world_size)
-        scale = 1
-        for state in states:
-            scale = self._replay_scale(state)
-        plan = self.plan_own(states, scale=scale)
-        self._validate_checkpoints(plan.restores)
-        return plan
-
-    def plan_own(self, states: list[RankState], *, scale: int = 1) -> RestorePlan:
-        """Plan a restore from states this planner's loader saved itself (no checks: the
-        pipeline made them), e.g. to move the loader's own position at an epoch's start."""
+    def plan(self, states: list[RankState], *, scale: int = 1) -> RestorePlan:
+        """Plan this rank's restore from ``states``, which fit this pipeline: its loader saved
+        them itself (to move its own position at an epoch's start), or
+        :func:`~energy_loader.loader.checks.check_fits` checked them (and gave ``scale``)."""
         config = self.config
-        return plan_restore(
+        return _plan_rank(
             states,
             rank=config.rank,
             world_size=config.world_size,
@@ -283,67 +273,6 @@ class Planner:
             scale=scale,
             lengths=self.partition_lengths(),
         )
-
-    def _replay_scale(self, state: RankState) -> int:
-        """Raise ``StateMismatchError`` unless the pipeline and the seed fit; returns the
-        replay scale."""
-        if state.seed is not None and state.seed != self.config.seed:
-            raise StateMismatchError(
-                f"the state was saved by a loader with WorkerConfig seed={state.seed}; this "
-                f"loader has seed={self.config.seed}, which seeds its shuffles and per-sample "
-                f"draws differently. Build the loader with seed={state.seed} to continue that "
-                "stream"
-            )
-        differences = config_differences(state.config, self.pipeline_config)
-        scale = _batch_size_scale(differences, self.pipeline_config)
-        if scale is None:
-            raise StateMismatchError(
-                "the state belongs to a different pipeline: "
-                + describe_differences(differences)
-                + ". Restore it into the pipeline that saved it (`python -m energy_loader "
-                "inspect` shows a state's config); a batch_size may only shrink by a whole factor"
-            )
-        return scale
-
-    def _validate_checkpoints(self, restores: dict[int, PartitionState]) -> None:
-        pipeline, config = self.pipeline, self.config
-        try:
-            for partition, entry in restores.items():
-                pipeline.bind(config.partition_context(partition, self.num_partitions))
-                try:
-                    pipeline.restore_state(entry.checkpoint)
-                except StateFormatError as error:
-                    raise StateFormatError(f"partition {partition} checkpoint: {error}") from None
-        finally:
-            pipeline.reset_state()
-            pipeline.bind(config.context(0))
-
-
-def _batch_size_scale(differences: list[ConfigDifference], config: dict[str, Any]) -> int | None:
-    """1 when nothing differs; the saved/now batch-size ratio when only that differs.
-
-    A smaller batch size that divides the saved one is accepted when the batch is the
-    outermost stage that keeps state (only pass-through wrappers above it), so a replay of
-    ``k`` saved batches is a replay of ``k * ratio`` new ones.
-    """
-    if not differences:
-        return 1
-    if len(differences) != 1:
-        return None
-    (difference,) = differences
-    if not difference.field or difference.field[-1] != "batch_size":
-        return None
-    saved, now = difference.saved, difference.now
-    if not (isinstance(saved, int) and isinstance(now, int)) or now <= 0 or saved % now:
-        return None
-    node = config
-    for name in difference.field[:-1]:
-        if node.get("type") not in _PASS_THROUGH_TYPES or name != "inner":
-            return None
-        node = node[name]
-    if node.get("type") != "BatchDataset":
-        return None
-    return saved // now
 
 
 @attrs.frozen
@@ -380,90 +309,6 @@ def _describe(numbers: Any) -> str:
     return str(numbers) if len(numbers) <= 12 else f"{numbers[:12]} ... ({len(numbers)} in all)"
 
 
-def _check_common(states: Sequence[RankState], num_partitions: int, world_size: int) -> RankState:
-    """The saved states are those of one save of one job, with ``num_partitions``; returns
-    the first."""
-    if not states:
-        raise StateMismatchError(
-            "no rank state to restore from: pass the states of one save (the list "
-            "save_state_global returns, or the folder save_state_rank_file wrote)"
-        )
-    for state in states:
-        _check_partition_count(state, num_partitions, world_size)
-    check_states_of_one_save(states, across=states[0].world_size != world_size)
-    return states[0]
-
-
-def check_states_of_one_save(states: Sequence[RankState], *, across: bool = True) -> None:
-    """``StateMismatchError`` unless ``states`` (some ranks' states, or headers) can be the
-    rank states of one save of one job.
-
-    One save: the same layout and epoch, the same assignment start, each rank once, and,
-    since the ranks of a synchronous job hand out items in lockstep, the same count handed
-    out by every rank still in the epoch (a rank whose shorter epoch already ended has handed
-    out no more than they have). ``across``: partitions will move to other ranks (another
-    world size), so the ranks' seeds must agree too: a partition continued under another
-    rank's seed would draw other numbers. On the world size that saved them every rank
-    continues its own partitions under its own seed, exactly.
-    """
-    first = states[0]
-    names = ("world_size", "num_workers", "num_partitions", "epoch", "start")
-    for state in states:
-        for name in (*names, "seed") if across else names:
-            if getattr(state, name) != getattr(first, name):
-                _disagree(first, state, name)
-    ranks = [state.rank for state in states]
-    if len(set(ranks)) != len(ranks):
-        raise StateMismatchError(
-            f"the rank states list a rank twice (ranks {ranks}): pass each rank's state of "
-            "one save once"
-        )
-    running = [s for s in states if not s.epoch_ended]
-    for state in running:
-        if state.delivered != running[0].delivered:
-            _disagree(running[0], state, "delivered")
-    if running:
-        for state in states:
-            if state.epoch_ended and state.delivered > running[0].delivered:
-                _disagree(running[0], state, "delivered")
-
-
-def _disagree(first: RankState, other: RankState, name: str) -> None:
-    what = {
-        "seed": " (their WorkerConfig seeds differ, so a partition that moves to another rank "
-        "would draw other numbers there: such states restore on the world size that saved "
-        "them only. The partitions of a job are seeded apart already: give every rank the same "
-        "seed)",
-        "delivered": " items handed out in the epoch (states of different saves, or of "
-        "different runs, are mixed)",
-        "start": " as the start of the epoch's assignment (states of different saves mixed?)",
-    }.get(name, "")
-    raise StateMismatchError(
-        f"the rank states disagree: rank {first.rank} has {name}={getattr(first, name)}, rank "
-        f"{other.rank} has {name}={getattr(other, name)}{what}; pass the states of one save of "
-        "one job"
-    )
-
-
-def _check_partition_count(state: RankState, num_partitions: int, world_size: int) -> None:
-    if state.num_partitions == num_partitions:
-        return
-    saved = state.num_partitions
-    advice = (
-        f"Pass num_partitions={saved} to the loader, or leave num_partitions unset (a "
-        "loader given none adopts the saved count; in a torch.distributed.checkpoint load, "
-        "with planner=energy_loader.dcp.LoadPlanner()), to continue that stream"
-        if saved % world_size == 0
-        else f"{saved} partitions run on a world size in {world_sizes_for(saved)}, "
-        f"not on world_size={world_size}"
-    )
-    raise StateMismatchError(
-        f"the state was saved with num_partitions={saved} (on world_size="
-        f"{state.world_size} x num_workers={state.num_workers}); this loader runs "
-        f"num_partitions={num_partitions}. {advice}"
-    )
-
-
 def _scaled(entry: PartitionState, scale: int) -> PartitionState:
     """``entry`` replayed with ``scale`` times smaller batches: ``scale`` times the items, and
     no proof to check (the saved one names a batch of the old size: its key and its values).
@@ -476,7 +321,7 @@ def _scaled(entry: PartitionState, scale: int) -> PartitionState:
     )
 
 
-def plan_restore(
+def _plan_rank(
     states: Sequence[RankState],
     *,
     rank: int,
@@ -495,10 +340,10 @@ def plan_restore(
     lockstep of synchronous data-parallel training), and the rank takes the partitions its
     steps reach from ``B`` on, counting the epoch's steps again from every partition's
     ``lengths`` (:mod:`.equal_steps`; none when empty). Replay counts are multiplied by
-    ``scale`` (a smaller batch size). Raises ``StateMismatchError`` naming what differs or
-    which partitions no given state holds.
+    ``scale`` (a smaller batch size). Raises ``StateMismatchError`` naming which partitions no
+    given state holds (the states were checked before: :mod:`.checks`).
     """
-    first = _check_common(states, num_partitions, world_size)
+    first = states[0]
     own = next((s for s in states if s.rank == rank), None)
     same_layout = first.world_size == world_size and first.num_workers == num_workers
     if own is not None and same_layout and not own.epoch_ended:

@@ -10,7 +10,7 @@ items so a save can reach back (``held_back``). Not thread-safe: the iterating t
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -139,6 +139,21 @@ class Progress:
         if self.job_left is None:
             return None
         return Tally(self.job_left, mark.items_left, mark.extra)
+
+    def saved_fields(self, mark: Mark, held_back: int) -> dict[str, Any]:
+        """The rank state's fields of the epoch's progress as of ``mark``, ``held_back``
+        items before the last one handed out (:meth:`.planner.Planner.rank_state`)."""
+        return {
+            "epoch": self.epoch,
+            "in_epoch": self.in_epoch or held_back > 0,
+            "epoch_ended": self.epoch_ended and held_back == 0,
+            "delivered": mark.delivered,
+            "start": self.start,
+            "next_worker": mark.next_worker,
+            "done": mark.done,
+            "tally": self.tally(mark),
+            "pieces": mark.pieces,
+        }
 
     @property
     def fresh(self) -> bool:

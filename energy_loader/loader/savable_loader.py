@@ -401,9 +401,14 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
 
     def restore_from_states(self, states: list[Any]) -> None:
         """Restore this rank from some or all ranks' states of one save (plain, or records an
-        engine decoded): decode, plan (which checks), apply."""
+        engine decoded): decode, check that several are of one save, plan (which checks that
+        each fits), apply."""
         engine = self._engine
-        engine.apply(engine.plan(engine.decode(states)))
+        records = engine.decode(states)
+        if len(records) > 1:
+            across = len(records) != self.worker_config.world_size
+            engine.check_one_save(records, across=across)
+        engine.apply(engine.plan(records))
 
     def restore_state_global(
         self, states: list[dict[str, Any]] | None, *, src_rank: int | None = None

@@ -6,14 +6,13 @@ header of each file it needs and the byte ranges of the partitions it now runs, 
 files::
 
     rank.json         {"format": "energy_loader.rank_file", "version": 1,
-                       "state_version": 3,
+                       "state_version": 1,
                        "state": <the rank state (of that version) without its format tag,
                                  "version", "config" and "partitions">,
-                       "config_digest": "<SHA-256 of config.json, 16 hex digits>",
-                       "slots": [3, 11, ...], "sizes": [2874, ...], "crc32": [...]}
+                       "slots": [3, 11, ...], "sizes": [2874, ...]}
     partitions        (stored) each partition's entry as JSON, compressed with DEFLATE on
                       its own, one after the other in the order of "slots", each of "sizes"
-                      bytes; "crc32" is the CRC-32 of each one's JSON
+                      bytes
     config.json       the pipeline's config (the same on every rank of a save)
 
 ``rank.json`` and ``config.json`` are ordinary deflated members (``unzip -p FILE rank.json``
@@ -23,18 +22,16 @@ layout knows which files and which slots it needs from the files' names and one 
 state that is not a pipeline's rank state (a drop-in loader's: small and whole) goes whole
 into ``"state"``, without ``"slots"`` or the other members.
 
-Integrity: ZIP's CRC-32 of ``rank.json`` and ``config.json`` is checked on every read, the
-config also by its digest (one restore reads it from one file and checks that the others
-record the same digest), and each partition by the CRC-32 recorded for its slot. A damaged
-file is a ``StateFormatError``, never a wrong state. Nothing is unpickled: everything is JSON.
-Files are written atomically (:func:`~energy_loader.state.atomic.write_atomically`). Files of
-the first format (a ``torch.save`` checkpoint file, :mod:`energy_loader.state.checkpoint`)
-are still read, whole.
+Integrity: ZIP's CRC-32 of ``rank.json`` and ``config.json`` is checked on every read; the
+rank state's own digests do the rest when it is decoded: ``checks.config`` the config (one
+restore reads it from one file and checks that the others record the same digest), each
+partition entry's ``check`` its entry. A damaged file is a ``StateFormatError``, never a wrong
+state. Nothing is unpickled: everything is JSON. Files are written atomically
+(:func:`~energy_loader.state.atomic.write_atomically`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -47,7 +44,6 @@ from typing import Any
 
 from ..errors import StateFormatError
 from .atomic import write_atomically
-from .checkpoint import load_checkpoint
 from .plain import StateReader, check_format, check_plain, json_leaf
 from .rank_state import RANK_STATE_FORMAT, RankState, slot_key
 
@@ -145,12 +141,9 @@ def write_rank_file(path: str | os.PathLike[str], state: dict[str, Any]) -> Path
         plain = decoded.to_plain(with_partitions=False)
         header["state_version"] = plain.pop("version")
         header["state"] = {k: v for k, v in plain.items() if k not in ("format", "config")}
-        header["config_digest"] = _digest(config)
-        texts = [_ENCODE(entry.to_plain()).encode() for entry in decoded.partitions]
-        packed = [_deflate(text) for text in texts]
+        packed = [_deflate(_ENCODE(entry.to_plain()).encode()) for entry in decoded.partitions]
         header["slots"] = [decoded.slot_of(entry.partition) for entry in decoded.partitions]
         header["sizes"] = [len(data) for data in packed]
-        header["crc32"] = [zlib.crc32(text) for text in texts]
         members = [(_PARTITIONS, b"".join(packed)), (_CONFIG, config)]
     else:
         check_plain(state, "state")
@@ -170,18 +163,19 @@ class RankFile:
     """One rank file, opened to read only what a restore needs.
 
     ``header`` is the rank's state without its config and partitions, ``slots`` the slots the
-    file holds (``{key: (offset, length, crc32)}``); :meth:`config` and :meth:`partitions`
-    read those. A drop-in loader's file, or a file of the first format (a ``torch.save``
-    checkpoint file, read whole on opening), holds a whole state: ``split`` is false and
-    ``header`` is that state. Use as a context manager, or call :meth:`close`.
+    file holds (``{key: (offset, length)}``), ``config_check`` the digest of the config the
+    header records; :meth:`config` and :meth:`partitions` read those. A drop-in loader's file
+    holds a whole state: ``split`` is false and ``header`` is that state. Use as a context
+    manager, or call :meth:`close`.
 
     The members are found by the archive's layout rather than its central directory, which a
     reader would otherwise fetch from the file's end: ``rank.json`` is the first member, at
     offset 0, and its local header gives its size, so opening reads that header and
     ``rank.json``; the partitions' data follows (at a known offset: members are written
     without extra fields), so a partition costs the read of its own bytes, and the config's
-    member follows them. Every member's CRC-32 (and each partition's) is checked, so a file
-    laid out otherwise is a ``StateFormatError``, never a wrong read.
+    member follows them. Every member's CRC-32 is checked (and each partition's entry by its
+    own digest when it is decoded), so a file laid out otherwise is a ``StateFormatError``,
+    never a wrong read.
     """
 
     def __init__(self, path: str | os.PathLike[str], tally: ReadTally | None = None) -> None:
@@ -191,17 +185,14 @@ class RankFile:
         self._source: _CountingFile | None = _CountingFile(self.path, tally)
         self._partitions_at = 0  # where the partitions' data starts: after rank.json's
         self._config_at = 0  # the offset of config.json's local header: after the partitions
-        self.slots: dict[str, tuple[int, int, int]] = {}
+        self.slots: dict[str, tuple[int, int]] = {}
         self.split = False
-        self.config_digest = ""
+        self.config_check = ""
+        self.header: dict[str, Any] = {}
         try:
             name, data, header_end = self._read_member(0, _HEADER)
-            if name != _HEADER:  # the first format: a torch.save checkpoint file
-                self.close()
-                if tally is not None:
-                    tally.bytes += self.path.stat().st_size
-                self.header: dict[str, Any] = load_checkpoint(self.path)
-                return
+            if name != _HEADER:
+                raise self._fail(f"its first member is {name!r}, not {_HEADER}")
             self._parse_header(data, header_end)
         except BaseException:
             self.close()
@@ -260,39 +251,33 @@ class RankFile:
             "version": reader.int("state_version"),
             **self.header,
         }
-        self.config_digest = reader.str("config_digest")
+        checks = StateReader(self.header, f"{where}.state").sub("checks")
+        self.config_check = checks.str("config")
         self._partitions_at = end + _LOCAL_HEADER.size + len(_PARTITIONS)
-        slots, sizes, crcs = reader.list("slots"), reader.list("sizes"), reader.list("crc32")
-        if not len(slots) == len(sizes) == len(crcs) or not all(
-            isinstance(n, int) and n >= 0 for n in (*slots, *sizes, *crcs)
+        slots, sizes = reader.list("slots"), reader.list("sizes")
+        if len(slots) != len(sizes) or not all(
+            isinstance(n, int) and n >= 0 for n in (*slots, *sizes)
         ):
             raise StateFormatError(
-                f"{where}: 'slots', 'sizes' and 'crc32' must be lists of as many non-negative "
-                "integers"
+                f"{where}: 'slots' and 'sizes' must be lists of as many non-negative integers"
             )
         offset = 0
-        for slot, size, crc in zip(slots, sizes, crcs):
-            self.slots[slot_key(slot)] = (offset, size, crc)
+        for slot, size in zip(slots, sizes):
+            self.slots[slot_key(slot)] = (offset, size)
             offset += size
         self._config_at = self._partitions_at + offset
 
     def _where(self, name: str) -> str:
         return f"{self.path}:{name}"
 
-    def config(self, expected_digest: str | None = None) -> dict[str, Any]:
-        """The pipeline config, read from this file; ``StateFormatError`` unless it matches
-        its recorded digest and ``expected_digest`` (another file's, of the same save)."""
+    def config(self) -> dict[str, Any]:
+        """The pipeline config, read from this file (checked against ``config_check`` when
+        the state is decoded)."""
         if not self.split:
             return _dict(StateReader(self.header, str(self.path)).raw("config"), "config")
         name, data, _ = self._read_member(self._config_at, _CONFIG)
-        digest = _digest(data)
-        if name != _CONFIG or digest != self.config_digest:
-            raise StateFormatError(f"{self._where(_CONFIG)} does not match its recorded digest")
-        if expected_digest not in (None, digest):
-            raise StateFormatError(
-                f"{self.path} holds another pipeline config than the other files read with it "
-                "(files of different saves mixed?)"
-            )
+        if name != _CONFIG:
+            raise self._fail(f"{name!r} where {_CONFIG} was expected")
         where = self._where(_CONFIG)
         return _dict(json_leaf(data.decode("utf-8", "replace"), where), where)
 
@@ -304,14 +289,14 @@ class RankFile:
         for key in keys:
             if key not in self.slots:
                 raise KeyError(f"{self.path} holds no {key!r} (it holds {sorted(self.slots)})")
-            offset, length, crc = self.slots[key]
+            offset, length = self.slots[key]
             data = _inflate(self._read_range(self._partitions_at + offset, length), key)
-            if zlib.crc32(data) != crc:
+            try:
+                out[key] = json_leaf(data.decode("utf-8", "replace"), self._where(key))
+            except StateFormatError as error:
                 raise StateFormatError(
-                    f"{self._where(_PARTITIONS)}: {key}'s bytes are damaged (the file was "
-                    "changed after writing)"
-                )
-            out[key] = json_leaf(data.decode("utf-8", "replace"), self._where(key))
+                    f"{error}: its bytes are damaged (the file was changed after writing)"
+                ) from None
         return out
 
     def state(self) -> dict[str, Any]:
@@ -351,11 +336,6 @@ def _inflate(data: bytes, where: str) -> bytes:
         ) from None
 
 
-def _digest(data: bytes) -> str:
-    """A config's digest: 64 bits of its SHA-256, enough to tell two saves' configs apart."""
-    return hashlib.sha256(data).hexdigest()[:16]
-
-
 def _dict(value: Any, path: str) -> dict[str, Any]:
     StateReader(value, path)  # a StateFormatError naming ``path`` unless a dict
     return dict(value)
@@ -371,6 +351,6 @@ def is_rank_file(path: str | os.PathLike[str]) -> bool:
 
 
 def read_rank_file(path: str | os.PathLike[str], tally: ReadTally | None = None) -> dict[str, Any]:
-    """The whole plain state in a rank file of either format (what ``inspect`` prints)."""
+    """The whole plain state in a rank file (what ``inspect`` prints)."""
     with RankFile(path, tally) as file:
         return file.state()

@@ -15,14 +15,14 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 from ..errors import StateMismatchError
 from .rank_file import RankFile, ReadTally
 
-__all__ = ["RankFolder", "rank_file_name", "rank_state_files", "whole_states"]
+__all__ = ["RankFolder", "rank_file_name", "rank_state_files"]
 
 # The name save_state_rank_file gives a rank's file: PREFIX_rank_00003_of_00008.pt.
 _RANK_FILE = re.compile(r"(.+)_rank_(\d{5})_of_(\d{5})\.pt")
@@ -58,7 +58,7 @@ class RankFolder:
         self.world_size = world_size
         self.tally = tally
         self._files: list[Path] | None = None
-        self._opened: dict[int, RankFile] = {}
+        self._opened: dict[Path, RankFile] = {}
         self._stack = contextlib.ExitStack()
 
     @property
@@ -71,16 +71,25 @@ class RankFolder:
         return self.own_path.is_file()
 
     def open_own(self) -> RankFile:
-        return self._open_path(-1, self.own_path)
+        return self._open_path(self.own_path)
 
-    def witness_path(self) -> Path:
-        """One other rank's file of a save on this world size (rank 0's; rank 1's for rank
-        0), found by name (no listing): its header tells a file of another save."""
-        other = 0 if self.rank else 1
-        return self.directory / (rank_file_name(self.prefix, other, self.world_size) + ".pt")
+    def open_saved(self, saved_rank: int, saved_world_size: int) -> RankFile:
+        """Saved rank ``saved_rank``'s file of a save on ``saved_world_size`` ranks, found by
+        its name (no listing of the folder), opened once."""
+        name = rank_file_name(self.prefix, saved_rank, saved_world_size) + ".pt"
+        path = self.directory / name
+        if not path.is_file():
+            return self.open(saved_rank)  # names the missing file, or the set's problem
+        return self._open_path(path)
 
-    def open_witness(self) -> RankFile:
-        return self._open_path(-2, self.witness_path())
+    def witness_rank(self, saved_world_size: int, read: Collection[int]) -> int | None:
+        """The saved rank whose file a restore that reads only one (``read``) reads besides,
+        so that a file of another save or run left in the folder is refused on at least one
+        rank: the lowest rank not read. None when two or more files are read already (they
+        are checked against each other), or the save had one rank."""
+        if len(read) > 1:
+            return None
+        return next((r for r in range(saved_world_size) if r not in read), None)
 
     @property
     def files(self) -> list[Path]:
@@ -94,13 +103,13 @@ class RankFolder:
         return self._files
 
     def open(self, saved_rank: int) -> RankFile:
-        """Saved rank ``saved_rank``'s file, opened once."""
-        return self._open_path(saved_rank, self.files[saved_rank])
+        """Saved rank ``saved_rank``'s file, as the folder lists it, opened once."""
+        return self._open_path(self.files[saved_rank])
 
-    def _open_path(self, key: int, path: Path) -> RankFile:
-        if key not in self._opened:
-            self._opened[key] = self._stack.enter_context(RankFile(path, self.tally))
-        return self._opened[key]
+    def _open_path(self, path: Path) -> RankFile:
+        if path not in self._opened:
+            self._opened[path] = self._stack.enter_context(RankFile(path, self.tally))
+        return self._opened[path]
 
     def close(self) -> None:
         self._stack.close()
@@ -111,37 +120,6 @@ class RankFolder:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def whole_states(
-    folder: RankFolder,
-    *,
-    decode: Callable[[RankFile], Any],
-    needed: Callable[[Any], list[int]],
-    check: Callable[[list[Any]], None] | None,
-) -> list[Any]:
-    """The whole states a rank restores from on another world size: the lowest saved rank's
-    (the job's position) and those ``needed(lowest)`` names, in rank order.
-
-    One more state of the save is read too (a witness: rank 0's, or rank 1's for rank 0);
-    ``check`` (when given) sees them all together and raises ``StateMismatchError`` for states of
-    different saves; its message is prefixed with the folder.
-    """
-    states = {0: decode(folder.open(0))}
-    for rank in needed(states[0]):
-        if rank not in states:
-            states[rank] = decode(folder.open(rank))
-    count = len(folder.files)
-    witness = ((folder.rank % count) or 1) if count > 1 else None
-    seen = dict(states)
-    if witness is not None and witness not in seen:
-        seen[witness] = decode(folder.open(witness))
-    if check is not None:
-        try:
-            check([seen[r] for r in sorted(seen)])
-        except StateMismatchError as error:
-            raise StateMismatchError(f"{folder.directory}: {error}") from None
-    return [states[r] for r in sorted(states)]
 
 
 def rank_state_files(

@@ -1,10 +1,10 @@
 """The saved state of one rank's loader: attrs classes and their plain-data codec.
 
-Layout (format version 5)::
+Layout (format version 1)::
 
     {
       "format": "energy_loader.rank_state",
-      "version": 5,
+      "version": 1,
       "rank": 0, "world_size": 1, "num_workers": 2,
       "num_partitions": 4,        # P: logical partitions of the whole job
       "seed": 0,                  # the WorkerConfig seed every partition ran with
@@ -50,17 +50,17 @@ a ``StateFormatError`` at load (``config`` too, which is then compared with the 
 edited ``batch_size`` would otherwise pass as a restore with smaller batches). ``last`` and
 ``made`` are the restore's proof: a partition that replays items from its checkpoint re-makes
 the last one the saving loader handed out, and a different key, or the same key with other
-values, is a ``StateMismatchError`` before anything new is yielded. Version 4 (without
-``made``) is still read, restored without the proof of values; version 3 (without
-``checks.config``) too, its config unchecked; version 2 (without ``seed``, ``last`` and the
-checks) too, unchecked.
+values, is a ``StateMismatchError`` before anything new is yielded.
 
 Everything is plain data: ``json.dumps`` and ``torch.load(weights_only=True)`` accept it. Any
-change to this shape bumps :data:`RANK_STATE_VERSION` and is a breaking changelog entry.
+change to this shape bumps :data:`RANK_STATE_VERSION`, keeps a reader of the versions released
+before it, and adds states of the new version to the corpus the tests restore
+(``tests/state_corpus``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -73,6 +73,7 @@ __all__ = [
     "RANK_STATE_FORMAT",
     "RANK_STATE_VERSION",
     "PartitionState",
+    "decode_rank_states",
     "RankState",
     "WorkerSlots",
 ]
@@ -80,10 +81,7 @@ __all__ = [
 RANK_STATE_FORMAT = "energy_loader.rank_state"
 # The drop-in loader's format (energy_loader.loader.dropin.state), named in a refusal only.
 _DROPIN_STATE_FORMAT = "energy_loader.dropin_state"
-RANK_STATE_VERSION = 5
-# Version 2 (before seeds, proofs and checks) is still restored, without the checks; version
-# 4 (before ``made``) without the proof of the values made.
-_READABLE_VERSIONS = (2, 3, 4, 5)
+RANK_STATE_VERSION = 1
 # Each pipeline config's digest, by the config object (the planner keeps one per pipeline).
 _CONFIG_CHECKS: dict[int, tuple[Any, str]] = {}
 
@@ -129,11 +127,11 @@ class PartitionState:
         )
 
     def check(self) -> str:
-        """The digest of this entry, as ``to_plain`` writes it (without ``made`` when it is
-        ``None``: as versions before it wrote it)."""
+        """The digest of this entry, as ``to_plain`` writes it."""
         checkpoint = self.checkpoint_check or checkpoint_digest(self.checkpoint)
-        fields = ("partition", self.partition, checkpoint, self.skip, self.done, self.last)
-        return digest(*fields) if self.made is None else digest(*fields, self.made)
+        return digest(
+            "partition", self.partition, checkpoint, self.skip, self.done, self.last, self.made
+        )
 
     def to_plain(self) -> dict[str, Any]:
         return {
@@ -147,7 +145,7 @@ class PartitionState:
         }
 
     @classmethod
-    def from_reader(cls, reader: StateReader, version: int = RANK_STATE_VERSION) -> PartitionState:
+    def from_reader(cls, reader: StateReader) -> PartitionState:
         """Decode one entry; its ``check`` is verified by :meth:`verify` (after the whole
         state's structure, so a malformed field is named before a mismatched digest)."""
         checkpoint = reader.raw("checkpoint")
@@ -159,10 +157,8 @@ class PartitionState:
                 f"(skip {skip})"
             )
         partition = reader.int("partition")
-        if version < 3:
-            return cls(partition=partition, checkpoint=checkpoint, skip=skip, done=done)
         last = _digest_or_none(reader, "last")
-        made = _digest_or_none(reader, "made") if version >= 5 else None
+        made = _digest_or_none(reader, "made")
         reader.str("check")
         return cls(
             partition=partition,
@@ -244,8 +240,8 @@ class RankState:
     next_worker: int
     workers: tuple[WorkerSlots, ...]
     partitions: tuple[PartitionState, ...]
-    # The WorkerConfig seed the partitions ran with (None: a version 2 state, which had none).
-    seed: int | None = None
+    # The WorkerConfig seed the partitions ran with.
+    seed: int
     # Equal steps (loader/equal_steps.py): the items the job had left where the epoch's
     # assignment began (None: no count, a pipeline of unknown length), this rank's items left,
     # the steps it lacks, and the pieces of the next item already handed out.
@@ -362,11 +358,10 @@ class RankState:
                 "(is this a loader state from energy_loader.save_state_rank()?)"
             )
         version = reader.int("version")
-        if version not in _READABLE_VERSIONS:
+        if version != RANK_STATE_VERSION:
             raise StateFormatError(
-                f"state.version is {version}; this energy_loader reads versions "
-                f"{', '.join(map(str, _READABLE_VERSIONS))} (a state from a newer or older "
-                "release?)"
+                f"state.version is {version}; this energy_loader reads version "
+                f"{RANK_STATE_VERSION} (a state from a newer release?)"
             )
         num_workers = reader.int("num_workers")
         world_size = reader.int("world_size", minimum=1)
@@ -389,7 +384,7 @@ class RankState:
                 f"{max(1, num_workers)}"
             )
         partitions = tuple(
-            PartitionState.from_reader(StateReader(p, f"state.partitions[{i}]"), version)
+            PartitionState.from_reader(StateReader(p, f"state.partitions[{i}]"))
             for i, p in enumerate(reader.list("partitions"))
         )
         _check_partitions(
@@ -422,11 +417,9 @@ class RankState:
             next_worker=next_worker,
             workers=workers,
             partitions=partitions,
-            seed=None if version < 3 else reader.int("seed"),
-            **_step_fields(reader, version),
+            seed=reader.int("seed"),
+            **_step_fields(reader),
         )
-        if version < 3:
-            return state
         saved_checks = [
             (StateReader(p, f"state.partitions[{i}]").str("check"), f"state.partitions[{i}]")
             for i, p in enumerate(reader.list("partitions"))
@@ -445,7 +438,7 @@ class RankState:
                 "was edited or damaged after it was saved, or pieces of different saves were "
                 "put together; restore from an intact state"
             )
-        if version >= 4 and state.config_check() != reader.sub("checks").str("config"):
+        if state.config_check() != reader.sub("checks").str("config"):
             raise StateFormatError(
                 "state.checks.config does not match state.config: the pipeline config was "
                 "edited or damaged after the save (an edited batch_size would pass for a "
@@ -454,7 +447,7 @@ class RankState:
         return state
 
 
-def _step_fields(reader: StateReader, version: int) -> dict[str, Any]:
+def _step_fields(reader: StateReader) -> dict[str, Any]:
     """``job_left``, ``items_left``, ``extra`` and ``pieces``: all four, or none (no count of
     the epoch's steps: a pipeline of unknown length)."""
     names = ("job_left", "items_left", "extra", "pieces")
@@ -504,6 +497,23 @@ def _check_partitions(
         )
 
 
+def decode_rank_states(states: Sequence[Any]) -> list[RankState]:
+    """Plain rank states (or records decoded already) as records; a ``StateFormatError``
+    names the entry of a list that is not a state."""
+    out = []
+    for index, entry in enumerate(states):
+        if isinstance(entry, RankState):
+            out.append(entry)
+            continue
+        try:
+            out.append(RankState.from_plain(entry))
+        except StateFormatError as error:
+            if len(states) == 1:
+                raise
+            raise StateFormatError(f"states[{index}]: {error}") from None
+    return out
+
+
 # -- one leaf per partition: the layout-independent form of state_dict() ----------------------
 #
 # A leaf's key is its *slot*: the partition's place in the job's stream counted from the
@@ -514,18 +524,11 @@ def _check_partitions(
 # anything (the template a torch.distributed.checkpoint load fills), on any layout.
 
 SLOT_KEY_PREFIX = "slot_"
-# Keys of the first layout (absolute partition numbers), still read for old checkpoints.
-PARTITION_KEY_PREFIX = "partition_"
 
 
 def slot_key(slot: int) -> str:
     """The state_dict key of one slot: ``slot_00003``."""
     return f"{SLOT_KEY_PREFIX}{slot:05d}"
-
-
-def partition_key(partition: int) -> str:
-    """The key of one partition in the first layout: ``partition_00003``."""
-    return f"{PARTITION_KEY_PREFIX}{partition:05d}"
 
 
 def rank_slots(rank: int, world_size: int, num_partitions: int) -> range:
@@ -534,8 +537,8 @@ def rank_slots(rank: int, world_size: int, num_partitions: int) -> range:
 
 
 def is_partition_entries(value: Any) -> bool:
-    """A non-empty dict whose keys all name slots (or partitions, the first layout)."""
-    return is_keyed_by(value, (SLOT_KEY_PREFIX, PARTITION_KEY_PREFIX))
+    """A non-empty dict whose keys all name slots."""
+    return is_keyed_by(value, (SLOT_KEY_PREFIX,))
 
 
 def partition_entries(states: list[RankState]) -> dict[str, str]:
@@ -578,7 +581,7 @@ def states_from_entries(entries: dict[str, Any], *, complete: bool = True) -> li
 
     ``complete=False`` accepts states that hold only some of their rank's partitions (the
     leaves one restoring rank read). Raises ``StateFormatError`` for a leaf that is not such
-    JSON or a key that does not name the slot (or partition) its leaf holds.
+    JSON or a key that does not name the slot its leaf holds.
     """
     by_rank: dict[int, dict[str, Any]] = {}
     keys: dict[tuple[int, int], str] = {}
@@ -603,13 +606,10 @@ def states_from_entries(entries: dict[str, Any], *, complete: bool = True) -> li
         target["partitions"].append(reader.raw("partition"))
         keys[rank, reader.sub("partition").int("partition")] = key
     states = [RankState.from_plain(by_rank[rank], complete=complete) for rank in sorted(by_rank)]
-    for state in states:  # every leaf under its slot's key (or, first layout, its partition's)
+    for state in states:  # every leaf under its slot's key
         for entry in state.partitions:
             key = keys[state.rank, entry.partition]
-            if key not in (
-                slot_key(state.slot_of(entry.partition)),
-                partition_key(entry.partition),
-            ):
+            if key != slot_key(state.slot_of(entry.partition)):
                 raise StateFormatError(
                     f"state_dict[{key!r}] holds partition {entry.partition} of rank {state.rank}, "
                     f"whose key is {slot_key(state.slot_of(entry.partition))!r} (keys renamed, "

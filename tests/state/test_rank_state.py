@@ -50,8 +50,8 @@ def test_state_size_does_not_grow_with_dataset_size() -> None:
             f"state.version is {RANK_STATE_VERSION + 1}",
         ),
         (
-            lambda s: s.update(version=1),
-            "state.version is 1; this energy_loader reads versions 2, 3",
+            lambda s: s.update(version=0),
+            "state.version is 0; this energy_loader reads version 1",
         ),
         (lambda s: s.update(workers="nope"), "state.workers must be a list"),
         (lambda s: s.update(workers=[]), "state.workers has 0 entries"),
