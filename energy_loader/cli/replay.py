@@ -23,7 +23,7 @@ from typing import Any
 
 from ..distributed import rank_state_files, read_rank_state_files
 from ..errors import StateFormatError, StateMismatchError, first_line
-from ..loader.dropin import runs_dropin
+from ..loader.dropin.build import runs_dropin
 from ..loader.dropin.map_style import index_sampler_of
 from ..loader.dropin.restore import DropInRestore
 from ..loader.dropin.state import DROPIN_STATE_FORMAT

@@ -74,7 +74,7 @@ except ImportError as error:  # pragma: no cover - the dev extra installs transf
 from ..dataset import RESTORE_KEY
 from ..distributed import read_rank_state_files, save_state_rank_file
 from ..loader import SavableDataLoader
-from ..loader.dropin import runs_dropin
+from ..loader.dropin.build import runs_dropin
 
 __all__ = ["STATE_PREFIX", "SavableLoaderTrainer", "TrainerLoader"]
 

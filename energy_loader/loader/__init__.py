@@ -23,7 +23,6 @@
 The worker-process side is :mod:`energy_loader.workers`; it never imports this package.
 """
 
-from .dropin import DropInDataLoader
 from .savable_loader import BasicDataLoader, SavableDataLoader
 
-__all__ = ["BasicDataLoader", "DropInDataLoader", "SavableDataLoader"]
+__all__ = ["BasicDataLoader", "SavableDataLoader"]

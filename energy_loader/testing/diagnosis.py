@@ -61,7 +61,7 @@ _PIPELINE_WORDS = _Words(
 
 def _words_of(make: Callable[[int], Any], workers: int) -> _Words:
     """The words for the loader ``make`` builds (built, not iterated, then closed)."""
-    from ..loader.dropin import runs_dropin
+    from ..loader.dropin.build import runs_dropin
 
     probe = make(workers)
     try:

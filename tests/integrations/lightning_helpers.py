@@ -13,7 +13,7 @@ from torch.utils.data import Dataset, DistributedSampler
 
 import energy_loader as el
 from energy_loader.integrations.lightning import SavableLoaderCallback
-from energy_loader.loader.dropin import DropInDataLoader
+from energy_loader.loader.dropin.build import runs_dropin
 
 SAMPLES = 24
 BATCH = 2
@@ -210,11 +210,11 @@ def fit_two_epochs(
     try:
         trainer.fit(model, train_dataloaders=loader, ckpt_path=checkpoint)
         trained_on = trainer.train_dataloader
-        if not isinstance(loader, DropInDataLoader):
+        if not runs_dropin(loader):
             # Lightning left the self-sharding loader alone (use_distributed_sampler is on).
             assert trained_on is loader
         elif devices > 1:  # a drop-in loader: rebuilt with a DistributedSampler
-            assert isinstance(trained_on, DropInDataLoader), trained_on
+            assert runs_dropin(trained_on), trained_on
             assert isinstance(trained_on.sampler, DistributedSampler)
     finally:
         loader.close()

@@ -24,7 +24,7 @@ from torch.utils.data import (
 
 import energy_loader as el
 from energy_loader.errors import StateFormatError, StateMismatchError
-from energy_loader.loader.dropin import DropInDataLoader
+from energy_loader.loader.dropin.build import runs_dropin
 
 from .dropin_helpers import (
     Augmenting,
@@ -48,7 +48,7 @@ def _both(make: Any, epochs: int = 2, seed: int = 0) -> tuple[list[Any], list[An
     theirs = run_epochs(make(DataLoader), epochs)
     torch.manual_seed(seed)
     ours_loader = make(el.SavableDataLoader)
-    assert isinstance(ours_loader, DropInDataLoader)
+    assert runs_dropin(ours_loader)
     assert isinstance(ours_loader, el.SavableDataLoader)
     if not isinstance(ours_loader.dataset, IterableDataset):
         assert len(ours_loader) == len(make(DataLoader))

@@ -3,7 +3,8 @@
 :func:`dropin_engine` is called by :class:`~energy_loader.SavableDataLoader` after torch's own
 ``DataLoader.__init__`` validated torch's arguments and set every attribute frameworks read:
 a map-style dataset runs on a :class:`~.map_style.MapEngine`, an iterable one on an
-:class:`~.iterable.IterableEngine`.
+:class:`~.iterable.IterableEngine`. :func:`runs_dropin` tells such a loader (integrations,
+``replay``), from its engine alone.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from ...worker import WorkerConfig
 from .iterable import IterableEngine
 from .map_style import MapEngine
 
-__all__ = ["dropin_engine"]
+__all__ = ["dropin_engine", "runs_dropin"]
+
+
+def runs_dropin(loader: Any) -> bool:
+    """Whether ``loader`` is a :class:`~energy_loader.SavableDataLoader` over a plain dataset
+    (a drop-in engine runs it), not over a savable pipeline nor a loader of another library."""
+    return isinstance(getattr(loader, "engine", None), (MapEngine, IterableEngine))
 
 
 def dropin_engine(
