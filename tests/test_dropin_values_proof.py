@@ -5,9 +5,8 @@ The datasets read real files (one ``.npy`` array per sample under ``tmp_path``);
 in place between the save and the restore (the same number of files) is refused, and so is a
 ``__getitem__`` drawing from a generator of its own that nobody seeds. Legitimate restores
 (another number of workers, shuffling, augmentations drawing from torch's global RNG, which
-the loader seeds per sample, a batch the training step wrote into) continue exactly; a state
-of version 4 (no digest of values) restores without the check; ``verify_restore=False``
-continues with the new values.
+the loader seeds per sample, a batch the training step wrote into) continue exactly;
+``verify_restore=False`` continues with the new values.
 """
 
 from __future__ import annotations
@@ -24,8 +23,6 @@ from torch.utils.data import Dataset
 
 import energy_loader as el
 from energy_loader.errors import StateFormatError, StateMismatchError
-
-from .helpers import dropin_version_4
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -200,21 +197,14 @@ def test_a_state_saved_at_an_epoch_s_end_restores_and_proves(tmp_path: Path) -> 
         iter(refused)
 
 
-def _edited_restore_continues(
-    folder: Path, workers: int = 0, convert: Any = None, **options: Any
-) -> None:
-    """Save after 3 batches, edit the last batch's files in place, restore (the state passed
-    through ``convert``) onto ``workers`` with ``options``: the restore continues unchecked,
-    with the new values."""
+def _edited_restore_continues(folder: Path, workers: int = 0, **options: Any) -> None:
+    """Save after 3 batches, edit the last batch's files in place, restore onto ``workers``
+    with ``options``: the restore continues unchecked, with the new values."""
     state, last = _saved(_loader(NpyFiles(folder), 0), 3)
     _edit(folder, last)
     restored = _loader(NpyFiles(folder), workers, **options)
-    restored.restore_state_rank(state if convert is None else convert(state))
+    restored.restore_state_rank(state)
     assert _rest(restored) == _expected(NpyFiles(folder), 3)
-
-
-def test_version_4_states_restore_without_the_check_of_values(tmp_path: Path) -> None:
-    _edited_restore_continues(_write(tmp_path / "data"), convert=dropin_version_4)
 
 
 def test_verify_restore_false_continues_with_the_new_values(tmp_path: Path) -> None:
@@ -224,7 +214,7 @@ def test_verify_restore_false_continues_with_the_new_values(tmp_path: Path) -> N
     assert unproven["proof"]["made"] == ""
 
 
-def test_the_digest_of_values_is_covered_by_the_position_digest(tmp_path: Path) -> None:
+def test_the_digest_of_values_is_covered_by_the_state_digest(tmp_path: Path) -> None:
     folder = _write(tmp_path / "data")
     state, _ = _saved(_loader(NpyFiles(folder), 0), 3)
     for made in ("0" * 16, "", "not a digest"):

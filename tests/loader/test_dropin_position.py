@@ -221,7 +221,7 @@ def test_every_field_that_places_the_stream_is_checked_at_load() -> None:
         next(iterator)
     state = loader.save_state_rank()
     for field, value in (("used", 6), ("epoch", 1), ("rank", 1)):
-        with pytest.raises(StateFormatError, match=r"checks\.position"):
+        with pytest.raises(StateFormatError, match=r"state\.digest"):
             make().restore_state_rank({**state, field: value})
     foreign = attrs.evolve(MapState.from_plain(state), used=999).to_plain()
     with pytest.raises(StateMismatchError, match=r"state\.used is 999.*26 batches"):

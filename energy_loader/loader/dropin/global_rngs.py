@@ -1,22 +1,34 @@
-"""Global RNGs the loader does not drive, under a map-style drop-in's sampler.
+"""The training process's global generators under a map-style drop-in: what the loader draws
+from them, takes back, keeps apart and checks, so that they come out of a restore where the
+uninterrupted run has them.
 
-A sampler may draw its order from python's global ``random`` (``random.shuffle`` in its
-``__iter__``), from numpy's global RNG (``np.random.permutation``), or from torch's global
-generator while the loader believes it does not (a sampler without a ``generator`` attribute
-under a loader given ``generator=``): generators the training process draws from too, whose
-states the loader does not capture (:class:`~.sampling.SamplerRng` covers the generators it
-knows of). The engine (:mod:`.map_style`) compares their states around the sampler's first
-draws of each epoch (``iter(sampler)``, and its first pull), and where those draws moved one:
+A drop-in loader shares generators with the training process: torch's global generator (torch
+draws each epoch's base seed from it, and a sampler without a generator its order), and
+python's and numpy's global RNGs (a sampler may draw its order from ``random.shuffle`` or
+``np.random.permutation``). The training step draws from them too, so every draw the loader
+makes or skips moves the training's numbers. This module holds each rule of that account, with
+a named type for each decision the engine (:mod:`.map_style`) and the index stream
+(:mod:`.stream`) carry through an epoch:
 
-- its states before those draws (:class:`GlobalStart`) go into every state saved in that
-  epoch, so a restore re-runs the sampler from them, and puts the training process's states
-  back after (:func:`put`);
-- a digest of its state *at each save* (:func:`digests_now`) goes in too. The next epochs
-  draw their orders from wherever the training process's generator stands then, so a restore
-  continues them only if the restarted program put that state back (``random.setstate`` of
-  the ``random.getstate()`` it saved with the checkpoint, ``np.random.set_state`` likewise).
-  The restore compares at its first ``iter()``, before anything moves, and refuses
-  otherwise with :func:`refusal`.
+- **torch's base-seed draw** (:class:`BaseSeedDraw`, :class:`BaseSeedFix`): torch draws a base
+  seed when it makes an iterator (every epoch, or once with persistent workers); the job draws
+  one per epoch (once with persistent workers) and none in a restored epoch (the saving run
+  drew it), nor, from the second epoch on, from the training's global generator
+  (:func:`job_draws_base_seed`). The engine takes back or adds the difference.
+- **the sampler's own stream** (:class:`PrivateGlobal`): from the second epoch on, a sampler
+  that draws from torch's global generator draws from a stream of its own (a function of the
+  job's seed and the epoch, :func:`epoch_stream_state`), entered around each of its draws and
+  left with the training's generator as it was; also the first epoch of a start pinned by a
+  save whose generators moved since (:func:`start_pinned`), which owes that stream torch's
+  base-seed draw (:class:`StreamBaseDraw`).
+- **global RNGs a sampler draws from unseen** (python's, numpy's, and torch's where the loader
+  does not capture it): their states before the epoch's first draws (:class:`GlobalStart`, as
+  :class:`DrawnGlobals` finds them) go into every state saved in the epoch, so that a replay
+  starts from them; a digest of each at the save (:func:`digests_now`) lets a restore refuse
+  a program that has them elsewhere (:func:`check_saved_globals`; for a pinned start, once the
+  sampler drew, :class:`PinWatch`), since the next epochs draw from wherever they stand.
+- **a restore's replay** keeps all of them: :func:`training_generators_kept` puts back what
+  the re-run of the sampler moved.
 
 A state saved before the first ``iter()`` holds the digests of all of them (what the sampler
 draws from is not known yet); the restore then refuses only if its sampler draws from one that
@@ -28,36 +40,58 @@ nothing unless the sampler draws from one of them, then a digest of its state (p
 ``getstate()``, ~20 us; numpy's key read in place through its ``ctypes`` interface, ~3 us;
 torch's ~3 us).
 
-Not here: torch's generators (:mod:`.sampling`), the state's layout (:mod:`.state`).
+Not here: the generators that drive the sampler (:class:`~.sampling.SamplerRng`), the state's
+layout (:mod:`.state`), the bytes of a saved RNG state (:mod:`.encoding`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import enum
 import hashlib
 import random
 import struct
+import warnings
 from array import array
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
+import attrs
 import numpy as np
 import torch
 
 from ...errors import StateFormatError, StateMismatchError
-from ...state.digests import digest
-from .encoding import decode_bytes, decode_generator_states, encode_bytes, encode_generator_states
+from ...rng import fold_key, stable_hash
+from .encoding import NUMPY_WORDS, decode_global_state, encode_global_state
+
+if TYPE_CHECKING:
+    from .pin import Pin
+    from .sampling import SamplerRng
+    from .stream import Epoch
 
 __all__ = [
     "NAMES",
+    "BaseSeedDraw",
+    "BaseSeedFix",
+    "DrawnGlobals",
     "GlobalStart",
+    "PinWatch",
+    "PrivateGlobal",
+    "StreamBaseDraw",
     "capture",
+    "check_saved_globals",
     "digests_now",
+    "draws_in_own_stream",
     "elsewhere",
+    "epoch_stream_state",
+    "job_draws_base_seed",
     "moved",
-    "moved_since_pin",
     "put",
+    "read_digests",
     "refusal",
+    "start_pinned",
+    "training_generators_kept",
     "watched",
 ]
 
@@ -73,8 +107,140 @@ _CALLS = {
     "numpy": "`np.random.set_state(...)` of the `np.random.get_state()` saved with it",
     "torch": "`torch.set_rng_state(...)` of the `torch.get_rng_state()` saved with it",
 }
-_NUMPY_WORDS = 624
-_NUMPY_BYTES = 4 * _NUMPY_WORDS + 16  # key, then pos, has_gauss (uint32) and the gaussian
+
+
+# -- torch's base-seed draw ----------------------------------------------------------------------
+
+
+class BaseSeedFix(enum.Enum):
+    """What an ``iter()`` does about torch's base-seed draw from the loader's generator."""
+
+    KEEP = "keep"  # torch draws exactly when the job draws
+    TAKE_BACK = "take back"  # torch draws one the job does not: the generator is put back
+    ADD = "add"  # the job draws one torch does not (a persistent iterator): it is drawn
+
+
+def job_draws_base_seed(
+    epoch_number: int, *, resumed: bool, persistent: bool, from_global: bool, in_stream: bool
+) -> bool:
+    """Whether the uninterrupted job draws torch's base seed from the loader's generator as
+    this epoch's iterator is made: once an epoch (once, at epoch 0, with persistent workers),
+    except in a restored epoch (the saving run drew it before the save), from the second epoch
+    on when the generator is the training's global one (the sampler's own stream does, if it
+    draws), and where the epoch's own stream takes the draw (``in_stream``: a pinned start)."""
+    if resumed or (from_global and epoch_number >= 1) or in_stream:
+        return False
+    return epoch_number == 0 or not persistent
+
+
+@attrs.define
+class BaseSeedDraw:
+    """The engine's account of torch's base-seed draw, one ``iter()`` at a time.
+
+    :meth:`expect` compares whether torch's new iterator draws with whether the job draws
+    (:func:`job_draws_base_seed`); where torch draws one too many, :meth:`note_before_draw`
+    keeps the generator's state right before torch draws (it draws just after opening the task
+    stream, once), and :meth:`settle` puts it back; where torch draws none but the job does
+    (persistent workers), :meth:`settle` draws it. :meth:`settle` runs once per ``iter()``,
+    before the epoch's first unit: right after ``iter()`` without workers, else at the first
+    pull or save.
+    """
+
+    generator: torch.Generator
+    fix: BaseSeedFix = BaseSeedFix.KEEP
+    before: torch.Tensor | None = None
+
+    def expect(self, *, torch_draws: bool, job_draws: bool) -> None:
+        if torch_draws == job_draws:
+            self.fix = BaseSeedFix.KEEP
+        else:
+            self.fix = BaseSeedFix.TAKE_BACK if torch_draws else BaseSeedFix.ADD
+        self.before = None
+
+    def note_before_draw(self) -> None:
+        if self.fix is BaseSeedFix.TAKE_BACK and self.before is None:
+            self.before = self.generator.get_state()
+
+    def settle(self) -> None:
+        fix, self.fix = self.fix, BaseSeedFix.KEEP
+        if fix is BaseSeedFix.TAKE_BACK and self.before is not None:
+            self.generator.set_state(self.before)
+        elif fix is BaseSeedFix.ADD:
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        self.before = None
+
+
+# -- the sampler's own stream of torch's global generator ---------------------------------------
+
+
+class StreamBaseDraw(enum.Enum):
+    """torch's base-seed draw that a pinned start's first epoch makes in its own stream."""
+
+    NONE = "none"  # the stream takes no base-seed draw
+    DUE = "due"  # torch draws it from the global generator after the stream it opens next
+    OWED = "owed"  # torch drew it: the stream draws one before the sampler draws again
+
+
+def epoch_stream_state(seed: int, epoch: int) -> torch.Tensor:
+    """The state torch's global generator has, for the sampler only, at the start of epoch
+    ``epoch`` >= 1 of a job whose loader has no ``generator`` (see :class:`PrivateGlobal`)."""
+    value = fold_key(fold_key(stable_hash("dropin-sampler"), seed), epoch)
+    return torch.Generator().manual_seed(value).get_state()
+
+
+def draws_in_own_stream(rng: SamplerRng, epoch_number: int) -> bool:
+    """Whether the sampler draws epoch ``epoch_number`` from a stream of its own: from the
+    second epoch on, where it draws from torch's global generator."""
+    return rng.uses_global and rng.draws and epoch_number >= 1
+
+
+class PrivateGlobal:
+    """torch's global generator, swapped for the epoch's own stream while the sampler draws.
+
+    Why: torch draws a loader's shuffle from the global generator at each ``iter()`` when no
+    ``generator`` is given, and the training step draws from it too (dropout), so the order
+    of the epochs after a restore would depend on draws a restored job cannot repeat. From
+    the second epoch on the sampler draws from a stream of its own (a function of the job's
+    seed and the epoch), entered around every pull and left with the training process's
+    generator exactly as it was. ``base_draw``: torch's base-seed draw this stream takes
+    instead of the training's generator (a pinned start, :func:`start_pinned`).
+    """
+
+    __slots__ = ("_user", "base_draw", "state")
+
+    def __init__(self, state: torch.Tensor, base_draw: StreamBaseDraw = StreamBaseDraw.NONE):
+        self.state = state
+        self.base_draw = base_draw
+        self._user: torch.Tensor | None = None
+
+    def __enter__(self) -> PrivateGlobal:
+        self._user = torch.default_generator.get_state()
+        torch.default_generator.set_state(self.state)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.state = torch.default_generator.get_state()
+        assert self._user is not None
+        torch.default_generator.set_state(self._user)
+        self._user = None
+
+    def takes_base_draw(self) -> bool:
+        return self.base_draw is not StreamBaseDraw.NONE
+
+    def torch_opened_stream(self) -> None:
+        """torch opened the task stream: it draws its base seed right after."""
+        if self.base_draw is StreamBaseDraw.DUE:
+            self.base_draw = StreamBaseDraw.OWED
+
+    def pay_base_draw(self) -> None:
+        """Draw, in this stream, the base seed torch drew from the training's generator."""
+        if self.base_draw is StreamBaseDraw.OWED:
+            with self:
+                torch.empty((), dtype=torch.int64).random_()
+            self.base_draw = StreamBaseDraw.NONE
+
+
+# -- global RNGs a sampler draws from unseen ----------------------------------------------------
 
 
 def watched(loader_drives_torch_global: bool) -> tuple[str, ...]:
@@ -123,6 +289,34 @@ def put(states: Mapping[str, Any]) -> None:
             torch.default_generator.set_state(state)
 
 
+class DrawnGlobals:
+    """Which of the watched global RNGs a call moves: captured before it, compared after
+    (:meth:`before_moved`)."""
+
+    __slots__ = ("before",)
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.before = capture(names)
+
+    def before_moved(self) -> dict[str, Any]:
+        """The states before the call of those the call moved (by name)."""
+        return {name: self.before[name] for name in moved(self.before, capture(self.before))}
+
+
+@contextlib.contextmanager
+def training_generators_kept(torch_global: bool, names: Iterable[str]) -> Iterator[None]:
+    """Put torch's global generator (``torch_global``) and the named global RNGs back as they
+    were, whatever the block draws or sets (a restore's re-run of the sampler)."""
+    kept_torch = torch.default_generator.get_state() if torch_global else None
+    kept = capture(names)
+    try:
+        yield
+    finally:
+        if kept_torch is not None:
+            torch.default_generator.set_state(kept_torch)
+        put(kept)
+
+
 def _numpy_global() -> Any:
     """The ``RandomState`` behind ``np.random.*``'s functions."""
     return np.random.get_state.__self__  # type: ignore[attr-defined]
@@ -134,18 +328,10 @@ def _numpy_key_bytes() -> bytes:
     tells a restored state from another; only a state one cached gaussian apart slips by."""
     try:
         address = _numpy_global()._bit_generator.ctypes.state_address
-        return ctypes.string_at(address, 4 * _NUMPY_WORDS + 4)
+        return ctypes.string_at(address, 4 * NUMPY_WORDS + 4)
     except (AttributeError, TypeError, ValueError):  # another numpy's internals
         state: Any = np.random.get_state()
         return bytes(state[1].astype("<u4").tobytes()) + struct.pack("<i", state[2])
-
-
-def _python_bytes(state: Any) -> bytes:
-    version, internal, gauss = state
-    head = struct.pack("<II", int(version), len(internal))
-    words = struct.pack(f"<{len(internal)}I", *internal)
-    tail = b"\x00" + bytes(8) if gauss is None else b"\x01" + struct.pack("<d", gauss)
-    return head + words + tail
 
 
 def _hex(raw: bytes) -> str:
@@ -173,59 +359,16 @@ def digests_now(names: Iterable[str]) -> dict[str, str]:
     return out
 
 
-def _encode(name: str, state: Any) -> str:
-    if name == "python":
-        raw = _python_bytes(state)
-    elif name == "torch":
-        return encode_generator_states([state])[0]
-    else:
-        kind, key, pos, has_gauss, gaussian = state
-        if kind != "MT19937":
-            raise ValueError(f"numpy's global RNG is a {kind}, not MT19937")
-        raw = bytes(np.asarray(key, dtype="<u4").tobytes())
-        raw += struct.pack("<IId", int(pos), int(has_gauss), float(gaussian))
-    return encode_bytes(raw)
-
-
-def _decode(name: str, text: Any, path: str) -> Any:
-    if name == "torch":
-        return decode_generator_states([text], path)[0]
-    raw = decode_bytes(text, path)
-    if name == "numpy":
-        if len(raw) != _NUMPY_BYTES:
-            raise StateFormatError(
-                f"{path} holds {len(raw)} bytes; numpy's global RNG state has {_NUMPY_BYTES}"
-            )
-        key = np.frombuffer(raw[: 4 * _NUMPY_WORDS], dtype="<u4").astype(np.uint32)
-        pos, has_gauss, gaussian = struct.unpack("<IId", raw[4 * _NUMPY_WORDS :])
-        if pos > _NUMPY_WORDS:
-            raise StateFormatError(f"{path}: position {pos} is past the key's {_NUMPY_WORDS}")
-        return ("MT19937", key, pos, has_gauss, gaussian)
-    if len(raw) < 17 or (len(raw) - 17) % 4:
-        raise StateFormatError(f"{path} holds {len(raw)} bytes: not a python random state")
-    version, count = struct.unpack("<II", raw[:8])
-    if 8 + 4 * count + 9 != len(raw):
-        raise StateFormatError(f"{path} holds {len(raw)} bytes, not {count} words and a tail")
-    internal = struct.unpack(f"<{count}I", raw[8 : 8 + 4 * count])
-    flag, gauss = raw[8 + 4 * count], struct.unpack("<d", raw[-8:])[0]
-    state = (version, internal, None if flag == 0 else gauss)
-    try:
-        random.Random().setstate(state)
-    except (ValueError, TypeError) as error:
-        raise StateFormatError(f"{path} is not a python random state: {error}") from None
-    return state
-
-
 class GlobalStart:
     """Where the global RNGs a sampler drew from stood before its first draws of an epoch.
 
     ``at_iter``: their states before ``iter(sampler)``, for those that call moved; ``start``:
     before the sampler's first pull, for those that pull moved (by name; the others are
     absent). A restore puts ``at_iter`` before ``iter(sampler)`` and ``start`` after it, as it
-    does with torch's generator states. The plain form and its digest are built once.
+    does with torch's generator states. The plain form is built once.
     """
 
-    __slots__ = ("_check", "_plain", "at_iter", "names", "start")
+    __slots__ = ("_plain", "at_iter", "names", "start")
 
     def __init__(
         self,
@@ -239,28 +382,18 @@ class GlobalStart:
         # The global RNGs the sampler drew from, in NAMES order.
         self.names = tuple(name for name in NAMES if name in self.at_iter or name in self.start)
         self._plain = plain
-        self._check: str | None = None
 
     def to_plain(self) -> dict[str, dict[str, str | None]]:
         """``{"python": {"at_iter": "<base64>" | None, "start": ...}, ...}``."""
         if self._plain is None:
             self._plain = {
                 name: {
-                    part: None if name not in states else _encode(name, states[name])
+                    part: None if name not in states else encode_global_state(name, states[name])
                     for part, states in (("at_iter", self.at_iter), ("start", self.start))
                 }
                 for name in self.names
             }
         return self._plain
-
-    def check(self) -> str:
-        """The digest of :meth:`to_plain` (``state.checks.global_rngs``)."""
-        if self._check is None:
-            plain = self.to_plain()
-            self._check = digest(
-                "global_rngs", tuple((n, plain[n]["at_iter"], plain[n]["start"]) for n in plain)
-            )
-        return self._check
 
     @classmethod
     def from_plain(cls, value: Any, path: str) -> GlobalStart:
@@ -278,13 +411,8 @@ class GlobalStart:
                 raise StateFormatError(f"{path}.{name} holds no state")
             for part, states in (("at_iter", at_iter), ("start", start)):
                 if parts[part] is not None:
-                    states[name] = _decode(name, parts[part], f"{path}.{name}.{part}")
+                    states[name] = decode_global_state(name, parts[part], f"{path}.{name}.{part}")
         return cls(at_iter, start, plain={n: dict(value[n]) for n in NAMES if n in value})
-
-
-def no_global_start_check() -> str:
-    """``state.checks.global_rngs`` of a state whose sampler drew from neither."""
-    return digest("global_rngs", None)
 
 
 def read_digests(value: Any, path: str) -> dict[str, str] | None:
@@ -321,7 +449,20 @@ def refusal(names: Iterable[str], chain: str) -> StateMismatchError:
     )
 
 
-def moved_since_pin(names: Iterable[str], chain: str) -> str:
+def check_saved_globals(
+    start: GlobalStart | None, at_save: Mapping[str, str] | None, chain: str
+) -> None:
+    """Refuse (``StateMismatchError``) a restore of a started epoch whose sampler drew from
+    global RNGs that the restarted program has elsewhere than the saving one had them at the
+    save (``start``: what the saved epoch drew from; ``at_save``: the save's digests)."""
+    if start is None or at_save is None:
+        return
+    found = elsewhere({name: at_save[name] for name in start.names if name in at_save})
+    if found:
+        raise refusal(found, chain)
+
+
+def _moved_since_pin(names: Iterable[str], chain: str) -> str:
     """The warning of a loader whose sampler drew its first order from global RNGs that moved
     between a save before its first ``iter()`` and that ``iter()``."""
     what = " and ".join(_WHAT[name] for name in names)
@@ -333,3 +474,48 @@ def moved_since_pin(names: Iterable[str], chain: str) -> str:
         "the loader's state right before the first iter(), or give the sampler a generator of "
         "its own"
     )
+
+
+@attrs.frozen
+class PinWatch:
+    """The global RNGs a pinned start found elsewhere than at the save (``names``): the
+    sampler must not draw its first order from them. A restore refuses (``refuses``); the
+    loader that saved the pin warns (its order cannot be drawn again by a restore)."""
+
+    names: tuple[str, ...]
+    refuses: bool
+
+    def check(self, drawn: Iterable[str], chain: str) -> None:
+        """Refuse or warn where the sampler drew from a watched RNG (``drawn``: those it drew
+        from; ``chain``: the sampler, for the message)."""
+        found = [name for name in self.names if name in drawn]
+        if not found:
+            return
+        if self.refuses:
+            raise refusal(found, chain)
+        warnings.warn(_moved_since_pin(found, chain), stacklevel=3)
+
+
+def start_pinned(
+    epoch: Epoch,
+    pin: Pin,
+    rng: SamplerRng,
+    *,
+    base_from_global: bool,
+    verify: bool,
+    restored: bool,
+) -> None:
+    """The first epoch of a job whose start a save pinned (:mod:`.pin`): where the generators
+    that drive the sampler moved since the save, they are set to the pinned states, and a
+    sampler that draws from torch's global generator draws from the pinned state in a stream
+    of its own, which takes torch's base-seed draw where torch draws it from the global
+    generator (``base_from_global``). With ``verify``, the global RNGs found elsewhere than at
+    the save are watched (:class:`PinWatch`; a ``restored`` pin refuses)."""
+    states = pin.start.states
+    if states is not None and pin.moved(rng):
+        rng.put_own(states)
+        if rng.uses_global:
+            draw = StreamBaseDraw.DUE if base_from_global else StreamBaseDraw.NONE
+            epoch.private = PrivateGlobal(states[0], draw)
+    if verify:
+        epoch.watch = PinWatch(elsewhere(pin.at_save), refuses=restored)

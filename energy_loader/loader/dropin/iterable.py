@@ -227,10 +227,9 @@ class IterableEngine(DropInRestore):
     def decode_one(self, state: Any) -> IterableState:
         return IterableState.from_plain(state)
 
-    def check(self, state: IterableState) -> None:
-        self._inner_plan(state)
-
-    def _inner_plan(self, state: IterableState) -> Any:
+    def plan_record(self, state: IterableState) -> tuple[IterableState, Any]:
+        """The state with the inner pipeline's plan of it: checked against this loader's
+        workers and config, then planned by the pipeline engine (its own checks)."""
         saved = state.config
         if isinstance(saved, dict) and saved.get("num_workers") != self.num_workers:
             raise StateMismatchError(
@@ -240,17 +239,18 @@ class IterableEngine(DropInRestore):
                 f"num_workers={saved.get('num_workers')} (a savable pipeline restores on any)"
             )
         check_config(saved, self.state_config)
-        return self.inner.plan(self.inner.decode([state.pipeline]))
+        return state, self.inner.plan(self.inner.decode([state.pipeline]))
 
     def stats(self) -> dict[str, Any]:
         return self.inner.stats()
 
-    def rank_free(self, state: IterableState) -> bool:
+    def rank_free(self, config: dict[str, Any]) -> bool:
         """An iterable dataset's state is its rank's own stream."""
         return False
 
-    def restore_record(self, state: IterableState) -> None:
-        self.inner.apply(self._inner_plan(state))
+    def apply_record(self, plan: tuple[IterableState, Any]) -> None:
+        state, inner_plan = plan
+        self.inner.apply(inner_plan)
         self._job_persistent = state.persistent
         loader = self._owner()
         if loader is not None and loader.generator is not None and state.generator is not None:

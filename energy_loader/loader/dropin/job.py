@@ -14,7 +14,7 @@ Which loaders. Those under a ``DistributedSampler`` of several replicas: their r
 one dataset's epochs and every rank iterates them together (a state of one restores any
 layout). A loader with another sampler exchanges nothing (it may run on some ranks only,
 such as an evaluation on rank 0, and restores on the world size that saved it, each rank its
-own state): it keeps its own hash and no id, as before.
+own state): it keeps its own hash and no id.
 
 How. At the first ``iter()`` of a job, and at the first after a restore, every rank of the
 loader's data-parallel group sends (restored?, seed, id, a fresh id) with one
@@ -25,9 +25,8 @@ save), else every rank raises the same ``StateMismatchError``. Every rank of the
 call ``iter()`` then, as with torch's: a rank that never does leaves the others waiting up to
 the process group's timeout (``init_process_group(timeout=...)``), after which they raise.
 One process (no process group, or a group of one): nothing is exchanged and the job keeps its
-own hash and no id, as before. The order of a sampler that draws from torch's global
-generator stays each rank's own (``JobStart.sampler_seed``): only the per-sample seeds are
-the job's.
+own hash and no id. The order of a sampler that draws from torch's global generator stays each
+rank's own (``JobStart.sampler_seed``): only the per-sample seeds are the job's.
 
 :func:`check_one_save` is the same rule where saved rank states meet at a restore (a gathered
 list, a folder of per-rank files, a checkpoint of every rank's entries).
@@ -103,14 +102,14 @@ def _verdict(job: JobStart, everyone: list[Any]) -> JobStart:
             "first iter(), or none"
         )
     first = everyone[0]
-    if not restored:  # a new job: rank 0's seed and id, this rank's own order
-        return attrs.evolve(job, seed=first[1], id=first[3], sampler_seed=job.order_seed)
+    if not restored:  # a new job: rank 0's seed and id (its order stays this rank's own)
+        return attrs.evolve(job, seed=first[1], id=first[3])
     ids = {entry[2] for entry in everyone}
     seeds = {entry[1] for entry in everyone}
-    if ids == {None}:  # saved by one process, or before job ids
+    if ids == {None}:  # saved where no process group shared a job (one process per save)
         if len(seeds) == 1:  # one job: name it now
             return attrs.evolve(job, id=first[3])
-        return job  # ranks of a job from before job ids, each with its own seed: as saved
+        return job  # ranks that each hashed their own seed: each continues its own
     if len(ids) > 1 or len(seeds) > 1:
         raise StateMismatchError(
             "the ranks restored states of different jobs or runs: "
@@ -165,10 +164,9 @@ def check_one_save(states: Sequence[Any], *, across: bool) -> None:
         what = (
             "another run's or another job's state is mixed in"
             if len(ids) > 1
-            else "their ranks held their own job seeds (no DistributedSampler, no process "
-            "group at the first iter(), or a release before job seeds were shared), so one "
-            "rank's state cannot continue the others' samples: restore on the world size "
-            "that saved them, each rank from its own state"
+            else "their ranks held their own job seeds (no DistributedSampler, or no process "
+            "group at the first iter()), so one rank's state cannot continue the others' "
+            "samples: restore on the world size that saved them, each rank from its own state"
         )
         raise StateMismatchError(
             f"the rank states given do not belong to one save of one job ({listed}): {what}. "

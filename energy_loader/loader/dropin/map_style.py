@@ -25,7 +25,6 @@ no batches left (saved after its last batch).
 from __future__ import annotations
 
 import collections
-import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -42,35 +41,17 @@ from ...worker import WorkerConfig
 from ...workers.bundling import BUNDLE_SECONDS, bundle_bytes
 from ...workers.fetch import BatchFetcher, FetchResult, FetchTask, WorkerInit
 from . import global_rngs
-from .epoch_begin import EpochBeginning
+from .global_rngs import BaseSeedDraw, PrivateGlobal
 from .job import agree_on_job
 from .pin import Pin
-from .position import (
-    own_generators_digest,
-    saved_after_last_batch,
-)
+from .position import saved_after_last_batch
 from .restore import DropInRestore
-from .sampling import (
-    PrivateGlobal,
-    SamplerRng,
-    describe_chain,
-    epoch_global_state,
-    epoch_seed,
-    job_seed,
-)
+from .sampling import SamplerRng, describe_chain, epoch_seed, job_seed
 from .state import JobStart, MapState
-from .stream import (
-    Epoch,
-    IndexStream,
-    check_restorable,
-    distributed_config,
-    sampled_length,
-)
+from .stream import Epoch, IndexStream, check_restorable, distributed_config, point_at_rank
 from .values import ValuesCheck
 
 __all__ = ["MapEngine"]
-
-_END = object()
 
 
 def _identity(item: Any) -> Any:
@@ -90,7 +71,7 @@ class _TaskSampler(Sampler[FetchTask]):
         return engine.open_stream()
 
 
-class MapEngine(EpochBeginning, DropInRestore):
+class MapEngine(DropInRestore):
     """Runs and records a map-style drop-in loader (owned by the loader, one per loader)."""
 
     def __init__(
@@ -125,8 +106,6 @@ class MapEngine(EpochBeginning, DropInRestore):
         )
         index_sampler = index_sampler_of(loader)
         self.rng = rng = SamplerRng(loader.generator, index_sampler)
-        # The global RNGs the sampler may draw from unseen, watched at each epoch's start.
-        self.watched = global_rngs.watched(rng.uses_global)
         # The index stream and where it stands (stream.py): what a save records, what a
         # restore re-derives and checks.
         self.stream = IndexStream(
@@ -143,11 +122,9 @@ class MapEngine(EpochBeginning, DropInRestore):
         self.index_sampler = index_sampler
         self.stateful = self.stream.stateful
         self.distributed = self.stream.distributed
-        self.base_seed_generator = loader.generator or torch.default_generator
-        # The base-seed draw this iter() must take back ("undo") or add ("draw") so that the
-        # loader's generator moves as in the uninterrupted job (see iterate()).
-        self.base_fixup: str | None = None
-        self.before_base_seed: torch.Tensor | None = None
+        # torch's base-seed draw from the loader's generator, taken back or added at each
+        # iter() so that the generator moves as in the uninterrupted job (global_rngs.py).
+        self.base_seed = BaseSeedDraw(loader.generator or torch.default_generator)
         self.job: JobStart | None = None  # set at the job's first iter()
         # The job's start, pinned by a save before the first iter() or restored from one
         # (pin.py); taken by the next iter().
@@ -194,6 +171,11 @@ class MapEngine(EpochBeginning, DropInRestore):
         """What a state must agree with (dataset, sampler, generators, batching)."""
         return self.stream.config
 
+    @property
+    def length(self) -> int | None:
+        """Batches per epoch (the sampler's ``len()``), None without one."""
+        return self.stream.length
+
     def rank_length(self) -> int:
         """torch's ``len(loader)``: batches per epoch (the sampler's length)."""
         loader = self._owner()
@@ -211,44 +193,33 @@ class MapEngine(EpochBeginning, DropInRestore):
         """A new epoch (or the restored one): torch's ``iter(loader)``."""
         pending = self.pending
         if pending is not None and pending.started and self.stream.verify:
-            self._check_global_rngs(pending)  # (raises with the restore still pending)
+            # (raises with the restore still pending)
+            global_rngs.check_saved_globals(
+                pending.start.global_start, pending.global_rngs_at_save, self.chain()
+            )
         self.generation += 1
         self.pending = None
         previous = self.epoch
-        if pending is not None:
-            self.job = pending.job
-        saved = self.job
         pin, self.pin = self.pin, None
-        if pin is not None:  # the job's first iter(), its start pinned by a save (pin.py)
-            fresh, job = True, pin.job_for(pending, self.worker_config, self.base_seed_generator)
-        elif saved is None or saved.seed is None:  # the job's first iter()
-            persistent = self.persistent_workers if saved is None else saved.persistent
-            workers = (
-                self.num_workers > 0 if saved is None or saved.workers is None else saved.workers
-            )
-            hashed = job_seed(self.base_seed_generator)
-            fresh, job = True, JobStart(hashed, persistent, workers=workers)
-        else:
-            fresh, job = False, saved
-        if (fresh or not self.agreed) and self.shares_job:  # one job seed and id (job.py)
-            job = agree_on_job(job, not fresh, self.worker_config)
-            self.agreed = True
-        self.job = job
-        seed = job.seed
-        assert seed is not None
+        job = self._job_for_iter(pending, pin)
         epoch = Epoch(0 if previous is None else previous.number + 1)
         if pending is not None and pending.started:
             epoch = self.stream.resume(pending)
-        epoch.seed = epoch_seed(seed, epoch.number)
-        rng = self.rng
-        if rng.uses_global and rng.draws and epoch.number >= 1 and epoch.resume is None:
-            order = job.order_seed
-            assert order is not None
-            epoch.private = PrivateGlobal(epoch_global_state(order, epoch.number))
-        if pin is not None:
-            self._start_pinned(epoch, pin, restored=pending is not None)
+        epoch.seed = epoch_seed(job.seed, epoch.number)
         if epoch.resume is None:
             epoch.iter_calls = job.iter_calls(epoch.number)
+            if global_rngs.draws_in_own_stream(self.rng, epoch.number):
+                state = global_rngs.epoch_stream_state(job.sampler_seed, epoch.number)
+                epoch.private = PrivateGlobal(state)
+        if pin is not None:
+            global_rngs.start_pinned(
+                epoch,
+                pin,
+                self.rng,
+                base_from_global=self.base_seed.generator is torch.default_generator,
+                verify=self.stream.verify,
+                restored=pending is not None,
+            )
         self.epoch = epoch
         self.bundle = 1
         self.trips = 0
@@ -259,76 +230,72 @@ class MapEngine(EpochBeginning, DropInRestore):
             self.torch_iterator = None
         if self.transport is not None and new_iterator:
             self.fetcher.transport = self.transport.open(self.num_workers)
-        # torch draws a base seed from the loader's generator when it makes a new internal
-        # iterator (every epoch, or once with persistent workers). The job draws one per
-        # epoch (once, at epoch 0, if it started with persistent workers) and none in a
-        # restored epoch (the saving run drew it), nor, from the second epoch on, from the
-        # training process's global generator: take back or add the difference.
-        from_global = self.base_seed_generator is torch.default_generator
-        # (a pinned start whose generators moved draws it in the epoch's own stream: pin.py)
-        elsewhere = epoch.base_draw is not None
-        if epoch.resume is not None or (from_global and epoch.number >= 1) or elsewhere:
-            wanted = False
-        else:
-            wanted = epoch.number == 0 or not job.persistent
-        self.base_fixup = None
-        if new_iterator != wanted:
-            self.base_fixup = "undo" if new_iterator else "draw"
-        self.before_base_seed = None
+        job_draws = global_rngs.job_draws_base_seed(
+            epoch.number,
+            resumed=epoch.resume is not None,
+            persistent=job.persistent,
+            from_global=self.base_seed.generator is torch.default_generator,
+            in_stream=epoch.private is not None and epoch.private.takes_base_draw(),
+        )
+        self.base_seed.expect(torch_draws=new_iterator, job_draws=job_draws)
         self.torch_iterator = iter(self.torch_loader)
-        self._fix_base_seed()  # if no pull happened inside iter() (num_workers=0)
+        self.base_seed.settle()  # if no pull happened inside iter() (num_workers=0)
         return _MapIterator(self, self.torch_iterator, self.generation)
+
+    def _job_for_iter(self, pending: MapState | None, pin: Pin | None) -> JobStart:
+        """The job this ``iter()`` runs: the restored one, a pinned one, or, at the job's first
+        ``iter()``, a new one (a hash of the generator torch draws the base seed from); agreed
+        with the other ranks where they share the job's epochs (job.py)."""
+        if pending is not None:
+            self.job = pending.job
+        if pin is not None:  # the job's first iter(), its start pinned by a save (pin.py)
+            fresh, job = True, pin.job_for(pending, self.worker_config, self.base_seed.generator)
+        elif self.job is None:  # the job's first iter()
+            seed = job_seed(self.base_seed.generator)
+            job = JobStart.new(
+                seed, persistent=self.persistent_workers, workers=self.num_workers > 0
+            )
+            fresh = True
+        else:
+            fresh, job = False, self.job
+        if (fresh or not self.agreed) and self.shares_job:  # one job seed and id (job.py)
+            job = agree_on_job(job, not fresh, self.worker_config)
+            self.agreed = True
+        self.job = job
+        return job
 
     def open_stream(self) -> Iterator[FetchTask]:
         """The epoch's task stream (torch may open it twice; the one it pulls is used)."""
         epoch = self.epoch
         if epoch is None:
             raise RuntimeError("the drop-in loader's task stream was opened outside iter()")
-        if epoch.resume is not None:
-            epoch.iterator = epoch.resume[0]
-            self._note_before_base_seed()
-            return self._tasks(epoch)
-        self._pay_base_draw(epoch)  # torch drew its base seed after the stream it opened last
-        calls = epoch.iter_calls
-        if epoch.iterator is None or calls is None or epoch.iters < calls:
-            self._iter_sampler(epoch)
-        # (else the job's iterator called iter(sampler) no more: this stream reuses the last)
-        if epoch.base_draw == "due":
-            epoch.base_draw = "owed"  # torch draws it right after this returns
-        self._note_before_base_seed()
+        self.stream.open(epoch)
+        self.base_seed.note_before_draw()  # torch draws it right after opening the stream
         return self._tasks(epoch)
+
+    def begin(self, epoch: Epoch) -> None:
+        """Once an epoch, before its first unit goes anywhere: torch's base-seed draw settled,
+        then the index stream begun (:meth:`IndexStream.begin`)."""
+        if epoch.begun:
+            return
+        epoch.begun = True
+        self.base_seed.settle()
+        self.stream.begin(epoch)
 
     def _tasks(self, epoch: Epoch) -> Iterator[FetchTask]:
         self.begin(epoch)
-        iterator = epoch.iterator
-        assert iterator is not None
+        self.stream.snapshot(epoch)
         seed = epoch.seed
-        stateful = self.stateful
-        recent = epoch.recent
-        if stateful is not None and epoch.pulled not in epoch.snapshots:
-            epoch.snapshots[epoch.pulled] = stateful.state_dict()
         while True:
-            units = []
             want = self.bundle
-            with epoch.sampling():
-                for _ in range(want):
-                    unit = next(iterator, _END)
-                    if unit is _END:
-                        break
-                    units.append(unit)
-                    recent.append((epoch.pulled, unit))
-                    epoch.pulled += 1
-                    if stateful is not None:
-                        epoch.snapshots[epoch.pulled] = stateful.state_dict()
-                if iterator.ended and not epoch.end_proof:
-                    epoch.end_proof = own_generators_digest(self.rng, self.rng.capture()) or "-"
+            units = self.stream.pull(epoch, want)
             if units:
                 yield FetchTask(epoch.pulled - len(units), tuple(units), seed)
             if len(units) < want:
                 epoch.exhausted = True
                 return
 
-    def received(self, result: FetchResult) -> None:
+    def count_trip(self, result: FetchResult) -> None:
         """Count the trip for ``stats()`` (the worker that made it: torch deals trips to its
         workers in turn), and adapt the bundle size to what it cost: grow while units are
         small and quick."""
@@ -337,30 +304,23 @@ class MapEngine(EpochBeginning, DropInRestore):
         counters["produce_s"] += result.seconds
         counters["items"] += result.count
         counters["bytes"] += result.nbytes
-        if result.count == 0:
-            return
-        per_second = result.seconds / result.count
-        per_bytes = result.nbytes / result.count
-        target = self.items_per_transfer
-        if per_second > 0:
-            target = min(target, int(BUNDLE_SECONDS / per_second))
-        if per_bytes > 0:
-            target = min(target, int(self.max_bytes / per_bytes))
-        self.bundle = max(1, min(2 * self.bundle, target))
+        if result.count:
+            self.bundle = _next_bundle(self.bundle, result, self.items_per_transfer, self.max_bytes)
 
-    def handed(self, epoch: Epoch) -> None:
-        epoch.hand_out()
+    def chain(self) -> str:
+        """The sampler chain, for messages: ``"BatchSampler(RandomSampler)"``."""
+        return str(self.stream.config["sampler"])
 
     # -- state ---------------------------------------------------------------------------------
 
     def record(self, rank: int, world_size: int, held_back: int) -> MapState:
         """The position ``held_back`` batches before the last handed out (timed for stats)."""
         began = clock()
-        state = self._position(rank, world_size, held_back)
+        state = self._state_at(rank, world_size, held_back)
         self.metrics.save(clock() - began)
         return state
 
-    def _position(self, rank: int, world_size: int, held_back: int) -> MapState:
+    def _state_at(self, rank: int, world_size: int, held_back: int) -> MapState:
         epoch = self.epoch
         if self.pending is not None:
             return self.pending
@@ -370,9 +330,10 @@ class MapEngine(EpochBeginning, DropInRestore):
             if self.pin is None:  # the job's start, as the next iter() takes it (pin.py)
                 self.pin = Pin.now(
                     self.rng,
-                    self.base_seed_generator,
-                    JobStart(None, self.persistent_workers, workers=self.num_workers > 0),
-                    self.watched,
+                    self.base_seed.generator,
+                    persistent=self.persistent_workers,
+                    workers=self.num_workers > 0,
+                    watched=self.stream.watched,
                 )
             return self.pin.state(rank, world_size, self.state_config)
         used = epoch.used - held_back
@@ -383,40 +344,20 @@ class MapEngine(EpochBeginning, DropInRestore):
             )
         if epoch.start is None:  # iter() made, nothing pulled yet: the stream starts now
             self.begin(epoch)
-        start = epoch.start
-        assert start is not None
-        rng, at_iter, rng_check, at_iter_check = start.encoded()
-        drawn = start.global_start
-        at_save = None if drawn is None else global_rngs.digests_now(drawn.names)
-        sampler_state = None
-        if self.stateful is not None:
-            if used not in epoch.snapshots:
-                raise ValueError(f"held_back={held_back} reaches further back than recorded")
-            sampler_state = epoch.snapshots[used]
-        return MapState(
-            rank,
-            world_size,
-            self.state_config,
-            True,
-            epoch.number,
-            used,
-            self.job,
-            rng,
-            at_iter,
-            sampler_state,
-            rng_check,
-            at_iter_check,
-            self.stream.distributed_of(epoch),
-            self.stream.proof(epoch, used),
-            drawn,
-            at_save,
-        )
+        job = self.job
+        assert job is not None  # (set by the iter() that made the epoch)
+        return self.stream.state_at(epoch, used, rank=rank, world_size=world_size, job=job)
 
     def decode_one(self, state: Any) -> MapState:
         return MapState.from_plain(state)
 
     def check(self, state: MapState) -> None:
+        """``StateMismatchError`` for a state this loader's stream cannot continue."""
         check_restorable(state, self.stream)
+
+    def plan_record(self, state: MapState) -> MapState:
+        self.check(state)
+        return state
 
     def set_distributed_rank(self, loader: DataLoader[Any], rank: int, num_replicas: int) -> None:
         """The ``DistributedSampler`` set to ``rank`` of ``num_replicas``, and what the engine
@@ -428,13 +369,7 @@ class MapEngine(EpochBeginning, DropInRestore):
             )
         if self.epoch is not None or self.pending is not None:
             raise ValueError("set_distributed_rank must come before the first iter() or restore")
-        size = sampled_length(sampler)
-        if sampler.drop_last and size % num_replicas:
-            sampler.num_samples = math.ceil((size - num_replicas) / num_replicas)
-        else:
-            sampler.num_samples = math.ceil(size / num_replicas)
-        sampler.total_size = sampler.num_samples * num_replicas
-        sampler.num_replicas, sampler.rank = num_replicas, rank
+        point_at_rank(sampler, rank, num_replicas)
         self.stream.length = _length_of(loader)
         self.stream.config = _config_of(loader, self.rng)
 
@@ -450,10 +385,10 @@ class MapEngine(EpochBeginning, DropInRestore):
         units = self.length if epoch.units is None else epoch.units
         return None if units is None else units - epoch.used
 
-    def rank_free(self, state: MapState) -> bool:
-        """Whether the state names the job's position, whichever rank saved it: under a
-        ``DistributedSampler`` every rank has used the same number of batches."""
-        return "DistributedSampler" in str(state.config.get("sampler"))
+    def rank_free(self, config: dict[str, Any]) -> bool:
+        """Whether a state of ``config`` names the job's position, whichever rank saved it:
+        under a ``DistributedSampler`` every rank has used the same number of batches."""
+        return "DistributedSampler" in str(config.get("sampler"))
 
     def restored_batches_used(self) -> int | None:
         """The batches of its epoch a restored state had used, until the next ``iter()``
@@ -461,8 +396,8 @@ class MapEngine(EpochBeginning, DropInRestore):
         pending = self.pending
         return pending.used if pending is not None and pending.started else None
 
-    def restore_record(self, state: MapState) -> None:
-        check_restorable(state, self.stream)
+    def apply_record(self, state: MapState) -> None:
+        """Continue from ``state`` (checked by :meth:`plan_record`) at the next ``iter()``."""
         pin = Pin.of(state)
         self.shutdown()
         self.pin = pin
@@ -487,8 +422,8 @@ class MapEngine(EpochBeginning, DropInRestore):
         # (the same process goes on: its global RNGs are where they belong, nothing to check,
         # nor a batch to re-make: it handed out its own)
         state = self.record(0, 1, 0)
-        proof = attrs.evolve(state.proof, made=None)
-        self.restore_record(attrs.evolve(state, global_rngs_at_save=None, proof=proof))
+        proof = attrs.evolve(state.proof, made="")
+        self.apply_record(attrs.evolve(state, global_rngs_at_save=None, proof=proof))
         self.agreed = True  # the same job goes on: nothing to agree on again
 
     def shutdown(self) -> None:
@@ -550,7 +485,7 @@ class _MapIterator:
         while not self._ready:
             if self._failure is not None:
                 failure, self._failure = self._failure, None
-                engine.handed(epoch)  # torch skips a failed batch too
+                epoch.hand_out()  # torch skips a failed batch too
                 if isinstance(failure, ExceptionWrapper):
                     failure.reraise()
                 raise failure
@@ -560,13 +495,13 @@ class _MapIterator:
                 self._finished = True
                 epoch.ended = True
                 raise
-            engine.received(result)
+            engine.count_trip(result)
             epoch.note_made(result.first, result.made)
             decoding = clock()
             self._ready.extend(result.batches())
             self._decode_s += clock() - decoding
             self._failure = result.failure
-        engine.handed(epoch)
+        epoch.hand_out()
         decode_s, self._decode_s = self._decode_s, 0.0
         engine.metrics.item(began, decode_s)
         return self._ready.popleft()
@@ -601,6 +536,20 @@ def _config_of(loader: DataLoader[Any], rng: SamplerRng) -> dict[str, Any]:
         "batch_size": None if loader.batch_size is None else int(loader.batch_size),
         "drop_last": bool(loader.drop_last),
     }
+
+
+def _next_bundle(bundle: int, result: FetchResult, items_per_transfer: int, max_bytes: int) -> int:
+    """The units of the next task: twice ``bundle`` while a unit is small and quick to make,
+    at most what fills ``BUNDLE_SECONDS`` or ``max_bytes`` (``result``: the last trip, of at
+    least one unit) and ``items_per_transfer``."""
+    per_second = result.seconds / result.count
+    per_bytes = result.nbytes / result.count
+    target = items_per_transfer
+    if per_second > 0:
+        target = min(target, int(BUNDLE_SECONDS / per_second))
+    if per_bytes > 0:
+        target = min(target, int(max_bytes / per_bytes))
+    return max(1, min(2 * bundle, target))
 
 
 def _length_of(loader: DataLoader) -> int | None:

@@ -13,7 +13,7 @@ from typing import Any
 from ...rng import kept_rng_state
 from ...workers.fetch import FetchTask
 from .map_style import MapEngine
-from .position import plain_unit, positioned_iterator, start_of
+from .position import plain_unit, positioned_iterator
 from .sampling import epoch_seed
 from .state import MapState
 
@@ -38,11 +38,10 @@ def peek_units(engine: MapEngine, count: int, saved: MapState | None = None) -> 
         raise ValueError(
             "nothing to peek before the first iter(): torch draws the epoch's order then"
         )
-    start = start_of(state)
     kept = engine.rng.capture()
     try:
         iterator = positioned_iterator(
-            engine.index_sampler, engine.rng, start, state.used, None, engine.length
+            engine.index_sampler, engine.rng, state.start, state.used, None, engine.length
         ).iterator
         if iterator is None:
             return []
@@ -55,10 +54,9 @@ def make_units(engine: MapEngine, units: list[Any], saved: MapState) -> list[Any
     """The batches of ``units`` (from :func:`peek_units` of ``saved``) made in this process
     as the workers made them in ``saved``'s epoch: by the loader's own fetcher, with the
     epoch's per-sample seeds and the ``collate_fn`` (the global RNGs put back after)."""
-    job = saved.job
-    if not saved.started or job is None or job.seed is None:
+    if not saved.started:
         raise ValueError("nothing was made before the first iter(): no batches to make")
-    task = FetchTask(saved.used, tuple(units), epoch_seed(job.seed, saved.epoch))
+    task = FetchTask(saved.used, tuple(units), epoch_seed(saved.job.seed, saved.epoch))
     with kept_rng_state():  # the fetcher keeps them only when it seeds
         result = engine.fetcher[task]
     if result.failure is not None:

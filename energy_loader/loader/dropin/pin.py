@@ -17,10 +17,10 @@ first epoch from the pin (:meth:`Pin.moved` tells which way):
 - where they moved (the restarted program drew more before iterating, or the script drew
   between the save and its ``iter()``), the loader sets its own generators (``generator=``, a
   sampler's) to the pinned states and lets the sampler draw from torch's global generator *as
-  pinned*, in a stream of its own for the first epoch (:class:`~.sampling.PrivateGlobal`),
-  adding torch's base-seed draw to that stream where torch draws it from the global generator.
-  The training process's global generator is left as it is, as after any restore (torch's
-  base-seed draw from it is taken back).
+  pinned*, in a stream of its own for the first epoch (:class:`~.global_rngs.PrivateGlobal`),
+  adding torch's base-seed draw to that stream where torch draws it from the global generator
+  (:func:`~.global_rngs.start_pinned`). The training process's global generator is left as it
+  is, as after any restore (torch's base-seed draw from it is taken back).
 
 A pin holds digests of the global RNGs the loader does not drive (python's, numpy's, and
 torch's where no generator state covers it) at the save too (:mod:`.global_rngs`): a restored
@@ -37,11 +37,10 @@ import warnings
 import attrs
 import torch
 
-from ...state.digests import digest
 from ...worker import WorkerConfig
 from . import global_rngs
-from .sampling import SamplerRng, job_seed
-from .state import JobStart, MapState, decode_generator_states, encode_generator_states
+from .sampling import EpochStart, SamplerRng, job_seed
+from .state import JobStart, MapState
 
 __all__ = ["Pin"]
 
@@ -49,14 +48,12 @@ __all__ = ["Pin"]
 @attrs.frozen
 class Pin:
     """The job's start as the first ``iter()`` would take it at the save: ``job`` (its seed),
-    the states of the generators that drive the sampler (None when none needs recording:
-    :attr:`SamplerRng.recorded`), as tensors and as saved, and digests of the global RNGs the
-    loader does not drive."""
+    the states of the generators that drive the sampler (``start.states``; None when none
+    needs recording: :attr:`SamplerRng.recorded`), and digests of the global RNGs the loader
+    does not drive (``at_save``)."""
 
     job: JobStart
-    states: list[torch.Tensor] | None
-    encoded: list[str] | None
-    rng_check: str
+    start: EpochStart
     at_save: dict[str, str]
 
     @classmethod
@@ -64,49 +61,39 @@ class Pin:
         cls,
         rng: SamplerRng,
         base_generator: torch.Generator,
-        job: JobStart,
+        *,
+        persistent: bool,
+        workers: bool,
         watched: tuple[str, ...],
     ) -> Pin:
         """The pin of a loader that never iterated (``base_generator``: the one torch draws
-        the base seed from; ``job``: the job it would start, its seed to fill in;
-        ``watched``: the global RNGs it does not drive, :func:`.global_rngs.watched`)."""
+        the base seed from, whose hash is the job's seed; ``persistent``, ``workers``: its
+        own; ``watched``: the global RNGs it does not drive, :func:`.global_rngs.watched`)."""
         states = rng.capture() if rng.recorded else None
-        encoded = None if states is None else encode_generator_states(states)
         return cls(
-            attrs.evolve(job, seed=job_seed(base_generator)),
-            states,
-            encoded,
-            digest("rng", encoded),
+            JobStart.new(job_seed(base_generator), persistent=persistent, workers=workers),
+            EpochStart(0, states, None),
             global_rngs.digests_now(watched),
         )
 
     @classmethod
     def of(cls, state: MapState) -> Pin | None:
-        """The pin a restored state holds (None: not saved before the first ``iter()``, or
-        saved by a release whose states pinned nothing)."""
-        if not state.pinned:
+        """The pin a restored state holds (None: not saved before the first ``iter()``)."""
+        if state.started:
             return None
-        assert state.job is not None  # (pinned)
-        states = None if state.rng is None else decode_generator_states(state.rng, "state.rng")
-        return cls(
-            state.job, states, state.rng, state.rng_check, dict(state.global_rngs_at_save or {})
-        )
+        return cls(state.job, state.start, dict(state.global_rngs_at_save or {}))
 
     def state(self, rank: int, world_size: int, config: dict[str, object]) -> MapState:
         """The state a save before the first ``iter()`` writes."""
         return MapState(
-            rank,
-            world_size,
-            config,
-            False,
-            0,
-            0,
-            self.job,
-            self.encoded,
-            None,
-            None,
-            self.rng_check,
-            "",
+            rank=rank,
+            world_size=world_size,
+            config=config,
+            started=False,
+            epoch=0,
+            used=0,
+            job=self.job,
+            start=self.start,
             global_rngs_at_save=self.at_save,
         )
 
@@ -148,7 +135,7 @@ class Pin:
 
     def moved(self, rng: SamplerRng) -> bool:
         """Whether the generators that drive the sampler stand elsewhere than pinned."""
-        states = self.states
+        states = self.start.states
         if states is None:
             return False
         return any(not torch.equal(a, b) for a, b in zip(states, rng.capture()))

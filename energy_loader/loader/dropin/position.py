@@ -32,7 +32,7 @@ import torch
 from ...errors import StateMismatchError
 from . import global_rngs
 from .sampling import EpochStart, SamplerRng, stateful_part
-from .state import MapState, decode_generator_states
+from .state import MapState
 
 __all__ = [
     "NOT_REPLAYED",
@@ -43,7 +43,6 @@ __all__ = [
     "positioned_iterator",
     "saved_after_last_batch",
     "short_unit",
-    "start_of",
     "unit_digest",
     "units_per_epoch",
     "verify_replay",
@@ -127,21 +126,6 @@ def own_generators_digest(rng: SamplerRng, states: Sequence[torch.Tensor]) -> st
     return hasher.hexdigest()
 
 
-def start_of(state: MapState) -> EpochStart:
-    """How the saved epoch's index stream began, its generator states decoded."""
-
-    def decoded(texts: list[str] | None, name: str) -> list[torch.Tensor] | None:
-        return None if texts is None else decode_generator_states(texts, f"state.{name}")
-
-    return EpochStart(
-        state.epoch,
-        decoded(state.rng, "rng"),
-        decoded(state.rng_at_iter, "rng_at_iter"),
-        encoded=(state.rng, state.rng_at_iter),
-        global_start=state.global_rngs,
-    )
-
-
 def saved_after_last_batch(state: MapState) -> bool:
     """Whether ``state`` was saved after its epoch's last batch (the next ``iter()`` runs the
     next epoch). Counted in the saving loader's batches: under a DistributedSampler those of
@@ -180,11 +164,11 @@ def positioned_iterator(
     loading nothing, under the epoch-end rule. torch's global generator, and the other global
     RNGs the sampler drew from (:mod:`.global_rngs`), are left as they were. Raises
     ``StateMismatchError`` if the sampler yields fewer units than were used."""
-    user_global = torch.default_generator.get_state() if rng.uses_global else None
     drawn = start.global_start
-    user_others = None if drawn is None else global_rngs.capture(drawn.names)
     last: Any = _NONE
-    try:
+    with global_rngs.training_generators_kept(
+        rng.uses_global, () if drawn is None else drawn.names
+    ):
         stateful = stateful_part(index_sampler)
         if start.at_iter is not None:
             rng.put(start.at_iter)
@@ -214,11 +198,6 @@ def positioned_iterator(
         # An epoch of known length whose units were all used is over (its end was pulled).
         peeked = _NONE if used == length else iterator.peek()
         after = rng.capture()
-    finally:
-        if user_global is not None:
-            torch.default_generator.set_state(user_global)
-        if user_others is not None:
-            global_rngs.put(user_others)
     return Replayed(None if peeked is _NONE else iterator, after, last)
 
 

@@ -4,9 +4,16 @@ A drop-in state is whole: one per rank (:mod:`.state`, :mod:`.iterable`), small,
 its own rank on the world size that saved it -- or, under a ``DistributedSampler``, any
 rank's state restores every rank of any layout (it names the job's position, not the rank's).
 :class:`DropInRestore` turns an engine's own record methods (``record``, ``decode_one``,
-``check``, ``restore_record``, ``rank_free``) into the protocol's
+``plan_record``, ``apply_record``, ``rank_free``) into the protocol's
 ``save``/``leaves``/``decode``/``plan``/``apply``/``read_rank_files``, so the loader and
 :mod:`energy_loader.distributed` treat a drop-in loader as any other.
+
+One restore decodes and checks its state once: :meth:`DropInRestore.plan` picks this rank's
+state, checks that the states given with it are of one save (where several are given and no
+carrier checked them already), decodes it (format, fields, digest), checks its layout and lets
+the engine check that its stream can continue it (``plan_record``); ``apply`` only hands the
+plan over. Which saved states a rank needs (:meth:`~DropInRestore.saved_ranks_needed`) is read
+from the plain state's config, without decoding it.
 
 Not here: what a state holds (:mod:`.state`), process groups (:mod:`energy_loader.distributed`).
 """
@@ -20,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import StateFormatError, StateMismatchError
 from ...state.plain import StateReader
 from ...state.rank_file import RankFile
-from ...state.rank_folder import RankFolder, whole_states
+from ...state.rank_folder import RankFolder
 from ...validation import require_int
 from ...worker import WorkerConfig
 from ..progress import MAX_HELD_BACK
@@ -43,9 +50,9 @@ class DropInRestore:
         def state_config(self) -> dict[str, Any]: ...
         def record(self, rank: int, world_size: int, held_back: int) -> Any: ...
         def decode_one(self, state: Any) -> Any: ...
-        def check(self, decoded: Any) -> None: ...
-        def restore_record(self, decoded: Any) -> None: ...
-        def rank_free(self, decoded: Any) -> bool: ...
+        def plan_record(self, decoded: Any) -> Any: ...
+        def apply_record(self, plan: Any) -> None: ...
+        def rank_free(self, config: dict[str, Any]) -> bool: ...
 
     def config(self) -> dict[str, Any]:
         """The dataset, sampler and batching a state must match, plus the layout."""
@@ -75,7 +82,7 @@ class DropInRestore:
         leaf); a state any rank restores from goes under ``rank_any``."""
         state = self.saved(held_back)
         if isinstance(state, MapState):  # the epoch's constant part encoded once
-            key = ANY_RANK_KEY if self.rank_free(state) else rank_key(state.rank)
+            key = ANY_RANK_KEY if self.rank_free(state.config) else rank_key(state.rank)
             with contextlib.suppress(TypeError, ValueError):  # a sampler state JSON can't hold
                 return {key: state.to_json()}
         return rank_entries([state.to_plain()])
@@ -106,61 +113,73 @@ class DropInRestore:
         raise self._other_world_size(StateReader(first, "state").int("world_size", minimum=1))
 
     def restores_any_rank(self, state: Any) -> bool:
-        """Whether ``state`` (plain) names the job's position rather than one rank's."""
-        return bool(self.rank_free(self.decode_one(state)))
+        """Whether ``state`` (plain, not decoded: which states to read, not a check) names
+        the job's position rather than one rank's."""
+        config = state.get("config") if isinstance(state, dict) else None
+        return isinstance(config, dict) and self.rank_free(config)
 
     def read_rank_files(self, folder: RankFolder) -> list[Any]:
-        """This rank's own file, checked against a witness file of the save (rank 0's; rank
-        1's for rank 0) for the job and, under a DistributedSampler, the position; on another
-        world size the lowest rank's file and those :meth:`saved_ranks_needed` names."""
-        if folder.has_own():
-            state = _whole(folder.open_own())
-            if len(folder.files) > 1:
-                other = folder.open(0 if folder.rank else 1)
-                try:
-                    check_one_save([_whole(other), state], across=False)
-                except StateMismatchError as error:
-                    raise StateMismatchError(f"{folder.directory}: {error}") from None
-            return [state]
-        return whole_states(
-            folder,
-            decode=_whole,
-            needed=lambda first: self.saved_ranks_needed(first, folder.rank),
-            check=lambda states: check_one_save(states, across=True),
-        )
-
-    def own_state(self, states: Sequence[Any]) -> Any:
-        """This rank's entry of some or all ranks' states (the job's position: any rank's)."""
-        config = self.worker_config
-        if len(states) == 1:
-            return states[0]  # this rank's own entry; plan() checks whose
-        if len(states) == config.world_size:
-            check_one_save(states, across=False)
-            return states[config.rank]  # its own entry (also the job's position)
-        if states and self.restores_any_rank(states[0]):
-            check_one_save(states, across=True)
-            return states[0]  # the job's position: any rank's state
-        raise self._other_world_size(len(states))
+        """This rank's own file on the world size that saved it; on another world size the
+        lowest rank's file and those :meth:`saved_ranks_needed` names. One other rank's file
+        (:meth:`~energy_loader.state.rank_folder.RankFolder.witness_rank`) is read too, and
+        the states read are checked to be of one save: a file of another save or run left in
+        the folder is refused on at least one rank."""
+        own = folder.has_own()
+        if own:
+            saved_world_size = folder.world_size
+            states = {folder.rank: _whole(folder.open_own())}
+        else:
+            saved_world_size = len(folder.files)
+            states = {0: _whole(folder.open(0))}
+            for rank in self.saved_ranks_needed(states[0], folder.rank):
+                if rank not in states:
+                    states[rank] = _whole(folder.open(rank))
+        seen = dict(states)
+        witness = folder.witness_rank(saved_world_size, states)
+        if witness is not None:
+            seen[witness] = _whole(folder.open_saved(witness, saved_world_size))
+        if len(seen) > 1:
+            try:
+                check_one_save([seen[r] for r in sorted(seen)], across=not own)
+            except StateMismatchError as error:
+                raise StateMismatchError(f"{folder.directory}: {error}") from None
+        return [states[r] for r in sorted(states)]
 
     def plan(self, records: list[Any]) -> Any:
-        """This rank's state, decoded and checked (``StateFormatError``, ``StateMismatchError``
-        for a state of another dataset, sampler, batching or rank)."""
-        decoded = self.decode_one(self.own_state(records))
+        """This rank's state, decoded and checked once (``StateFormatError``,
+        ``StateMismatchError`` for states of several saves, or a state of another dataset,
+        sampler, batching or rank), as the engine's plan (:meth:`apply` takes it).
+
+        ``records``: this rank's own state alone (one carrier checked the states of the save
+        already, or only one was given), every rank's of the saved world size (this rank
+        takes its own), or, under a ``DistributedSampler``, some of another world size (the
+        job's position: any rank's, the lowest given).
+        """
         config = self.worker_config
-        other_layout = decoded.world_size != config.world_size or decoded.rank != config.rank
-        if other_layout and not self.rank_free(decoded):
-            raise StateMismatchError(
-                f"the state was saved by rank {decoded.rank} of {decoded.world_size}; this "
-                f"loader is rank {config.rank} of {config.world_size}. A drop-in loader "
-                "restores on the same world size, each rank from its own state, unless its "
-                "sampler is a DistributedSampler (then any rank's state restores any layout); "
-                "otherwise elastic resume needs a savable pipeline: docs/migration.md"
-            )
-        self.check(decoded)
-        return decoded
+        if not records:
+            raise self._other_world_size(0)
+        own_layout = len(records) == config.world_size
+        if len(records) > 1 and own_layout:
+            check_one_save(records, across=False)
+        decoded = self.decode_one(records[config.rank if own_layout else 0])
+        if not self.rank_free(decoded.config):
+            if not own_layout and len(records) > 1:
+                raise self._other_world_size(len(records))
+            if decoded.world_size != config.world_size or decoded.rank != config.rank:
+                raise StateMismatchError(
+                    f"the state was saved by rank {decoded.rank} of {decoded.world_size}; this "
+                    f"loader is rank {config.rank} of {config.world_size}. A drop-in loader "
+                    "restores on the same world size, each rank from its own state, unless its "
+                    "sampler is a DistributedSampler (then any rank's state restores any "
+                    "layout); otherwise elastic resume needs a savable pipeline: "
+                    "docs/migration.md"
+                )
+        if len(records) > 1 and not own_layout:
+            check_one_save(records, across=True)
+        return self.plan_record(decoded)
 
     def apply(self, plan: Any) -> None:
-        self.restore_record(plan)
+        self.apply_record(plan)
 
     def _other_world_size(self, saved: int) -> StateMismatchError:
         return StateMismatchError(

@@ -22,8 +22,10 @@ generator is left where the uninterrupted run would have it.
 Later epochs. Without a loader ``generator``, torch draws each epoch's shuffle from the
 global generator, which the training step draws from too: a restored job cannot repeat those
 draws. So the first epoch of a job is torch's, and from the second on the sampler draws from
-a stream of its own, derived from the job's seed and the epoch (:class:`PrivateGlobal`); the
-training process's global generator is left untouched by the loader from then on.
+a stream of its own, derived from the job's seed and the epoch
+(:class:`~.global_rngs.PrivateGlobal`, with the rest of the account of the training's global
+generators); the training process's global generator is left untouched by the loader from then
+on.
 """
 
 from __future__ import annotations
@@ -38,15 +40,13 @@ from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 from ...dataset import is_stateful
 from ...errors import StateMismatchError
 from ...rng import fold_key, stable_hash
-from ...state.digests import digest
+from .encoding import encode_generator_states
 from .global_rngs import GlobalStart
 
 __all__ = [
     "EpochStart",
-    "PrivateGlobal",
     "SamplerRng",
     "describe_chain",
-    "epoch_global_state",
     "epoch_seed",
     "job_seed",
     "stateful_part",
@@ -137,9 +137,9 @@ class SamplerRng:
         return [generator.get_state() for generator in self.generators]
 
     def put(self, states: list[torch.Tensor]) -> None:
-        if len(states) != len(self.generators):
-            raise self.count_mismatch(len(states))
-        for generator, state in zip(self.generators, states):
+        """Put back every generator (a state's count was checked at its load:
+        :func:`~.stream.check_restorable`)."""
+        for generator, state in zip(self.generators, states, strict=True):
             generator.set_state(state)
 
     def put_own(self, states: list[torch.Tensor]) -> None:
@@ -152,10 +152,12 @@ class SamplerRng:
 class EpochStart:
     """How one epoch's index stream began: the generator states before the sampler drew.
 
-    ``global_start``: where python's or numpy's global RNG stood before the sampler drew from
-    it (:mod:`.global_rngs`), once its first pull showed it does (None: it drew from neither).
-    The base64 form of the states and their digests are built once, on the first save that
-    needs them.
+    ``states``: the generators that drive the sampler, before its first pull (None when none
+    needs recording: :attr:`SamplerRng.recorded`); ``at_iter``: the same before
+    ``iter(sampler)``, where that call drew. ``global_start``: where python's or numpy's
+    global RNG stood before the sampler drew from it (:mod:`.global_rngs`), once its first
+    pull showed it does (None: it drew from neither). The base64 form of the states is built
+    once, on the first save that needs it (given as ``encoded`` when read from a state).
     """
 
     def __init__(
@@ -172,21 +174,19 @@ class EpochStart:
         self.at_iter = at_iter
         self.global_start = global_start
         self._encoded = encoded
-        self._checks: tuple[str, str] | None = None
 
-    def encoded(self) -> tuple[list[str] | None, list[str] | None, str, str]:
-        """The states as base64 strings, and their digests (``state.checks``)."""
+    def encoded(self) -> tuple[list[str] | None, list[str] | None]:
+        """``states`` and ``at_iter`` as base64 strings (``state.rng``, ``state.rng_at_iter``)."""
         if self._encoded is None:
-            from .state import encode_generator_states
-
             self._encoded = (
                 None if self.states is None else encode_generator_states(self.states),
                 None if self.at_iter is None else encode_generator_states(self.at_iter),
             )
-        if self._checks is None:
-            rng, at_iter = self._encoded
-            self._checks = (digest("rng", rng), digest("rng_at_iter", at_iter))
-        return (*self._encoded, *self._checks)
+        return self._encoded
+
+    def global_plain(self) -> dict[str, dict[str, str | None]] | None:
+        """``global_start`` as plain data (``state.global_rngs``)."""
+        return None if self.global_start is None else self.global_start.to_plain()
 
 
 def job_seed(generator: torch.Generator) -> int:
@@ -198,39 +198,3 @@ def job_seed(generator: torch.Generator) -> int:
 def epoch_seed(seed: int, epoch: int) -> int:
     """The per-sample seeds' base of one epoch of a job."""
     return fold_key(fold_key(stable_hash("dropin-epoch"), seed), epoch)
-
-
-def epoch_global_state(seed: int, epoch: int) -> torch.Tensor:
-    """The state torch's global generator has, for the sampler only, in epoch ``epoch`` >= 1
-    of a job whose loader has no ``generator`` (see :class:`PrivateGlobal`)."""
-    value = fold_key(fold_key(stable_hash("dropin-sampler"), seed), epoch)
-    return torch.Generator().manual_seed(value).get_state()
-
-
-class PrivateGlobal:
-    """torch's global generator, swapped for the epoch's own stream while the sampler draws.
-
-    Why: torch draws a loader's shuffle from the global generator at each ``iter()`` when no
-    ``generator`` is given, and the training step draws from it too (dropout), so the order
-    of the epochs after a restore would depend on draws a restored job cannot repeat. From
-    the second epoch on the sampler draws from a stream of its own (a function of the job's
-    seed and the epoch), entered around every pull and left with the training process's
-    generator exactly as it was.
-    """
-
-    __slots__ = ("_user", "state")
-
-    def __init__(self, state: torch.Tensor) -> None:
-        self.state = state
-        self._user: torch.Tensor | None = None
-
-    def __enter__(self) -> PrivateGlobal:
-        self._user = torch.default_generator.get_state()
-        torch.default_generator.set_state(self.state)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.state = torch.default_generator.get_state()
-        assert self._user is not None
-        torch.default_generator.set_state(self._user)
-        self._user = None

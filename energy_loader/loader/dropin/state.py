@@ -1,11 +1,9 @@
 """The drop-in loader's saved state: plain data, its own format name and version.
 
-Layout (format version 5; versions 4, without ``proof.made``, 3, also without
-``global_rngs`` and ``global_rngs_at_save`` and whose states saved before the first ``iter()``
-pin nothing, and 2, without ``proof`` and ``checks.position``, still restore)::
+Layout (format version 1)::
 
     {
-      "format": "energy_loader.dropin_state", "version": 5,
+      "format": "energy_loader.dropin_state", "version": 1,
       "kind": "map" | "iterable",
       "rank": 0, "world_size": 1,
       "config": {...},            # what must match on restore (dataset, sampler, batching)
@@ -13,21 +11,23 @@ pin nothing, and 2, without ``proof`` and ``checks.position``, still restore)::
       "started": true,            # false: saved before the first epoch began
       "epoch": 3,                 # the epoch the position is in (0-based)
       "used": 17,                 # batches (index-sampler units) of it handed out
-      "job": {"seed": 123, "persistent": false, "id": 77, "sampler_seed": 123,
-              "workers": true},  # see below
+      "sampler_state": {...} | null,        # a Stateful sampler's own state_dict()
+      "proof": {"last": "<hex>", "end": "<hex>", "made": "<hex>"},  # what a restore checks
+      "global_rngs_at_save": {"python": "<hex>"} | null,  # see below
+      "job": {"seed": 123, "persistent": false, "id": 77 | null, "sampler_seed": 123,
+              "workers": true},   # see below
       "rng": ["<base64>", ...] | null,      # the sampler's generators at its first pull
       "rng_at_iter": [...] | null,          # ... when iter(sampler) itself drew
       "global_rngs": {"python": {"at_iter": null, "start": "<base64>"}} | null,
-      "global_rngs_at_save": {"python": "<hex>"} | null,  # see below
-      "sampler_state": {...} | null,        # a Stateful sampler's own state_dict()
       "distributed": {"epoch": 2, "offset": 0, "end": 1000, "world": 4, "units": 8,
                       "rank": 1} | null,
-      "proof": {"last": "<hex>", "end": "<hex>", "made": "<hex>"},  # what a restore checks
-      "checks": {"job": "<hex>", "rng": "<hex>", "rng_at_iter": "<hex>",
-                 "global_rngs": "<hex>", "position": "<hex>"},
+      "digest": "<hex>",          # of every field above but format, version, kind and config
       # iterable:
-      "pipeline": {...}           # the rank state of the pipeline it runs (rank_state format)
+      "pipeline": {...},          # the rank state of the pipeline it runs (rank_state format)
+      "generator": "<base64>" | null, "persistent": false
     }
+
+Every field is required (null where the layout says so).
 
 ``job`` holds what every epoch of the job derives from, fixed at the job's first ``iter()``
 (:mod:`energy_loader.loader.dropin.job`): ``seed`` (a hash of the generator that drives the
@@ -41,24 +41,19 @@ job draws torch's base seed once (persistent workers) or every epoch, so that a 
 another ``persistent_workers`` setting keeps the job's generator where the uninterrupted job
 has it; ``workers`` whether its loader ran worker processes (torch's iterator then calls
 ``iter(sampler)`` twice as it starts), so that a restore onto another number of workers calls
-it as often as the job did (a sampler whose ``iter()`` draws then draws as in the job). States
-saved before ``id`` and ``sampler_seed`` existed have neither: they read as ``id`` null and
-``sampler_seed`` equal to ``seed``; states saved before ``workers`` read as null (a restore
-then calls ``iter(sampler)`` as its own iterator does).
+it as often as the job did (a sampler whose ``iter()`` draws then draws as in the job).
 
 A state saved before the first ``iter()`` (``started`` false) *pins* the job's start
 (:mod:`.pin`): ``job.seed`` is the seed that ``iter()`` would take at the save, ``rng`` the
 states of the generators that drive the sampler at the save (before ``iter(sampler)`` and
 torch's base-seed draw), and ``global_rngs_at_save`` digests of python's and numpy's global
-RNGs then (and torch's where ``rng`` does not hold it). Version 3 states saved there hold
-no seed: the restore's first ``iter()`` draws one.
+RNGs then (and torch's where ``rng`` does not hold it).
 
 ``global_rngs`` (:mod:`.global_rngs`): where the epoch's sampler drew from python's global
 ``random``, numpy's global RNG, or torch's global generator where ``rng`` does not hold it,
-their states before ``iter(sampler)`` (``at_iter``) and
-before its first pull (``start``), for those that call moved; ``global_rngs_at_save`` digests
-of those generators' states when the state was saved, which a restore compares before its
-first ``iter()``.
+their states before ``iter(sampler)`` (``at_iter``) and before its first pull (``start``), for
+those that call moved; ``global_rngs_at_save`` digests of those generators' states when the
+state was saved, which a restore compares before its first ``iter()``.
 
 ``distributed`` (under a ``DistributedSampler``) is where the epoch's permutation is dealt
 from: the sampler's epoch, and the positions ``offset`` to ``end`` dealt to ``world`` ranks in
@@ -71,41 +66,46 @@ a digest of the last batch's indices the saving loader handed out, ``made`` one 
 batch's values as collated (:func:`~energy_loader.state.digests.content_digest`, taken where
 the batch was made; "" with ``verify_restore=False``), ``end`` (at an epoch's end) one of the
 sampler's own generators after the epoch's last pull; "" where there is nothing to prove.
-Version 4 states have no ``made``: they restore without the check of values.
 
-``checks`` are digests of the fields a reader cannot check by their shape (a flipped byte in
-a generator state is another valid state; so is a flipped digit in ``epoch`` or ``used``):
-``position`` covers every field that places the stream (``rank``, ``world_size``,
-``started``, ``epoch``, ``used``, ``sampler_state``, ``distributed``, ``proof``,
-``global_rngs_at_save``); ``global_rngs`` has a digest of its own. A state
-edited or damaged after saving is refused naming the field. A torch ``Generator`` state is
-a 5 KB byte tensor, stored as a base64 string built once per epoch (not per save). Nothing
-is pickled: the state passes ``json.dumps`` when the sampler's own state does, and
-``torch.load(weights_only=True)`` always.
+``digest`` covers every field a reader cannot check by its shape (a flipped byte in a
+generator state is another valid state; so is a flipped digit in ``epoch`` or ``used``), all
+of them but ``config`` (which a restore compares with its own loader, naming what differs): a
+state edited or damaged after it was saved is a ``StateFormatError`` at load. It is one digest
+of the fields as canonical JSON (keys sorted), the fields fixed for an epoch hashed once an
+epoch. A torch ``Generator`` state is a 5 KB byte tensor, stored as a base64 string built once
+per epoch (not per save). Nothing is pickled: the state passes ``json.dumps`` when the
+sampler's own state does, and ``torch.load(weights_only=True)`` always.
+
+:data:`_FIELDS` is the one description of a map-style state's fields: :meth:`MapState.to_plain`,
+:meth:`MapState.to_json` (the fields fixed for an epoch encoded once an epoch, the others at
+each save) and the digest all read it.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 import attrs
+import torch
 
 from ...errors import StateFormatError, StateMismatchError
 from ...state.digests import digest
 from ...state.plain import StateReader
 from ...state.rank_state import is_partition_entries
 from .encoding import decode_generator_states, encode_generator_states
-from .global_rngs import GlobalStart, no_global_start_check, read_digests
+from .global_rngs import GlobalStart, read_digests
+from .sampling import EpochStart
 
 __all__ = [
     "DROPIN_STATE_FORMAT",
-    "Proof",
     "DROPIN_STATE_VERSION",
     "JobStart",
     "MapState",
+    "Proof",
+    "check_config",
     "decode_generator_states",
     "describe_dropin_state",
     "encode_generator_states",
@@ -114,29 +114,7 @@ __all__ = [
 ]
 
 DROPIN_STATE_FORMAT = "energy_loader.dropin_state"
-DROPIN_STATE_VERSION = 5
-# Version 4 (no proof.made: restored without the check of values), version 3 (no global RNGs;
-# a state saved before the first iter() pins nothing) and version 2 (no proof, no position
-# digest: restored without the self-check) still restore.
-_READABLE_VERSIONS = (2, 3, 4, DROPIN_STATE_VERSION)
-
-
-@functools.lru_cache(maxsize=16)
-def _job_check(
-    seed: int | None,
-    persistent: bool,
-    id: int | None,
-    sampler_seed: int | None,
-    workers: bool | None,
-) -> str:
-    if workers is None:  # (a job saved before it recorded its workers: its digest then)
-        return digest("job", seed, persistent, id, sampler_seed)
-    return digest("job", seed, persistent, id, sampler_seed, workers)
-
-
-def _legacy_job_check(seed: int | None, persistent: bool) -> str:
-    """The digest of a ``job`` saved before it had ``id`` and ``sampler_seed``."""
-    return digest("job", seed, persistent)
+DROPIN_STATE_VERSION = 1
 
 
 def read_header(state: Any, kind: str) -> StateReader:
@@ -165,10 +143,11 @@ def read_header(state: Any, kind: str) -> StateReader:
             f"state.format is {found!r}; expected {DROPIN_STATE_FORMAT!r} (a drop-in state)"
         )
     version = reader.int("version")
-    if version not in _READABLE_VERSIONS:
+    if version != DROPIN_STATE_VERSION:
         raise StateFormatError(
-            f"state.version is {version}; this release reads versions "
-            f"{', '.join(map(str, _READABLE_VERSIONS))} (a state from a newer or older release?)"
+            f"state.version is {version}; this release reads version {DROPIN_STATE_VERSION} "
+            "of the drop-in state format only (a state written by another release: restore it "
+            "with the release that saved it)"
         )
     saved_kind = reader.str("kind", choices=("map", "iterable"))
     if saved_kind != kind:
@@ -202,12 +181,14 @@ class Proof:
     """What a state carries to check its restore: ``last``, the digest of the last unit handed
     out ("" before the first); ``end``, at an epoch's end, the digest of the sampler's own
     generators after the epoch's last pull ("" elsewhere, or without own generators);
-    ``made``, the digest of that last unit's values as collated ("" when not taken; None in
-    a state of a version before it)."""
+    ``made``, the digest of that last unit's values as collated ("" when not taken)."""
 
     last: str = ""
     end: str = ""
-    made: str | None = ""
+    made: str = ""
+
+    def to_plain(self) -> dict[str, str]:
+        return {"last": self.last, "end": self.end, "made": self.made}
 
 
 @attrs.frozen
@@ -216,51 +197,44 @@ class JobStart:
 
     ``seed``: each epoch's per-sample seeds, one per job (every rank's). ``sampler_seed``:
     this rank's own, from the second epoch on the order of a sampler that draws from torch's
-    global generator (None: ``seed``). ``id``: the job's name, shared by its ranks (None:
-    one process, or a job saved before ids). ``persistent``: whether the job draws torch's
-    base seed once (persistent workers) or once an epoch. ``workers``: whether the job's
-    loader ran worker processes, whose torch iterator calls ``iter(sampler)`` twice when it
-    starts (None: saved before it was recorded), so that a restore on another number of
+    global generator. ``id``: the job's name, shared by its ranks (None: one process).
+    ``persistent``: whether the job draws torch's base seed once (persistent workers) or once
+    an epoch. ``workers``: whether the job's loader ran worker processes, whose torch iterator
+    calls ``iter(sampler)`` twice when it starts, so that a restore on another number of
     workers calls it as often as the job (:meth:`iter_calls`).
     """
 
-    seed: int | None  # None: saved before the job's first iter(), which draws it
+    seed: int
     persistent: bool
-    id: int | None = None
-    sampler_seed: int | None = None
-    workers: bool | None = None
+    id: int | None
+    sampler_seed: int
+    workers: bool
 
-    def iter_calls(self, epoch: int) -> int | None:
+    @classmethod
+    def new(cls, seed: int, *, persistent: bool, workers: bool) -> JobStart:
+        """A job of one process (no id yet), its order seeded as its per-sample seeds."""
+        return cls(seed, persistent, None, seed, workers)
+
+    def iter_calls(self, epoch: int) -> int:
         """How many times the job's torch iterator calls ``iter(sampler)`` in a fresh epoch
         ``epoch``: twice where it starts worker processes (every epoch, or only the first
-        with persistent workers), else once; None where the job did not record it."""
-        if self.workers is None:
-            return None
+        with persistent workers), else once."""
         return 2 if self.workers and (epoch == 0 or not self.persistent) else 1
 
-    @property
-    def order_seed(self) -> int | None:
-        """The seed of the sampler's own stream of torch's global generator (epochs >= 1)."""
-        return self.seed if self.sampler_seed is None else self.sampler_seed
-
-    def check(self) -> str:
-        return _job_check(self.seed, self.persistent, self.id, self.sampler_seed, self.workers)
-
     def to_plain(self) -> dict[str, Any]:
-        plain = {
+        return {
             "seed": self.seed,
             "persistent": self.persistent,
             "id": self.id,
             "sampler_seed": self.sampler_seed,
+            "workers": self.workers,
         }
-        if self.workers is not None:
-            plain["workers"] = self.workers
-        return plain
 
 
 @attrs.frozen
 class MapState:
-    """A map-style drop-in loader's position (see the module docstring)."""
+    """A map-style drop-in loader's position (see the module docstring). ``start`` holds how
+    the epoch's index stream began: ``rng``, ``rng_at_iter`` and ``global_rngs``, decoded."""
 
     rank: int
     world_size: int
@@ -268,208 +242,187 @@ class MapState:
     started: bool
     epoch: int
     used: int
-    job: JobStart | None
-    rng: list[str] | None
-    rng_at_iter: list[str] | None
-    sampler_state: Any
-    rng_check: str = ""
-    rng_at_iter_check: str = ""
+    job: JobStart
+    start: EpochStart
+    sampler_state: Any = None
     # Under a DistributedSampler: the sampler's epoch and the epoch's dealing (dealing.Dealing)
-    # as {"epoch", "offset", "end", "world", "units"}; None otherwise.
+    # as {"epoch", "offset", "end", "world", "units", "rank"}; None otherwise.
     distributed: dict[str, int] | None = None
     proof: Proof = attrs.field(factory=Proof)
-    # Python's and numpy's global RNGs where the sampler drew from them (global_rngs.py): their
-    # states before the epoch's first draws, and digests of their states at the save.
-    global_rngs: GlobalStart | None = None
+    # Digests of the global RNGs the sampler drew from (global_rngs.py) at the save.
     global_rngs_at_save: dict[str, str] | None = None
 
-    @property
-    def pinned(self) -> bool:
-        """Saved before the first ``iter()``, with the job's start pinned (:mod:`.pin`)."""
-        return not self.started and self.job is not None and self.job.seed is not None
-
-    def position_check(self, with_made: bool = True) -> str:
-        """The digest of every field that places the stream (``checks.position``); without
-        ``proof.made`` for a state of a version before it (``with_made`` false)."""
-        sampler = None if self.sampler_state is None else _canonical(self.sampler_state)
-        dealt = self.distributed
-        at_save = self.global_rngs_at_save
-        return digest(
-            "position",
-            self.rank,
-            self.world_size,
-            self.started,
-            self.epoch,
-            self.used,
-            sampler,
-            None if dealt is None else tuple(dealt.get(name) for name in _DEALT),
-            self.proof.last,
-            self.proof.end,
-            # (absent from a version 3 state's digest, which had no such field)
-            *(() if at_save is None else (tuple(at_save.items()),)),
-            # (absent from a version 4 state's digest)
-            *((self.proof.made or "",) if with_made else ()),
-        )
-
-    def global_rngs_check(self) -> str:
-        start = self.global_rngs
-        return no_global_start_check() if start is None else start.check()
+    def digest(self) -> str:
+        """``state.digest``: of every field but format, version, kind and config."""
+        moving = {field.name: field.value(self) for field in _MOVING}
+        return _record_digest(_epoch_part(self)[1], _canonical(moving))
 
     def to_plain(self) -> dict[str, Any]:
-        job = self.job
-        return {
+        plain: dict[str, Any] = {
             "format": DROPIN_STATE_FORMAT,
             "version": DROPIN_STATE_VERSION,
             "kind": "map",
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "config": self.config,
-            "started": self.started,
-            "epoch": self.epoch,
-            "used": self.used,
-            "job": None if job is None else job.to_plain(),
-            "rng": self.rng,
-            "rng_at_iter": self.rng_at_iter,
-            "sampler_state": self.sampler_state,
-            "distributed": self.distributed,
-            "global_rngs": None if self.global_rngs is None else self.global_rngs.to_plain(),
-            "global_rngs_at_save": self.global_rngs_at_save,
-            "proof": {
-                "last": self.proof.last,
-                "end": self.proof.end,
-                "made": self.proof.made or "",
-            },
-            "checks": {
-                "job": "" if job is None else job.check(),
-                "rng": self.rng_check or digest("rng", self.rng),
-                "rng_at_iter": self.rng_at_iter_check or digest("rng_at_iter", self.rng_at_iter),
-                "global_rngs": self.global_rngs_check(),
-                "position": self.position_check(),
-            },
         }
+        plain.update((field.name, field.value(self)) for field in _FIELDS)
+        plain["digest"] = self.digest()
+        return plain
 
     def to_json(self) -> str:
         """:meth:`to_plain` as compact JSON, the fields fixed for an epoch (config, job,
         generator states, the dealing: ~7 KB) encoded once an epoch, the few that move
-        written straight in. Raises ``TypeError`` for a sampler state JSON cannot hold."""
-        key = (
-            self.config,
-            self.job,
-            self.rng,
-            self.rng_at_iter,
-            self.distributed,
-            self.global_rngs,
-        )
-        cached = _FRAGMENT_CACHE.get(id(self.config))
-        if cached is not None and all(a is b for a, b in zip(cached[0], key)):
-            fragment, checks = cached[1], cached[2]
-        else:
-            plain = self.to_plain()
-            fragment = _encode({name: plain[name] for name in _EPOCH_CONSTANT})[1:-1]
-            constant = {k: v for k, v in plain["checks"].items() if k != "position"}
-            checks = _encode(constant)[1:-1]
-            _FRAGMENT_CACHE.clear()  # one engine's epoch at a time is what pays to keep
-            _FRAGMENT_CACHE[id(self.config)] = (key, fragment, checks)
-        sampler = "null" if self.sampler_state is None else _encode(self.sampler_state)
-        proof = self.proof
-        started = "true" if self.started else "false"
-        at_save = self.global_rngs_at_save
-        at_save_json = "null"
-        if at_save is not None:  # (names and hex digests: nothing to escape)
-            at_save_json = "{" + ",".join(f'"{n}":"{d}"' for n, d in at_save.items()) + "}"
+        written at each save. Raises ``TypeError`` for a sampler state JSON cannot hold."""
+        fragment, epoch_digest = _epoch_part(self)
+        moving = _encode_sorted({field.name: field.value(self) for field in _MOVING})
         return (
             f'{{"format":"{DROPIN_STATE_FORMAT}","version":{DROPIN_STATE_VERSION},'
-            f'"kind":"map","rank":{int(self.rank)},"world_size":{int(self.world_size)},'
-            f'"started":{started},"epoch":{int(self.epoch)},"used":{int(self.used)},'
-            f'"sampler_state":{sampler},"global_rngs_at_save":{at_save_json},{fragment},'
-            f'"proof":{{"last":"{proof.last}","end":"{proof.end}","made":"{proof.made or ""}"}},'
-            f'"checks":{{{checks},"position":"{self.position_check()}"}}}}'
+            f'"kind":"map",{moving[1:-1]},{fragment},'
+            f'"digest":"{_record_digest(epoch_digest, moving)}"}}'
         )
 
     @classmethod
     def from_plain(cls, state: Any) -> MapState:
-        """Decode and validate; ``StateFormatError`` names the first field that is wrong."""
+        """Decode and validate: ``StateFormatError`` names the first field of the wrong shape,
+        or says the fields do not match ``state.digest``."""
         reader = read_header(state, "map")
-        checks = reader.sub("checks")
-        job = None
-        if reader.raw("job") is not None:
-            job = _job(reader.sub("job"), checks.str("job"))
-        started = reader.bool("started")
-        if started and (job is None or job.seed is None):
-            raise StateFormatError("state.job.seed is null in a state saved after the first iter()")
-        texts: dict[str, list[str] | None] = {}
-        for name in ("rng", "rng_at_iter"):
-            value = reader.raw(name)
-            if value is not None:
-                if not isinstance(value, list):
-                    raise StateFormatError(f"state.{name} must be a list of base64 strings or null")
-                decode_generator_states(value, f"state.{name}")  # size and encoding
-            _verify(name, digest(name, value), checks.str(name))
-            texts[name] = value
-        version = reader.int("version")
-        legacy = version < 3
-        proof = Proof()
-        if not legacy:
-            saved = reader.sub("proof")
-            made = saved.str("made") if version >= 5 else None
-            if made and not _HEX16.fullmatch(made):
-                raise StateFormatError(
-                    f"state.proof.made is {made[:40]!r}: expected a digest of 16 hex digits "
-                    'or "" (an edited or damaged state: restore from an intact copy)'
-                )
-            proof = Proof(saved.str("last"), saved.str("end"), made)
-        global_start, at_save = None, None
-        if version >= 4:
-            plain = reader.raw("global_rngs")
-            if plain is not None:
-                global_start = GlobalStart.from_plain(plain, "state.global_rngs")
-            at_save = read_digests(reader.raw("global_rngs_at_save"), "state.global_rngs_at_save")
-            found = no_global_start_check() if global_start is None else global_start.check()
-            _verify("global_rngs", found, checks.str("global_rngs"))
+        rng, rng_states = _generator_states(reader, "rng")
+        at_iter, at_iter_states = _generator_states(reader, "rng_at_iter")
+        plain_globals = reader.raw("global_rngs")
+        start = EpochStart(
+            reader.int("epoch", minimum=0),
+            rng_states,
+            at_iter_states,
+            encoded=(rng, at_iter),
+            global_start=None
+            if plain_globals is None
+            else GlobalStart.from_plain(plain_globals, "state.global_rngs"),
+        )
         decoded = cls(
             rank=reader.int("rank", minimum=0),
             world_size=reader.int("world_size", minimum=1),
             config=reader.raw("config"),
-            started=started,
-            epoch=reader.int("epoch", minimum=0),
+            started=reader.bool("started"),
+            epoch=start.epoch,
             used=reader.int("used", minimum=0),
-            job=job,
-            rng=texts["rng"],
-            rng_at_iter=texts["rng_at_iter"],
+            job=_job(reader.sub("job")),
+            start=start,
             sampler_state=reader.raw("sampler_state"),
-            rng_check=checks.str("rng"),
-            rng_at_iter_check=checks.str("rng_at_iter"),
             distributed=_distributed(reader),
-            proof=proof,
-            global_rngs=global_start,
-            global_rngs_at_save=at_save,
+            proof=_proof(reader.sub("proof")),
+            global_rngs_at_save=read_digests(
+                reader.raw("global_rngs_at_save"), "state.global_rngs_at_save"
+            ),
         )
-        if not legacy and decoded.position_check(version >= 5) != checks.str("position"):
+        if decoded.digest() != reader.str("digest"):
             raise StateFormatError(
-                "the state's position (rank, world_size, started, epoch, used, sampler_state, "
-                "distributed, proof, global_rngs_at_save) does not match its digest in "
-                "state.checks.position: the state was edited or damaged after it was saved "
-                "(restore from an intact copy)"
+                f"the fields {', '.join(f'state.{f.name}' for f in _FIELDS if f.digested)} do "
+                "not match state.digest: the state was edited or damaged after it was saved. "
+                "Restore from an intact copy of the checkpoint"
             )
         return decoded
 
 
-def _job(reader: StateReader, recorded: str) -> JobStart:
-    """The ``job`` block, its digest verified (a block saved before ``id`` existed too)."""
+@attrs.frozen
+class _Field:
+    """One field of a map-style state: ``value`` gives its plain value; ``per_epoch``: fixed
+    through an epoch (encoded, and hashed, once an epoch); ``digested``: covered by
+    ``state.digest``."""
 
-    def optional_int(name: str) -> int | None:
-        return None if reader.raw(name) is None else reader.int(name, minimum=0)
+    name: str
+    value: Callable[[MapState], Any]
+    per_epoch: bool = False
+    digested: bool = True
 
-    persistent = reader.bool("persistent")
-    if not reader.has("id"):  # saved by a release before job ids: read as it was
-        job = JobStart(optional_int("seed"), persistent)
-        _verify("job", _legacy_job_check(job.seed, persistent), recorded)
-        return job
-    seed, sampler_seed = optional_int("seed"), optional_int("sampler_seed")
-    workers = reader.bool("workers") if reader.has("workers") else None
-    job = JobStart(seed, persistent, optional_int("id"), sampler_seed, workers)
-    _verify("job", job.check(), recorded)
-    return job
+
+# The fields of a map-style state, in the order to_plain() writes them.
+_FIELDS = (
+    _Field("rank", lambda s: s.rank),
+    _Field("world_size", lambda s: s.world_size),
+    _Field("started", lambda s: s.started),
+    _Field("epoch", lambda s: s.epoch),
+    _Field("used", lambda s: s.used),
+    _Field("sampler_state", lambda s: s.sampler_state),
+    _Field("proof", lambda s: s.proof.to_plain()),
+    _Field("global_rngs_at_save", lambda s: s.global_rngs_at_save),
+    _Field("config", lambda s: s.config, per_epoch=True, digested=False),
+    _Field("job", lambda s: s.job.to_plain(), per_epoch=True),
+    _Field("rng", lambda s: s.start.encoded()[0], per_epoch=True),
+    _Field("rng_at_iter", lambda s: s.start.encoded()[1], per_epoch=True),
+    _Field("global_rngs", lambda s: s.start.global_plain(), per_epoch=True),
+    _Field("distributed", lambda s: s.distributed, per_epoch=True),
+)
+_MOVING = tuple(field for field in _FIELDS if not field.per_epoch)
+_PER_EPOCH = tuple(field for field in _FIELDS if field.per_epoch)
+_encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+_encode_sorted = json.JSONEncoder(separators=(",", ":"), allow_nan=False, sort_keys=True).encode
+# id(config) -> (the objects the per-epoch fields come from, their JSON without its braces,
+# their digest); identity-checked on use. One engine's epoch at a time is what pays to keep.
+_EPOCH_PARTS: dict[int, tuple[tuple[Any, ...], str, str]] = {}
+
+
+def _epoch_part(state: MapState) -> tuple[str, str]:
+    """The per-epoch fields of ``state`` as JSON without its braces, and their digest:
+    computed once an epoch (the generator states alone are ~7 KB of base64)."""
+    start = state.start
+    key = (state.config, state.job, start, start.global_start, state.distributed)
+    cached = _EPOCH_PARTS.get(id(state.config))
+    if cached is not None and all(a is b for a, b in zip(cached[0], key)):
+        return cached[1], cached[2]
+    plain = {field.name: field.value(state) for field in _PER_EPOCH}
+    fragment = _encode(plain)[1:-1]
+    hashed = {field.name: plain[field.name] for field in _PER_EPOCH if field.digested}
+    part_digest = digest("dropin-epoch", _canonical(hashed))
+    _EPOCH_PARTS.clear()
+    _EPOCH_PARTS[id(state.config)] = (key, fragment, part_digest)
+    return fragment, part_digest
+
+
+def _record_digest(epoch_digest: str, moving: str) -> str:
+    """``state.digest``: the per-epoch fields' digest and the other fields' canonical JSON."""
+    return digest("dropin-state", epoch_digest, moving)
+
+
+def _canonical(value: Any) -> str:
+    """Plain data as canonical JSON (tuples and lists alike, keys sorted), for a digest that
+    holds across a JSON or ``torch.save`` round trip; ``repr`` for what JSON cannot hold."""
+    try:
+        return _encode_sorted(value)
+    except (TypeError, ValueError):
+        try:
+            return json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)
+        except (TypeError, ValueError):
+            return repr(value)
+
+
+def _generator_states(
+    reader: StateReader, name: str
+) -> tuple[list[str] | None, list[torch.Tensor] | None]:
+    """Field ``name``: generator states as saved (base64) and decoded (size checked)."""
+    texts = reader.raw(name)
+    if texts is None:
+        return None, None
+    if not isinstance(texts, list):
+        raise StateFormatError(f"state.{name} must be a list of base64 strings or null")
+    return texts, decode_generator_states(texts, f"state.{name}")
+
+
+def _job(reader: StateReader) -> JobStart:
+    return JobStart(
+        seed=reader.int("seed", minimum=0),
+        persistent=reader.bool("persistent"),
+        id=None if reader.raw("id") is None else reader.int("id", minimum=0),
+        sampler_seed=reader.int("sampler_seed", minimum=0),
+        workers=reader.bool("workers"),
+    )
+
+
+def _proof(reader: StateReader) -> Proof:
+    made = reader.str("made")
+    if made and not _HEX16.fullmatch(made):
+        raise StateFormatError(
+            f"state.proof.made is {made[:40]!r}: expected a digest of 16 hex digits "
+            'or "" (an edited or damaged state: restore from an intact copy)'
+        )
+    return Proof(reader.str("last"), reader.str("end"), made)
 
 
 def _distributed(reader: StateReader) -> dict[str, int] | None:
@@ -478,44 +431,20 @@ def _distributed(reader: StateReader) -> dict[str, int] | None:
     fields = reader.sub("distributed")
     out = {name: fields.int(name) for name in ("epoch", "offset", "end", "units")}
     out["world"] = fields.int("world", minimum=1)
-    out["rank"] = fields.int("rank", minimum=0) if fields.has("rank") else -1  # version 2: none
+    out["rank"] = fields.int("rank", minimum=0)
     if out["offset"] > out["end"]:
         raise StateFormatError("state.distributed.offset must be <= state.distributed.end")
     return out
 
 
 _HEX16 = re.compile("[0-9a-f]{16}")
-_EPOCH_CONSTANT = ("config", "job", "rng", "rng_at_iter", "distributed", "global_rngs")
-# The distributed fields, in the order the position digest takes them.
-_DEALT = ("epoch", "offset", "end", "world", "units", "rank")
-_encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
-# id(config) -> ((config, job, rng, rng_at_iter, distributed, global_rngs), their JSON without
-# its braces, the constant checks likewise); identity-checked on use.
-_FRAGMENT_CACHE: dict[int, tuple[tuple[Any, ...], str, str]] = {}
-
-
-def _canonical(value: Any) -> str:
-    """Plain data as canonical JSON (tuples and lists alike, keys sorted), for a digest that
-    holds across a JSON or ``torch.save`` round trip."""
-    try:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)
-    except (TypeError, ValueError):
-        return repr(value)
-
-
-def _verify(name: str, actual: str, recorded: str) -> None:
-    if actual != recorded:
-        raise StateFormatError(
-            f"state.{name} does not match its digest in state.checks.{name}: the state was "
-            "edited or damaged after it was saved (restore from an intact copy)"
-        )
 
 
 def summarize_dropin_state(state: Any) -> dict[str, Any]:
     """A drop-in state as a small JSON-able summary (validated first), for ``inspect``."""
     reader = StateReader(state, "state")
-    kind = reader.str("kind", choices=("map", "iterable")) if reader.has("kind") else "map"
-    config = reader.raw("config") if reader.has("config") else {}
+    kind = reader.str("kind", choices=("map", "iterable"))
+    config = reader.raw("config")
     summary: dict[str, Any] = {"format": DROPIN_STATE_FORMAT, "kind": kind}
     if kind == "iterable":
         read_header(state, "iterable")
@@ -532,8 +461,8 @@ def summarize_dropin_state(state: Any) -> dict[str, Any]:
         batches_handed_out=decoded.used,
         batches_per_epoch=per_epoch,
         epoch_over=bool(decoded.started and per_epoch is not None and decoded.used == per_epoch),
-        job_seed=None if decoded.job is None else decoded.job.seed,
-        job_id=None if decoded.job is None else decoded.job.id,
+        job_seed=decoded.job.seed,
+        job_id=decoded.job.id,
         config=config,
     )
     if per_epoch:
@@ -564,11 +493,9 @@ def describe_dropin_state(state: Any) -> str:
                 f"epoch {summary['epoch']}, {summary['batches_handed_out']:,} of "
                 f"{'?' if of is None else f'{of:,}'} batches handed out"
             )
-        seed = summary["job_seed"]
         lines.append(
-            "job seed: drawn at the first iter()"
-            if seed is None
-            else f"job seed: {seed} (per-sample seeds derive from it, the epoch and the index)"
+            f"job seed: {summary['job_seed']} (per-sample seeds derive from it, the epoch and "
+            "the index)"
         )
     lines.append("dataset and sampling:")
     lines += [f"  {name}: {value}" for name, value in config.items()]

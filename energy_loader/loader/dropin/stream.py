@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -26,20 +27,22 @@ from torch.utils.data import DistributedSampler
 from ...errors import StateMismatchError
 from ...torch_internals import distributed_permutation
 from ..progress import MAX_HELD_BACK
+from . import global_rngs
 from .dealing import Dealing
+from .global_rngs import GlobalStart, PinWatch, PrivateGlobal
 from .position import (
     NOT_REPLAYED,
     Replayed,
     Units,
+    own_generators_digest,
     positioned_iterator,
     saved_after_last_batch,
-    start_of,
     unit_digest,
     units_per_epoch,
     verify_replay,
 )
-from .sampling import EpochStart, PrivateGlobal, SamplerRng, stateful_part
-from .state import MapState, Proof, check_config
+from .sampling import EpochStart, SamplerRng, stateful_part
+from .state import JobStart, MapState, Proof, check_config
 
 __all__ = [
     "Epoch",
@@ -47,9 +50,13 @@ __all__ = [
     "check_restorable",
     "distributed_config",
     "distributed_part",
+    "point_at_rank",
     "sampled_length",
     "units_of",
 ]
+
+
+_END = object()  # what a pull finds past the epoch's last unit
 
 
 class Epoch:
@@ -68,7 +75,8 @@ class Epoch:
         # A Stateful sampler's state_dict() after each unit pulled (by units pulled).
         self.snapshots: dict[int, Any] = {}
         # The base of the epoch's per-sample seeds, and the sampler's own stream of torch's
-        # global generator (epochs >= 1 of a loader without a generator; sampling.py).
+        # global generator (epochs >= 1 of a loader without a generator, or a pinned start
+        # whose generators moved; global_rngs.py).
         self.seed = 0
         self.private: PrivateGlobal | None = None
         # Under a DistributedSampler: its epoch, the dealing of the permutation this epoch
@@ -94,17 +102,13 @@ class Epoch:
         self.at_iter: list[torch.Tensor] | None = None
         self.global_at_iter: dict[str, Any] = {}
         self.begun = False
-        # How many times the job's torch iterator calls iter(sampler) in this epoch (None:
-        # unknown, as this loader's does), and how many times this loader called it.
-        self.iter_calls: int | None = None
+        # How many times the job's torch iterator calls iter(sampler) in this epoch (a fresh
+        # epoch: JobStart.iter_calls), and how many times this loader called it.
+        self.iter_calls = 1
         self.iters = 0
-        # A pinned start whose generators had moved (pin.py): torch's base-seed draw from the
-        # global generator goes to the epoch's own stream instead, "owed" once torch drew it.
-        self.base_draw: str | None = None
         # The global RNGs a pinned start found elsewhere than at the save: the sampler must not
-        # draw from them (a restore refuses; the loader that saved warns).
-        self.watch: tuple[str, ...] = ()
-        self.watch_refuses = False
+        # draw from them (global_rngs.PinWatch).
+        self.watch: PinWatch | None = None
 
     def note_made(self, first: int, made: tuple[str, ...] | None) -> None:
         """Record the digests of the values of units ``first``, ``first + 1``, ... as made."""
@@ -164,13 +168,133 @@ class IndexStream:
         self.verify = verify
         self.stateful = stateful_part(index_sampler)
         self.distributed = distributed_part(index_sampler)
+        # The global RNGs the sampler may draw from unseen, watched at each epoch's start.
+        self.watched = global_rngs.watched(rng.uses_global)
+
+    # -- a fresh epoch's stream ----------------------------------------------------------------
+
+    def open(self, epoch: Epoch) -> None:
+        """The sampler's iterator as torch opens the epoch's task stream (it may open it
+        twice, as the job's iterator calls ``iter(sampler)``: ``epoch.iter_calls``)."""
+        if epoch.resume is not None:
+            epoch.iterator = epoch.resume[0]
+            return
+        private = epoch.private
+        if private is not None:
+            private.pay_base_draw()  # torch drew its base seed after the stream it opened last
+        if epoch.iterator is None or epoch.iters < epoch.iter_calls:
+            self.call_iter(epoch)
+        # (else the job's iterator called iter(sampler) no more: this stream reuses the last)
+        if private is not None:
+            private.torch_opened_stream()  # torch draws its base seed right after
+
+    def call_iter(self, epoch: Epoch) -> None:
+        """Call ``iter(sampler)`` for a fresh epoch, noting what that call drew: the
+        generators' states before it, where it moved them, and the global RNGs it moved."""
+        rng = self.rng
+        drawn = global_rngs.DrawnGlobals(self.watched)
+        with epoch.sampling():
+            before = rng.capture() if rng.draws else None
+            iterator = Units(iter(self.index_sampler), 0, self.length)
+            at_iter = None
+            if before is not None and any(
+                not torch.equal(a, b) for a, b in zip(before, rng.capture())
+            ):
+                at_iter = before  # iter(sampler) itself drew random numbers
+        epoch.iterator, epoch.at_iter = iterator, at_iter
+        epoch.global_at_iter = drawn.before_moved()
+        epoch.iters += 1
+
+    def begin(self, epoch: Epoch) -> None:
+        """Once an epoch, before its first unit goes anywhere (its task stream's first pull, or
+        a save that comes first, so that what a save records is what the epoch runs), after
+        the engine settled torch's base-seed draw: put a restored epoch's own generators where
+        the saving job had them; or call ``iter(sampler)`` as often as the job's iterator did,
+        capture the fresh epoch's start and pull its first unit, noting the global RNGs that
+        pull moved (global_rngs.py)."""
+        if epoch.resume is not None:
+            self.rng.put_own(epoch.resume[1])
+        else:
+            if epoch.private is not None:
+                epoch.private.pay_base_draw()
+            while epoch.iters < epoch.iter_calls:
+                self.call_iter(epoch)
+            iterator = epoch.iterator
+            assert iterator is not None  # (call_iter ran)
+            epoch.start = start = self.capture_start(epoch, epoch.at_iter)
+            self.snapshot(epoch)
+            drawn = global_rngs.DrawnGlobals(self.watched)
+            with epoch.sampling():
+                iterator.peek()
+            first_pull = drawn.before_moved()
+            if first_pull or epoch.global_at_iter:
+                start.global_start = GlobalStart(epoch.global_at_iter, first_pull)
+                if epoch.watch is not None:
+                    epoch.watch.check(start.global_start.names, self.config["sampler"])
+        if epoch.dealing is None and self.distributed is not None:
+            self.deal_as_the_sampler(epoch, self.distributed)
+
+    def snapshot(self, epoch: Epoch) -> None:
+        """A Stateful sampler's ``state_dict()`` after the units pulled so far (once)."""
+        if self.stateful is not None and epoch.pulled not in epoch.snapshots:
+            epoch.snapshots[epoch.pulled] = self.stateful.state_dict()
+
+    def pull(self, epoch: Epoch, count: int) -> list[Any]:
+        """Up to ``count`` units of the epoch (fewer at its end), pulled in the epoch's own
+        stream, each kept for the proof (and a Stateful sampler's snapshot after it); at the
+        epoch's end, the digest of the sampler's own generators (``end_proof``)."""
+        iterator = epoch.iterator
+        assert iterator is not None
+        units = []
+        with epoch.sampling():
+            for _ in range(count):
+                unit = next(iterator, _END)
+                if unit is _END:
+                    break
+                units.append(unit)
+                epoch.recent.append((epoch.pulled, unit))
+                epoch.pulled += 1
+                self.snapshot(epoch)
+            if iterator.ended and not epoch.end_proof:
+                epoch.end_proof = own_generators_digest(self.rng, self.rng.capture()) or "-"
+        return units
+
+    def state_at(
+        self, epoch: Epoch, used: int, *, rank: int, world_size: int, job: JobStart
+    ) -> MapState:
+        """The position after ``used`` units of ``epoch`` (begun), as a state."""
+        start = epoch.start
+        assert start is not None
+        drawn = start.global_start
+        sampler_state = None
+        if self.stateful is not None:
+            if used not in epoch.snapshots:
+                held_back = epoch.used - used
+                raise ValueError(f"held_back={held_back} reaches further back than recorded")
+            sampler_state = epoch.snapshots[used]
+        return MapState(
+            rank=rank,
+            world_size=world_size,
+            config=self.config,
+            started=True,
+            epoch=epoch.number,
+            used=used,
+            job=job,
+            start=start,
+            sampler_state=sampler_state,
+            distributed=self.distributed_of(epoch),
+            proof=self.proof(epoch, used),
+            global_rngs_at_save=None if drawn is None else global_rngs.digests_now(drawn.names),
+        )
+
+    # -- a restored epoch ----------------------------------------------------------------------
 
     def resume(self, state: MapState) -> Epoch:
         """The saved epoch positioned after its used units, or, if none are left, the next
         epoch with the sampler's generators where the saved one left them."""
         if self.needs_dealing(state):
             return self._resume_dealt(state)
-        start = start_of(state)
+        start = state.start
         saved, sampler = state.distributed, self.distributed
         user_epoch = 0 if sampler is None else int(sampler.epoch)
         if saved is not None and sampler is not None:
@@ -182,7 +306,7 @@ class IndexStream:
         )
         own_last = replayed.last  # this rank's unit `used - 1`, if one was re-made
         if self.verify:
-            other_rank = saved is not None and saved["rank"] not in (-1, self.distributed_rank)
+            other_rank = saved is not None and saved["rank"] != self.distributed_rank
             if other_rank and state.used:
                 # Any rank's state restores every rank: check the saving rank's batch.
                 replayed = attrs.evolve(replayed, last=self._saving_rank_unit(state))
@@ -204,7 +328,7 @@ class IndexStream:
         epoch.start = start
         epoch.pulled = epoch.used = state.used
         epoch.resume = (iterator, after)
-        if self.rng.uses_global and self.rng.draws and state.epoch >= 1:
+        if global_rngs.draws_in_own_stream(self.rng, state.epoch):
             epoch.private = PrivateGlobal(after[0])
         if self.stateful is not None:
             epoch.snapshots[state.used] = state.sampler_state
@@ -268,12 +392,12 @@ class IndexStream:
             sampled_length(sampler), sampler.shuffle, sampler.seed, saved["epoch"]
         )
         units = units_of(dealing.indices(permutation, sampler.rank), self)
-        if self.verify and state.used and saved["rank"] >= 0:
+        if self.verify and state.used:
             replayed = Replayed(None, [], self._saving_rank_unit(state, permutation))
             verify_replay(state, replayed, self.rng, self.config["sampler"])
             if self.values_check is not None:
                 self.values_check(state, replayed.last)
-        saved_states = start_of(state).states
+        saved_states = state.start.states
         if saved_states is not None:  # the loader's generator as the saving job left it
             self.rng.put_own(saved_states)
         # Saved after its epoch's last batch: the next epoch (a drop_last batching may have
@@ -395,8 +519,21 @@ def check_restorable(state: MapState, stream: IndexStream) -> None:
             "batches: the position lies outside the epoch (an edited or foreign state). "
             "Restore a state this loader's setup saved, as it saved it"
         )
-    if state.rng is not None and len(state.rng) != len(stream.rng.generators):
-        raise stream.rng.count_mismatch(len(state.rng))
+    for states in (state.start.states, state.start.at_iter):
+        if states is not None and len(states) != len(stream.rng.generators):
+            raise stream.rng.count_mismatch(len(states))
+
+
+def point_at_rank(sampler: DistributedSampler[Any], rank: int, num_replicas: int) -> None:
+    """Set a ``DistributedSampler`` to ``rank`` of ``num_replicas``, its ``num_samples`` and
+    ``total_size`` computed as its constructor computes them."""
+    size = sampled_length(sampler)
+    if sampler.drop_last and size % num_replicas:
+        sampler.num_samples = math.ceil((size - num_replicas) / num_replicas)
+    else:
+        sampler.num_samples = math.ceil(size / num_replicas)
+    sampler.total_size = sampler.num_samples * num_replicas
+    sampler.num_replicas, sampler.rank = num_replicas, rank
 
 
 # What may differ when a DistributedSampler job continues on another layout or batch size.

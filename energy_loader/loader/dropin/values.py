@@ -12,8 +12,8 @@ per-sample seeds, ``__getitem__`` and ``collate_fn``), on one thread where a wor
 made it, and raises ``StateMismatchError`` when its digest differs: a data file edited in
 place, a ``__getitem__`` that reads the clock, a counter or a generator nobody seeds.
 
-When it does not re-make (quietly): a state without ``proof.made`` (version 4 and before, a
-loader with ``verify_restore=False``, nothing handed out yet), a ``Stateful`` sampler that
+When it does not re-make (quietly): a state without ``proof.made`` (a loader with
+``verify_restore=False``, nothing handed out yet), a ``Stateful`` sampler that
 loaded its own state (the indices are not re-derived), a loader without ``seed_per_sample``
 (its augmentations are not reproducible), a loader that runs worker processes with a
 ``worker_init_fn`` (the dataset may need what it sets up in a worker: the main process has
@@ -54,9 +54,9 @@ class ValuesCheck:
 
     def __call__(self, state: MapState, unit: Any) -> None:
         made, job = state.proof.made, state.job
-        if not (self.enabled and made and unit is not None and job and job.seed is not None):
+        if not (self.enabled and made and unit is not None):
             return
-        with _threads_as_in(bool(job.workers)):
+        with _threads_as_in(job.workers):
             try:
                 found = self.fetcher.remake(unit, epoch_seed(job.seed, state.epoch))
             except Exception as error:
