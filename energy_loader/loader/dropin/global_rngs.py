@@ -8,7 +8,7 @@ python's and numpy's global RNGs (a sampler may draw its order from ``random.shu
 ``np.random.permutation``). The training step draws from them too, so every draw the loader
 makes or skips moves the training's numbers. This module holds each rule of that account, with
 a named type for each decision the engine (:mod:`.map_style`) and the index stream
-(:mod:`.stream`) carry through an epoch:
+(:mod:`.stream`) carry through an epoch (it imports neither):
 
 - **torch's base-seed draw** (:class:`BaseSeedDraw`, :class:`BaseSeedFix`): torch draws a base
   seed when it makes an iterator (every epoch, or once with persistent workers); the job draws
@@ -19,7 +19,7 @@ a named type for each decision the engine (:mod:`.map_style`) and the index stre
   that draws from torch's global generator draws from a stream of its own (a function of the
   job's seed and the epoch, :func:`epoch_stream_state`), entered around each of its draws and
   left with the training's generator as it was; also the first epoch of a start pinned by a
-  save whose generators moved since (:func:`start_pinned`), which owes that stream torch's
+  save whose generators moved since (:func:`pinned_stream`), which owes that stream torch's
   base-seed draw (:class:`StreamBaseDraw`).
 - **global RNGs a sampler draws from unseen** (python's, numpy's, and torch's where the loader
   does not capture it): their states before the epoch's first draws (:class:`GlobalStart`, as
@@ -55,7 +55,7 @@ import struct
 import warnings
 from array import array
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
@@ -65,11 +65,6 @@ from ...errors import StateFormatError, StateMismatchError
 from ...rng import fold_key, stable_hash
 from .encoding import NUMPY_WORDS, decode_global_state, encode_global_state
 
-if TYPE_CHECKING:
-    from .pin import Pin
-    from .sampling import SamplerRng
-    from .stream import Epoch
-
 __all__ = [
     "NAMES",
     "BaseSeedDraw",
@@ -78,6 +73,7 @@ __all__ = [
     "GlobalStart",
     "PinWatch",
     "PrivateGlobal",
+    "SamplerGenerators",
     "StreamBaseDraw",
     "capture",
     "check_saved_globals",
@@ -87,10 +83,10 @@ __all__ = [
     "epoch_stream_state",
     "job_draws_base_seed",
     "moved",
+    "pinned_stream",
     "put",
     "read_digests",
     "refusal",
-    "start_pinned",
     "training_generators_kept",
     "watched",
 ]
@@ -107,6 +103,16 @@ _CALLS = {
     "numpy": "`np.random.set_state(...)` of the `np.random.get_state()` saved with it",
     "torch": "`torch.set_rng_state(...)` of the `torch.get_rng_state()` saved with it",
 }
+
+
+class SamplerGenerators(Protocol):
+    """What this module needs of the generators that drive a sampler
+    (:class:`~.sampling.SamplerRng`)."""
+
+    uses_global: bool  # torch's global generator drives it
+    draws: bool  # the sampler draws random numbers
+
+    def put_own(self, states: list[torch.Tensor]) -> None: ...
 
 
 # -- torch's base-seed draw ----------------------------------------------------------------------
@@ -188,7 +194,7 @@ def epoch_stream_state(seed: int, epoch: int) -> torch.Tensor:
     return torch.Generator().manual_seed(value).get_state()
 
 
-def draws_in_own_stream(rng: SamplerRng, epoch_number: int) -> bool:
+def draws_in_own_stream(rng: SamplerGenerators, epoch_number: int) -> bool:
     """Whether the sampler draws epoch ``epoch_number`` from a stream of its own: from the
     second epoch on, where it draws from torch's global generator."""
     return rng.uses_global and rng.draws and epoch_number >= 1
@@ -203,7 +209,7 @@ class PrivateGlobal:
     the second epoch on the sampler draws from a stream of its own (a function of the job's
     seed and the epoch), entered around every pull and left with the training process's
     generator exactly as it was. ``base_draw``: torch's base-seed draw this stream takes
-    instead of the training's generator (a pinned start, :func:`start_pinned`).
+    instead of the training's generator (a pinned start, :func:`pinned_stream`).
     """
 
     __slots__ = ("_user", "base_draw", "state")
@@ -496,26 +502,23 @@ class PinWatch:
         warnings.warn(_moved_since_pin(found, chain), stacklevel=3)
 
 
-def start_pinned(
-    epoch: Epoch,
-    pin: Pin,
-    rng: SamplerRng,
+def pinned_stream(
+    states: list[torch.Tensor] | None,
+    moved: bool,
+    rng: SamplerGenerators,
     *,
     base_from_global: bool,
-    verify: bool,
-    restored: bool,
-) -> None:
-    """The first epoch of a job whose start a save pinned (:mod:`.pin`): where the generators
-    that drive the sampler moved since the save, they are set to the pinned states, and a
-    sampler that draws from torch's global generator draws from the pinned state in a stream
-    of its own, which takes torch's base-seed draw where torch draws it from the global
-    generator (``base_from_global``). With ``verify``, the global RNGs found elsewhere than at
-    the save are watched (:class:`PinWatch`; a ``restored`` pin refuses)."""
-    states = pin.start.states
-    if states is not None and pin.moved(rng):
-        rng.put_own(states)
-        if rng.uses_global:
-            draw = StreamBaseDraw.DUE if base_from_global else StreamBaseDraw.NONE
-            epoch.private = PrivateGlobal(states[0], draw)
-    if verify:
-        epoch.watch = PinWatch(elsewhere(pin.at_save), refuses=restored)
+) -> PrivateGlobal | None:
+    """The first epoch of a job whose start a save pinned (:mod:`.pin`; ``states``: the pinned
+    states of the generators that drive the sampler; ``moved``: whether they stand elsewhere
+    now). Where they moved, the loader's and samplers' own generators are set to the pinned
+    states, and a sampler that draws from torch's global generator draws from the pinned state
+    in a stream of its own (returned), which takes torch's base-seed draw where torch draws it
+    from the global generator (``base_from_global``). None: the epoch draws as it stands."""
+    if states is None or not moved:
+        return None
+    rng.put_own(states)
+    if not rng.uses_global:
+        return None
+    draw = StreamBaseDraw.DUE if base_from_global else StreamBaseDraw.NONE
+    return PrivateGlobal(states[0], draw)

@@ -211,15 +211,16 @@ class MapEngine(DropInRestore):
             if global_rngs.draws_in_own_stream(self.rng, epoch.number):
                 state = global_rngs.epoch_stream_state(job.sampler_seed, epoch.number)
                 epoch.private = PrivateGlobal(state)
-        if pin is not None:
-            global_rngs.start_pinned(
-                epoch,
-                pin,
+        if pin is not None:  # (pin.py, global_rngs.py)
+            epoch.private = global_rngs.pinned_stream(
+                pin.start.states,
+                pin.moved(self.rng),
                 self.rng,
                 base_from_global=self.base_seed.generator is torch.default_generator,
-                verify=self.stream.verify,
-                restored=pending is not None,
             )
+            if self.stream.verify:
+                watched = global_rngs.elsewhere(pin.at_save)
+                epoch.watch = global_rngs.PinWatch(watched, refuses=pending is not None)
         self.epoch = epoch
         self.bundle = 1
         self.trips = 0

@@ -19,7 +19,7 @@ first epoch from the pin (:meth:`Pin.moved` tells which way):
   sampler's) to the pinned states and lets the sampler draw from torch's global generator *as
   pinned*, in a stream of its own for the first epoch (:class:`~.global_rngs.PrivateGlobal`),
   adding torch's base-seed draw to that stream where torch draws it from the global generator
-  (:func:`~.global_rngs.start_pinned`). The training process's global generator is left as it
+  (:func:`~.global_rngs.pinned_stream`). The training process's global generator is left as it
   is, as after any restore (torch's base-seed draw from it is taken back).
 
 A pin holds digests of the global RNGs the loader does not drive (python's, numpy's, and
