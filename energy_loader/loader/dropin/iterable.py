@@ -210,7 +210,7 @@ class IterableEngine(DropInRestore):
             raise RuntimeError("the drop-in loader that owned this engine is gone")
         return DataLoader.__len__(loader)
 
-    def record(self, rank: int, world_size: int, held_back: int) -> IterableState:
+    def state_at(self, rank: int, world_size: int, held_back: int) -> IterableState:
         loader = self._owner()
         generator = None if loader is None else loader.generator
         return IterableState(
@@ -244,7 +244,7 @@ class IterableEngine(DropInRestore):
     def stats(self) -> dict[str, Any]:
         return self.inner.stats()
 
-    def rank_free(self, config: dict[str, Any]) -> bool:
+    def names_job_position(self, config: dict[str, Any]) -> bool:
         """An iterable dataset's state is its rank's own stream."""
         return False
 

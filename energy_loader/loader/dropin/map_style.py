@@ -134,37 +134,17 @@ class MapEngine(DropInRestore):
         # Whether the ranks share one dataset's epochs (and so one job seed): a loader without
         # a DistributedSampler may run on some ranks only (evaluation on rank 0).
         self.shares_job = self.distributed is not None and self.distributed.num_replicas > 1
-        self.items_per_transfer = items_per_transfer
-        self.max_bytes = bundle_bytes(None if transport is None else transport.arena_bytes)
-        self.bundle = 1
         self.transport = transport if loader.num_workers > 0 else None
-        with warnings.catch_warnings():  # torch warned about num_workers once already
-            warnings.simplefilter("ignore")
-            self.torch_loader = WorkersDataLoader(
-                self.fetcher,
-                batch_size=None,
-                sampler=_TaskSampler(self),
-                num_workers=loader.num_workers,
-                collate_fn=_identity,
-                pin_memory=loader.pin_memory,
-                timeout=loader.timeout,
-                worker_init_fn=WorkerInit(loader.worker_init_fn),
-                multiprocessing_context=loader.multiprocessing_context,
-                generator=loader.generator,
-                prefetch_factor=loader.prefetch_factor,
-                persistent_workers=loader.persistent_workers,
-                pin_memory_device=loader.pin_memory_device,
-            )
+        self.torch_loader = _internal_loader(loader, self.fetcher, _TaskSampler(self))
         self.epoch: Epoch | None = None  # None: never iterated
         self.pending: MapState | None = None  # a restore waiting for the next iter()
         self.generation = 0
         self.torch_iterator: Any = None
-        # stats(): the main process's waits and saves, and per worker what its trips took.
-        workers = max(1, loader.num_workers)
-        self.worker_counters = [dict.fromkeys(WORKER_FIELDS, 0.0) for _ in range(workers)]
-        self.trips = 0
-        self.born = clock()
-        self.metrics = LoaderMetrics(workers, self._poll, None)
+        # stats(): the main process's waits and saves, and per worker what its trips took;
+        # the units of the next task.
+        max_bytes = bundle_bytes(None if transport is None else transport.arena_bytes)
+        self.trips = _Trips(max(1, loader.num_workers), items_per_transfer, max_bytes)
+        self.metrics = LoaderMetrics(len(self.trips.counters), self.trips.poll, None)
 
     @property
     def state_config(self) -> dict[str, Any]:
@@ -182,10 +162,6 @@ class MapEngine(DropInRestore):
         if loader is None:
             raise RuntimeError("the drop-in loader that owned this engine is gone")
         return DataLoader.__len__(loader)
-
-    def _poll(self) -> tuple[list[dict[str, float] | None], list[int]]:
-        now = clock() - self.born
-        return [{**c, "wall_s": now} for c in self.worker_counters], []
 
     # -- iteration -----------------------------------------------------------------------------
 
@@ -222,8 +198,7 @@ class MapEngine(DropInRestore):
                 watched = global_rngs.elsewhere(pin.at_save)
                 epoch.watch = global_rngs.PinWatch(watched, refuses=pending is not None)
         self.epoch = epoch
-        self.bundle = 1
-        self.trips = 0
+        self.trips.new_epoch()
         self.metrics.new_iterator()
         new_iterator = self.torch_iterator is None or not self.persistent_workers
         if not self.persistent_workers and self.torch_iterator is not None:
@@ -272,7 +247,7 @@ class MapEngine(DropInRestore):
             raise RuntimeError("the drop-in loader's task stream was opened outside iter()")
         self.stream.open(epoch)
         self.base_seed.note_before_draw()  # torch draws it right after opening the stream
-        return self._tasks(epoch)
+        return self._task_stream(epoch)
 
     def begin(self, epoch: Epoch) -> None:
         """Once an epoch, before its first unit goes anywhere: torch's base-seed draw settled,
@@ -283,12 +258,12 @@ class MapEngine(DropInRestore):
         self.base_seed.settle()
         self.stream.begin(epoch)
 
-    def _tasks(self, epoch: Epoch) -> Iterator[FetchTask]:
+    def _task_stream(self, epoch: Epoch) -> Iterator[FetchTask]:
         self.begin(epoch)
-        self.stream.snapshot(epoch)
+        self.stream.snapshot_sampler(epoch)
         seed = epoch.seed
         while True:
-            want = self.bundle
+            want = self.trips.bundle
             units = self.stream.pull(epoch, want)
             if units:
                 yield FetchTask(epoch.pulled - len(units), tuple(units), seed)
@@ -296,32 +271,20 @@ class MapEngine(DropInRestore):
                 epoch.exhausted = True
                 return
 
-    def count_trip(self, result: FetchResult) -> None:
-        """Count the trip for ``stats()`` (the worker that made it: torch deals trips to its
-        workers in turn), and adapt the bundle size to what it cost: grow while units are
-        small and quick."""
-        counters = self.worker_counters[self.trips % len(self.worker_counters)]
-        self.trips += 1
-        counters["produce_s"] += result.seconds
-        counters["items"] += result.count
-        counters["bytes"] += result.nbytes
-        if result.count:
-            self.bundle = _next_bundle(self.bundle, result, self.items_per_transfer, self.max_bytes)
-
     def chain(self) -> str:
         """The sampler chain, for messages: ``"BatchSampler(RandomSampler)"``."""
         return str(self.stream.config["sampler"])
 
     # -- state ---------------------------------------------------------------------------------
 
-    def record(self, rank: int, world_size: int, held_back: int) -> MapState:
+    def state_at(self, rank: int, world_size: int, held_back: int) -> MapState:
         """The position ``held_back`` batches before the last handed out (timed for stats)."""
         began = clock()
-        state = self._state_at(rank, world_size, held_back)
+        state = self._position_state(rank, world_size, held_back)
         self.metrics.save(clock() - began)
         return state
 
-    def _state_at(self, rank: int, world_size: int, held_back: int) -> MapState:
+    def _position_state(self, rank: int, world_size: int, held_back: int) -> MapState:
         epoch = self.epoch
         if self.pending is not None:
             return self.pending
@@ -386,7 +349,7 @@ class MapEngine(DropInRestore):
         units = self.length if epoch.units is None else epoch.units
         return None if units is None else units - epoch.used
 
-    def rank_free(self, config: dict[str, Any]) -> bool:
+    def names_job_position(self, config: dict[str, Any]) -> bool:
         """Whether a state of ``config`` names the job's position, whichever rank saved it:
         under a ``DistributedSampler`` every rank has used the same number of batches."""
         return "DistributedSampler" in str(config.get("sampler"))
@@ -422,7 +385,7 @@ class MapEngine(DropInRestore):
             return
         # (the same process goes on: its global RNGs are where they belong, nothing to check,
         # nor a batch to re-make: it handed out its own)
-        state = self.record(0, 1, 0)
+        state = self.state_at(0, 1, 0)
         proof = attrs.evolve(state.proof, made="")
         self.apply_record(attrs.evolve(state, global_rngs_at_save=None, proof=proof))
         self.agreed = True  # the same job goes on: nothing to agree on again
@@ -496,7 +459,7 @@ class _MapIterator:
                 self._finished = True
                 epoch.ended = True
                 raise
-            engine.count_trip(result)
+            engine.trips.count(result)
             epoch.note_made(result.first, result.made)
             decoding = clock()
             self._ready.extend(result.batches())
@@ -539,18 +502,71 @@ def _config_of(loader: DataLoader[Any], rng: SamplerRng) -> dict[str, Any]:
     }
 
 
-def _next_bundle(bundle: int, result: FetchResult, items_per_transfer: int, max_bytes: int) -> int:
-    """The units of the next task: twice ``bundle`` while a unit is small and quick to make,
-    at most what fills ``BUNDLE_SECONDS`` or ``max_bytes`` (``result``: the last trip, of at
-    least one unit) and ``items_per_transfer``."""
-    per_second = result.seconds / result.count
-    per_bytes = result.nbytes / result.count
-    target = items_per_transfer
-    if per_second > 0:
-        target = min(target, int(BUNDLE_SECONDS / per_second))
-    if per_bytes > 0:
-        target = min(target, int(max_bytes / per_bytes))
-    return max(1, min(2 * bundle, target))
+class _Trips:
+    """The worker trips of a map-style engine: per worker what its trips made and took (for
+    ``stats()``: torch deals trips to its workers in turn), and the units of the next task
+    (``bundle``: one at an epoch's start, doubled while units are small and quick to make, at
+    most ``items_per_transfer``)."""
+
+    def __init__(self, workers: int, items_per_transfer: int, max_bytes: int) -> None:
+        self.counters = [dict.fromkeys(WORKER_FIELDS, 0.0) for _ in range(workers)]
+        self.items_per_transfer = items_per_transfer
+        self.max_bytes = max_bytes
+        self.taken = 0
+        self.bundle = 1
+        self.born = clock()
+
+    def new_epoch(self) -> None:
+        self.taken = 0
+        self.bundle = 1
+
+    def count(self, result: FetchResult) -> None:
+        """Count the trip of ``result`` and size the next task by what it cost: at most what
+        fills ``BUNDLE_SECONDS`` or the transport's ``max_bytes``."""
+        counters = self.counters[self.taken % len(self.counters)]
+        self.taken += 1
+        counters["produce_s"] += result.seconds
+        counters["items"] += result.count
+        counters["bytes"] += result.nbytes
+        if result.count == 0:
+            return
+        per_second = result.seconds / result.count
+        per_bytes = result.nbytes / result.count
+        target = self.items_per_transfer
+        if per_second > 0:
+            target = min(target, int(BUNDLE_SECONDS / per_second))
+        if per_bytes > 0:
+            target = min(target, int(self.max_bytes / per_bytes))
+        self.bundle = max(1, min(2 * self.bundle, target))
+
+    def poll(self) -> tuple[list[dict[str, float] | None], list[int]]:
+        """Each worker's counters now (``LoaderMetrics``' poll; no queue depths)."""
+        now = clock() - self.born
+        return [{**c, "wall_s": now} for c in self.counters], []
+
+
+def _internal_loader(
+    loader: DataLoader[Any], fetcher: BatchFetcher, sampler: _TaskSampler
+) -> WorkersDataLoader:
+    """torch's ``DataLoader`` the engine runs: the user's worker, seeding and memory arguments
+    over the batch fetcher, one task at a time from ``sampler``."""
+    with warnings.catch_warnings():  # torch warned about num_workers once already
+        warnings.simplefilter("ignore")
+        return WorkersDataLoader(
+            fetcher,
+            batch_size=None,
+            sampler=sampler,
+            num_workers=loader.num_workers,
+            collate_fn=_identity,
+            pin_memory=loader.pin_memory,
+            timeout=loader.timeout,
+            worker_init_fn=WorkerInit(loader.worker_init_fn),
+            multiprocessing_context=loader.multiprocessing_context,
+            generator=loader.generator,
+            prefetch_factor=loader.prefetch_factor,
+            persistent_workers=loader.persistent_workers,
+            pin_memory_device=loader.pin_memory_device,
+        )
 
 
 def _length_of(loader: DataLoader) -> int | None:

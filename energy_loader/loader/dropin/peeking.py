@@ -33,7 +33,9 @@ def peek_units(engine: MapEngine, count: int, saved: MapState | None = None) -> 
     if saved is None and engine.pending is None and engine.epoch is None:
         state = None  # (a record now would pin the job's start: pin.py)
     else:
-        state = saved or (engine.pending if engine.pending is not None else engine.record(0, 1, 0))
+        state = saved or (
+            engine.pending if engine.pending is not None else engine.state_at(0, 1, 0)
+        )
     if state is None or not state.started:
         raise ValueError(
             "nothing to peek before the first iter(): torch draws the epoch's order then"

@@ -3,8 +3,8 @@
 A drop-in state is whole: one per rank (:mod:`.state`, :mod:`.iterable`), small, restored by
 its own rank on the world size that saved it -- or, under a ``DistributedSampler``, any
 rank's state restores every rank of any layout (it names the job's position, not the rank's).
-:class:`DropInRestore` turns an engine's own record methods (``record``, ``decode_one``,
-``plan_record``, ``apply_record``, ``rank_free``) into the protocol's
+:class:`DropInRestore` turns an engine's own record methods (``state_at``, ``decode_one``,
+``plan_record``, ``apply_record``, ``names_job_position``) into the protocol's
 ``save``/``leaves``/``decode``/``plan``/``apply``/``read_rank_files``, so the loader and
 :mod:`energy_loader.distributed` treat a drop-in loader as any other.
 
@@ -48,11 +48,11 @@ class DropInRestore:
 
         @property
         def state_config(self) -> dict[str, Any]: ...
-        def record(self, rank: int, world_size: int, held_back: int) -> Any: ...
+        def state_at(self, rank: int, world_size: int, held_back: int) -> Any: ...
         def decode_one(self, state: Any) -> Any: ...
         def plan_record(self, decoded: Any) -> Any: ...
         def apply_record(self, plan: Any) -> None: ...
-        def rank_free(self, config: dict[str, Any]) -> bool: ...
+        def names_job_position(self, config: dict[str, Any]) -> bool: ...
 
     def config(self) -> dict[str, Any]:
         """The dataset, sampler and batching a state must match, plus the layout."""
@@ -66,23 +66,23 @@ class DropInRestore:
 
     # -- saving ----------------------------------------------------------------------------
 
-    def saved(self, held_back: int) -> Any:
+    def own_state_at(self, held_back: int) -> Any:
         """This rank's record ``held_back`` batches before the last one handed out."""
         require_int(held_back, "held_back", minimum=0)
         if held_back > MAX_HELD_BACK:
             raise ValueError(f"`held_back` must be at most {MAX_HELD_BACK} (got {held_back})")
         config = self.worker_config
-        return self.record(config.rank, config.world_size, held_back)
+        return self.state_at(config.rank, config.world_size, held_back)
 
     def save(self, held_back: int) -> dict[str, Any]:
-        return self.saved(held_back).to_plain()  # type: ignore[no-any-return]
+        return self.own_state_at(held_back).to_plain()  # type: ignore[no-any-return]
 
     def leaves(self, held_back: int) -> dict[str, Any]:
         """``{"rank_00001": "<JSON>"}`` (:mod:`.entries` says why a key per rank and a JSON
         leaf); a state any rank restores from goes under ``rank_any``."""
-        state = self.saved(held_back)
+        state = self.own_state_at(held_back)
         if isinstance(state, MapState):  # the epoch's constant part encoded once
-            key = ANY_RANK_KEY if self.rank_free(state.config) else rank_key(state.rank)
+            key = ANY_RANK_KEY if self.names_job_position(state.config) else rank_key(state.rank)
             with contextlib.suppress(TypeError, ValueError):  # a sampler state JSON can't hold
                 return {key: state.to_json()}
         return rank_entries([state.to_plain()])
@@ -116,7 +116,7 @@ class DropInRestore:
         """Whether ``state`` (plain, not decoded: which states to read, not a check) names
         the job's position rather than one rank's."""
         config = state.get("config") if isinstance(state, dict) else None
-        return isinstance(config, dict) and self.rank_free(config)
+        return isinstance(config, dict) and self.names_job_position(config)
 
     def read_rank_files(self, folder: RankFolder) -> list[Any]:
         """This rank's own file on the world size that saved it; on another world size the
@@ -162,7 +162,7 @@ class DropInRestore:
         if len(records) > 1 and own_layout:
             check_one_save(records, across=False)
         decoded = self.decode_one(records[config.rank if own_layout else 0])
-        if not self.rank_free(decoded.config):
+        if not self.names_job_position(decoded.config):
             if not own_layout and len(records) > 1:
                 raise self._other_world_size(len(records))
             if decoded.world_size != config.world_size or decoded.rank != config.rank:

@@ -1,15 +1,18 @@
-"""The map-style drop-in's index stream and where it stands: the pure part of a save and a
-restore.
+"""The map-style drop-in's index stream and where it stands: what a save records of it and
+how a restore re-derives it.
 
 :class:`IndexStream` owns what places the stream -- the user's sampler, the generators that
 drive it (:class:`~energy_loader.loader.dropin.sampling.SamplerRng`), the dealing of a
-``DistributedSampler``'s permutation (:class:`~energy_loader.loader.planner.Dealing`) -- and
-turns a saved position into a running :class:`Epoch` (:meth:`IndexStream.resume`) and a
-running epoch back into a position's fields (:meth:`~IndexStream.proof`,
-:meth:`~IndexStream.distributed_of`). It loads no sample and knows no worker: the engine
-(:mod:`.map_style`) only runs it. How one unit is pulled and how a re-run is checked:
-:mod:`.position`; how the values of the last batch are checked (a callback the engine sets,
-:attr:`IndexStream.values_check`): :mod:`.values`.
+``DistributedSampler``'s permutation (:class:`~energy_loader.loader.dropin.dealing.Dealing`)
+-- and runs it in the main process: it opens a fresh epoch's sampler as torch opens the task
+stream (:meth:`IndexStream.open`, :meth:`~IndexStream.begin`), pulls its units
+(:meth:`~IndexStream.pull`), turns a running epoch into a state
+(:meth:`~IndexStream.state_at`) and a saved state back into a running :class:`Epoch`
+(:meth:`~IndexStream.resume`). It loads no sample and knows no worker: the engine
+(:mod:`.map_style`) runs torch's iterator around it. How one unit is pulled and how a re-run
+is checked: :mod:`.position`; how the values of the last batch are checked (a callback the
+engine sets, :attr:`IndexStream.values_check`): :mod:`.values`; the training's global
+generators: :mod:`.global_rngs`.
 """
 
 from __future__ import annotations
@@ -222,7 +225,7 @@ class IndexStream:
             iterator = epoch.iterator
             assert iterator is not None  # (call_iter ran)
             epoch.start = start = self.capture_start(epoch, epoch.at_iter)
-            self.snapshot(epoch)
+            self.snapshot_sampler(epoch)
             drawn = global_rngs.DrawnGlobals(self.watched)
             with epoch.sampling():
                 iterator.peek()
@@ -234,7 +237,7 @@ class IndexStream:
         if epoch.dealing is None and self.distributed is not None:
             self.deal_as_the_sampler(epoch, self.distributed)
 
-    def snapshot(self, epoch: Epoch) -> None:
+    def snapshot_sampler(self, epoch: Epoch) -> None:
         """A Stateful sampler's ``state_dict()`` after the units pulled so far (once)."""
         if self.stateful is not None and epoch.pulled not in epoch.snapshots:
             epoch.snapshots[epoch.pulled] = self.stateful.state_dict()
@@ -254,7 +257,7 @@ class IndexStream:
                 units.append(unit)
                 epoch.recent.append((epoch.pulled, unit))
                 epoch.pulled += 1
-                self.snapshot(epoch)
+                self.snapshot_sampler(epoch)
             if iterator.ended and not epoch.end_proof:
                 epoch.end_proof = own_generators_digest(self.rng, self.rng.capture()) or "-"
         return units
@@ -282,8 +285,8 @@ class IndexStream:
             job=job,
             start=start,
             sampler_state=sampler_state,
-            distributed=self.distributed_of(epoch),
-            proof=self.proof(epoch, used),
+            distributed=self.dealing_record(epoch),
+            proof=self.proof_at(epoch, used),
             global_rngs_at_save=None if drawn is None else global_rngs.digests_now(drawn.names),
         )
 
@@ -421,7 +424,7 @@ class IndexStream:
             states = self.rng.capture()
         return EpochStart(epoch.number, states, at_iter)
 
-    def proof(self, epoch: Epoch, used: int) -> Proof:
+    def proof_at(self, epoch: Epoch, used: int) -> Proof:
         """What a restore of the position after ``used`` units checks itself against."""
         proven = epoch.proven
         if proven is not None and proven[0] == used:
@@ -438,7 +441,7 @@ class IndexStream:
         epoch.proven = (used, proof)
         return proof
 
-    def distributed_of(self, epoch: Epoch) -> dict[str, int] | None:
+    def dealing_record(self, epoch: Epoch) -> dict[str, int] | None:
         if epoch.dealing is None:
             if self.distributed is None:
                 return None
