@@ -25,8 +25,8 @@ a named type for each decision the engine (:mod:`.map_style`) and the index stre
   does not capture it): their states before the epoch's first draws (:class:`GlobalStart`, as
   :class:`DrawnGlobals` finds them) go into every state saved in the epoch, so that a replay
   starts from them; a digest of each at the save (:func:`digests_now`) lets a restore refuse
-  a program that has them elsewhere (:func:`check_saved_globals`; for a pinned start, once the
-  sampler drew, :class:`PinWatch`), since the next epochs draw from wherever they stand.
+  a program that has them elsewhere (:class:`GlobalsAtSave`), since the next epochs draw from
+  wherever they stand.
 - **a restore's replay** keeps all of them: :func:`training_generators_kept` puts back what
   the re-run of the sampler moved.
 
@@ -71,12 +71,12 @@ __all__ = [
     "BaseSeedFix",
     "DrawnGlobals",
     "GlobalStart",
-    "PinWatch",
+    "GlobalsAtSave",
     "PrivateGlobal",
     "SamplerGenerators",
     "StreamBaseDraw",
     "capture",
-    "check_saved_globals",
+    "check_restored_epoch",
     "digests_now",
     "draws_in_own_stream",
     "elsewhere",
@@ -455,19 +455,6 @@ def refusal(names: Iterable[str], chain: str) -> StateMismatchError:
     )
 
 
-def check_saved_globals(
-    start: GlobalStart | None, at_save: Mapping[str, str] | None, chain: str
-) -> None:
-    """Refuse (``StateMismatchError``) a restore of a started epoch whose sampler drew from
-    global RNGs that the restarted program has elsewhere than the saving one had them at the
-    save (``start``: what the saved epoch drew from; ``at_save``: the save's digests)."""
-    if start is None or at_save is None:
-        return
-    found = elsewhere({name: at_save[name] for name in start.names if name in at_save})
-    if found:
-        raise refusal(found, chain)
-
-
 def _moved_since_pin(names: Iterable[str], chain: str) -> str:
     """The warning of a loader whose sampler drew its first order from global RNGs that moved
     between a save before its first ``iter()`` and that ``iter()``."""
@@ -483,23 +470,42 @@ def _moved_since_pin(names: Iterable[str], chain: str) -> str:
 
 
 @attrs.frozen
-class PinWatch:
-    """The global RNGs a pinned start found elsewhere than at the save (``names``): the
-    sampler must not draw its first order from them. A restore refuses (``refuses``); the
-    loader that saved the pin warns (its order cannot be drawn again by a restore)."""
+class GlobalsAtSave:
+    """The check of the global RNGs a sampler draws its order from against a save's digests
+    of them (``state.global_rngs_at_save``): ``names``, those the program has elsewhere now
+    than at the save, must not be drawn from. A restore refuses (``refuses``) as soon as it
+    knows what the sampler draws from: at its first ``iter()`` for a started epoch (the state
+    says, :func:`check_restored_epoch`), at the sampler's first draws for a start pinned
+    before the first ``iter()``; the loader that saved a pin warns instead (its first order
+    cannot be drawn again by a restore)."""
 
     names: tuple[str, ...]
     refuses: bool
 
+    @classmethod
+    def compare(cls, at_save: Mapping[str, str], *, refuses: bool) -> GlobalsAtSave:
+        return cls(elsewhere(at_save), refuses)
+
     def check(self, drawn: Iterable[str], chain: str) -> None:
-        """Refuse or warn where the sampler drew from a watched RNG (``drawn``: those it drew
-        from; ``chain``: the sampler, for the message)."""
+        """Refuse or warn where the sampler draws from an RNG found elsewhere (``drawn``:
+        those it draws from; ``chain``: the sampler, for the message)."""
         found = [name for name in self.names if name in drawn]
         if not found:
             return
         if self.refuses:
             raise refusal(found, chain)
         warnings.warn(_moved_since_pin(found, chain), stacklevel=3)
+
+
+def check_restored_epoch(
+    drawn: GlobalStart | None, at_save: Mapping[str, str] | None, chain: str
+) -> None:
+    """:class:`GlobalsAtSave` for a restored started epoch, whose state says which global RNGs
+    its sampler drew from (``drawn``)."""
+    if drawn is None or at_save is None:
+        return
+    compared = {name: at_save[name] for name in drawn.names if name in at_save}
+    GlobalsAtSave.compare(compared, refuses=True).check(drawn.names, chain)
 
 
 def pinned_stream(

@@ -41,7 +41,7 @@ from ...worker import WorkerConfig
 from ...workers.bundling import BUNDLE_SECONDS, bundle_bytes
 from ...workers.fetch import BatchFetcher, FetchResult, FetchTask, WorkerInit
 from . import global_rngs
-from .global_rngs import BaseSeedDraw, PrivateGlobal
+from .global_rngs import BaseSeedDraw, GlobalsAtSave, PrivateGlobal
 from .job import agree_on_job
 from .pin import Pin
 from .position import saved_after_last_batch
@@ -170,7 +170,7 @@ class MapEngine(DropInRestore):
         pending = self.pending
         if pending is not None and pending.started and self.stream.verify:
             # (raises with the restore still pending)
-            global_rngs.check_saved_globals(
+            global_rngs.check_restored_epoch(
                 pending.start.global_start, pending.global_rngs_at_save, self.chain()
             )
         self.generation += 1
@@ -194,9 +194,9 @@ class MapEngine(DropInRestore):
                 self.rng,
                 base_from_global=self.base_seed.generator is torch.default_generator,
             )
-            if self.stream.verify:
-                watched = global_rngs.elsewhere(pin.at_save)
-                epoch.watch = global_rngs.PinWatch(watched, refuses=pending is not None)
+            if self.stream.verify:  # checked at the sampler's first draws (stream.py)
+                refuses = pending is not None
+                epoch.globals_at_save = GlobalsAtSave.compare(pin.at_save, refuses=refuses)
         self.epoch = epoch
         self.trips.new_epoch()
         self.metrics.new_iterator()

@@ -32,7 +32,7 @@ from ...torch_internals import distributed_permutation
 from ..progress import MAX_HELD_BACK
 from . import global_rngs
 from .dealing import Dealing
-from .global_rngs import GlobalStart, PinWatch, PrivateGlobal
+from .global_rngs import GlobalsAtSave, GlobalStart, PrivateGlobal
 from .position import (
     NOT_REPLAYED,
     Replayed,
@@ -110,8 +110,8 @@ class Epoch:
         self.iter_calls = 1
         self.iters = 0
         # The global RNGs a pinned start found elsewhere than at the save: the sampler must not
-        # draw from them (global_rngs.PinWatch).
-        self.watch: PinWatch | None = None
+        # draw from them (global_rngs.GlobalsAtSave).
+        self.globals_at_save: GlobalsAtSave | None = None
 
     def note_made(self, first: int, made: tuple[str, ...] | None) -> None:
         """Record the digests of the values of units ``first``, ``first + 1``, ... as made."""
@@ -232,8 +232,8 @@ class IndexStream:
             first_pull = drawn.before_moved()
             if first_pull or epoch.global_at_iter:
                 start.global_start = GlobalStart(epoch.global_at_iter, first_pull)
-                if epoch.watch is not None:
-                    epoch.watch.check(start.global_start.names, self.config["sampler"])
+                if epoch.globals_at_save is not None:
+                    epoch.globals_at_save.check(start.global_start.names, self.config["sampler"])
         if epoch.dealing is None and self.distributed is not None:
             self.deal_as_the_sampler(epoch, self.distributed)
 
