@@ -24,7 +24,9 @@ from torch.utils.data import (
 
 import energy_loader as el
 from energy_loader.errors import StateFormatError, StateMismatchError
+from energy_loader.loader.dropin import map_style
 from energy_loader.loader.dropin.build import runs_dropin
+from energy_loader.loader.dropin.state import MapState
 
 from .dropin_helpers import (
     Augmenting,
@@ -541,3 +543,48 @@ def test_rank_states_that_disagree_on_the_job_or_the_position_are_refused_togeth
     mixed = [_saved_after(_simulated_rank(0, 2), 2), later]
     with pytest.raises(StateMismatchError, match="epoch 0, 2 batches used; rank 1: epoch 0, 3"):
         el.distributed.restore_state_global(_simulated_rank(0, 2), mixed)
+
+
+def test_a_state_of_a_pre_release_version_is_refused_naming_both_versions() -> None:
+    state = _shuffled_state(shuffle=True)
+    for version in (2, 5):
+        with pytest.raises(StateFormatError, match=f"state.version is {version}; .* version 1"):
+            el.SavableDataLoader(TENSORS, batch_size=4, shuffle=True).load_state_dict(
+                {**state, "version": version}
+            )
+
+
+def test_a_restore_decodes_its_state_and_checks_it_against_the_stream_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One decode (format, fields, digest) and one check of the stream per restore: from one
+    state, from every rank's entries, and from the job's position on another world size."""
+    counts = {"decoded": 0, "checked": 0}
+    decode = MapState.from_plain.__func__  # type: ignore[attr-defined]
+    check = map_style.check_restorable
+
+    def counted_decode(cls: type[MapState], state: Any) -> MapState:
+        counts["decoded"] += 1
+        return decode(cls, state)  # type: ignore[no-any-return]
+
+    def counted_check(*args: Any) -> None:
+        counts["checked"] += 1
+        check(*args)
+
+    states = []
+    for rank in range(2):
+        torch.manual_seed(0)  # one job seed on both ranks (no process group shares it)
+        states.append(_saved_after(_simulated_rank(rank, 2), 2))
+    monkeypatch.setattr(MapState, "from_plain", classmethod(counted_decode))
+    monkeypatch.setattr(map_style, "check_restorable", counted_check)
+    entries = _simulated_rank(0, 2).state_dict_of_ranks(states)
+    restores = [
+        lambda: _simulated_rank(1, 2).load_state_dict(states[1]),
+        lambda: _simulated_rank(1, 2).load_state_dict(entries),
+        lambda: _simulated_rank(0, 3).load_state_dict(entries),
+        lambda: el.distributed.restore_state_global(_simulated_rank(0, 1), states),
+    ]
+    for restore in restores:
+        counts.update(decoded=0, checked=0)
+        restore()
+        assert counts == {"decoded": 1, "checked": 1}

@@ -83,7 +83,7 @@ class Epoch:
         self.seed = 0
         self.private: PrivateGlobal | None = None
         # Under a DistributedSampler: its epoch, the dealing of the permutation this epoch
-        # runs, and that dealing's units per rank (planner.Dealing).
+        # runs, and that dealing's units per rank (dealing.Dealing).
         self.sampler_epoch = 0
         self.dealing: Dealing | None = None
         self.units: int | None = None
