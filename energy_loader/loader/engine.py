@@ -48,9 +48,10 @@ class Engine(Protocol):
         """What ``iter(loader)`` returns."""
         ...
 
-    @property
-    def epoch_number(self) -> int:
-        """``loader.epoch``: one rule for every engine (docs/loader.md)."""
+    def current_epoch(self) -> int:
+        """``loader.epoch``: one rule for every engine (docs/loader.md). A method, not a
+        property: a pipeline engine restored at an epoch's last item may start its workers to
+        learn whether the epoch has an item left."""
         ...
 
     def rank_length(self) -> int:

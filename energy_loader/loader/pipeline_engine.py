@@ -345,8 +345,7 @@ class PipelineEngine:
     def starting_position(self, logical: int) -> Position:
         return self.planner.pending_position(self.side.plan, logical)
 
-    @property
-    def epoch_number(self) -> int:
+    def current_epoch(self) -> int:
         """The epoch of the item handed out last; once the epoch's end was reported, or after
         restoring a state saved at its last item, the next one (what the next ``iter()`` runs)."""
         progress = self.progress

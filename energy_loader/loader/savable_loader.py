@@ -271,7 +271,7 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
         next epoch (the next ``iter()`` starts it). One rule for every loader; read it right
         after the item it should describe.
         """
-        return self._engine.epoch_number
+        return self._engine.current_epoch()
 
     @property
     def num_partitions(self) -> int:

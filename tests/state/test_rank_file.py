@@ -144,5 +144,3 @@ def test_files_of_two_saves_mixed_are_refused(tmp_path: Path) -> None:
         (mixed / name).write_bytes((tmp_path / folder / name).read_bytes())
     with pytest.raises(el.StateMismatchError, match="different pipeline configs"):
         eld.restore_state_rank_file(_loader(0, 1), mixed)
-
-

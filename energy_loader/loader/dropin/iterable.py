@@ -199,9 +199,8 @@ class IterableEngine(DropInRestore):
             draw_base_seed(loader)
         return _Stripped(inner.iterate())
 
-    @property
-    def epoch_number(self) -> int:
-        return self.inner.epoch_number
+    def current_epoch(self) -> int:
+        return self.inner.current_epoch()
 
     def rank_length(self) -> int:
         """torch's ``len(loader)`` of an iterable dataset (its ``len()``, batched)."""

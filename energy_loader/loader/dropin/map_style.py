@@ -399,8 +399,7 @@ class MapEngine(DropInRestore):
             self.transport.close()
         self.fetcher.transport = None
 
-    @property
-    def epoch_number(self) -> int:
+    def current_epoch(self) -> int:
         """The epoch of the batch handed out last (0 before the first); once the epoch's end
         was reported, or after a restore of a state saved after an epoch's last batch, the
         next one (what the next ``iter()`` yields)."""
