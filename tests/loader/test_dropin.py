@@ -24,7 +24,9 @@ from torch.utils.data import (
 
 import energy_loader as el
 from energy_loader.errors import StateFormatError, StateMismatchError
+from energy_loader.loader.dropin import job as dropin_job
 from energy_loader.loader.dropin import map_style
+from energy_loader.loader.dropin import restore as dropin_restore
 from energy_loader.loader.dropin.build import runs_dropin
 from energy_loader.loader.dropin.state import MapState
 
@@ -558,8 +560,10 @@ def test_a_restore_decodes_its_state_and_checks_it_against_the_stream_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """One decode (format, fields, digest) and one check of the stream per restore: from one
-    state, from every rank's entries, and from the job's position on another world size."""
-    counts = {"decoded": 0, "checked": 0}
+    state, from every rank's entries, and from the job's position on another world size; and
+    one check that several states are of one save, by the carrier that holds them (none for
+    one state)."""
+    counts = {"decoded": 0, "checked": 0, "one_save": 0}
     decode = MapState.from_plain.__func__  # type: ignore[attr-defined]
     check = map_style.check_restorable
 
@@ -575,8 +579,15 @@ def test_a_restore_decodes_its_state_and_checks_it_against_the_stream_once(
     for rank in range(2):
         torch.manual_seed(0)  # one job seed on both ranks (no process group shares it)
         states.append(_saved_after(_simulated_rank(rank, 2), 2))
+    one_save = dropin_job.check_one_save
+
+    def counted_one_save(*args: Any, **kwargs: Any) -> None:
+        counts["one_save"] += 1
+        one_save(*args, **kwargs)
+
     monkeypatch.setattr(MapState, "from_plain", classmethod(counted_decode))
     monkeypatch.setattr(map_style, "check_restorable", counted_check)
+    monkeypatch.setattr(dropin_restore, "check_one_save", counted_one_save)
     entries = _simulated_rank(0, 2).state_dict_of_ranks(states)
     restores = [
         lambda: _simulated_rank(1, 2).load_state_dict(states[1]),
@@ -584,7 +595,7 @@ def test_a_restore_decodes_its_state_and_checks_it_against_the_stream_once(
         lambda: _simulated_rank(0, 3).load_state_dict(entries),
         lambda: el.distributed.restore_state_global(_simulated_rank(0, 1), states),
     ]
-    for restore in restores:
-        counts.update(decoded=0, checked=0)
+    for restore, one_save_checks in zip(restores, (0, 1, 1, 1)):
+        counts.update(decoded=0, checked=0, one_save=0)
         restore()
-        assert counts == {"decoded": 1, "checked": 1}
+        assert counts == {"decoded": 1, "checked": 1, "one_save": one_save_checks}

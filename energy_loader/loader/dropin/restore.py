@@ -8,12 +8,13 @@ rank's state restores every rank of any layout (it names the job's position, not
 ``save``/``leaves``/``decode``/``plan``/``apply``/``read_rank_files``, so the loader and
 :mod:`energy_loader.distributed` treat a drop-in loader as any other.
 
-One restore decodes and checks its state once: :meth:`DropInRestore.plan` picks this rank's
-state, checks that the states given with it are of one save (where several are given and no
-carrier checked them already), decodes it (format, fields, digest), checks its layout and lets
-the engine check that its stream can continue it (``plan_record``); ``apply`` only hands the
-plan over. Which saved states a rank needs (:meth:`~DropInRestore.saved_ranks_needed`) is read
-from the plain state's config, without decoding it.
+One restore decodes and checks its state once: the carrier that holds several states checks
+that they are of one save (:meth:`DropInRestore.decode_leaves`, :meth:`read_rank_files`, the
+loader's ``restore_from_states``, ``restore_state_global``); :meth:`DropInRestore.plan` picks
+this rank's state, decodes it (format, fields, digest), checks its layout and lets the engine
+check that its stream can continue it (``plan_record``); ``apply`` only hands the plan over.
+Which saved states a rank needs (:meth:`~DropInRestore.saved_ranks_needed`) is read from the
+plain state's config, without decoding it.
 
 Not here: what a state holds (:mod:`.state`), process groups (:mod:`energy_loader.distributed`).
 """
@@ -98,9 +99,14 @@ class DropInRestore:
         return list(states)
 
     def decode_leaves(self, leaves: dict[str, Any]) -> list[Any] | None:
+        """The states of ``state_dict()``'s leaves, checked to be of one save where they hold
+        several (the check this carrier owes: :meth:`plan` does not repeat it)."""
         if not is_rank_entries(leaves):
             return None
-        return states_of_entries(leaves)
+        states = states_of_entries(leaves)
+        if len(states) > 1:
+            check_one_save(states, across=len(states) != self.worker_config.world_size)
+        return states
 
     def check_one_save(self, states: Sequence[Any], *, across: bool) -> None:
         check_one_save(states, across=across)
@@ -150,17 +156,17 @@ class DropInRestore:
         ``StateMismatchError`` for states of several saves, or a state of another dataset,
         sampler, batching or rank), as the engine's plan (:meth:`apply` takes it).
 
-        ``records``: this rank's own state alone (one carrier checked the states of the save
-        already, or only one was given), every rank's of the saved world size (this rank
-        takes its own), or, under a ``DistributedSampler``, some of another world size (the
-        job's position: any rank's, the lowest given).
+        ``records``: this rank's own state alone, every rank's of the saved world size (this
+        rank takes its own), or, under a ``DistributedSampler``, some of another world size
+        (the job's position: any rank's, the lowest given). That several are of one save is
+        the check of the carrier that holds them (the loader's ``restore_from_states``,
+        :meth:`decode_leaves`, :meth:`read_rank_files`, ``restore_state_global``), made once
+        where they met.
         """
         config = self.worker_config
         if not records:
             raise self._other_world_size(0)
         own_layout = len(records) == config.world_size
-        if len(records) > 1 and own_layout:
-            check_one_save(records, across=False)
         decoded = self.decode_one(records[config.rank if own_layout else 0])
         if not self.names_job_position(decoded.config):
             if not own_layout and len(records) > 1:
@@ -174,8 +180,6 @@ class DropInRestore:
                     "layout); otherwise elastic resume needs a savable pipeline: "
                     "docs/migration.md"
                 )
-        if len(records) > 1 and not own_layout:
-            check_one_save(records, across=True)
         return self.plan_record(decoded)
 
     def apply(self, plan: Any) -> None:
