@@ -153,6 +153,6 @@ def cut_for_equal_steps(sample: Any, progress: Standing) -> list[Any] | None:
             "for it may hang. Batch the pipeline (BatchDataset), or give the partitions "
             "equal lengths",
             UserWarning,
-            stacklevel=5,
+            stacklevel=4,  # the user's next(): past next_sample and the iterator's __next__
         )
     return cut
