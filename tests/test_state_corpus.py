@@ -28,21 +28,27 @@ def _read(name: str) -> Any:
     return json.loads((CORPUS / name).read_text())
 
 
-def _continued(loader: el.SavableDataLoader) -> list[list[int]]:
+def _rest_and_next_epoch(loader: el.SavableDataLoader, iterator: Any = None) -> list[list[int]]:
+    """The batches from where ``loader`` stands to the end of its next epoch."""
     try:
-        return setups.take(iter(loader), setups.COMPARED)
+        rest = [setups.keys(batch) for batch in (iterator if iterator is not None else loader)]
+        return rest + [setups.keys(batch) for batch in loader]
     finally:
         loader.close()
 
 
-def _uninterrupted(make: Callable[[], el.SavableDataLoader]) -> list[list[int]]:
+def _assert_continues(
+    restored: el.SavableDataLoader, make: Callable[[], el.SavableDataLoader], recorded: Any
+) -> None:
+    """``restored`` yields, to the end of the next epoch, what an uninterrupted run of today's
+    code yields after ``TAKEN`` batches, and its first ``COMPARED`` batches are the ones the
+    saving loader recorded."""
+    continued = _rest_and_next_epoch(restored)
+    assert continued[: setups.COMPARED] == recorded
     loader = make()
     iterator = iter(loader)
     setups.take(iterator, setups.TAKEN)
-    try:
-        return setups.take(iterator, setups.COMPARED)
-    finally:
-        loader.close()
+    assert continued == _rest_and_next_epoch(loader, iterator)
 
 
 def _restored(make: Callable[[], el.SavableDataLoader], restore: Callable[[Any], None]) -> Any:
@@ -59,8 +65,7 @@ def test_a_pipeline_rank_state_of_version_1_restores_exactly(workers: int) -> No
     state = _read(f"pipeline_{workers}_workers.json")
     loader = _restored(make, lambda loader: loader.restore_state_rank(state))
     expected = EXPECTED[f"pipeline_{workers}_workers"]
-    assert _continued(loader) == expected
-    assert _uninterrupted(make) == expected
+    _assert_continues(loader, make, expected)
 
 
 def _load_dcp(loader: el.SavableDataLoader) -> None:
@@ -85,8 +90,7 @@ def test_a_two_rank_pipeline_save_of_version_1_restores_exactly(way: str) -> Non
         make = lambda rank=rank: setups.pipeline(rank, 2)  # noqa: E731
         loader = _restored(make, restores[way])
         expected = EXPECTED["pipeline_2_ranks"][rank]
-        assert _continued(loader) == expected, (way, rank)
-        assert _uninterrupted(make) == expected, rank
+        _assert_continues(loader, make, expected)
 
 
 @pytest.mark.parametrize("way", ["rank_state", "state_dict"])
@@ -94,8 +98,7 @@ def test_a_map_style_dropin_state_of_version_1_restores_exactly(way: str) -> Non
     state = _read("dropin_map.json" if way == "rank_state" else "dropin_map_state_dict.json")
     restore = {"rank_state": "restore_state_rank", "state_dict": "load_state_dict"}[way]
     loader = _restored(setups.dropin_map, lambda loader: getattr(loader, restore)(state))
-    assert _continued(loader) == EXPECTED["dropin_map"]
-    assert _uninterrupted(setups.dropin_map) == EXPECTED["dropin_map"]
+    _assert_continues(loader, setups.dropin_map, EXPECTED["dropin_map"])
 
 
 def test_dropin_rank_files_of_version_1_restore_exactly() -> None:
@@ -103,15 +106,13 @@ def test_dropin_rank_files_of_version_1_restore_exactly() -> None:
     for rank in range(2):
         make = lambda rank=rank: setups.dropin_map(rank, 2)  # noqa: E731
         loader = _restored(make, lambda loader: el.restore_state_rank_file(loader, folder))
-        assert _continued(loader) == EXPECTED["dropin_2_ranks"][rank]
-        assert _uninterrupted(make) == EXPECTED["dropin_2_ranks"][rank]
+        _assert_continues(loader, make, EXPECTED["dropin_2_ranks"][rank])
 
 
 def test_an_iterable_dropin_state_of_version_1_restores_exactly() -> None:
     state = _read("dropin_iterable.json")
     loader = _restored(setups.dropin_iterable, lambda loader: loader.restore_state_rank(state))
-    assert _continued(loader) == EXPECTED["dropin_iterable"]
-    assert _uninterrupted(setups.dropin_iterable) == EXPECTED["dropin_iterable"]
+    _assert_continues(loader, setups.dropin_iterable, EXPECTED["dropin_iterable"])
 
 
 def test_every_corpus_state_is_of_version_1() -> None:
