@@ -64,7 +64,11 @@ class RankFolder:
     @property
     def own_path(self) -> Path:
         """This rank's file if the save had this world size."""
-        return self.directory / (rank_file_name(self.prefix, self.rank, self.world_size) + ".pt")
+        return self.path_of(self.rank, self.world_size)
+
+    def path_of(self, saved_rank: int, saved_world_size: int) -> Path:
+        """Where saved rank ``saved_rank``'s file of a save on ``saved_world_size`` ranks is."""
+        return self.directory / (rank_file_name(self.prefix, saved_rank, saved_world_size) + ".pt")
 
     def has_own(self) -> bool:
         """Whether this rank's file of its own world size is there (a save on this layout)."""
@@ -76,8 +80,7 @@ class RankFolder:
     def open_saved(self, saved_rank: int, saved_world_size: int) -> RankFile:
         """Saved rank ``saved_rank``'s file of a save on ``saved_world_size`` ranks, found by
         its name (no listing of the folder), opened once."""
-        name = rank_file_name(self.prefix, saved_rank, saved_world_size) + ".pt"
-        path = self.directory / name
+        path = self.path_of(saved_rank, saved_world_size)
         if not path.is_file():
             return self.open(saved_rank)  # names the missing file, or the set's problem
         return self._open_path(path)
