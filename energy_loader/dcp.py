@@ -1,49 +1,21 @@
 """``torch.distributed.checkpoint`` (DCP) at many ranks: two planners and a storage reader.
 
-A loader goes into DCP as it is (``dcp.save({"loader": loader, ...})``); these three classes
-fix what DCP's defaults cost or refuse once the job is large or its layout changed:
+A loader goes into DCP as it is (``dcp.save({"loader": loader, ...})``); these classes fix
+what DCP's defaults cost or refuse once the job is large or its layout changed (each optional,
+docs/distributed.md has the figures):
 
-- :class:`SavePlanner`: torch's ``DefaultSavePlanner`` merges the ranks' key mappings with
-  ``dict(ChainMap(*mappings))``, which looks every key up through up to N per-rank maps: with
-  keys that differ per rank (a loader's slots) the coordinator's plan takes time ~N^2 (116 s at
-  16,384 ranks). This one produces the same plan and metadata in one pass.
-- :class:`LoadPlanner`: torch's ``DefaultLoadPlanner`` refuses a template key the checkpoint
-  lacks ("Missing key in checkpoint state_dict") before the loader sees anything, so a fresh
-  loader of another ``num_partitions`` fails inside DCP. This one lists, in each loader's
-  template, the slots the rank runs of the *saved* partition count, so the loader judges the
-  saved leaves itself: a loader built without ``num_partitions`` adopts the saved count, one
-  built with another raises :class:`~energy_loader.StateMismatchError` naming both counts.
-- :class:`SharedMetadataReader`: every rank of a DCP load reads the whole ``.metadata`` file
-  (~135 B per partition of the job); wrapped in this reader, the coordinator reads it from
-  storage and broadcasts it to the other ranks.
+- :class:`SavePlanner`: the same plan and metadata as torch's, in one pass instead of ~N^2
+  lookups over the ranks' key mappings (116 s at 16,384 ranks);
+- :class:`LoadPlanner`: lists in each loader's template the slots of the *saved* partition
+  count, so the loader judges the saved leaves itself instead of DCP refusing a missing key;
+- :class:`SharedMetadataReader`: the coordinator reads ``.metadata`` and broadcasts it;
+- :func:`load`: ``dcp.load`` whose "Missing key" for a loader of more partitions than the
+  checkpoint's is a :class:`~energy_loader.StateMismatchError` naming both counts;
+- :func:`read_loader_entries`: a checkpoint's loader leaves in one process (``inspect``).
 
-And :func:`load`, torch's ``dcp.load`` whose failure for a loader of more partitions than
-the checkpoint's (torch's "Missing key in checkpoint state_dict: loader.slot_00001", raised in
-torch's planning before the loader is asked) is a :class:`~energy_loader.StateMismatchError`
-naming both counts and the fixes; :func:`read_loader_entries` reads a checkpoint's loader
-leaves in one process, without a process group (``python -m energy_loader inspect`` and
-``replay`` on a DCP folder).
-
-Usage (each piece is optional and independent of the others)::
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    import energy_loader as el
-
-    dcp.save(state, checkpoint_id=step_dir, planner=el.dcp.SavePlanner())
-    ...
-    dcp.load(
-        state,
-        checkpoint_id=step_dir,
-        planner=el.dcp.LoadPlanner(),
-        storage_reader=el.dcp.SharedMetadataReader(FileSystemReader(step_dir)),
-    )
-
-This module does not change what is saved: a checkpoint written with either save planner loads
-with either load planner. It leans on two of torch's private names (``DefaultSavePlanner.
-_create_global_plan``, the step it overrides, and the call order of ``_load_state_dict``: one
-``read_metadata()`` per rank per load), checked against torch 2.13; besides DCP's own
-collectives, :class:`SharedMetadataReader`'s broadcast is its only use of a process group.
+Nothing here changes what is saved. It leans on two of torch's private names
+(``DefaultSavePlanner._create_global_plan``, and one ``read_metadata()`` per rank per load),
+checked against torch 2.13.
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
-"""Loader states across the ranks of a ``torch.distributed`` job.
+"""Loader states across the ranks of a ``torch.distributed`` job; the only module that talks
+to process groups.
 
-The only module that talks to process groups. Two ways to checkpoint a job's data position:
-
-* **Each rank saves its own state** (the scalable path, and the one to use beyond a few
-  hundred ranks): the loader in a ``torch.distributed.checkpoint`` save (its ``state_dict()``
-  is one leaf per logical partition), or one file per rank next to the model checkpoint
-  (:func:`save_state_rank_file` / :func:`restore_state_rank_file`). No collective, no single
-  rank holding everyone's state.
-* **Gather and scatter** (small jobs, one file for the whole job):
-  :func:`save_state_global` gathers every data-parallel rank's state to one rank with
-  ``gather_object``; :func:`restore_state_global` hands each rank its own entry, from a list
-  every rank holds or scattered from one rank with ``scatter_object_list``.
-
-Collectives run over the loader's data-parallel group (``WorkerConfig.data_parallel_group``,
-``None`` for the default group), and ranks are named as in ``torch.distributed``: ``dst_rank``
-and ``src_rank`` are *global* ranks that must belong to that group; list positions are
-data-parallel ranks. States cross the wire as pickles (that is how object collectives work);
-they are plain data, and what this module writes to disk is loadable with
-``torch.load(weights_only=True)``.
-
-No rank is left hanging: arguments that every rank judges alike (``dst_rank``, ``src_rank``)
-are checked before any collective; everything a single rank can find wrong (its state, its
-layout, a dead worker) travels through the collective in place of a state, so that every rank
-of the group learns of it and raises.
+Each rank saves its own state (the scalable path: the loader in a DCP save, or one file per
+rank with :func:`save_state_rank_file` / :func:`restore_state_rank_file`), or, for small jobs,
+:func:`save_state_global` gathers every data-parallel rank's state to one rank and
+:func:`restore_state_global` hands each rank its entry. Collectives run over the loader's
+data-parallel group; ``dst_rank`` and ``src_rank`` are global ranks, list positions are
+data-parallel ranks. No rank is left hanging: arguments every rank judges alike are checked
+before any collective, and whatever one rank finds wrong travels through the collective in
+place of a state, so that every rank raises (docs/distributed.md).
 """
 
 from __future__ import annotations

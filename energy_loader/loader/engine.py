@@ -1,29 +1,18 @@
 """The engine protocol: what a :class:`~energy_loader.SavableDataLoader` hands its work to.
 
 One loader class, one engine per kind of dataset, picked once at construction:
-
-- :class:`~energy_loader.loader.pipeline_engine.PipelineEngine`: a savable pipeline, run as
-  logical partitions by worker processes that checkpoint as they go;
-- :class:`~energy_loader.loader.dropin.map_style.MapEngine`: any map-style dataset with
-  torch's arguments (sampler, batching, generator), resumed by its index stream;
-- :class:`~energy_loader.loader.dropin.iterable.IterableEngine`: any iterable dataset, run as a
-  pipeline engine of one partition per worker.
-
-The loader owns torch's arguments and the public methods, each a few lines that hand over to
-the engine. Every carrier of states (``restore_state_rank``, ``load_state_dict``, gather and
-scatter, per-rank files, DCP, trainers) takes one path through an engine::
+:class:`~energy_loader.loader.pipeline_engine.PipelineEngine` (a savable pipeline, run as
+logical partitions), :class:`~energy_loader.loader.dropin.map_style.MapEngine` (a map-style
+dataset with torch's arguments) and :class:`~energy_loader.loader.dropin.iterable.IterableEngine`
+(an iterable dataset). Every carrier of states (``restore_state_rank``, ``load_state_dict``,
+gather and scatter, per-rank files, DCP, trainers) takes one path through an engine::
 
     decode(states) -> records     plain data in, format and version checked
     check_one_save(records, ...)  the states of one save of one job (where several meet)
-    plan(records) -> plan         pure: which partitions, where, how much to replay; raises
-                                  for a state that does not fit and changes nothing
+    plan(records) -> plan         pure: raises for a state that does not fit, changes nothing
     apply(plan)                   the loader continues from there at the next iter()
 
-:mod:`energy_loader.distributed` (the only module that talks to process groups) knows this
-protocol and nothing of the loader classes: it asks the engine which saved ranks a rank needs,
-decodes and plans on every rank, agrees across ranks, then applies.
-
-Not here: how an engine runs. Each engine module says that.
+:mod:`energy_loader.distributed` knows this protocol and nothing of the loader classes.
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
 """Equal steps: every rank of a job takes the same number of steps in every epoch.
 
-A data-parallel step is a collective: a rank that ends its epoch one step before the others
-leaves them waiting in an all-reduce that never completes (with gloo, the pairs break and the
-job dies). Ranks end unequal where their partitions hold unequal counts: partitions of unequal
-lengths, or an epoch continued on another world size from a position it does not divide
-(saved on 2 ranks after 8 items of 48, resumed on 3: 40 items left, 14 / 13 / 13).
-
-The rule, in one sentence: **in every epoch each rank takes as many steps as the rank with the
-most items; a rank with fewer cuts its last items (batches) along their first dimension into
-smaller ones until it has as many**, so every sample comes exactly once and only a short
-rank's last steps are smaller. The count is fixed where an epoch's assignment begins (its
-start, or a restore onto another world size): every rank computes every rank's items from the
-partitions' lengths and the job's position, so all agree without a message. A short rank cuts
-its items in two once its items left are no more than the steps it lacks plus one round over
-its partitions (its last item takes whatever is still lacking), so the short last batches of
-its partitions, one row each, do not stop it.
-
-Where the count is exact: at every epoch's start; after a restore onto another world size
-from a position where every partition still had items (the job's stream
-``G[k] = item k // P of partition k % P`` then says how many each partition gave). A resize
-from the last steps of an epoch whose partitions hold unequal counts may leave a rank one item
-over. Pipelines of unknown length (a filter) have no count and keep their natural ends.
+A rank that ends its epoch one step before the others leaves them waiting in an all-reduce.
+Ranks end unequal where their partitions hold unequal counts, or where an epoch continues on
+another world size from a position it does not divide (8 of 48 items on 2 ranks, resumed on
+3: 14 / 13 / 13). The rule: **in every epoch each rank takes as many steps as the rank with
+the most items; a rank with fewer cuts its last items (batches) along their first dimension
+until it has as many**, so every sample comes exactly once. The count is fixed where an
+epoch's assignment begins (its start, or a restore onto another world size), from the
+partitions' lengths and the job's position, so all ranks agree without a message. A resize
+from the last steps of an epoch of unequal partitions may leave a rank one item over; a
+pipeline of unknown length (a filter) keeps its natural ends (docs/distributed.md).
 
 Pure: no processes, no I/O. The engine (:mod:`.pipeline_engine`) applies it.
 """

@@ -1,27 +1,12 @@
 """What a rank will yield next, from a saved state: ``peek_keys`` and the ``replay`` command.
 
-The live loader is never touched. From a rank state (``save_state_rank()`` now, or one read
-from a checkpoint) this module plans the restore exactly as ``restore_state_rank`` would
-(:class:`~energy_loader.loader.planner.Planner`), builds one
-:class:`~energy_loader.workers.runner.Runner` per logical worker *in this process* (no
-worker processes, no command threads, no transport), lets each restore and replay its
-partitions as a restored worker does, and then takes items the way the loader receives them:
-
-- within a worker, its partitions round-robin, one item at a time, skipping ended ones (as
-  ``Runner.run_epoch``);
-- across workers, the loader's order starting at the worker that was due next: the owner of
-  the rank's next partition (:func:`~energy_loader.loader.partitions.next_worker`; torch's
-  round-robin when the workers divide the partitions), skipping a worker once its epoch ended.
-
-At the end of an epoch it saves the simulated workers' states as an ended rank state and
-plans again, exactly as the loader's next ``iter()`` does, so keys run on into the next epoch.
-
-Why a throwaway copy rather than buffering items pulled from the live workers: buffered items
-would have to be accounted for in every later save (the workers' rolling checkpoints cover only
-a few items beyond the last one delivered, so peeking far ahead could not be saved exactly),
-and the live stream's timing would change. The copy costs one save plus making the replayed
-and peeked items once more, in this process: right for provenance and debugging, not for every
-step. The global ``random``, ``numpy`` and ``torch`` RNG states are kept across a peek.
+The live loader is never touched: from a rank state this module plans the restore as
+``restore_state_rank`` would, runs one :class:`~energy_loader.workers.runner.Runner` per
+logical worker *in this process*, lets each restore and replay its partitions, and takes items
+in the loader's order (within a worker round-robin over its partitions, across workers from
+the one due next), planning again at each epoch's end. A throwaway copy rather than buffering
+the live workers' items, which every later save would have to account for; it costs making
+the replayed and peeked items once more. The global RNG states are kept across a peek.
 """
 
 from __future__ import annotations

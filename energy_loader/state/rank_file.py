@@ -1,33 +1,13 @@
 """Per-rank state files that a resized job reads partition by partition.
 
-A rank's state file (what :func:`energy_loader.save_state_rank_file` writes) is a ZIP archive
-of three members, in this order, so that a rank restoring on another layout reads the small
-header of each file it needs and the byte ranges of the partitions it now runs, not whole
-files::
-
-    rank.json         {"format": "energy_loader.rank_file", "version": 1,
-                       "state_version": 1,
-                       "state": <the rank state (of that version) without its format tag,
-                                 "version", "config" and "partitions">,
-                       "slots": [3, 11, ...], "sizes": [2874, ...]}
-    partitions        (stored) each partition's entry as JSON, compressed with DEFLATE on
-                      its own, one after the other in the order of "slots", each of "sizes"
-                      bytes
-    config.json       the pipeline's config (the same on every rank of a save)
-
-``rank.json`` and ``config.json`` are ordinary deflated members (``unzip -p FILE rank.json``
-prints the header). A slot is a partition's place in the job's stream from its rank's
-position (rank_state.py): rank ``r`` of ``R`` holds slots ``r, r + R, ...``, so a rank of any
-layout knows which files and which slots it needs from the files' names and one header. A
-state that is not a pipeline's rank state (a drop-in loader's: small and whole) goes whole
-into ``"state"``, without ``"slots"`` or the other members.
-
-Integrity: ZIP's CRC-32 of ``rank.json`` and ``config.json`` is checked on every read; the
-rank state's own digests do the rest when it is decoded: ``checks.config`` the config (one
-restore reads it from one file and checks that the others record the same digest), each
-partition entry's ``check`` its entry. A damaged file is a ``StateFormatError``, never a wrong
-state. Nothing is unpickled: everything is JSON. Files are written atomically
-(:func:`~energy_loader.state.atomic.write_atomically`).
+A ZIP archive of ``rank.json`` (the rank state without its config and partitions, with the
+slots it holds and their sizes), ``partitions`` (stored: each partition's entry deflated on its
+own) and ``config.json``, in that order, so that a rank restoring on another layout reads the
+small header of each file it needs and the byte ranges of the partitions it now runs, not
+whole files (layout: docs/state-format.md, "Per-rank state files"). A drop-in loader's state
+goes whole into the header. ZIP's CRC-32 checks the header and config on every read, each
+partition entry its own digest; a damaged file is a ``StateFormatError``, never a wrong state.
+Nothing is unpickled; files are written atomically.
 """
 
 from __future__ import annotations

@@ -1,61 +1,14 @@
-"""The saved state of one rank's loader: attrs classes and their plain-data codec.
+"""The saved state of one rank's loader: attrs classes and their plain-data codec (version 1).
 
-Layout (format version 1)::
+The layout, field by field, is in docs/state-format.md. In short: the job's layout (rank,
+workers, partitions), where the rank stands in the epoch (``delivered``, ``start``,
+``next_worker``, the equal-steps count), each partition's rolling checkpoint with the items to
+replay from it, and the proof (``last``, ``made``: the restore re-makes the last item handed
+out and compares). ``checks.position``, each entry's ``check`` and ``checks.config`` make a
+field edited or damaged after the save a ``StateFormatError`` at load.
 
-    {
-      "format": "energy_loader.rank_state",
-      "version": 1,
-      "rank": 0, "world_size": 1, "num_workers": 2,
-      "num_partitions": 4,        # P: logical partitions of the whole job
-      "seed": 0,                  # the WorkerConfig seed every partition ran with
-      "config": {...},            # the pipeline's config(), for mismatch messages
-      "epoch": 3,                 # the loader's epoch (0 for the first)
-      "in_epoch": true,           # an iterator of this epoch was started
-      "epoch_ended": false,       # the loader reported the end of the current epoch
-      "delivered": 41,            # steps this rank took in the current epoch
-      "start": 0,                 # global position (mod P) the current assignment started at
-      "next_worker": 1,           # the worker whose item the user receives next
-      "job_left": 48,             # equal steps: the items the job had left where the
-                                  # epoch's assignment began (these four fields are absent
-                                  # for a pipeline of unknown length)
-      "items_left": 7,            # this rank's items left in the epoch
-      "extra": 0,                 # the steps it lacks against the rank with the most items
-      "pieces": 0,                # pieces of its next item already handed out (an item cut
-                                  # so that every rank takes as many steps)
-      "workers": [                # one per worker (one entry when num_workers == 0)
-        {"partitions": [0, 2],    # the partitions it runs, in round-robin order (may be
-                                  # empty: a worker beyond P / world_size idles)
-         "next": 1,               # the position in that list whose item comes next
-         "done": false},          # this worker already ended the current epoch
-        ...
-      ],
-      "partitions": [             # one per partition this rank runs
-        {"partition": 0,
-         "checkpoint": {...},     # the partition's pipeline state at a rolling checkpoint
-         "skip": 3,               # items of this partition to replay from it
-         "done": false,           # this partition already ended the current epoch
-         "last": "9c0d...",       # digest of the restore key of the partition's last item
-                                  # handed out (null: none yet, or it carried no key)
-         "made": "2b7a...",       # digest of that item's values as it was made (null: none
-                                  # yet, or not computed: a loader with verify_restore=False)
-         "check": "51e2..."},     # digest of this entry (the checkpoint as canonical JSON)
-        ...
-      ],
-      "checks": {"position": "7f3a...",   # digest of every other field but "config"
-                 "config": "c41d..."}     # digest of "config" as canonical JSON
-    }
-
-The digests (:mod:`energy_loader.state.digests`) make a field edited or damaged after the save
-a ``StateFormatError`` at load (``config`` too, which is then compared with the pipeline: an
-edited ``batch_size`` would otherwise pass as a restore with smaller batches). ``last`` and
-``made`` are the restore's proof: a partition that replays items from its checkpoint re-makes
-the last one the saving loader handed out, and a different key, or the same key with other
-values, is a ``StateMismatchError`` before anything new is yielded.
-
-Everything is plain data: ``json.dumps`` and ``torch.load(weights_only=True)`` accept it. Any
-change to this shape bumps :data:`RANK_STATE_VERSION`, keeps a reader of the versions released
-before it, and adds states of the new version to the corpus the tests restore
-(``tests/state_corpus``).
+Any change to this shape bumps :data:`RANK_STATE_VERSION`, keeps a reader of the versions
+released before it, and adds states of the new version to ``tests/state_corpus``.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """Several items a transfer: fewer trips through torch's queues, same order, same positions.
 
-Torch moves one item per task: the main process sends an index down a worker's index queue,
-the worker makes the item and puts it on the result queue, a feeder thread pickles it and
-writes a pipe, and the main process polls, reads and unpickles it. That is 100-200 us of CPU
-an item on a busy machine, whatever the item costs to make: for cheap items (a batch of
-Parquet rows, a few tokenised lines) it is most of the work. So a worker sends its items in
-*bundles*, and the main process hands them out one at a time.
-
-Worker end (:func:`bundle_items`): a bundle is closed when it holds ``limit`` items, its
-payloads reach :data:`BUNDLE_BYTES` (an eighth of the worker's shared-memory arena if that is
-less, so the bundles in flight never crowd the arena), making it has taken
-:data:`BUNDLE_SECONDS`, or the worker ends its epoch. ``limit`` starts at 1 each epoch and
-doubles with every bundle up to ``items_per_transfer`` (the first item is not held back to
-fill a bundle), and the main process may lower it (below). An item that costs more than
-:data:`BUNDLE_SECONDS` to make travels alone, as torch would send it. An exception in the
-pipeline closes the bundle with a failure item in its place, so the items made before it are
-delivered first and the error is raised exactly where torch would raise it.
-
-Main end (:mod:`energy_loader.loader.unbundler`): items are handed out in the workers'
-round-robin order, never in arrival order, each with the position bookkeeping it would have
-had one per transfer, so states, restores and ``held_back`` saves are unchanged. The main
-process may lower a worker's ``limit`` (a shared array the worker reads per bundle) when that
-worker's items pile up there.
+Torch moves one item per task, 100-200 us of CPU on a busy machine whatever the item costs:
+for cheap items most of the work. So a worker sends its items in *bundles*
+(:func:`bundle_items`), closed at ``limit`` items (from 1 each epoch, doubling up to
+``items_per_transfer``; the main process may lower it), :data:`BUNDLE_BYTES` of payload,
+:data:`BUNDLE_SECONDS` of making, or the epoch's end; an item slower than that travels alone,
+and an exception closes the bundle after the items made before it. The main process
+(:mod:`energy_loader.loader.unbundler`) hands them out in the workers' round-robin order with
+the bookkeeping each would have had alone, so states and restores are unchanged.
 """
 
 from __future__ import annotations

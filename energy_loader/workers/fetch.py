@@ -1,39 +1,14 @@
 """The drop-in loader's worker side for a map-style dataset: make batches, encode, send.
 
-The drop-in loader (:mod:`energy_loader.loader.dropin`) runs an internal torch DataLoader over
-a :class:`BatchFetcher`. Its index stream stays in the main process, as in torch: every
-*task* the fetcher receives names one or several consecutive batches of the user's sampler
-(a bundle, :mod:`energy_loader.workers.bundling` says why) and the epoch's seed. For each
-batch, the fetcher loads the samples (``dataset[index]`` per index; one
-``dataset.__getitems__`` call per batch when the dataset has it and ``seed_per_sample`` is
-off, exactly as torch's fetcher), applies the user's ``collate_fn``
-and, in a worker process, encodes the bundle with the transport codec
-(:mod:`energy_loader.transport`).
-
-Per-sample seeding: with ``seed_per_sample`` (the default) python ``random``, numpy's global
-RNG and torch's default CPU generator are seeded from (epoch seed, sample index) before each
-``dataset[index]``, so random augmentation is a function of the epoch and the index:
-identical after a restore, whatever worker makes the sample and whatever batch it is in. A
-dataset with ``__getitems__`` (a Hugging Face ``datasets.Dataset``, whose ``set_transform``
-runs on a whole batch) is then read as torch reads one without it, ``dataset[index]`` per
-index under that index's seed (``__getitems__([index])`` when ``__getitem__`` is torch's
-stub): one call per batch would draw one stream for the batch, and a sample restored into
-another batch (another batch size or world size) would draw other numbers. That costs the
-batched read's speed (docs/sources/huggingface.md measures it); ``seed_per_sample=False``
-keeps one ``__getitems__`` call per batch, and so does a ``datasets.Dataset`` without a
-transform (its reads draw nothing: :func:`draws_nothing`). In the main process
-(``num_workers=0``) the global RNG states are put back after each task, so the training
-loop's own randomness is not disturbed.
-
-The proof of values: with ``prove`` (the loader's ``verify_restore``) the fetcher digests each
-batch as collated (:func:`~energy_loader.state.digests.content_digest`) right where it made
-it -- in the worker process, or, without workers, before the loader hands it out, so that a
-training step writing into the batch changes nothing -- and the digests travel back with the
-result (:attr:`FetchResult.made`). A restore re-makes the last batch handed out through the
-same code (:meth:`BatchFetcher.remake`) and compares (:mod:`energy_loader.loader.dropin.values`).
-
-Failures: an exception in the user's code ends the bundle; the batches made before it are
-delivered first and the exception is raised where torch would raise it.
+The index stream stays in the main process, as in torch: each task names one or several
+consecutive batches of the user's sampler (a bundle: :mod:`energy_loader.workers.bundling`)
+and the epoch's seed. For each batch the fetcher loads the samples (``dataset[index]``, or one
+``__getitems__`` call where that draws nothing or ``seed_per_sample`` is off), collates them,
+digests them where they were made (the proof of values, ``prove``) and, in a worker process,
+encodes the bundle with the transport codec. With ``seed_per_sample`` the global RNGs are
+seeded from (epoch seed, index) before each sample, so augmentation is the same after a
+restore in any batch or worker (docs/dropin.md); without workers they are put back after each
+task. An exception in user code ends the bundle, after the batches made before it.
 """
 
 from __future__ import annotations

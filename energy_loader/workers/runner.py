@@ -1,34 +1,17 @@
 """In a worker process: one logical worker's partitions, round-robin, numbered and snapshotted.
 
-Torch's DataLoader workers iterate a :class:`WorkerSideDataset`. In each worker process it
+Torch's DataLoader workers iterate a :class:`WorkerSideDataset`, which in each worker process
+makes one copy of the pipeline per logical partition it runs and restores each (replaying its
+``skip`` items); takes them round-robin, one item at a time, numbering every item (an epoch's
+last is an end marker); takes rolling snapshots of all its partitions right after an item,
+every ``every_n`` items or ``every_sec`` seconds and at epoch boundaries, and sends each *with
+the next item* with the item's partition and proof, so that the main process's
+:class:`PositionBook` answers a save without a round trip; answers counter requests from a
+:class:`CommandServer` thread; encodes items with the batch codec and sends them in bundles.
 
-1. makes one copy of the pipeline for each logical partition the worker runs
-   (:mod:`energy_loader.loader.partitions`), binds it to that partition's
-   :class:`~energy_loader.WorkerContext` and restores the partition's saved state, replaying
-   its ``skip`` items without yielding them;
-2. takes its partitions round-robin, one item at a time, skipping those that ended their
-   epoch, and numbers every item it yields (``index`` counts up for the life of the worker
-   process; an epoch's last item is an end marker, so the main process knows this worker is
-   done);
-3. takes rolling checkpoints (:class:`Snapshot`: the position of all its partitions) right after
-   an item is made, every ``every_n`` items (and every ``every_sec`` seconds), and when a
-   partition ends its epoch or a new epoch begins, and sends each one *with the next item*,
-   together with which partition made that item and a digest of the item's values
-   (:func:`~energy_loader.state.digests.content_digest`, the proof a save records when the
-   loader checks its restores). The main process keeps them in a :class:`PositionBook` per
-   worker, so a save is answered there, from what was delivered, without a round trip to a
-   worker that is busy making a sample;
-4. runs a :class:`CommandServer` thread that answers the main process's requests for its
-   counters (``loader.stats()``);
-5. encodes every sample with the batch codec (:mod:`energy_loader.transport`) when the loader
-   uses it, so that what torch's result queue carries is a small packet, not tensors;
-6. sends its items in bundles of several (:mod:`energy_loader.workers.bundling`): one trip through
-   torch's queues for many cheap items.
-
-Physical worker ``p`` runs *logical* worker ``(p + offset) % num_workers``. Torch always
-starts its round-robin at physical worker 0, so a loader restored onto its own layout sets
-``offset`` to the logical worker that was due next and the order of items is what it would
-have been.
+Physical worker ``p`` runs logical worker ``(p + offset) % num_workers``: torch always starts
+its round-robin at physical worker 0, so a restore onto its own layout sets ``offset`` to the
+logical worker that was due next. Design: docs/design.md, "The worker checkpoint protocol".
 """
 
 from __future__ import annotations

@@ -1,47 +1,21 @@
 """The training process's global generators under a map-style drop-in: what the loader draws
 from them, takes back, keeps apart and checks, so that they come out of a restore where the
-uninterrupted run has them.
+uninterrupted run has them (the rules: docs/dropin.md, docs/restores.md).
 
-A drop-in loader shares generators with the training process: torch's global generator (torch
-draws each epoch's base seed from it, and a sampler without a generator its order), and
-python's and numpy's global RNGs (a sampler may draw its order from ``random.shuffle`` or
-``np.random.permutation``). The training step draws from them too, so every draw the loader
-makes or skips moves the training's numbers. This module holds each rule of that account, with
-a named type for each decision the engine (:mod:`.map_style`) and the index stream
-(:mod:`.stream`) carry through an epoch (it imports neither):
+Each decision that the engine (:mod:`.map_style`) and the index stream (:mod:`.stream`) carry
+through an epoch has a named type here (this module imports neither):
 
-- **torch's base-seed draw** (:class:`BaseSeedDraw`, :class:`BaseSeedFix`): torch draws a base
-  seed when it makes an iterator (every epoch, or once with persistent workers); the job draws
-  one per epoch (once with persistent workers) and none in a restored epoch (the saving run
-  drew it), nor, from the second epoch on, from the training's global generator
-  (:func:`job_draws_base_seed`). The engine takes back or adds the difference.
-- **the sampler's own stream** (:class:`PrivateGlobal`): from the second epoch on, a sampler
-  that draws from torch's global generator draws from a stream of its own (a function of the
-  job's seed and the epoch, :func:`epoch_stream_state`), entered around each of its draws and
-  left with the training's generator as it was; also the first epoch of a start pinned by a
-  save whose generators moved since (:func:`pinned_stream`), which owes that stream torch's
-  base-seed draw (:class:`StreamBaseDraw`).
-- **global RNGs a sampler draws from unseen** (python's, numpy's, and torch's where the loader
-  does not capture it): their states before the epoch's first draws (:class:`GlobalStart`, as
-  :class:`DrawnGlobals` finds them) go into every state saved in the epoch, so that a replay
-  starts from them; a digest of each at the save (:func:`digests_now`) lets a restore refuse
-  a program that has them elsewhere (:class:`GlobalsAtSave`), since the next epochs draw from
-  wherever they stand.
-- **a restore's replay** keeps all of them: :func:`training_generators_kept` puts back what
-  the re-run of the sampler moved.
-
-A state saved before the first ``iter()`` holds the digests of all of them (what the sampler
-draws from is not known yet); the restore then refuses only if its sampler draws from one that
-is elsewhere than at the save.
-
-Costs (docs/benchmarks.md): at each epoch's start, captures of their states before and after
-the sampler's first draws (0.1-0.8 ms an epoch, most of it numpy's ``get_state()``); at a save,
-nothing unless the sampler draws from one of them, then a digest of its state (python's
-``getstate()``, ~20 us; numpy's key read in place through its ``ctypes`` interface, ~3 us;
-torch's ~3 us).
-
-Not here: the generators that drive the sampler (:class:`~.sampling.SamplerRng`), the state's
-layout (:mod:`.state`), the bytes of a saved RNG state (:mod:`.encoding`).
+- torch's base-seed draw (:class:`BaseSeedDraw`, :class:`BaseSeedFix`,
+  :func:`job_draws_base_seed`): one per epoch of the job (or once with persistent workers),
+  none in a restored epoch; the engine takes back or adds the difference;
+- the sampler's own stream (:class:`PrivateGlobal`, :func:`epoch_stream_state`,
+  :func:`pinned_stream`, :class:`StreamBaseDraw`): from the second epoch on, a sampler that
+  draws from torch's global generator draws from a stream of (job seed, epoch);
+- global RNGs a sampler draws from unseen (:class:`GlobalStart`, :class:`DrawnGlobals`,
+  :class:`GlobalsAtSave`, :func:`digests_now`): their states before the epoch's first draws
+  go into the state, and a digest at the save lets a restore refuse a program that has them
+  elsewhere;
+- a restore's replay: :func:`training_generators_kept` puts back what re-running moved.
 """
 
 from __future__ import annotations

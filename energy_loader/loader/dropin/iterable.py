@@ -1,20 +1,14 @@
 """The drop-in loader over an iterable dataset: the pipeline machinery, one copy per worker.
 
-torch runs one copy of an iterable dataset per worker, batches each copy's items in that
-worker (``batch_size``, ``collate_fn``, ``drop_last`` per worker) and hands the batches out
-round-robin over the workers, skipping those that ended. That is a savable pipeline with one
-logical partition per worker: ``BatchDataset(IterableSource(dataset))`` run by a
-:class:`~energy_loader.loader.pipeline_engine.PipelineEngine` over a private torch
-``DataLoader``, whose workers checkpoint the source every few
-items (:mod:`energy_loader.sources.iterable` says what it saves). A restore replays fewer
-than ``checkpoint_every_n_samples`` batches per worker from a ``Stateful`` dataset's own
-state, and the whole epoch so far from the start for any other dataset.
-
-Epochs follow the savable loader: ``iter(loader)`` after a ``break`` continues the epoch.
-The state restores on the same ``num_workers`` and world size (each worker's copy is one
-stream); another worker count is a ``StateMismatchError``. On several ranks the dataset reads
-its rank's part itself, as under torch; a Hugging Face stream that was not split for this
-rank is refused (:mod:`.hf_stream`).
+torch runs one copy of an iterable dataset per worker, batches in that worker and hands the
+batches out round-robin. That is a savable pipeline of one logical partition per worker:
+``BatchDataset(IterableSource(dataset))`` run by a
+:class:`~energy_loader.loader.pipeline_engine.PipelineEngine`, whose workers checkpoint the
+source every few items (:mod:`energy_loader.sources.iterable`). A restore replays up to
+``checkpoint_every_n_samples`` batches per worker from a ``Stateful`` dataset's own state, and
+the epoch so far for any other. The state restores on the same ``num_workers`` and world size
+only (each worker's copy is one stream); a Hugging Face stream not split for its rank is
+refused (:mod:`.hf_stream`).
 """
 
 from __future__ import annotations

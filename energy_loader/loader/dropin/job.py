@@ -1,35 +1,18 @@
 """One drop-in job, one seed and one id, whatever each rank's own seeding.
 
-Why. Each epoch's per-sample seeds derive from the job's seed (``(job seed, epoch, index)``,
-:mod:`.sampling`), which is a hash of the generator that drives the loader at the job's
-first ``iter()``. A script that seeds per rank (``torch.manual_seed(1000 + rank)``) or not
-at all gives every rank another hash; a restore on another world size continues every rank
-from one rank's state, so the samples the other ranks owned would get other augmentations.
-So, as torch's own ``DataLoader`` shares one base seed across ranks (rank 0's, broadcast at
-``iter()``, for its datapipes), the ranks of a ``torch.distributed`` job agree on rank 0's
-seed at the job's first ``iter()``, and on a random job id drawn there (kept across
-restores), so that the rank states of one save can be told from another run's.
+Each epoch's per-sample seeds derive from the job's seed, a hash of the generator that drives
+the loader at the job's first ``iter()``. A script that seeds per rank would give every rank
+another hash, and a restore on another world size continues every rank from one rank's state.
+So, as torch's ``DataLoader`` shares rank 0's base seed, the ranks of a loader under a
+``DistributedSampler`` of several replicas agree at the job's first ``iter()`` (and the first
+after a restore) on rank 0's seed and on a random job id kept across restores, with one
+``all_gather_object``: every rank reaches the same verdict (a new job takes rank 0's; a
+restored one must already agree, else every rank raises the same ``StateMismatchError``).
+Every rank must call ``iter()`` then, as with torch's; a rank that never does leaves the others
+waiting up to the process group's timeout. Other loaders (one process, another sampler: an
+evaluation on rank 0) exchange nothing and keep their own hash and no id.
 
-Which loaders. Those under a ``DistributedSampler`` of several replicas: their ranks share
-one dataset's epochs and every rank iterates them together (a state of one restores any
-layout). A loader with another sampler exchanges nothing (it may run on some ranks only,
-such as an evaluation on rank 0, and restores on the world size that saved it, each rank its
-own state): it keeps its own hash and no id.
-
-How. At the first ``iter()`` of a job, and at the first after a restore, every rank of the
-loader's data-parallel group sends (restored?, seed, id, a fresh id) with one
-``all_gather_object`` (torch puts it on the current CUDA device for NCCL, on the CPU for
-gloo), so every rank sees every rank's and reaches the same verdict: a new job takes rank
-0's seed and id; a restored one must already agree (every rank restored a state of the same
-save), else every rank raises the same ``StateMismatchError``. Every rank of the group must
-call ``iter()`` then, as with torch's: a rank that never does leaves the others waiting up to
-the process group's timeout (``init_process_group(timeout=...)``), after which they raise.
-One process (no process group, or a group of one): nothing is exchanged and the job keeps its
-own hash and no id. The order of a sampler that draws from torch's global generator stays each
-rank's own (``JobStart.sampler_seed``): only the per-sample seeds are the job's.
-
-:func:`check_one_save` is the same rule where saved rank states meet at a restore (a gathered
-list, a folder of per-rank files, a checkpoint of every rank's entries).
+:func:`check_one_save` is the same rule where saved rank states meet at a restore.
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """The drop-in loader over a map-style dataset: torch's batches, our transport, exact resume.
 
-How it runs. The loader is a torch ``DataLoader`` initialised with the user's own arguments
-(torch validated them and set every attribute). It iterates through an *internal* plain torch
-DataLoader, the engine, over a :class:`~energy_loader.workers.fetch.BatchFetcher`: the engine
-gets ``batch_size=None`` and a sampler of tasks (:class:`_TaskSampler`); each task is one or
-several consecutive units of the user's index sampler (a bundle: it starts at one unit per
-task each epoch and grows to ``items_per_transfer`` while units are small and quick to make),
-and the engine gets the user's generator, ``worker_init_fn``, ``persistent_workers``,
-``timeout``, ``pin_memory``, ``multiprocessing_context`` and ``prefetch_factor``, so base-seed
-draws, worker seeds and worker lifetimes are torch's. Batches come back encoded by the
-transport codec and are handed out one at a time, in the sampler's order (``in_order=False``
-is accepted, and ignored: a saved position is a count of batches handed out).
-
-What a save records (:class:`~energy_loader.loader.dropin.state.MapState`): the epoch, the
-batches handed out in it (not those prefetched), the epoch's seed, and how its index stream
-began (:mod:`energy_loader.loader.dropin.sampling`). A restore re-runs the sampler to that
-point on the first ``iter()`` and continues from there, on any ``num_workers``.
-
-Epochs. Like torch, every ``iter(loader)`` starts a new epoch, except the first after a
-restore, which continues the saved epoch -- or starts the next one when the saved epoch had
-no batches left (saved after its last batch).
+The loader is a torch ``DataLoader`` initialised with the user's arguments; it iterates
+through an internal plain torch DataLoader over a
+:class:`~energy_loader.workers.fetch.BatchFetcher`, fed a sampler of tasks
+(:class:`_TaskSampler`: bundles of consecutive units of the user's sampler) and given the
+user's generator, ``worker_init_fn``, ``persistent_workers``, ``timeout``, ``pin_memory``,
+``multiprocessing_context`` and ``prefetch_factor``, so seeds and worker lifetimes are
+torch's. Batches are handed out one at a time in the sampler's order (``in_order=False`` is
+accepted and ignored: a position is a count of batches handed out). A save records the epoch,
+the batches handed out and how its index stream began
+(:mod:`energy_loader.loader.dropin.sampling`); a restore re-runs the sampler to that point on
+any ``num_workers``. Like torch, every ``iter()`` starts a new epoch, except the first after a
+restore, which continues the saved one (or starts the next where it had no batches left).
 """
 
 from __future__ import annotations

@@ -1,33 +1,17 @@
 """A map-style drop-in job's start, pinned by a save before its first ``iter()``.
 
-Why. A job's first ``iter()`` takes what every epoch derives from: the job seed (a hash of
-the generator that drives the loader, :func:`~.sampling.job_seed`) and the first epoch's order
-(torch draws its base seed from that generator, then the sampler draws, from the same
-generators). A checkpoint written at step 0 is saved before that ``iter()``, and a restarted
-program whose global torch RNG stands elsewhere at its ``iter()`` (one draw more in another
-model's init) would take another seed and another order. So the first save before the first
-``iter()`` pins the job's start as that ``iter()`` would take it at that moment: the job seed,
-and the states of the generators that drive the sampler (``state.rng`` of a state with
-``started`` false). The loader that saved and every loader that restores the state start their
-first epoch from the pin (:meth:`Pin.moved` tells which way):
-
-- where the generators still stand where the pin says (nothing drew from them since the save:
-  the usual case), the first ``iter()`` runs as it always does, torch's draws included: the
-  loader that saved yields exactly what it would have without the save;
-- where they moved (the restarted program drew more before iterating, or the script drew
-  between the save and its ``iter()``), the loader sets its own generators (``generator=``, a
-  sampler's) to the pinned states and lets the sampler draw from torch's global generator *as
-  pinned*, in a stream of its own for the first epoch (:class:`~.global_rngs.PrivateGlobal`),
-  adding torch's base-seed draw to that stream where torch draws it from the global generator
-  (:func:`~.global_rngs.pinned_stream`). The training process's global generator is left as it
-  is, as after any restore (torch's base-seed draw from it is taken back).
-
-A pin holds digests of the global RNGs the loader does not drive (python's, numpy's, and
-torch's where no generator state covers it) at the save too (:mod:`.global_rngs`): a restored
-sampler that draws its first order from one that the restarted program has elsewhere is
-refused.
-
-Not here: a started epoch's position (:mod:`.stream`), the state's layout (:mod:`.state`).
+A job's first ``iter()`` takes the job seed and the first epoch's order from the generators
+that drive the loader. A checkpoint written at step 0 comes before that ``iter()``, and a
+restarted program whose global torch RNG stands elsewhere (one draw more in a model's init)
+would take another seed and order. So the first save before the first ``iter()`` pins the
+start as that ``iter()`` would take it then (the job seed and the sampler's generators'
+states), and every loader that saved or restores the state starts its first epoch from it
+(:meth:`Pin.moved`): where the generators still stand at the pin, ``iter()`` runs as always;
+where they moved, the loader sets its own generators to the pinned states and the sampler
+draws from torch's global generator *as pinned*, in a stream of its own
+(:class:`~.global_rngs.PrivateGlobal`, :func:`~.global_rngs.pinned_stream`), leaving the
+training's generator as it is. Digests of the global RNGs the loader does not drive are
+pinned too, so a sampler that draws its first order from one that moved is refused.
 """
 
 from __future__ import annotations

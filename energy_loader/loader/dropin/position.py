@@ -1,23 +1,13 @@
-"""Where a map-style drop-in loader stands in its index stream, and how a restore gets back there.
-
-This module knows nothing of workers or transport: it is the pure part of a save and a
-restore, run by :class:`~energy_loader.loader.dropin.map_style.MapEngine`.
+"""Where a map-style drop-in loader stands in its index stream, and how a restore gets back there
+(the pure part of a save and a restore, run by :class:`~.map_style.MapEngine`).
 
 - :class:`Units` is the one way the sampler is pulled, by the running loader and by a restore
-  alike. It counts units and applies the *epoch-end rule*: when the epoch's last unit (of a
-  known length) is pulled, the sampler is pulled once more, past it, right then. torch's
-  ``RandomSampler`` draws one more permutation when it is pulled past its last index (and
-  ``BatchSampler`` hands out the last full batch before that pull), so whether that draw has
-  happened would otherwise depend on who pulled last -- the prefetching workers, the user's
-  ``for`` loop ending, or nobody yet. With the rule, the generators at an epoch's end are a
-  function of the epoch alone.
-- :func:`positioned_iterator` re-runs a saved epoch's sampler to its position, loading
-  nothing.
-- :func:`verify_replay` checks a re-run against the state's
-  :class:`~energy_loader.loader.dropin.state.Proof` (a digest of the last unit the saving
-  loader handed out, and at an epoch's end a digest of the sampler's generators): a restore
-  that re-derives another position raises ``StateMismatchError`` naming the sampler, instead
-  of continuing another stream.
+  alike, with the *epoch-end rule*: when the epoch's last unit is pulled, the sampler is pulled
+  once more, past it, right then (torch's ``RandomSampler`` draws its next permutation there),
+  so the generators at an epoch's end do not depend on who pulled last;
+- :func:`positioned_iterator` re-runs a saved epoch's sampler to its position, loading nothing;
+- :func:`verify_replay` checks the re-run against the state's proof and raises
+  ``StateMismatchError`` naming the sampler where it re-derived another position.
 """
 
 from __future__ import annotations

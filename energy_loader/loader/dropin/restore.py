@@ -1,22 +1,13 @@
 """The save-and-restore half of the engine protocol, shared by the two drop-in engines.
 
-A drop-in state is whole: one per rank (:mod:`.state`, :mod:`.iterable`), small, restored by
-its own rank on the world size that saved it -- or, under a ``DistributedSampler``, any
-rank's state restores every rank of any layout (it names the job's position, not the rank's).
-:class:`DropInRestore` turns an engine's own record methods (``state_at``, ``decode_one``,
-``plan_record``, ``apply_record``, ``names_job_position``) into the protocol's
-``save``/``leaves``/``decode``/``plan``/``apply``/``read_rank_files``, so the loader and
-:mod:`energy_loader.distributed` treat a drop-in loader as any other.
-
-One restore decodes and checks its state once: the carrier that holds several states checks
-that they are of one save (:meth:`DropInRestore.decode_leaves`, :meth:`read_rank_files`, the
-loader's ``restore_from_states``, ``restore_state_global``); :meth:`DropInRestore.plan` picks
-this rank's state, decodes it (format, fields, digest), checks its layout and lets the engine
-check that its stream can continue it (``plan_record``); ``apply`` only hands the plan over.
-Which saved states a rank needs (:meth:`~DropInRestore.saved_ranks_needed`) is read from the
-plain state's config, without decoding it.
-
-Not here: what a state holds (:mod:`.state`), process groups (:mod:`energy_loader.distributed`).
+A drop-in state is whole: one per rank, restored by its own rank on the world size that saved
+it, or, under a ``DistributedSampler``, any rank's state restores every rank of any layout.
+:class:`DropInRestore` turns an engine's record methods (``state_at``, ``decode_one``,
+``plan_record``, ``apply_record``, ``names_job_position``) into the protocol's ``save``,
+``leaves``, ``decode``, ``plan``, ``apply`` and ``read_rank_files``. One restore checks each
+fact once: the carrier that holds several states checks that they are of one save;
+:meth:`DropInRestore.plan` picks, decodes and checks this rank's state and lets the engine
+check that its stream can continue it; ``apply`` only hands the plan over.
 """
 
 from __future__ import annotations

@@ -1,31 +1,14 @@
 """The drop-in loader's index stream: the user's sampler, run in the main process, recorded.
 
-As in torch, the user's sampler (or batch sampler) runs in the main process and its units (a
-batch of indices, or one index without batching) go to the workers in order. This module
-records what a restore needs to make the same stream again, without loading a sample:
-
-- the *generators that drive the sampler*: the loader's ``generator`` (torch's
-  ``RandomSampler`` draws from it), any generator a sampler in the chain holds, and torch's
-  global generator when one of them draws from it. Their states are captured right before the
-  sampler's first pull of each epoch, and right before ``iter(sampler)`` too when that call
-  itself draws (a sampler whose ``__iter__`` is not a generator function). Samplers known not
-  to draw (sequential, distributed) capture only the generators of the loader's own (torch
-  draws its base seed from the loader's ``generator``).
-- a sampler or batch sampler with ``state_dict()``/``load_state_dict()`` (torchdata's
-  ``Stateful``): its ``state_dict()`` after every unit pulled, until handed out.
-
-A restore puts those states in place, calls ``iter(sampler)``, pulls the first pull, skips
-the units already used (no sample is loaded) -- or loads the sampler's own state -- and then
-puts torch's global generator back as the training process left it. The loader's own
-generator is left where the uninterrupted run would have it.
-
-Later epochs. Without a loader ``generator``, torch draws each epoch's shuffle from the
-global generator, which the training step draws from too: a restored job cannot repeat those
-draws. So the first epoch of a job is torch's, and from the second on the sampler draws from
-a stream of its own, derived from the job's seed and the epoch
-(:class:`~.global_rngs.PrivateGlobal`, with the rest of the account of the training's global
-generators); the training process's global generator is left untouched by the loader from then
-on.
+As in torch, the sampler runs in the main process and its units go to the workers in order.
+This module records what a restore needs to make the same stream again without loading a
+sample: the states of the generators that drive the sampler (the loader's ``generator``, a
+sampler's own, torch's global one where they draw from it), captured before the epoch's first
+pull and before ``iter(sampler)`` when that call draws; or a ``Stateful`` sampler's own
+``state_dict()`` after every unit. A restore puts them in place, calls ``iter(sampler)``, skips
+the units already used and puts torch's global generator back as the training left it. From
+the second epoch on, a sampler that draws from torch's global generator draws from a stream of
+(job seed, epoch) (:class:`~.global_rngs.PrivateGlobal`), which the training never moves.
 """
 
 from __future__ import annotations

@@ -1,80 +1,10 @@
-"""The drop-in loader's saved state: plain data, its own format name and version.
+"""The drop-in loader's saved state: plain data, its own format name and version (1).
 
-Layout (format version 1)::
-
-    {
-      "format": "energy_loader.dropin_state", "version": 1,
-      "kind": "map" | "iterable",
-      "rank": 0, "world_size": 1,
-      "config": {...},            # what must match on restore (dataset, sampler, batching)
-      # map-style:
-      "started": true,            # false: saved before the first epoch began
-      "epoch": 3,                 # the epoch the position is in (0-based)
-      "used": 17,                 # batches (index-sampler units) of it handed out
-      "sampler_state": {...} | null,        # a Stateful sampler's own state_dict()
-      "proof": {"last": "<hex>", "end": "<hex>", "made": "<hex>"},  # what a restore checks
-      "global_rngs_at_save": {"python": "<hex>"} | null,  # see below
-      "job": {"seed": 123, "persistent": false, "id": 77 | null, "sampler_seed": 123,
-              "workers": true},   # see below
-      "rng": ["<base64>", ...] | null,      # the sampler's generators at its first pull
-      "rng_at_iter": [...] | null,          # ... when iter(sampler) itself drew
-      "global_rngs": {"python": {"at_iter": null, "start": "<base64>"}} | null,
-      "distributed": {"epoch": 2, "offset": 0, "end": 1000, "world": 4, "units": 8,
-                      "rank": 1} | null,
-      "digest": "<hex>",          # of every field above but format, version, kind and config
-      # iterable:
-      "pipeline": {...},          # the rank state of the pipeline it runs (rank_state format)
-      "generator": "<base64>" | null, "persistent": false
-    }
-
-Every field is required (null where the layout says so).
-
-``job`` holds what every epoch of the job derives from, fixed at the job's first ``iter()``
-(:mod:`energy_loader.loader.dropin.job`): ``seed`` (a hash of the generator that drives the
-loader -- its ``generator``, else torch's global one -- of data-parallel rank 0, shared by
-every rank) gives each epoch's per-sample seeds; ``sampler_seed`` (the same hash of this
-rank's own generator) the order, from the second epoch on, of a sampler that draws from
-torch's global generator; ``id`` names the job (drawn at random on rank 0 and shared with
-the seed when torch.distributed runs several ranks, null otherwise), kept across restores so
-that the states of one save can be told from another run's; ``persistent`` says whether the
-job draws torch's base seed once (persistent workers) or every epoch, so that a restore onto
-another ``persistent_workers`` setting keeps the job's generator where the uninterrupted job
-has it; ``workers`` whether its loader ran worker processes (torch's iterator then calls
-``iter(sampler)`` twice as it starts), so that a restore onto another number of workers calls
-it as often as the job did (a sampler whose ``iter()`` draws then draws as in the job).
-
-A state saved before the first ``iter()`` (``started`` false) *pins* the job's start
-(:mod:`.pin`): ``job.seed`` is the seed that ``iter()`` would take at the save, ``rng`` the
-states of the generators that drive the sampler at the save (before ``iter(sampler)`` and
-torch's base-seed draw), and ``global_rngs_at_save`` digests of python's and numpy's global
-RNGs then (and torch's where ``rng`` does not hold it).
-
-``global_rngs`` (:mod:`.global_rngs`): where the epoch's sampler drew from python's global
-``random``, numpy's global RNG, or torch's global generator where ``rng`` does not hold it,
-their states before ``iter(sampler)`` (``at_iter``) and before its first pull (``start``), for
-those that call moved; ``global_rngs_at_save`` digests of those generators' states when the
-state was saved, which a restore compares before its first ``iter()``.
-
-``distributed`` (under a ``DistributedSampler``) is where the epoch's permutation is dealt
-from: the sampler's epoch, and the positions ``offset`` to ``end`` dealt to ``world`` ranks in
-``units`` batches each (:class:`energy_loader.loader.dropin.dealing.Dealing`), so that any rank's
-state restores every rank of any world size or batch size; ``rank`` is the sampler's rank
-that saved it (the restore re-makes that rank's last batch to check itself).
-
-``proof`` lets a restore check its own result (:mod:`.position`, :mod:`.values`): ``last`` is
-a digest of the last batch's indices the saving loader handed out, ``made`` one of that
-batch's values as collated (:func:`~energy_loader.state.digests.content_digest`, taken where
-the batch was made; "" with ``verify_restore=False``), ``end`` (at an epoch's end) one of the
-sampler's own generators after the epoch's last pull; "" where there is nothing to prove.
-
-``digest`` covers every field a reader cannot check by its shape (a flipped byte in a
-generator state is another valid state; so is a flipped digit in ``epoch`` or ``used``), all
-of them but ``config`` (which a restore compares with its own loader, naming what differs): a
-state edited or damaged after it was saved is a ``StateFormatError`` at load. It is one digest
-of the fields as canonical JSON (keys sorted), the fields fixed for an epoch hashed once an
-epoch. A torch ``Generator`` state is a 5 KB byte tensor, stored as a base64 string built once
-per epoch (not per save). Nothing is pickled: the state passes ``json.dumps`` when the
-sampler's own state does, and ``torch.load(weights_only=True)`` always.
+The layout, field by field, is in docs/state-format.md ("Drop-in loaders"). In short: where
+the epoch stands (``epoch``, ``used``), what it was dealt from (``job``, ``rng``,
+``global_rngs``, ``distributed``), what a restore checks its own result against (``proof``),
+and one ``digest`` of every field but ``config`` (compared with the running loader instead),
+so that a state edited or damaged after saving is a ``StateFormatError`` at load.
 
 :data:`_FIELDS` is the one description of a map-style state's fields: :meth:`MapState.to_plain`,
 :meth:`MapState.to_json` (the fields fixed for an epoch encoded once an epoch, the others at

@@ -1,21 +1,12 @@
 """A drop-in loader restored by Lightning on another layout: counted right, or refused.
 
-Why. Lightning ends an epoch of a loader with ``len()`` after ``len(loader)`` batches,
-counting the resumed epoch from the batches its checkpoint says were trained (the saving
-rank's count). A drop-in loader under a ``DistributedSampler`` restored on more ranks (or a
-smaller batch size) deals the rest of the epoch anew, and each rank then has more batches
-left than ``len(loader)`` minus that count: Lightning would end the epoch early and never
-train the last ones, silently. ``SavableLoaderCallback``
-(:mod:`energy_loader.integrations.lightning`) makes Lightning count the resumed epoch as the
-loader deals it; without it, nothing the loader does can change Lightning's count, so the
-resume is refused before the first batch, in the training process, with an error naming the
-callback.
-
-How. ``load_state_dict`` notes whether Lightning called it (a caller's module on the stack is
-Lightning's); the first ``iter()`` after it works out what Lightning will count, and the
-epoch's first ``next()`` -- after Lightning's ``on_train_start`` hooks, where the callback
-attaches itself to the loader (``held_back_source``) -- raises if no callback did and
-batches would be skipped.
+Lightning ends an epoch of a sized loader after ``len(loader)`` batches, counting the resumed
+epoch from the saving rank's count. A drop-in loader under a ``DistributedSampler`` restored
+on more ranks (or a smaller batch size) deals the rest anew, with more batches left per rank:
+Lightning would end the epoch early, silently. ``SavableLoaderCallback`` makes Lightning count
+as the loader deals; without it the resume is refused at the epoch's first ``next()``, naming
+the callback. ``load_state_dict`` notes whether Lightning called it (a Lightning module on the
+stack); the first ``iter()`` after it works out what Lightning will count.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """The map-style drop-in's proof of values: a restore re-makes the last batch the saving loader
 handed out and checks that the same indices give the same values.
 
-A save records, next to the digest of the last batch's indices (:mod:`.position`), a digest of
-its values as collated (:func:`~energy_loader.state.digests.content_digest`, ``proof.made``),
-taken where the batch was made: in the worker process, or without workers before the loader
-handed it out, so that a training step writing into the batch changes nothing
-(:class:`~energy_loader.workers.fetch.BatchFetcher`). Once the re-run of the sampler has proven
-the indices, :class:`ValuesCheck` makes that batch again in the main process through the
-fetcher's own code (:meth:`~energy_loader.workers.fetch.BatchFetcher.remake`: the same
-per-sample seeds, ``__getitem__`` and ``collate_fn``), on one thread where a worker process
-made it, and raises ``StateMismatchError`` when its digest differs: a data file edited in
-place, a ``__getitem__`` that reads the clock, a counter or a generator nobody seeds.
-
-When it does not re-make (quietly): a state without ``proof.made`` (a loader with
-``verify_restore=False``, nothing handed out yet), a ``Stateful`` sampler that
-loaded its own state (the indices are not re-derived), a loader without ``seed_per_sample``
-(its augmentations are not reproducible), a loader that runs worker processes with a
-``worker_init_fn`` (the dataset may need what it sets up in a worker: the main process has
-none of it), and a dataset that ``copy.copy`` cannot copy (the batch is re-made on a shallow
-copy, so that what ``__getitem__`` opens lazily stays off the dataset the workers fork from).
-Not here: iterable-style datasets (:mod:`.iterable`: their pipeline has a proof of its own).
-Cost: one batch made in the main process per restore.
+A save records a digest of the last batch's values as collated (``proof.made``), taken where
+the batch was made. Once the sampler's re-run has proven the indices, :class:`ValuesCheck`
+makes that batch again in the main process through the fetcher's own code
+(:meth:`~energy_loader.workers.fetch.BatchFetcher.remake`) and raises ``StateMismatchError``
+when its digest differs (a data file edited in place, a ``__getitem__`` that reads the clock).
+It does not re-make, quietly: without ``proof.made``, after a ``Stateful`` sampler loaded its
+own state, without ``seed_per_sample``, with workers and a ``worker_init_fn``, or for a dataset
+``copy.copy`` cannot copy (docs/restores.md lists why). Cost: one batch per restore.
 """
 
 from __future__ import annotations
