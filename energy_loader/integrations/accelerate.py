@@ -1,39 +1,11 @@
 """Hugging Face Accelerate: a SavableDataLoader on the accelerator's device, saved with it.
 
-``accelerator.prepare(loader)`` cannot keep a ``SavableDataLoader``: Accelerate builds a new
-``DataLoader`` over ``loader.dataset`` (for a savable loader that is its internal worker-side
-dataset, not the pipeline), shards or dispatches its batches across processes a second time,
-and saves nothing of its position, so it raises a ``TypeError`` naming
-:func:`prepare_loader` at the call (the loader's ``_is_accelerate_prepared`` attribute,
-which ``Accelerator.prepare_data_loader`` reads first). :func:`prepare_loader` is the
-replacement::
-
-    from energy_loader.integrations.accelerate import prepare_loader
-
-    accelerator = Accelerator()                       # first: it sets up torch.distributed
-    loader = el.SavableDataLoader(build_pipeline(), num_workers=2)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    loader = prepare_loader(accelerator, loader)      # instead of accelerator.prepare(loader)
-    accelerator.load_state(checkpoint_dir)            # on resume: the loader continues exactly
-    for batch in loader:                              # batches already on accelerator.device
-        ...
-        accelerator.save_state(checkpoint_dir)        # saves the loader's position too
-
-The loader keeps sharding by rank itself (each rank reads its own part of the data, as
-without Accelerate). Its state is saved by every rank into the checkpoint directory, one file
-per data-parallel rank (``energy_loader_rank_00001_of_00004.pt``, written atomically by
-:func:`~energy_loader.distributed.save_state_rank_file`), from a hook that
-``accelerator.save_state`` runs on every process that calls it; ``accelerator.load_state``
-runs the matching hook, and each rank reads its own file back
-(:func:`~energy_loader.distributed.restore_state_rank_file`) -- or, on another number of
-ranks whose layout divides the loader's ``num_partitions``, the files of the ranks that ran
-the partitions it now runs (then every rank must see every file). Per-rank files rather than
-Accelerate's ``register_for_checkpointing``: that writes the main process's state only, so the
-states would have to be gathered first -- a collective inside ``save_state`` that hangs the
-main process when only it calls ``save_state``, and that leaves every node but the first
-without the list under ``ProjectConfiguration(save_on_each_node=True)``. A file per rank needs
-no collective, costs each rank one small write, and is how the Hugging Face ``Trainer``
-integration saves too.
+``accelerator.prepare(loader)`` would rebuild a plain DataLoader that saves no position, so it
+raises a ``TypeError`` naming :func:`prepare_loader` (through the loader's
+``_is_accelerate_prepared``). :func:`prepare_loader` returns an :class:`AcceleratedLoader`
+whose hooks make ``save_state``/``load_state`` write and read one state file per data-parallel
+rank (no collective, unlike ``register_for_checkpointing``). The loader keeps sharding by
+rank itself. Example, resizing and limits: docs/integrations.md, "Hugging Face Accelerate".
 """
 
 from __future__ import annotations
@@ -67,14 +39,10 @@ _PREFIXES: weakref.WeakKeyDictionary[Accelerator, set[str]] = weakref.WeakKeyDic
 class AcceleratedLoader:
     """A :class:`SavableDataLoader` whose batches arrive on ``accelerator.device``.
 
-    Made by :func:`prepare_loader`. Iterating it iterates the loader and moves every tensor
-    of a batch to the device (restore keys and other plain values are left as they are).
-    Its position is saved by ``accelerator.save_state`` (one file per rank, named by
-    ``state_prefix``) and restored by ``accelerator.load_state``; the loader itself is
-    ``.loader`` (e.g. for a ``torch.distributed.checkpoint`` save). It has no
-    ``state_dict()``: ``accelerator.register_for_checkpointing`` would keep the main
-    process's state only. ``accelerator.prepare`` returns it unchanged (it is not a
-    ``DataLoader``). Not thread-safe, like the loader.
+    Made by :func:`prepare_loader`: iterating moves every tensor of a batch to the device (restore
+    keys and plain values stay). ``accelerator.save_state``/``load_state`` save and restore its
+    position (one file per rank, named by ``state_prefix``); the loader itself is ``.loader``. It
+    has no ``state_dict()`` and ``accelerator.prepare`` returns it unchanged. Not thread-safe.
     """
 
     def __init__(
@@ -132,19 +100,14 @@ def prepare_loader(
 ) -> AcceleratedLoader:
     """Use ``loader`` with ``accelerator``: call this instead of ``accelerator.prepare(loader)``.
 
-    Returns an :class:`AcceleratedLoader` that yields the loader's batches on
-    ``accelerator.device``. With ``register_for_checkpointing=True`` (the default)
-    ``accelerator.save_state(dir)`` also writes each rank's loader position into ``dir``
-    (``<state_prefix>_rank_00001_of_00004.pt``, from every process that calls ``save_state``)
-    and ``accelerator.load_state(dir)`` restores it, exactly. A second loader prepared with
-    the same accelerator needs its own ``state_prefix`` (``ValueError`` otherwise).
-    ``non_blocking`` defaults to the accelerator's ``DataLoaderConfiguration.non_blocking``
-    (useful with ``pin_memory=True`` on a GPU).
-
-    Build the ``Accelerator`` before the loader: with several processes the loader needs
-    torch.distributed initialised to know its rank. The loader shards by rank itself, so
-    Accelerate's ``split_batches`` / ``dispatch_batches`` / ``even_batches`` settings do not
-    apply to it. Example::
+    Returns an :class:`AcceleratedLoader` yielding the loader's batches on ``accelerator.device``.
+    With ``register_for_checkpointing=True`` ``accelerator.save_state(dir)`` also writes each
+    rank's position (``<state_prefix>_rank_00001_of_00004.pt``) and ``load_state(dir)`` restores it
+    exactly; a second loader on one accelerator needs its own ``state_prefix`` (``ValueError``).
+    ``non_blocking`` defaults to the accelerator's ``DataLoaderConfiguration.non_blocking``.
+    Build the ``Accelerator`` first (the loader needs torch.distributed to know its rank); the
+    loader shards by rank itself, so ``split_batches``/``dispatch_batches``/``even_batches`` do
+    not apply. Example::
 
         loader = prepare_loader(accelerator, el.SavableDataLoader(pipeline, num_workers=2))
     """

@@ -1,52 +1,11 @@
 """Lightning integration: save the loader's position as of the batch Lightning last trained on.
 
-Why. Lightning saves a train dataloader that has ``state_dict``/``load_state_dict`` with the
-checkpoint (the fit loop stores ``loader.state_dict()`` under ``combined_loader``) and loads it
-on ``fit(ckpt_path=...)``. For a loader *without* ``len()`` (a filter, a stream, an endless
-pipeline) its ``_PrefetchDataFetcher`` reads one batch ahead, to know whether the batch it
-trains on is the last; a checkpoint taken then holds a batch that was handed out but not
-trained on, and a resume would skip it. For a loader *with* ``len()`` it does not prefetch.
-
-How. :class:`SavableLoaderCallback` points each :class:`~energy_loader.SavableDataLoader` of
-the fit loop at a function that counts the batches Lightning holds untrained right now; the
-loader's ``state_dict()`` saves with that many items held back. A callback rather than a
-loader option because only the trainer knows, at the moment it saves, whether it holds a
-batch: prefetching depends on the loader's length, on ``training_step(dataloader_iter)``, and
-on whether the epoch's end was already seen (then nothing is held). The count is read when the
-state is saved, so checkpoints taken in any hook are right.
-
-Example::
-
-    import pytorch_lightning as pl  # or: import lightning.pytorch as pl
-    from energy_loader.integrations.lightning import SavableLoaderCallback
-
-    loader = el.SavableDataLoader(pipeline, num_workers=2)
-    trainer = pl.Trainer(max_epochs=2, callbacks=[SavableLoaderCallback(), checkpointing])
-    trainer.fit(model, train_dataloaders=loader, ckpt_path=last_checkpoint_or_none)
-
-Several ranks (``strategy="ddp"``). Lightning builds the checkpoint on every rank but writes
-rank 0's only, so by itself it would store rank 0's loader position and hand it to every rank
-on resume. When the loader runs on several ranks, the callback gathers every rank's state to
-rank 0 as the checkpoint is made (:func:`energy_loader.distributed.save_state_global`, a
-collective: Lightning makes checkpoints on all ranks at once) and stores them where
-Lightning keeps the loader's state, laid out by the loader (``state_dict_of_ranks``: one entry
-per logical partition for a pipeline, one per rank for a drop-in loader over a plain torch
-dataset). On ``fit(ckpt_path=...)`` each rank's loader takes its own part -- a pipeline on the
-same number of ranks or on another one whose layout divides its ``num_partitions``, a drop-in
-loader on the same number of ranks. Gathered into the checkpoint
-rather than written beside it: the checkpoint stays one file that ``ModelCheckpoint`` can
-rotate, copy to ``last.ckpt`` or delete without leaving stale loader files behind.
-Keep ``use_distributed_sampler`` as it is: Lightning leaves a loader over a savable pipeline
-(an iterable dataset inside, sharded by rank by the loader itself) as it is, and rebuilds a
-drop-in loader over a map-style dataset with a ``DistributedSampler``, as it does torch's.
-
-It also refuses a resume that Lightning did not pass the loader's state to: in Lightning
-2.x, reading ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` with
-``max_epochs`` set builds the train dataloader before the checkpoint is read, and the saved
-loader state is then never loaded -- the run would silently restart the epoch. See
-docs/integrations-lightning.md for the workarounds.
-
-Thread-safety: the count is read on the trainer's thread, where Lightning saves.
+Lightning's fetcher reads one batch ahead for a loader without ``len()``, so a checkpoint
+would skip a batch handed out but not trained on. :class:`SavableLoaderCallback` tells each
+:class:`~energy_loader.SavableDataLoader` of the fit loop how many batches the trainer holds
+untrained at the moment it saves (read on the trainer's thread); on several ranks it gathers
+every rank's state into the one checkpoint file. It also refuses a resume whose loader state
+Lightning never loaded. Why, examples, DDP and workarounds: docs/integrations-lightning.md.
 """
 
 from __future__ import annotations
@@ -102,20 +61,10 @@ def _runs_on_several_ranks(loader: Any) -> bool:
 def _count_the_resumed_epoch_as_the_loader_deals_it(trainer: Trainer) -> None:
     """Make Lightning's batch count of a resumed epoch end where the loader's batches end.
 
-    Lightning ends an epoch of a loader with ``len()`` when it has fetched ``len(loader)``
-    batches, counting from the batches the checkpoint says were trained
-    (``batch_progress.current.ready``). A drop-in loader restored on another number of ranks
-    or another batch size deals the rest of the epoch anew: on more ranks each rank has
-    more batches left than ``len(loader) - ready`` (Lightning would stop early and skip them),
-    on fewer ranks fewer (its iterator ends first). Called at ``on_train_start`` (after
-    Lightning loaded the loader's state and made its iterator, before the epoch loop adds
-    ``ready`` to its fetcher's count; ``on_train_epoch_start`` is skipped on a mid-epoch
-    resume), this sets the epoch's counters
-    to ``len(loader) - batches left``: the epoch then ends on the loader's last batch (and
-    ``batch_idx`` counts on from there). On the same layout it changes nothing. Without the
-    callback the loader refuses such a resume at the epoch's first batch
-    (:mod:`energy_loader.loader.dropin.trainers`); attaching ``held_back_source`` first (in
-    :meth:`SavableLoaderCallback.on_train_start`) is what tells it the count is corrected.
+    A drop-in loader resumed on another layout deals the rest of the epoch anew, so Lightning's
+    ``len(loader) - ready`` is wrong; at ``on_train_start`` this sets the epoch's counters to
+    ``len(loader) - batches left`` (no change on the same layout). Why and when:
+    docs/integrations-lightning.md, "Several ranks".
     """
     combined = getattr(trainer.fit_loop, "_combined_loader", None)
     loaders = [] if combined is None else list(combined.flattened)
@@ -189,12 +138,9 @@ class SavableLoaderCallback(Callback):
     ) -> None:
         """Put every rank's loader state into the checkpoint (rank 0's is the one written).
 
-        Lightning has already stored each loader's ``state_dict()`` of *this* rank under
-        ``loops.fit_loop.state_dict.combined_loader``; for every ``SavableDataLoader`` that runs
-        on several ranks this gathers all ranks' states to rank 0 (a collective over the
-        loader's data-parallel group) and replaces rank 0's entry with theirs, in the layout of
-        ``state_dict()`` (``loader.state_dict_of_ranks``), which ``load_state_dict`` on every
-        rank reads its own part of.
+        For each ``SavableDataLoader`` on several ranks, gathers all ranks' states to rank 0 (a
+        collective) and replaces this rank's entry in the fit loop's ``combined_loader`` state with
+        them, in ``state_dict()``'s layout (``loader.state_dict_of_ranks``).
         """
         loaders = self._stateful_train_loaders(trainer)
         fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})

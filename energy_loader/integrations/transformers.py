@@ -1,47 +1,11 @@
 """Hugging Face ``Trainer``: train from a SavableDataLoader and resume it exactly.
 
-``Trainer`` makes its own ``DataLoader`` from ``train_dataset`` and, on
-``train(resume_from_checkpoint=...)``, fast-forwards it by replaying the batches already
-trained (accelerate's ``skip_first_batches``), which re-reads them all and cannot work on a
-savable loader. :class:`SavableLoaderTrainer` takes the loader instead::
-
-    from energy_loader.integrations.transformers import SavableLoaderTrainer
-
-    loader = el.SavableDataLoader(build_pipeline(), num_workers=2)   # after dist init, if any
-    trainer = SavableLoaderTrainer(model=model, args=args, train_loader=loader)
-    trainer.train()                                  # or train(resume_from_checkpoint=True)
-
-- ``get_train_dataloader()`` returns the loader (Trainer moves the batches to its device);
-  dict batches lose their ``__restore_key__`` entry on the way, because Trainer passes every
-  entry to ``model(**batch)`` (audit with ``LogSampleDataset`` instead);
-- every checkpoint folder (``checkpoint-<step>``) also gets this rank's loader state
-  (``energy_loader_rank_00000_of_00001.pt``, written atomically by ``save_state_rank_file``; no
-  collective, one file per data-parallel rank);
-- ``train(resume_from_checkpoint=...)`` restores the loader from that folder before training,
-  and Trainer's own data skipping is turned off (``args.ignore_data_skip = True``): the loader
-  continues where it stood, Trainer's counters (global step, epoch, RNG, optimizer, scheduler)
-  come from its own checkpoint files as usual.
-
-Several processes. A drop-in loader over a map-style dataset needs a ``DistributedSampler``
-(``SavableDataLoader(dataset, sampler=DistributedSampler(dataset, seed=...), ...)``); one whose
-samplers are torch's own non-distributed ones (``shuffle=True``, ``SequentialSampler``...)
-would give every process every row, and is refused (``ValueError``), as is a loader built
-before the process group (it would know a single rank). Trainer calls ``set_epoch(epoch)``
-before every epoch; :class:`TrainerLoader` passes it on to the drop-in's samplers that have
-one (the ``DistributedSampler``), as Trainer does for its own DataLoader, so every epoch gets
-its own order.
-
-A resume continues Trainer's bookkeeping from the loader's restored position, not from
-``global_step`` alone (Trainer's own arithmetic, ``global_step // steps per epoch``, is wrong
-when the number of processes, the batch size or the accumulation changed): the epoch it resumes
-is the loader's, the resumed epoch runs exactly the batches the loader has left in it
-(counting accumulation windows from the resume point, which a checkpoint always sits on), and
-``state.epoch`` counts the batches the epoch had before the checkpoint. On another number of
-processes a drop-in loader under a ``DistributedSampler`` deals the rest of the epoch to the
-new ranks; Trainer then trains the epochs it still owes (``num_train_epochs``, whole) or the
-optimizer steps it still owes (``max_steps``). A pipeline loader with ``len()`` resumes under
-Trainer on the number of processes that saved it (``ValueError`` otherwise: its rest of the
-epoch per rank is known only by running it); without ``len()`` (``max_steps`` set) on any.
+:class:`SavableLoaderTrainer` takes the loader instead of ``train_dataset`` (Trainer's own
+resume replays the trained batches, which cannot work on a savable loader). Every checkpoint
+folder also gets this rank's loader state (``save_state_rank_file``, no collective); a resume
+restores it, sets ``args.ignore_data_skip`` and continues Trainer's epoch bookkeeping from the
+loader's position. :class:`TrainerLoader` passes ``set_epoch`` on to a drop-in's samplers.
+Several processes, resizing and limits: docs/integrations.md, "Hugging Face Trainer".
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """A safe binary encoding of one sample: a JSON tree plus raw tensor and array buffers.
 
-Shards must never be unpickled (a shard comes from a remote that a training job should not have
-to trust), and ``torch.save`` per sample is slow and refuses numpy arrays under
-``weights_only=True``. This codec stores what samples are made of:
-
-- ``None``, ``bool``, ``int``, ``float``, ``str``, lists and ``str``-keyed dicts in a JSON
-  header, tuples tagged so they come back as tuples;
-- ``torch.Tensor`` (any dtype, including bfloat16; dense and on the CPU after ``.cpu()``),
-  ``numpy.ndarray`` and numpy scalars (any non-object, non-structured dtype) and ``bytes`` as
-  raw buffers after the header, each 16-byte aligned, described by kind, dtype and shape.
-
-Record layout: ``uint32 header_len | header (UTF-8 JSON) | padding | buffers``. Decoding
-builds tensors and arrays over the record's own ``bytearray`` (no copy); nothing in a record
-is ever executed.
+Shards are never unpickled (a remote need not be trusted). Plain values, lists, ``str``-keyed
+dicts and tagged tuples go into a JSON header; tensors (any dtype, dense, CPU), non-object numpy
+arrays and scalars, and ``bytes`` go into raw buffers after it, 16-byte aligned. Record layout:
+``uint32 header_len | header (UTF-8 JSON) | padding | buffers``; decoding builds tensors and
+arrays over the record's own ``bytearray`` (no copy).
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """The local shard cache of ShardedSource: node-wide locks, validated downloads, eviction, and
 the background thread that downloads ahead of the reader.
 
-Every process on a node that reads the same ``local`` directory shares its files. A shard is
-downloaded by whoever needs it first while holding ``local/.locks/<shard>.lock``
-(``fcntl.flock``); the others wait on that lock (with a timeout) and then find the file there.
-A download goes to a temporary file, is checked against the index's sha256, decompressed,
-checked against the uncompressed sha256, and renamed into place: a file under its final name is
-always complete. (Formats whose index lists no sha256, such as MDS, litdata and Megatron's
-indexed files, get their sizes checked instead.) Compressions: gzip, zstd and bz2. Corrupt
-downloads are retried; so are I/O errors and timeouts.
-
-Thread-safety: a :class:`ShardCache` is used by one reader thread and its prefetch thread;
-the eviction list is guarded by a lock, everything else by the file locks.
+A shard is downloaded by the first process needing it under ``local/.locks/<shard>.lock``
+(``fcntl.flock``), into a temporary file checked (sha256, or sizes for formats without one),
+decompressed, checked again and renamed. A :class:`ShardCache` serves one reader thread and its
+prefetch thread; its eviction list is under a lock. Details: docs/sources/sharded.md.
 """
 
 from __future__ import annotations
@@ -272,15 +265,11 @@ class ShardCache:
     ) -> Path | None:
         """Make shard ``shard`` present and return its path.
 
-        ``ahead=True`` (the prefetch thread): returns ``None`` instead of downloading when the
-        cache has no room, and when ``stop`` is set; a failure is kept for the reader, whose
-        next ``ensure`` of that shard raises it (once). Raises :class:`DownloadError`,
-        ``FileNotFoundError`` (missing on the remote) or :class:`SourceDataError` (still corrupt
-        after every retry).
-
-        The reader takes the shard off the eviction list first, under the eviction lock: a
-        shard it released earlier and comes back to must not be evicted by the prefetch thread
-        between this check and the reader opening it.
+        ``ahead=True`` (the prefetch thread) returns ``None`` rather than download into a full
+        cache or once ``stop`` is set, and keeps a failure for the reader's next ``ensure`` to raise
+        once. Raises :class:`DownloadError`, ``FileNotFoundError`` or :class:`SourceDataError`. The
+        reader takes the shard off the eviction list first, under the eviction lock, so the prefetch
+        thread cannot evict a shard the reader came back to before it opens it.
         """
         if not ahead and self.cache_limit is not None:
             with node_lock(self.local / LOCKS / "cache.lock", self.lock_timeout, "cache eviction"):

@@ -1,21 +1,12 @@
 """The common reader of the peers' shard formats whose files start with an offset table: MDS
-(MosaicML Streaming) and litdata's chunks. Not a public source: :class:`~energy_loader.MDSSource`
-and :class:`~energy_loader.LitDataSource` subclass it with their index parsing and decoding.
+and litdata's chunks (:class:`~energy_loader.MDSSource` and :class:`~energy_loader.LitDataSource`
+subclass it with their index parsing and decoding).
 
-A shard file is ``uint32 count | uint32 offsets[count + 1] | samples``, sample ``i`` spanning
-bytes ``offsets[i]:offsets[i + 1]`` of the file. A dataset is a directory (local or any fsspec
-URL) holding ``index.json`` (the shards, their sample counts and sizes, compressed or not) and
-the shard files.
-
-Order and resume are those of :class:`~energy_loader.ShardedSource`: shards permuted per epoch,
-samples permuted within each shard, the sequence cut into ``num_canonical_partitions`` spans
-and dealt out with a stride (:mod:`energy_loader.sources._order`), so the job's stream does not
-depend on the number of ranks and workers, and a reader of one span reads one shard at a time.
-Local uncompressed shards are read in place; remote or compressed ones go through the download
-cache of ShardedSource (:mod:`energy_loader.sources._download`: ahead of the reader, node-wide
-locks, retries, sizes checked, ``cache_limit``).
-
-State: ``{"phase", "epoch", "position"}``. Restore key: ``(shard, row)``.
+A shard file is ``uint32 count | uint32 offsets[count + 1] | samples``. Order and resume are
+:class:`~energy_loader.ShardedSource`'s (:mod:`energy_loader.sources._order`); local
+uncompressed shards are read in place, others through its download cache
+(:mod:`energy_loader.sources._download`). State: ``{"phase", "epoch", "position"}``; restore
+key ``(shard, row)``.
 """
 
 from __future__ import annotations

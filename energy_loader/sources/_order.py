@@ -1,22 +1,15 @@
 """The per-epoch global order shared by the sources that read units of samples (shards, tar
 files, windows of Parquet row groups): O(units) memory, O(log units) per lookup.
 
-1. The units are laid out in a per-epoch order (a Feistel permutation of the units when
-   shuffling and ``shuffle_units``), each with its samples in a per-epoch order (a Feistel
-   permutation per unit when shuffling): a sequence Q of N samples.
+1. The units are laid out in a per-epoch order (a Feistel permutation when shuffling and
+   ``shuffle_units``), each with its samples in a per-epoch order: a sequence Q of N samples.
 2. Q is cut into P contiguous spans ("canonical partitions") of N // P or N // P + 1 samples.
 3. Global position ``g`` is sample ``g // P`` of span ``g % P``.
 
-Reader ``s`` of ``S`` reads global positions ``s, s + S, ...``; with ``S == P`` it reads span
-``s`` front to back, one unit after another, so its reads stay local. A source that reads
-contiguous ranges of Q itself (the chunked folder: a partition reads its span, or a ring range
-around it) uses :func:`span` and :meth:`EpochOrder.walk_range`. :meth:`EpochOrder.walk`
-gives a reader its ``(unit, row)`` pairs computed a block at a time with numpy (~0.2 us a
-sample instead of ~5 us for a lookup and a Feistel evaluation per sample). When shuffling, a
-unit's whole row permutation is computed at once, as an array, the first time a block needs it
-(units up to ``_MAX_ARRAY_ROWS`` samples; larger ones are evaluated per block): a reader goes
-through a unit front to back, and one numpy pass over 4000 rows costs what four passes over a
-block of 256 cost.
+Reader ``s`` of ``S`` reads ``s, s + S, ...``; with ``S == P`` it reads span ``s`` front to
+back. Sources reading contiguous ranges use :func:`span` and :meth:`EpochOrder.walk_range`.
+:meth:`EpochOrder.walk` computes ``(unit, row)`` pairs a block at a time with numpy (~0.2 us a
+sample instead of ~5 us), a unit's row permutation at once up to ``_MAX_ARRAY_ROWS`` rows.
 """
 
 from __future__ import annotations

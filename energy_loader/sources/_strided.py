@@ -1,15 +1,9 @@
 """Strided reading, shared by the sources that deal one global order out to their readers.
 
-Reader ``s`` of ``S`` (the context's shard index and count: ranks x workers) reads global
-positions ``s, s + S, s + 2S, ...`` of each epoch's order. :class:`StridedCursor` keeps that
-position; :class:`PrefetchingCursor` adds the background download of the shards ahead of it;
-:class:`OpenShards` keeps open the shard each canonical partition ("span") is reading,
-:class:`RestoreShard` the one ``restore_sample`` reads, and
-:func:`is_shard_row` checks a ``(shard, row)`` restore key; :class:`StridedSource` holds the
-order settings (``shuffle``, ``seed``, ``num_canonical_partitions``) and the per-reader length.
-
-State of a strided cursor: ``{"phase", "epoch", "position"}``, ``position`` being the reader's
-next *global* position (a subclass may add fields).
+Reader ``s`` of ``S`` reads global positions ``s, s + S, ...`` of each epoch's order.
+:class:`StridedCursor` keeps that position (state ``{"phase", "epoch", "position"}``);
+:class:`PrefetchingCursor` downloads shards ahead of it; :class:`OpenShards` and
+:class:`RestoreShard` keep shards open; :class:`StridedSource` holds the order settings.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """The member index of a WebDataset tar shard: which bytes of the tar hold which sample.
 
-A tar shard stores samples as consecutive members sharing a key prefix (``000123.jpg``,
-``000123.json``): the key is the member's path up to the first dot of its file name, the
-extension the rest (WebDataset's rule). The index lists, per sample in tar order, its key
-and per member ``[extension, header offset, data offset, size]``, plus the shard's size and
-sha256, so a reader seeks straight to one sample and a download can be checked.
-
-It is built in one sequential pass over the tar (any file object, so any fsspec URL) with the
-standard ``tarfile`` module, and stored as JSON in ``<shard>.idx.json`` beside the shard, or
-in a local cache directory when the shard's location is read-only.
-
-Damage is named, never skipped: a tar that ends inside a member or a header, or has anything
-but zero blocks after its last member, fails indexing with a :class:`SourceDataError`; at
-read time each member's tar header is checked (checksum and name) so a shard rewritten after
-indexing is refused too.
+Per sample in tar order: its key (the member path up to the first dot of its file name) and
+per member ``[extension, header offset, data offset, size]``; plus the shard's size and sha256.
+Built in one pass with ``tarfile`` over any file object, stored as ``<shard>.idx.json``. Damage
+is named, never skipped: a truncated tar or non-zero blocks after the last member fail
+indexing, and each member's header (checksum, name) is checked at read time. See
+docs/sources/webdataset.md.
 """
 
 from __future__ import annotations

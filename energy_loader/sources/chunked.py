@@ -1,45 +1,11 @@
 """ChunkedFolderSource: a folder of pre-processed chunk files plus ``metadata.json``.
 
-The folder::
-
-    metadata.json      {"format": "energy_loader.chunked", "version": 1, "total_samples": 250,
-                        "files": [{"path": "chunk-00000.pt", "samples": 100}, ...]}
-    chunk-00000.pt     a dict of tensors with one row per sample (columns), or a list of samples
-    chunk-00001.npz    numpy arrays with one row per sample (loaded with allow_pickle=False)
-    chunk-00002.npy    one numpy array, one row per sample
-
-``.pt`` files are read with ``torch.load(weights_only=True)``: nothing in a chunk is executed.
-A column file's sample ``i`` is ``{name: column[i]}``, copied out of the chunk (so a sample kept
-by a shuffle buffer does not pin its whole chunk in memory). :func:`write_chunked_folder` makes
-such a folder from any iterable of samples.
-
-Order and partitions. Every epoch has one order Q of the folder's N samples: the files in a
-per-epoch order, each file's rows in a per-epoch order (Feistel permutations keyed by
-``seed``, this source's position in the pipeline, the epoch and the file; metadata order
-without ``shuffle``). Q is cut into the loader's P logical partitions (one per worker of every
-rank by default; see :mod:`energy_loader.loader.partitions`) as contiguous ranges of
-``N // P`` or ``N // P + 1`` samples (the first ``N % P`` ranges hold one more), so any file
-sizes split. Partition ``p`` reads its range front to back, loading the files it crosses one
-at a time and freeing each before the next: at most one chunk in memory per partition. A file
-that straddles a range boundary is loaded by both neighbours (each reads its part), so an
-epoch loads at most ``F + P - 1`` chunk files for F files. What a partition reads depends only
-on (``seed``, epoch, P), never on ranks or workers: a state restores exactly onto any layout
-that divides the same P.
-
-Ranks. Rank ``r`` of R runs partitions ``r, r + R, ...``: it reads ranges, not whole files.
-``balance`` decides how the ranks stay level:
-
-- ``"exact"``: every partition reads its range. When R divides N (always with one rank) every
-  rank gets ``N / R`` samples and its partitions the same counts as every other rank's, so
-  every rank yields the same number of batches; otherwise ``SourceDataError`` names the ranks,
-  their counts and the files;
-- ``"oversample"``: every partition reads ``ceil(N / P)`` samples; a shorter range runs on into
-  the next sample of Q (the last partition's into Q's first): fewer than P repeats an epoch;
-- ``"undersample"``: every partition reads ``N // P`` samples; the longer ranges leave out
-  their last sample: fewer than P samples left out an epoch.
-
-State: ``{"phase", "epoch", "position"}``; ``position`` is how many samples of its range the
-partition has read this epoch. Restore key: ``(file_index, row)`` in metadata order.
+Chunk files (``.pt`` read with ``weights_only=True``, ``.npz``, ``.npy``) hold one row per
+sample; a sample is copied out of its chunk. Every epoch has one order of the N samples, cut
+into the loader's P partitions as contiguous ranges; a partition loads the files it crosses
+one at a time (one chunk in memory per partition), and depends only on (seed, epoch, P), so
+a state restores onto any layout of the same P. ``balance`` keeps ranks level.
+:func:`write_chunked_folder` makes such a folder. Format, balance, state: docs/sources/chunked.md.
 """
 
 from __future__ import annotations
@@ -292,13 +258,14 @@ class ChunkedFolderSource(SavableDataset):
     """Stream a folder of chunk files in ranges over the loader's partitions, one file in memory
     per partition at a time.
 
-    See the module documentation for the folder layout, the per-epoch order and how it is cut
-    into one contiguous range per partition, and how ``balance`` keeps the ranks level.
-    ``seq_len`` cuts every tensor or array of a sample that has at least one dimension to its
-    last ``seq_len`` positions (along its first dimension). Raises ``FileNotFoundError`` for a
-    missing folder, metadata or chunk file and ``SourceDataError`` for inconsistent metadata,
-    both naming the file, and for ``balance="exact"`` on ranks that would get different
-    numbers of samples. Example::
+    ``shuffle`` permutes files and rows per epoch (keyed by ``seed``). ``balance`` keeps ranks
+    level: ``"exact"`` (each partition its own range; ranks must get equal counts),
+    ``"oversample"`` (``ceil(N / P)`` each, repeating a few) or ``"undersample"`` (``N // P``
+    each, leaving a few out). ``seq_len`` cuts every tensor or array of a sample with at least one
+    dimension to its last ``seq_len`` positions. Raises ``FileNotFoundError`` for a missing folder,
+    metadata or chunk file and ``SourceDataError`` for inconsistent metadata (both naming the file)
+    or for ``"exact"`` on ranks that would get different counts. Folder layout, order and state:
+    docs/sources/chunked.md. Example::
 
         write_chunked_folder("data/", samples, samples_per_file=1000)
         source = ChunkedFolderSource("data/", shuffle=True, seed=1234, balance="oversample")
@@ -462,20 +429,18 @@ def write_chunked_folder(
 ) -> dict[str, Any]:
     """Write ``samples`` as a chunked folder readable by :class:`ChunkedFolderSource`.
 
-    Every ``samples_per_file`` samples become one file; ``metadata.json`` is written last, so a
-    folder with metadata is complete. Formats:
+    Every ``samples_per_file`` samples become one file, written atomically; ``metadata.json`` is
+    written last, so a folder with metadata is complete. Formats:
 
-    - ``"pt"``: dict samples whose values are tensors of one shape per key are stored as
-      columns (stacked tensors); any other samples as a list (tensors, numbers, strings and
-      containers of them: what ``torch.load(weights_only=True)`` reads back). Numpy arrays
-      and numpy scalars of numeric or bool dtype are stored *as tensors* (a scalar as a 0-dim
-      tensor, numpy strings as ``str``), because the safe loader reads no numpy objects: they
-      come back as tensors of the same dtype and values. Ragged arrays are fine here;
+    - ``"pt"``: dict samples with one tensor shape per key as columns, anything else as a list
+      (what ``torch.load(weights_only=True)`` reads back). Numeric and bool numpy arrays and
+      scalars are stored as tensors of the same dtype (the safe loader reads no numpy objects),
+      numpy strings as ``str``; ragged arrays are fine;
     - ``"npz"``: dict samples of arrays (or tensors, numbers), one shape per key, as columns;
     - ``"npy"``: samples that are arrays (or tensors) of one shape, as one array.
 
-    Files are written atomically (temporary file, then rename). Raises ``FileExistsError`` if
-    the folder already holds a ``metadata.json``. Returns the metadata written.
+    Raises ``FileExistsError`` if the folder already holds a ``metadata.json``. Returns the
+    metadata written.
     """
     require_int(samples_per_file, "samples_per_file", minimum=1)
     if file_format not in ("pt", "npz", "npy"):

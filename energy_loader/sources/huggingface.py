@@ -1,28 +1,12 @@
 """HuggingFaceIterableSource: a Hugging Face ``datasets.IterableDataset`` as a savable source.
 
-A map-style ``datasets.Dataset`` needs nothing special: it has ``__len__`` and
-``__getitem__``, so ``IndexedSource(dataset, shuffle=True, seed=...)`` reads it with the
-O(1)-memory shuffle, canonical order and ``restore_sample`` of every indexed source.
-
-An ``IterableDataset`` (streaming) has no random access, but it keeps its own position:
-``state_dict()`` / ``load_state_dict()``. This source stores that dict, converted to plain
-data, in its state, next to the number of examples this copy has yielded in the epoch.
-
-Sharding: copy ``p`` of ``P`` (the context's shard index and count) reads
-``datasets.distributed.split_dataset_by_node(dataset, rank=p, world_size=P)``: whole shards of
-the dataset when ``dataset.n_shards`` is a multiple of P, else every P-th example. Iteration
-goes through ``dataset.iter(batch_size=1)``, which (unlike ``iter(dataset)``) does not split the
-dataset again by torch's worker info inside a loader worker.
-
-Exactness: as exact as the dataset's own ``state_dict()``. Hugging Face documents two gaps:
-examples in a ``shuffle(buffer_size=...)`` buffer are lost at a restore (the buffer is
-refilled), and ``with_format("arrow")`` with batched ``map`` may skip a batch.
-``shuffle(seed, buffer_size=1)`` (shard order only) resumes exactly; for an exact example-level
-shuffle use a map-style dataset through :class:`~energy_loader.IndexedSource`.
-``restore_sample`` is not available: an example cannot be re-read without iterating to it.
-
-State: ``{"phase", "epoch", "count", "hf"}`` where ``hf`` is the dataset's state dict (plain
-data) or ``None`` at the start of an epoch. Restore key: ``(epoch, count)``.
+(A map-style ``datasets.Dataset`` goes through ``IndexedSource``.) The stream keeps its own
+position (``state_dict()``); this source stores it as plain data with the number of examples
+the copy yielded in the epoch. Copy ``p`` of ``P`` reads ``split_dataset_by_node(dataset,
+rank=p, world_size=P)`` through ``dataset.iter(batch_size=1)``, which (unlike ``iter()``) does
+not split again by torch's worker info. As exact as the dataset's own ``state_dict()``; no
+``restore_sample``. State: ``{"phase", "epoch", "count", "hf"}``; restore key
+``(epoch, count)``. Exactness and its gaps: docs/sources/huggingface.md.
 """
 
 from __future__ import annotations
@@ -116,10 +100,10 @@ class _HuggingFaceCursor(EpochCursor):
 class HuggingFaceIterableSource(SavableDataset):
     """Read a Hugging Face ``datasets.IterableDataset``, saving its own state as plain data.
 
-    Each copy of the pipeline reads its part (``split_dataset_by_node`` by the copy's shard
-    index and count); ``set_epoch(epoch)`` is called at every epoch, so a dataset shuffled with
-    ``.shuffle(seed=...)`` reshuffles per epoch. See the module documentation for what
-    resumes exactly. Example::
+    Each copy of the pipeline reads its part (``split_dataset_by_node`` by the copy's shard index
+    and count); ``set_epoch(epoch)`` is called every epoch, so ``.shuffle(seed=...)`` reshuffles
+    per epoch. A ``shuffle`` buffer's examples are lost at a restore; ``buffer_size=1`` resumes
+    exactly (docs/sources/huggingface.md). Example::
 
         from datasets import load_dataset
         stream = load_dataset("allenai/c4", "en", split="train", streaming=True)

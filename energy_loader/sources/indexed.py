@@ -1,36 +1,11 @@
 """IndexedSource: any map-style dataset, or ``(length, fn)``, as a savable sharded source.
 
-Order. Epoch ``e`` visits the global order ``perm_e[0], perm_e[1], ...`` where ``perm_e`` is
-the identity, or with ``shuffle=True`` a Feistel permutation keyed by (seed, this source's
-ordinal, e): O(1) memory, so ``length`` may be 10**10. The job's copies of the pipeline
-(ranks x workers, see :class:`~energy_loader.WorkerContext`) take interleaved slices of that
-order: shard ``s`` of ``S`` reads global positions ``s, s + S, s + 2S, ...``. Shards differ by
-at most one sample per epoch.
-
-State: ``{"phase", "epoch", "position"}`` where ``position`` is the *global* position of the
-shard's next sample. It is a number in the global order, not a per-worker count, so a later
-release can re-slice it for a different number of workers.
-
-Restore key: ``(index,)``, the index into the data; ``restore_sample((i,))`` is ``data[i]``.
-
-Random reads. A dataset object's ``__getitem__`` may draw random numbers (an augmenting torch
-``Dataset``, a Hugging Face ``datasets.Dataset`` with a ``set_transform``). Those reads run
-under the sample's seed, as ``.map()`` functions do: python ``random``, numpy's global RNG
-and torch's default CPU generator are seeded from (pipeline seed, this source's salt, the
-restore key) before each read (~11 us), so a read draws the same numbers after a restore,
-in ``restore_sample`` and on any number of workers or ranks. Lists, tuples, ranges, numpy
-arrays and tensors draw nothing and are read unseeded; so is ``from_fn``'s function unless
-``seed_per_sample=True`` (the library's workloads read there and draw nothing).
-
-One seeding for the read and the map. A ``MapDataset`` or ``FilterDataset`` built right on
-a seeded source (``IndexedSource(data).map(fn)``, the common pipeline) runs its function
-right after each read, so one seeding serves both: the read runs under the wrapper's seed,
-from (pipeline seed, the wrapper's salt, the restore key), and the wrapper's function
-continues the same streams without seeding again (see
-:meth:`~energy_loader.SavableDataset.share_sample_seeding`). Both draw the same after a
-restore and on any layout, and a read that draws nothing leaves the function's draws exactly
-as over an unseeded source. The first such wrapper built on the source takes the seeding;
-another wrapper on the same source seeds for itself.
+Epoch ``e`` visits a global order (identity, or a Feistel permutation keyed by seed, this
+source's ordinal and ``e``: O(1) memory); shard ``s`` of ``S`` reads positions ``s, s + S, ...``.
+State: ``{"phase", "epoch", "position"}``, ``position`` being the global position of the shard's
+next sample. Restore key: ``(index,)``. With ``seed_per_sample`` each read runs under the
+sample's seed (a map or filter built right on the source shares that seeding, see
+:meth:`~energy_loader.SavableDataset.share_sample_seeding`). Details: docs/api.md, "IndexedSource".
 """
 
 from __future__ import annotations
@@ -85,12 +60,12 @@ class _IndexedCursor(StridedCursor):
 class IndexedSource(SavableDataset):
     """A savable, sharded, optionally shuffled source over indexable data.
 
-    ``data`` is anything with ``__len__`` and ``__getitem__(int)`` (a torch map-style
-    dataset, a list, a numpy array...). With ``shuffle=True`` every epoch has its own order,
-    fixed by ``seed``. ``seed_per_sample`` (default: True for a dataset object, False for a
-    list, tuple, range, numpy array or tensor and for ``from_fn``) reads each sample under
-    its own seed, so a ``__getitem__`` or ``set_transform`` that draws random numbers draws
-    the same after a restore (module documentation). Example::
+    ``data`` is anything with ``__len__`` and ``__getitem__(int)`` (a torch map-style dataset, a
+    list, a numpy array...). With ``shuffle=True`` every epoch has its own order, fixed by ``seed``.
+    ``seed_per_sample`` (default: True for a dataset object, False for a list, tuple, range, numpy
+    array or tensor and for ``from_fn``) seeds python, numpy and torch from (pipeline seed, salt,
+    restore key) before each read (~11 us), so a ``__getitem__`` or ``set_transform`` that draws
+    random numbers draws the same after a restore and on any layout. Example::
 
         source = IndexedSource(my_dataset, shuffle=True, seed=1234)
         source = IndexedSource.from_fn(length=10**10, fn=make_sample, shuffle=True)
@@ -169,7 +144,7 @@ class IndexedSource(SavableDataset):
         )
 
     def share_sample_seeding(self, owner: SavableDataset) -> bool:
-        """Read under ``owner``'s seeding (module documentation) if this source seeds its
+        """Read under ``owner``'s seeding (``share_sample_seeding``) if this source seeds its
         reads and no other wrapper took them."""
         taken = self._seed_scope is not self and self._seed_scope is not owner
         if not self.seed_per_sample or taken:

@@ -1,30 +1,12 @@
 """IterableSource: a user's ``torch.utils.data.IterableDataset`` as a savable source.
 
-The drop-in loader (:mod:`energy_loader.loader.dropin`) runs an iterable dataset through this
-source, one copy per worker, as torch runs one copy per worker. What a state holds:
-
-- a dataset with ``state_dict()``/``load_state_dict()`` (torchdata's ``Stateful`` protocol):
-  its own ``state_dict()``, taken when the loader checkpoints the worker (every few items), so
-  a restore loads it and replays a bounded number of items. The loaded state places the
-  resumed epoch only: it is loaded into a shallow copy of the dataset that iterates that
-  epoch, and later epochs iterate the dataset itself, as the uninterrupted run does. (A
-  Hugging Face ``IterableDataset`` applies a loaded state to every ``iter()`` of the same
-  ``epoch``, and torch's loader never calls ``set_epoch``: loaded into the dataset itself,
-  every later epoch would start at the saved position.)
-- any other dataset: the number of items this copy yielded in the epoch. A restore iterates
-  the dataset again from the start of the epoch and skips that many items (they are made and
-  dropped: the cost of a restore grows with the position in the epoch).
-
-Workers. Inside a worker, torch's ``get_worker_info()`` reports the worker whose stream this
-copy continues (``id``, ``num_workers`` of the rank, ``dataset`` the copy itself), also after
-a restore that moved streams between processes, so a dataset that shards by
-``get_worker_info()`` reads the same shard; the user's ``worker_init_fn`` is called the same
-way, once per copy. Before each epoch's ``iter()`` python ``random``, numpy's and torch's
-global RNGs are seeded from (seed, worker, epoch) when ``seed_per_epoch`` is set, so a replay
-draws the same numbers (in the main process, ``num_workers=0``, nothing is seeded: the
-training process's RNGs are the dataset's).
-
-Restore keys are ``(epoch, item number)``; samples cannot be rebuilt from them.
+The drop-in loader (:mod:`energy_loader.loader.dropin`) runs one copy per worker, as torch
+does. A state holds a ``Stateful`` dataset's own ``state_dict()`` (loaded into a shallow copy
+that runs the resumed epoch only), or else the number of items the copy yielded, which a
+restore skips by iterating again. Inside a worker ``get_worker_info()`` reports the worker
+whose stream the copy continues; global RNGs are seeded per (seed, worker, epoch) when
+``seed_per_epoch`` is set. Restore keys ``(epoch, item number)`` rebuild nothing.
+Details: docs/dropin.md, "Iterable datasets".
 """
 
 from __future__ import annotations

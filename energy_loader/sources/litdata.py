@@ -1,26 +1,11 @@
 """LitDataSource: litdata's optimized chunks read where they lie, as a savable, elastic source.
 
-The format (``litdata.optimize(...)`` with the default ``PyTreeLoader``): a directory holding
-``index.json`` (``{"chunks": [{"filename", "chunk_size", "chunk_bytes", ...}], "config":
-{"data_format": [...], "data_spec": <torch pytree spec>, ...}}``) and ``chunk-*.bin`` files.
-A chunk is ``uint32 count | uint32 offsets[count + 1] | items``; an item is the ``uint32``
-sizes of its leaves, then each leaf's bytes, one leaf per ``data_format`` entry. The leaves
-are put back into the item's structure (dicts, tuples, lists) with torch's pytree, as
-``litdata.StreamingDataset.__getitem__`` does. Leaves decode as litdata's serializers do:
-
-- ``int`` (int64) -> int, ``float`` (float64) -> float, ``bool`` -> bool, ``str``/``text`` ->
-  str, ``bytes`` -> bytes;
-- ``numpy`` (dtype, shape header) and ``no_header_numpy:<k>`` (1-D) -> a numpy array;
-- ``tensor`` (dtype, shape header) and ``no_header_tensor:<k>`` (1-D) -> a torch tensor;
-- ``pil`` -> a PIL image (Pillow needed);
-- ``pickle`` only with ``allow_unsafe_types=True`` (unpickling runs code from the data).
-
-Not read (a clear :class:`~energy_loader.SourceDataError` names them): ``jpeg`` (litdata
-decodes it with torchvision), litdata's binary ``json`` leaves, media leaves (video, audio,
-...), compressed or encrypted chunks, and the ``TokensLoader`` layout.
-
-Order, downloads and state: :mod:`energy_loader.sources._offset_shards`. Restore key:
-``(chunk, row)``.
+Reads ``index.json`` and the ``chunk-*.bin`` files ``litdata.optimize(...)`` writes (default
+``PyTreeLoader``), decodes leaves as litdata's serializers do and rebuilds each item with
+torch's pytree; ``pickle`` only with ``allow_unsafe_types=True``. ``jpeg``, binary ``json``,
+media leaves, compressed or encrypted chunks and ``TokensLoader`` are refused by name. Order,
+downloads and state: :mod:`energy_loader.sources._offset_shards`. Restore key: ``(chunk, row)``.
+Format: docs/sources/litdata.md.
 """
 
 from __future__ import annotations
@@ -210,8 +195,8 @@ class LitDataSource(OffsetShardSource):
     ``cache_dir`` (default ``~/.cache/energy_loader/litdata/<hash of the location>``) by a
     background thread ``predownload`` items ahead, with ``download_retries`` and
     ``download_timeout`` per attempt and sizes checked; ``cache_limit`` bounds the cache in
-    bytes. ``storage_options`` go to fsspec. What is decoded and what is refused: see the
-    module documentation.
+    bytes. ``storage_options`` go to fsspec. What is decoded and refused:
+    docs/sources/litdata.md.
 
     A damaged chunk (truncated, a count that does not match the index, a leaf that does not
     decode) raises :class:`~energy_loader.SourceDataError` naming the chunk and item. Example::

@@ -1,27 +1,10 @@
 """MDSSource: MosaicML Streaming's MDS shards read where they lie, as a savable, elastic source.
 
-The format (``streaming.MDSWriter``, also ``streaming-community``'s): a directory holding
-``index.json`` (``{"version": 2, "shards": [...]}``, each shard with its ``column_names``,
-``column_encodings``, ``column_sizes``, sample count, ``raw_data`` file and, when compressed,
-``zip_data`` file: ``shard.00000.mds.zstd``) and the shards. A shard is ``uint32 count | uint32
-offsets[count + 1] | samples``; a sample is the ``uint32`` sizes of its variable-size columns,
-then each column's bytes in order. Columns decode as Mosaic's ``mds_decode`` decodes them:
-
-- ``bytes`` -> bytes, ``str`` -> str, ``int`` -> int (stored as int64), ``json`` -> the JSON
-  value, ``str_int``/``str_float``/``str_decimal`` -> int/float/``decimal.Decimal``;
-- ``uint8`` ... ``int64``, ``float16``/``float32``/``float64`` -> a numpy scalar of that dtype;
-- ``ndarray``, ``ndarray:<dtype>``, ``ndarray:<dtype>:<shape>`` -> a numpy array (read-only,
-  as Mosaic's);
-- ``pil`` (raw pixels), ``jpeg``, ``png`` -> a PIL image; ``list[pil]``, ``list[jpeg]``,
-  ``list[png]``, ``jpeg_array``/``jpegarray`` -> lists of PIL images (Pillow needed);
-- ``pkl`` (pickle) only with ``allow_unsafe_types=True``, as in Mosaic: unpickling runs code.
-
-Compressions: none, ``zstd`` (``zstandard`` needed), ``gz`` and ``bz2``, at any level;
-``br`` and ``snappy`` are refused with the way out (rewrite the shards without them). Sub-dataset
-folders (an index naming ``part/shard.00000.mds``) are read as one dataset.
-
-Order, downloads and state: :mod:`energy_loader.sources._offset_shards`. Restore key:
-``(shard, row)``.
+Reads ``index.json`` and the shards ``streaming.MDSWriter`` writes (compressed with zstd, gz or
+bz2, or not; ``br`` and ``snappy`` refused), decoding columns as Mosaic's ``mds_decode`` does;
+``pkl`` only with ``allow_unsafe_types=True``. Order, downloads and state:
+:mod:`energy_loader.sources._offset_shards`. Restore key: ``(shard, row)``. Format and
+encodings: docs/sources/mds.md.
 """
 
 from __future__ import annotations
@@ -228,8 +211,8 @@ class MDSSource(OffsetShardSource):
     local shuffle, canonical partitions and exact, elastic resume.
 
     ``dir_or_url``: the directory holding ``index.json`` (Mosaic's ``local`` or ``remote``).
-    Each sample is a dict of its columns decoded as Mosaic decodes them (see the module
-    documentation); ``columns`` keeps only those (default: all). Local uncompressed shards are
+    Each sample is a dict of its columns decoded as Mosaic decodes them (docs/sources/mds.md);
+    ``columns`` keeps only those (default: all). Local uncompressed shards are
     read in place; remote or compressed ones are downloaded and decompressed into
     ``cache_dir`` (default ``~/.cache/energy_loader/mds/<hash of the location>``), by a
     background thread ``predownload`` samples ahead, with ``download_retries`` and

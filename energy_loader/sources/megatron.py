@@ -1,34 +1,12 @@
 """MegatronIndexedSource: Megatron's indexed datasets (``.bin`` + ``.idx``) read where they lie,
 one document a sample, with a local shuffle and exact, elastic resume.
 
-The format (megatron-core's ``IndexedDatasetBuilder``, the output of Megatron-LM's and NeMo's
-``preprocess_data.py``): ``<prefix>.bin`` holds the token ids of every sequence back to back, in
-one numpy dtype; ``<prefix>.idx`` is::
-
-    b"MMIDIDX\\x00\\x00" | uint64 version (1) | uint8 dtype code | uint64 sequence count S
-    | uint64 document count D | int32 lengths[S] | int64 byte pointers[S]
-    | int64 document indices[D] | (int8 modes[S], multimodal datasets only)
-
-dtype codes: 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16.
 A sample is what megatron-core's ``IndexedDataset[i]`` returns for sequence ``i``:
-``{"tokens": <1-D array of the file's dtype>, "index": i}``. Without ``--split-sentences`` every
-document is one sequence, and ``GPTDataset`` calls the sequences documents; a document written
-in several pieces (``add_document`` with several lengths) gives one sample per piece, as
-``IndexedDataset`` does. The modes of a multimodal dataset are not read.
-
-Order. The documents are grouped into *blocks* of ``block_documents`` consecutive ones; epoch
-``e`` permutes the blocks and the documents within each block (when shuffling), cuts the result
-into ``num_canonical_partitions`` spans and deals it out with a stride, exactly like the shards
-of :class:`~energy_loader.ShardedSource` (see :mod:`energy_loader.sources._order`): the same
-global order for any number of ranks and workers, and a reader of one span reads one block of
-neighbouring documents after another (pages of the memory-mapped ``.bin`` stay warm).
-
-Remote prefixes (any fsspec URL) are read through ``cache_dir``: the ``.idx`` when the source is
-built, the ``.bin`` by the background downloader of ShardedSource (node-wide lock, retries,
-timeout, size checked) as soon as a reader starts, so the first samples wait for the whole
-file. Local prefixes are memory-mapped in place.
-
-State: ``{"phase", "epoch", "position"}``. Restore key: ``(document,)``.
+``{"tokens": <1-D array of the file's dtype>, "index": i}``. Blocks of ``block_documents``
+documents are permuted, and documents within them, then cut into canonical spans as for
+:class:`~energy_loader.ShardedSource` (:mod:`energy_loader.sources._order`). Local prefixes are
+memory-mapped; remote ones go through ``cache_dir``. State: ``{"phase", "epoch", "position"}``;
+restore key ``(document,)``. File format and details: docs/sources/megatron.md.
 """
 
 from __future__ import annotations
@@ -82,7 +60,7 @@ class MegatronIndex:
 
 
 def read_megatron_index(data: bytes | memoryview, where: str) -> MegatronIndex:
-    """Parse an ``.idx`` file's bytes (see the module documentation); errors name ``where``."""
+    """Parse an ``.idx`` file's bytes (format: docs/sources/megatron.md); errors name ``where``."""
     view = memoryview(data)
     head = len(HEADER) + _FIXED.size
     if len(view) < head or bytes(view[: len(HEADER)]) != HEADER:
@@ -153,22 +131,15 @@ class MegatronIndexedSource(StridedSource):
     """Read a Megatron indexed dataset (``<prefix>.bin`` + ``<prefix>.idx``), one document a
     sample: ``{"tokens": <1-D numpy array of the file's dtype>, "index": <its number>}``.
 
-    ``path_prefix``: the path without ``.bin``/``.idx`` (either suffix is accepted), local or
-    an fsspec URL (``s3://bucket/corpus/text_document``, with ``storage_options``). The
-    ``.idx`` is read when the source is built and checked against the ``.bin``'s size: a
-    truncated file is a :class:`~energy_loader.SourceDataError` naming it.
-
-    ``shuffle``/``seed``/``num_canonical_partitions``: the order (see the module
-    documentation); ``block_documents``: how many consecutive documents form a block, the unit
-    that is permuted as a whole and within which documents are permuted (a reader of one
-    partition reads a block at a time: larger blocks mix more, smaller ones read more
-    locally). A remote ``.bin`` is downloaded whole into ``cache_dir`` (default
-    ``~/.cache/energy_loader/megatron/<hash of the location>``) with ``download_retries``
-    and ``download_timeout`` per attempt; ``cache_limit`` must then hold it.
-
-    For Megatron's fixed-length GPT samples, pack the documents: ``PackingDataset`` over
-    ``MegatronIndexedSource(...).map(lambda s: {"tokens": s["tokens"]})`` (see
-    docs/sources/megatron.md, which also shows a blend of corpora). Example::
+    ``path_prefix``: the path without ``.bin``/``.idx`` (either suffix accepted), local or an
+    fsspec URL (with ``storage_options``). The ``.idx`` is read when the source is built and
+    checked against the ``.bin``'s size (a truncated file is a
+    :class:`~energy_loader.SourceDataError` naming it). ``block_documents``: consecutive documents
+    permuted as a whole and within (larger mixes more, smaller reads more locally). A remote
+    ``.bin`` is downloaded whole into ``cache_dir`` (default
+    ``~/.cache/energy_loader/megatron/<hash>``) with ``download_retries`` and ``download_timeout``
+    per attempt; ``cache_limit`` must hold it. For fixed-length GPT samples pack the documents
+    with ``PackingDataset`` (docs/sources/megatron.md). Example::
 
         source = MegatronIndexedSource("/data/pile/pile_text_document", shuffle=True, seed=1)
         for sample in source:

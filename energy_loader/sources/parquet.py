@@ -1,34 +1,12 @@
 """ParquetSource: rows of Parquet files (local or any fsspec URL) as dict samples, through
 pyarrow, with random access by row group, a local shuffle and exact resume.
 
-Order. Epoch ``e`` has one global order of all rows, independent of the number of ranks and
-workers. Without shuffle it is the files in the given order, each row group after the other,
-rows in file order. With ``shuffle=True``:
-
-1. the row groups of all files are permuted (a Feistel permutation keyed by seed, this
-   source's position in the pipeline and ``e``);
-2. consecutive permuted row groups form *windows* of ``shuffle_window`` row groups, and the
-   rows of each window are permuted (one Feistel permutation per window);
-3. the concatenated windows are cut into ``num_canonical_partitions`` P spans, and global
-   position ``g`` is row ``g // P`` of span ``g % P`` (see :mod:`energy_loader.sources._order`).
-
-Reader ``s`` of ``S`` reads positions ``s, s + S, ...``; with ``S == P`` it reads one span
-front to back, so at any time it needs the row groups of one window: a window's row groups are
-decoded into one Arrow table that lives in a small per-process LRU cache
-(``max_cached_row_groups``, by default ``shuffle_window`` per span the reader touches, plus
-one when it reads several spans), and every row group is decoded about once per epoch. The
-shuffle is therefore local: rows move within a window of ``shuffle_window`` row groups, row
-groups anywhere.
-
-Rows become Python dicts only when they are read, a block of positions at a time
-(``Table.take`` of the block's rows, or a slice when they are consecutive, then
-``to_pylist``): the cache holds compact Arrow data rather than Python objects, and a block's
-dicts are made in the order they are delivered, so the pickling that ships them walks memory
-front to back. (Converting whole row groups and picking shuffled rows out of them cost ~2.5 us
-more CPU a row in loader workers, measured: most of it pickling rows scattered over the heap
-and the garbage collector walking the thousands of cached dicts.)
-
-State: ``{"phase", "epoch", "position"}``. Restore key: ``(file, row_group, row)``.
+Per epoch the row groups of all files are permuted, rows are permuted within windows of
+``shuffle_window`` row groups, and the order is cut into canonical spans
+(:mod:`energy_loader.sources._order`). A reader decodes a window's row groups into one Arrow
+table kept in a small LRU, and makes dicts a block of rows at a time. State:
+``{"phase", "epoch", "position"}``; restore key ``(file, row_group, row)``.
+Details and measurements: docs/sources/parquet.md.
 """
 
 from __future__ import annotations
@@ -212,19 +190,16 @@ class _ParquetCursor(StridedCursor):
 class ParquetSource(StridedSource):
     """Read the rows of Parquet files as dict samples, shuffled locally, resumed exactly.
 
-    ``paths_or_dir``: a directory (its ``*.parquet``/``*.pq`` files, sorted), one file or a
-    list of files; local paths or fsspec URLs (``s3://...``, with ``storage_options``).
-    ``columns`` selects columns (default: all). Each file's footer is read when the source
-    is built (row group sizes, schema); row groups are read through pyarrow when first
-    needed; a remote file gets ``read_retries`` extra attempts on I/O errors before a
-    :class:`~energy_loader.DownloadError` naming the file and row group.
-
-    Shuffle: row groups are permuted, and rows within windows of ``shuffle_window`` row
-    groups (see the module documentation); larger windows mix more and cache more decoded
-    row groups (``max_cached_row_groups``, default: what the window needs). A damaged file
-    (corrupt footer or page; locally, any read error) is a
-    :class:`~energy_loader.SourceDataError` naming the file and row group, raised after the
-    rows before it have been delivered. Example::
+    ``paths_or_dir``: a directory (its ``*.parquet``/``*.pq`` files, sorted), one file or a list;
+    local paths or fsspec URLs (with ``storage_options``). ``columns`` selects columns (default:
+    all). Footers are read when the source is built, row groups when first needed; a remote file
+    gets ``read_retries`` extra attempts on I/O errors before a
+    :class:`~energy_loader.DownloadError` naming file and row group. Shuffle permutes row groups,
+    and rows within windows of ``shuffle_window`` row groups: larger windows mix more and cache
+    more decoded row groups (``max_cached_row_groups``, default: what the window needs). A damaged
+    file (corrupt footer or page; locally, any read error) is a
+    :class:`~energy_loader.SourceDataError` naming file and row group, raised after the rows
+    before it were delivered. Example::
 
         source = ParquetSource("/data/train", columns=["text", "label"], shuffle=True, seed=7)
     """
@@ -378,7 +353,7 @@ class ParquetSource(StridedSource):
     # -- reading -----------------------------------------------------------------------------
 
     def epoch_order(self, epoch: int, partitions: int | None = None) -> _ParquetOrder:
-        """The global order of ``epoch`` (see the module documentation)."""
+        """The global order of ``epoch`` (the module docstring's order)."""
         return _ParquetOrder(self, epoch, partitions or self.partitions())
 
     def global_order(self, epoch: int, partitions: int | None = None) -> list[tuple[int, ...]]:

@@ -1,16 +1,9 @@
 """ShardWriter: samples into size-bounded shard files plus an ``index.json``, for ShardedSource.
 
-A shard file (``shard-00000.els``, before optional compression) is::
-
-    b"ELSHARD1" | uint64 count | uint64 offsets[count + 1] | records
-
-where record ``i`` spans ``offsets[i]:offsets[i + 1]`` and holds one sample in the safe codec
-of :mod:`energy_loader.sources._codec` (a JSON tree plus raw tensor/array buffers; nothing is
-pickled). Random access to one sample reads the offsets and one record.
-
-``index.json`` lists every shard: its file name as stored (``.els``, ``.els.gz`` or
-``.els.zst``), sample count, stored bytes and sha256 (checked after download), and the name,
-bytes and sha256 of the uncompressed file (checked after decompression).
+A shard file (``shard-00000.els``, before optional compression) is
+``b"ELSHARD1" | uint64 count | uint64 offsets[count + 1] | records``, one sample a record in
+the safe codec of :mod:`energy_loader.sources._codec`. ``index.json`` lists every shard with its
+stored name, count, bytes and sha256, and the uncompressed file's name, bytes and sha256.
 """
 
 from __future__ import annotations

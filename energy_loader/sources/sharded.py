@@ -1,32 +1,13 @@
 """ShardedSource: shards on a remote (any fsspec URL or a local directory), read through a
 local cache that a background thread fills ahead of the reader.
 
-Order. Epoch ``e`` has one *global order* of all N samples, the same whatever the number of
-ranks and workers reading it; it depends only on (``seed``, ``e``, ``num_canonical_partitions``
-P, and this source's position in the pipeline):
-
-1. the shards are laid out in a per-epoch order (a Feistel permutation of the shards when
-   shuffling), each with its samples in a per-epoch order (a permutation per shard): a
-   sequence Q of N samples;
-2. Q is cut into P contiguous spans ("canonical partitions") of N // P or N // P + 1 samples;
-3. global position ``g`` is sample ``g // P`` of span ``g % P``.
-
-Reader ``s`` of ``S`` (ranks x workers, rank-major) reads global positions ``s, s + S, ...``,
-like :class:`IndexedSource`. So at every step the job as a whole consumes global positions
-``[k * S, (k + 1) * S)``: a run on a different number of nodes, with the same P, sees the same
-sequence of samples. With ``S == P`` (the default when P is ``None``) reader ``s`` reads span
-``s`` front to back, one shard after another; in general a reader touches
-``P / gcd(P, S)`` spans, so choose P as a multiple of the reader count you expect.
-
-Downloads. Shards live on the remote as listed in ``index.json`` (written by
-:class:`ShardWriter`); ``local`` is a cache directory shared by all processes of a node. A
-background thread started lazily inside each reader (a loader worker, never the constructor)
-downloads the shards of the reader's next ``predownload`` samples; the reader itself downloads
-a shard it needs that is not there yet. See :mod:`energy_loader.sources._download` for the
-node-wide lock, validation, retries and the ``cache_limit`` eviction.
-
-State: ``{"phase", "epoch", "position"}``: the reader's next global position. Restore key:
-``(shard, row)``; ``restore_sample`` downloads the shard again if it was evicted.
+Epoch ``e``'s global order depends only on (``seed``, ``e``, ``num_canonical_partitions`` P,
+this source's position in the pipeline), never on ranks or workers: see
+:mod:`energy_loader.sources._order`. Shards are listed in the remote's ``index.json``
+(:class:`ShardWriter`); ``local`` is a cache shared by a node's processes, filled by a thread
+started lazily in each reader (:mod:`energy_loader.sources._download`). State:
+``{"phase", "epoch", "position"}`` (the reader's next global position); restore key
+``(shard, row)``. Details: docs/sources/sharded.md.
 """
 
 from __future__ import annotations
@@ -179,10 +160,10 @@ class ShardedSource(StridedSource):
     """Read ShardWriter shards from a remote through a local cache, downloading ahead.
 
     ``remote`` is an fsspec URL (``s3://bucket/data``, ``memory://data``) or a local directory
-    standing in for one; ``local`` is this node's cache directory (created if missing; it must
-    not hold the cache of a different index). ``index.json`` is read when the source is built.
-    See the module documentation for the global order, ``num_canonical_partitions`` and how
-    downloads are shared between the processes of a node.
+    standing in for one; ``local`` is this node's cache directory (created if missing; it must not
+    hold the cache of another index). ``index.json`` is read when the source is built. Reader
+    ``s`` of ``S`` reads global positions ``s, s + S, ...``; choose ``num_canonical_partitions``
+    as a multiple of the reader counts you expect.
 
     - ``predownload``: how many of the reader's next samples the background thread keeps
       downloaded (0: no thread; the reader downloads each shard when it reaches it);
@@ -190,11 +171,10 @@ class ShardedSource(StridedSource):
       shards the reader has finished are evicted first;
     - ``download_retries`` / ``download_timeout``: extra attempts per shard after a failure or a
       hash mismatch, and seconds per attempt;
-    - ``storage_options``: fsspec options for the remote (``{"client_kwargs": {"endpoint_url":
-      ...}}`` for an S3-compatible server), plain data.
+    - ``storage_options``: fsspec options for the remote, plain data.
 
     Errors: ``FileNotFoundError`` (index or shard missing on the remote), ``SourceDataError``
-    (bad index, a shard still corrupt after every retry, a cache holding another index),
+    (bad index, a shard corrupt after every retry, a cache holding another index),
     ``DownloadError`` (I/O failures or timeouts after every retry). Example::
 
         with ShardWriter("s3://bucket/data", compression="zstd") as writer:

@@ -1,35 +1,10 @@
 """StreamSource: batches pulled from a producer the library does not own, by consumer cursor.
 
-The producer (a message log, a service, a queue behind a small server) is reached through a
-user ``fetch_fn(cursor) -> batch | None``. ``cursor`` is an integer: the number of the batch
-in the producer's stream (0, 1, 2, ...). ``fetch_fn`` returns that batch, or ``None`` if it has
-not been produced yet. Then the source asks ``is_exhausted(cursor)`` (if given): ``True`` ends
-the epoch (everything fetched has been delivered: batches are yielded as they are fetched),
-otherwise it sleeps ``poll_interval`` seconds and asks ``fetch_fn`` again. Without
-``is_exhausted`` the stream is endless.
-
-The contract with the producer: **the same cursor always gives the same batch**, for as long
-as a checkpoint may point at it (a log with retention, like a Kafka topic, not a queue whose
-reads are destructive). That is what makes the saved state small, just the cursor, and a
-restore exact: the restored source fetches from the saved cursor again.
-
-Sharding. The job's readers (ranks x workers, see :class:`~energy_loader.WorkerContext`)
-take interleaved cursors: reader ``s`` of ``S`` fetches ``s, s + S, s + 2S, ...``, so the
-readers together consume the stream in order and no batch is read twice. Ranks that share a
-data-parallel rank (tensor- or pipeline-parallel peers; see :class:`~energy_loader.WorkerConfig`)
-are the same reader and receive identical data. ``fetch_fn`` may call
-:func:`~energy_loader.current_worker` to learn which reader is asking.
-
-Epochs. A stream does not restart: the next epoch continues from the cursor where the last
-one ended (new batches may have arrived since). There is no shuffle: the order is the
-producer's.
-
-Batches. The source yields each fetched batch as one item; wrap it in
-:class:`~energy_loader.wrappers.UnbatchDataset` to split batches into samples or
-micro-batches (that wrapper then saves the position inside the current batch).
-
-State: ``{"phase", "epoch", "cursor"}``, the reader's next cursor (-1 before its first
-fetch). Restore key: ``(cursor,)``; ``restore_sample`` fetches that cursor again.
+A user ``fetch_fn(cursor) -> batch | None`` reaches the producer; the same cursor must always
+give the same batch, so the state is just the cursor and a restore fetches from it again.
+Reader ``s`` of ``S`` fetches cursors ``s, s + S, ...``; an epoch continues from where the last
+one ended; no shuffle. State: ``{"phase", "epoch", "cursor"}`` (-1 before the first fetch);
+restore key ``(cursor,)``. Contract and examples: docs/sources/stream.md.
 """
 
 from __future__ import annotations
@@ -102,11 +77,13 @@ class _StreamCursor(EpochCursor):
 class StreamSource(SavableDataset):
     """Pull batches from an outside producer with ``fetch_fn(cursor)``; save the cursor.
 
-    See the module documentation for the producer contract (same cursor, same batch), the
-    sharding of cursors over readers, epochs and exhaustion. ``fetch_timeout`` (seconds, or
-    ``None`` to wait forever as a stream consumer usually does) bounds the wait for one batch.
-    Errors raised by ``fetch_fn`` or ``is_exhausted`` come out as :class:`StreamError` naming
-    the function and the cursor, with the original exception as ``__cause__``. Example::
+    ``fetch_fn`` returns batch ``cursor`` of the producer's stream, or ``None`` if it is not there
+    yet; the same cursor must always give the same batch. On ``None`` the source asks
+    ``is_exhausted(cursor)`` (``True`` ends the epoch; without it the stream is endless), else
+    sleeps ``poll_interval`` seconds and asks again. ``fetch_timeout`` (seconds, or ``None`` to
+    wait forever) bounds the wait for one batch. Errors of ``fetch_fn`` or ``is_exhausted`` come
+    out as :class:`StreamError` naming the function and the cursor (original as ``__cause__``).
+    Each batch is one item (split it with ``UnbatchDataset``). Example::
 
         client = MyLogClient("broker:9092", topic="rollouts")
         source = StreamSource(client.fetch, is_exhausted=client.is_closed, poll_interval=0.5)

@@ -1,24 +1,12 @@
 """WebDatasetSource: WebDataset tar shards, local or through fsspec, with random access.
 
-A shard is a tar file whose consecutive members sharing a key prefix form one sample
-(``000123.jpg`` + ``000123.json`` -> ``{"__key__": "000123", "jpg": ..., "json": ...}``), the
-format WebDataset and Megatron-Energon read. A small per-shard *member index*
-(:mod:`energy_loader.sources._tar_index`; built once by ``python -m energy_loader index PATH``
-or lazily when the source is built) maps each sample to the byte range of its members, so a
-reader seeks to any sample: the per-epoch shuffle, canonical partitions, exact resume and
-``restore_sample`` work exactly as for :class:`~energy_loader.ShardedSource`.
-
-Order. The shards in a per-epoch order (a Feistel permutation when shuffling), each with its
-samples in a per-epoch order, cut into ``num_canonical_partitions`` P spans; global position
-``g`` is sample ``g // P`` of span ``g % P`` and reader ``s`` of ``S`` reads ``s, s + S, ...``
-(see :mod:`energy_loader.sources._order`): the same global order whatever the number of ranks
-and workers. Only the context's shard index and count choose what a copy reads.
-
-Remote shards (any fsspec URL, ``s3://`` through s3fs) are downloaded whole into
-``cache_dir`` ahead of the reader by the downloader of ShardedSource (node-wide lock, retries,
-timeout, size and sha256 checked against the index); local shards are read in place.
-
-State: ``{"phase", "epoch", "position", "skipped"}``. Restore key: ``(shard, row)``.
+Consecutive tar members sharing a key prefix form one sample. A per-shard member index
+(:mod:`energy_loader.sources._tar_index`) maps each sample to its byte range, so the per-epoch
+order, canonical partitions, exact resume and ``restore_sample`` work as for
+:class:`~energy_loader.ShardedSource` (order: :mod:`energy_loader.sources._order`). Remote
+shards are downloaded whole into ``cache_dir`` by ShardedSource's downloader.
+State: ``{"phase", "epoch", "position", "skipped"}``; restore key ``(shard, row)``.
+Details: docs/sources/webdataset.md.
 """
 
 from __future__ import annotations
@@ -237,32 +225,25 @@ class _WebDatasetCursor(PrefetchingCursor):
 class WebDatasetSource(ShardRowSource):
     """Read WebDataset tar shards (local or any fsspec URL) with shuffle and exact resume.
 
-    ``urls_or_dir``: a directory holding ``*.tar`` shards, one shard, a brace pattern
-    (``"s3://bucket/train/shard-{000..099}.tar"``) or a list of shards; local paths or fsspec
-    URLs (one protocol for all). Each sample is a dict ``{"__key__": key, extension: value}``;
-    ``decode``:
+    ``urls_or_dir``: a directory of ``*.tar`` shards, one shard, a brace pattern
+    (``"s3://bucket/train/shard-{000..099}.tar"``) or a list; local paths or fsspec URLs (one
+    protocol for all). A sample is ``{"__key__": key, extension: value}``; ``decode``:
 
-    - ``True``: :data:`DEFAULT_DECODERS` by the last part of the extension (json, txt, cls/int,
-      npy with ``allow_pickle=False``, pt/pth with ``torch.load(weights_only=True)``, images
-      as PIL images when Pillow is installed); other members stay ``bytes``;
+    - ``True``: :data:`DEFAULT_DECODERS` by the extension's last part (json, txt, cls/int, npy
+      without pickle, pt/pth with ``weights_only=True``, images as PIL when Pillow is installed);
+      other members stay ``bytes``;
     - ``False``: every member stays ``bytes``;
-    - a mapping ``{extension: fn(bytes) -> value}`` added to (or, with ``None``, removed from)
-      the defaults;
-    - a callable ``fn(raw_sample) -> sample`` given the dict of bytes (the user hook).
+    - a mapping ``{extension: fn(bytes) -> value}`` added to (``None``: removed from) the defaults;
+    - a callable ``fn(raw_sample) -> sample`` given the dict of bytes.
 
-    A member index per shard (``<shard>.idx.json``) is read when the source is built; a
-    missing one is built then (one pass over the shard) and stored beside the shard, or in
-    ``cache_dir`` when that is not writable or the shard is remote. ``python -m energy_loader
-    index PATH`` builds them ahead, in parallel. Remote shards are downloaded into
-    ``cache_dir`` (default ``~/.cache/energy_loader/webdataset/<hash of the location>``) by a
-    background thread, ``predownload`` samples ahead, checked against the index's size and
-    sha256, with ``download_retries`` and ``download_timeout`` per attempt; ``cache_limit``
-    bounds the cache in bytes. ``storage_options`` go to fsspec.
-
-    Damaged data (a truncated tar, a missing member, a decoder failure) raises
-    :class:`~energy_loader.SourceDataError` naming the shard and sample; with
-    ``on_error="skip"`` such samples are skipped, logged and counted in the state's
-    ``skipped``. Example::
+    A missing member index (``<shard>.idx.json``) is built when the source is built and stored
+    beside the shard, or in ``cache_dir`` when that is read-only or remote (``python -m
+    energy_loader index PATH`` builds them ahead). Remote shards go into ``cache_dir`` (default
+    ``~/.cache/energy_loader/webdataset/<hash>``), ``predownload`` samples ahead, checked against
+    the index, with ``download_retries`` and ``download_timeout`` per attempt; ``cache_limit``
+    bounds the cache in bytes; ``storage_options`` go to fsspec. Damaged data raises
+    :class:`~energy_loader.SourceDataError` naming shard and sample; ``on_error="skip"`` skips,
+    logs and counts such samples (state's ``skipped``). Example::
 
         source = WebDatasetSource("/data/train", shuffle=True, seed=1234)
         for sample in source:

@@ -1,53 +1,15 @@
 """How items cross from a worker process to the main process: a batch codec and arenas.
 
-Torch's DataLoader pickles every item onto one result queue with its multiprocessing
-reductions, which move *each tensor* through its own new shared-memory segment: allocate,
-copy, pass a file descriptor over a socket, map it in the main process, unmap, free. For a
-batch of a few small tensors that costs far more than the bytes. The codec replaces it:
+Torch's queue moves each tensor through its own shared-memory segment; instead the worker's
+:class:`Encoder` pickles an item (protocol 5) into one payload, with tensors and arrays as
+out-of-band buffers. Small payloads travel inline through torch's result queue; large ones go
+into the worker's :class:`Arena` (a ring in an anonymous memory file) and only their position
+travels. The main process's :func:`decode` rebuilds the item as views of the payload.
 
-- In the worker, :class:`Encoder` pickles the item with protocol 5. Tensors and numpy arrays
-  become *out-of-band buffers* (their bytes are not copied into the pickle stream); everything
-  else (dicts, lists, tuples, restore keys, plain values, objects) is ordinary pickle, with the
-  reductions torch's queue would use for anything the codec does not handle itself (sparse,
-  quantized or grad-requiring tensors keep torch's own path, inside the stream). The stream and
-  the buffers are laid out back to back (buffers 64-byte aligned) in *one* payload.
-- A payload smaller than ``inline_bytes`` travels inline: one writable ``bytearray`` inside a
-  small :class:`Packet`, through torch's result queue.
-- A larger one is copied into the worker's :class:`Arena`, a ring of shared memory that lives
-  as long as the worker, and only its position travels in the packet.
-- A collate function can fill a large tensor straight in the worker's arena: ask
-  :func:`batch_tensor` for it (``torch.stack(samples, out=batch_tensor(shape, dtype))``, which
-  :func:`~energy_loader.default_collate` does). The encoder then sends the tensor by
-  reference (its position in the ring), not by copy: the worker copies none of its bytes and
-  never holds a private copy of the batch.
-- In the main process :func:`decode` rebuilds the item: tensors with ``torch.frombuffer`` and
-  arrays with ``numpy.frombuffer`` as views of the payload (no copy; the memory is writable, so
-  no read-only warning). An arena payload is read in place: its tensors are views of the
-  ring, and its space goes back to the worker when the last of them is freed. (It is copied
-  out instead, and its space handed back at once, into pinned memory when torch's pin-memory
-  thread asks, or while half the ring is held by batches the user keeps.) Decoded tensors
-  are contiguous; shape, dtype, values and the attributes of plain tensors (a
-  ``__restore_key__``) are kept.
-
-Arenas are anonymous memory files (``os.memfd_create``): nothing is ever created in
-``/dev/shm``, and the kernel frees an arena once the last process that maps it exits or closes
-it, so a killed worker leaves nothing behind. The main process creates one arena per worker
-when the workers start and closes them when they stop; a worker inherits its arena under fork,
-or receives its file descriptor with the dataset under spawn/forkserver (the same way it
-receives its command pipe). Without ``memfd_create`` (not Linux) every payload goes inline.
-
-The ring is single-producer/single-consumer: the worker numbers its payloads and remembers
-where the ones in use lie; the main process hands each back, in any order, by writing its
-number into a slot of the arena's first page. A worker never waits for space: a payload that
-does not fit goes inline. Each payload goes into the first gap from the front that fits, so
-the pages the ring touches stay close to what is actually in flight. A region reserved for
-a tensor is freed once the worker no longer references it and, if it was sent, the main
-process has handed it back.
-
-Modules: ``_payload`` (the payload format and the pickler), ``_arena`` (the rings), ``_codec``
-(packets, the encoder, :func:`decode`), ``_reserved`` (:func:`batch_tensor` and tensors sent
-by reference); this one: the loader's settings and the arenas'
-lifecycle (:class:`Transport` in the main process, :class:`WorkerTransport` in the workers).
+Modules: ``_payload`` (payload format, pickler), ``_arena`` (rings), ``_codec`` (packets,
+encoder, :func:`decode`), ``_reserved`` (:func:`batch_tensor`, tensors sent by reference); this
+one: the loader's settings and the arenas' lifecycle (:class:`Transport` in the main process,
+:class:`WorkerTransport` in the workers). Format, copies per path and limits: docs/transport.md.
 """
 
 from __future__ import annotations

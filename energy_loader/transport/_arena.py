@@ -51,29 +51,14 @@ _ARENA_IDS = itertools.count()
 class Arena:
     """One worker's ring of shared memory: the worker writes payloads, the main process reads.
 
-    Layout: one page of header, then ``size`` bytes of ring. The worker numbers its payloads
-    (1, 2, ...) and remembers where the ones still in use lie; the header is a table of
-    :data:`_SLOTS` int64 slots in which the main process writes a payload's number into slot
-    ``number % _SLOTS`` once it has handed the payload's space back (the worker only reads
-    it). Payloads may come back in any order; the worker places each new one at the first gap
-    from the front of the ring that fits it, so the pages in use stay close to what is in
-    flight, and a payload never wraps around the end. One producer (the worker's iterating
-    thread), one consumer (the main process), payloads received in the order they were made.
-
-    The main process either copies a payload out and hands its space back at once
-    (:meth:`take`), or reads it in place (:meth:`view`): the item's tensors are then views of
-    the ring, and the space goes back when the last of them is freed. So that a user who
-    keeps many batches does not fill the ring, the main process reads in place only while
-    less than half of it is held that way, and copies otherwise; a worker whose ring is full
-    sends its payloads inline, and never waits.
-
-    A worker may also reserve space for a tensor it is about to fill (:meth:`reserve_tensor`,
-    the collate-into hook): the tensor is a view of the ring, and when the encoder meets it,
-    it sends its position instead of its bytes. Such a region is freed once the worker's
-    last reference to it is gone *and*, if it was sent, the main process has handed it back:
-    a worker that keeps a sent batch never sees it overwritten. Worker references die in any
-    thread (finalizers, the garbage collector), so their finalizers only append to a queue
-    that the reserving thread drains.
+    Layout: one header page of :data:`_SLOTS` int64 slots (the main process writes payload ``n``
+    into slot ``n % _SLOTS`` to hand its space back), then ``size`` bytes of ring. Each payload
+    goes into the first gap from the front that fits and never wraps; one producer, one consumer.
+    The main process copies a payload out (:meth:`take`) or reads it in place (:meth:`view`, while
+    under half the ring is held so); a full ring sends inline, never waits. :meth:`reserve_tensor`
+    lends the worker a region to collate into, freed once the worker drops it and the main process
+    has handed it back; finalizers only queue such frees for the reserving thread. See
+    docs/transport.md, "The arena".
     """
 
     def __init__(self, size: int, *, fd: int | None = None, ident: int | None = None) -> None:

@@ -1,13 +1,10 @@
 """The payload format: one pickle protocol-5 stream plus its out-of-band buffers.
 
-A payload is the pickle stream followed by the bytes of every out-of-band buffer, each buffer
-starting at a multiple of 64 bytes; ``sizes`` (the stream's length, then each buffer's)
-describes it. :class:`Pickler` makes the stream: plain dense CPU tensors and numpy arrays go
-out of band, everything else is ordinary pickle with the reductions of torch's result queue
-(``multiprocessing``'s ``ForkingPickler`` dispatch table, where torch registers its own), so
-whatever the codec does not handle itself (sparse, quantized, grad-requiring tensors, tensor
-subclasses) keeps torch's path inside the stream. :func:`unpack` rebuilds the item with its
-tensors and arrays as views of the payload's memory.
+A payload is the stream followed by every out-of-band buffer, each 64-byte aligned; ``sizes``
+(stream length, then each buffer's) describes it. :class:`Pickler` sends plain dense CPU
+tensors and numpy arrays out of band and pickles the rest with torch's queue reductions
+(``ForkingPickler``'s table), so sparse, quantized, grad-requiring tensors and subclasses keep
+torch's path. :func:`unpack` rebuilds an item as views of the payload.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Collating straight into a worker's arena, and sending such tensors by reference.
 
-A large batch made by ``torch.stack`` lands in private heap memory, which the encoder then
-copies into the arena: one copy too many, and glibc keeps such multi-megabyte blocks in the
-worker's heap once its dynamic mmap threshold has risen past them (tens of MiB of resident
-memory per worker on 5 MB batches). Torch's own collate avoids both by stacking straight into
-shared memory. :func:`batch_tensor` is that hook for the codec: in a loader worker whose
-transport has an arena, a tensor of at least the inline threshold is a fresh region of the
-ring, and the encoder sends its position instead of its bytes.
-
-- Worker side: :class:`ReferenceReducer` is the pickler's hook. A tensor that exactly covers
-  an unsent reservation (contiguous, every byte) becomes ``(arena, offset, number, nbytes,
-  dtype, shape)`` in the stream; anything else in the ring (a slice, a second send of the same
-  region) is copied like any tensor. The encoder marks the reservations an item carried as
-  sent once the item is pickled.
-- Main side: :class:`Adoption` is the decode of one packet that carries references. The
-  rebuild function asks it for each region: a view of the ring (handed back when its last
-  tensor dies, :meth:`Arena.view`), or, while half the ring is held or into pinned memory,
-  a copy (handed back at once). Two references to one region in an item share one
-  view and one hand-back.
+:func:`batch_tensor` gives a collate function a tensor in the worker's ring, saving the copy
+from the heap (and glibc's heap growth, docs/transport.md "Memory"). Worker side:
+:class:`ReferenceReducer` turns a tensor that exactly covers an unsent reservation into
+``(arena, offset, number, nbytes, dtype, shape)``; anything else is copied. Main side:
+:class:`Adoption` decodes one packet's references as views of the ring (or copies, while half
+the ring is held or into pinned memory); two references to one region share one view.
 """
 
 from __future__ import annotations
@@ -60,16 +48,12 @@ def collate_into(arena: Arena | None, min_bytes: int) -> None:
 def batch_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised tensor to collate a batch into, e.g. ``torch.stack(xs, out=...)``.
 
-    In a loader worker whose transport has a shared-memory arena (``transport_codec=True``,
-    ``transport_arena_bytes > 0``, Linux), a tensor of at least ``transport_inline_bytes``
-    is placed in the worker's arena: filled there, it reaches the main process without a
-    single copy (the main process reads it in place), and the worker never holds a private
-    copy of the batch. Anywhere else (the main process, torch's transport, a small tensor,
-    an arena with no room) it is a plain ``torch.empty(shape, dtype=dtype)``; it never waits.
-
-    Fill it completely and send it as it is (or any tensor covering all of it); slices of it
-    travel as copies. If the worker keeps it after sending it, the main process's batch and
-    the worker's tensor share memory, as with torch's own shared-memory collate.
+    In a loader worker with an arena (``transport_codec=True``, ``transport_arena_bytes > 0``,
+    Linux), a tensor of at least ``transport_inline_bytes`` lies in the worker's ring and reaches
+    the main process without a copy. Elsewhere (main process, torch's transport, a small tensor, a
+    full ring) it is ``torch.empty(shape, dtype=dtype)``; it never waits. Fill it completely and
+    send it whole; slices travel as copies. A worker that keeps it after sending shares its memory
+    with the main process's batch, as with torch's shared-memory collate.
     """
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"`dtype` must be a torch.dtype (got {type(dtype).__name__}: {dtype!r})")
