@@ -1,28 +1,15 @@
 """What the data loader is doing: cheap counters, ``loader.stats()``, and a tqdm helper.
 
-Two kinds of numbers, both plain floats and ints:
+- *Main process* (:class:`LoaderMetrics`): per item the wait in ``next()`` (torch's queue plus
+  decoding), the decode alone, and the step (item to item); saves. A few additions and one
+  ``list.append`` per item; quantiles only in :meth:`LoaderMetrics.stats`.
+- *Workers* (:class:`WorkerCounters`): seconds producing items (of which checkpointing and
+  encoding), items, payload bytes; the rest is idle. Read over the command channel only when
+  ``stats()`` or the stall check asks.
 
-- *Main process* (:class:`LoaderMetrics`, one per loader): for every item handed to the
-  training loop, the time ``next()`` waited (pulling from torch's queue plus decoding the
-  transport payload), the decode time alone, and the *step* time (from one item handed out to
-  the next: the training loop's own work plus the wait). Saves: how many and how long. The hot
-  path is a few additions and one ``list.append`` per item; quantiles are computed only when
-  :meth:`LoaderMetrics.stats` is called.
-- *Workers* (:class:`WorkerCounters`, one per worker process, or the main process's runner
-  with ``num_workers=0``): seconds spent producing items (the pipeline, checkpoints and the
-  transport encoder), of which checkpointing and encoding, items made and payload bytes. The
-  rest of a worker's wall time is idle: blocked on torch's queues because the training loop
-  has not asked for more. The main process reads them over each worker's command channel,
-  only when ``stats()`` (or the stall check) asks: nothing extra travels with the items.
-
-``stats()`` returns ``{"since_last": {...}, "total": {...}, "queue_depth": [...]}``: the
-same fields since the previous ``stats()`` call and since the loader was made, plus how many
-trips (bundles of items, :mod:`energy_loader.workers.bundling`) torch has asked each worker for that
-have not reached the main process yet (a snapshot). :func:`flatten` turns it into
-``{"since_last/wait_s_p50": ...}`` for a logger and :func:`tqdm_postfix` into a short dict
-for ``tqdm.set_postfix``.
-
-Thread-safety: call ``stats()`` from the thread that iterates the loader.
+``stats()`` returns ``{"since_last", "total", "queue_depth"}``; :func:`flatten` and
+:func:`tqdm_postfix` reshape it. Call it from the thread that iterates the loader. Fields and
+how to read them: docs/observability.md.
 """
 
 from __future__ import annotations
@@ -343,7 +330,7 @@ class LoaderMetrics:
         }
 
     def stats(self) -> dict[str, Any]:
-        """Numbers since the previous call and in total (see the module docstring)."""
+        """Numbers since the previous call and in total, and each worker's queue depth."""
         depths = self._refresh_workers()
         now, at = self.totals, clock()
         window_waits = sorted(self._waits)

@@ -1,16 +1,11 @@
 """Counter-based randomness for the library's own components, and per-sample seeding.
 
-The library never stores a Mersenne-Twister dump in a state. Its own random choices (shuffle
-orders, buffer picks, blend draws) come from :class:`CounterRng`: a 64-bit seed and a counter
-fed through the SplitMix64 finaliser. The state is two integers, restoring is exact, and the
-stream of one component is independent of every other component's because each one mixes its
-own salt (its class name and ordinal in the pipeline) into the seed.
-
-User functions draw from the *global* generators (``random``, ``numpy.random``, torch's default
-CPU generator). :func:`seed_globals_for_sample` reseeds all three from (pipeline seed, wrapper
-position, sample restore key) before a user function runs, so the function's draws are a pure
-function of the sample's key: identical after a restore, identical when a shuffle buffer
-rebuilds the sample from its key, and independent of how samples are spread over workers.
+The library's own choices (shuffle orders, buffer picks, blend draws) come from
+:class:`CounterRng`: a seed (salted per component) and a counter through SplitMix64, so a state
+is two integers and restores exactly. User functions draw from the global generators, which
+:func:`seed_globals_for_sample` reseeds from (pipeline seed, wrapper position, restore key):
+their draws are then a function of the sample's key on any layout and after any restore.
+See docs/concepts.md.
 """
 
 from __future__ import annotations
@@ -154,14 +149,11 @@ def sample_seed(seed: int, position: int, key: Hashable) -> int:
 def seed_globals_for_sample(seed: int, position: int, key: Hashable) -> None:
     """Seed python ``random``, numpy's global RNG and torch's default CPU generator.
 
-    The seed is a function of (pipeline ``seed``, the wrapper's ``position`` salt, the
-    sample's restore ``key``) only (:func:`sample_seed`). Costs ~10 us per call on the
-    reference machine, almost all of it generator initialisation: python's Mersenne Twister
-    ~4.4 us, numpy's ~2.4 us, torch's ~2.6 us. Those are what the values require (the cheaper
-    calls measured: ``random.setstate`` of a saved state ~4.7 us, numpy's ``set_state`` ~42
-    us; a state per key cannot be saved anyway). The torch generator is seeded with
-    ``torch.default_generator.manual_seed`` rather than ``torch.manual_seed``, which would
-    also seed every CUDA device (~180 us).
+    The seed depends on (pipeline ``seed``, wrapper ``position``, restore ``key``) only
+    (:func:`sample_seed`). ~10 us a call, nearly all generator initialisation (python ~4.4 us,
+    numpy ~2.4, torch ~2.6; restoring saved states is no cheaper). Torch is seeded through
+    ``default_generator.manual_seed``: ``torch.manual_seed`` would also seed every CUDA device
+    (~180 us).
     """
     keeping = _KEEPING.scope
     if keeping is not None and not keeping:
@@ -214,15 +206,11 @@ _KEEPING = _Keeping()
 class kept_rng_state_if_seeded:  # lower case: a context manager used as `with f():`
     """Put the global RNG states back on exit if the library seeded them per sample inside.
 
-    A pipeline run in the training process (no workers) seeds the three generators before
-    each user function that draws (:func:`seed_globals_for_sample`); the training's own draws
-    (dropout) must not see that, nor a restore's replay. The states are saved at the first
-    seeding in the scope, so an item whose stages seed nothing costs no save and no put-back
-    (the ~80 us of :func:`kept_rng_state` an item, measured on the light pipeline of
-    docs/benchmarks.md). User code that draws *without* per-sample seeds draws from the
-    training's generators, as a torch ``DataLoader`` without workers lets it; its values
-    then differ on a replay, which a checked restore refuses. (A class, not a generator
-    function: it opens once an item, and ``contextlib``'s machinery cost more than the rest.)
+    Without workers the pipeline runs in the training process, whose own draws (dropout) must
+    not see the per-sample seeding. States are saved at the first seeding in the scope, so an item
+    that seeds nothing costs nothing (vs ~80 us for :func:`kept_rng_state`). Unseeded user draws
+    use the training's generators, as torch's loader without workers allows. (A class, not a
+    ``contextlib`` generator: it opens once an item, and that machinery cost more than the rest.)
     """
 
     __slots__ = ("outer", "scope")

@@ -1,35 +1,22 @@
 """Every place energy_loader reaches into torch's private DataLoader machinery, in one module.
 
-Torch is pinned (constraints.txt), and each of these is a documented-by-reading, stable-for-
-years detail of ``torch/utils/data/dataloader.py``; keeping them here means a torch upgrade is
-checked in one file. What and why:
+Torch is pinned (constraints.txt); a torch upgrade is checked here. What and why:
 
-- ``DataLoader._iterator``: the persistent iterator torch keeps when ``persistent_workers``;
-  the loader shuts its workers down on restore, failure and close.
-- ``_MultiProcessingDataLoaderIter._shutdown_workers()``: torch's own orderly shutdown.
-- ``_MultiProcessingDataLoaderIter`` itself, subclassed (:class:`WorkersDataLoader`) so that
-  its shutdown does not wait 5 s per worker when the iterator is collected in a reference
-  cycle (its index queues' feeder threads are then already stopped, see
-  :meth:`_CycleSafeIterator._shutdown_workers`); and ``._index_queues``, ``._workers_done_event``
-  and the worker-pid bookkeeping that shutdown uses.
-- ``._workers``: the worker processes, to name a dead worker by pid and to see whether one
-  is alive while waiting for a reply.
-- ``._rcvd_idx`` and ``._task_info``: tasks sent to a worker and not yet received, for the
-  queue depth in ``loader.stats()``.
-- ``torch._utils.ExceptionWrapper``: a worker's exception with its traceback, re-raised in the
-  main process exactly as torch re-raises its own workers' errors.
-- ``torch.utils.data._utils.worker._worker_info``: inside a worker, ``get_worker_info()``
-  reports the dataset torch was given, which for a drop-in loader is its fetch wrapper. Users
-  configure *their* dataset through it (``get_worker_info().dataset``), and an iterable
-  dataset shards by ``get_worker_info().id``, which after a restore must name the logical
-  worker whose stream the process now continues. ``WorkerInfo`` refuses attribute changes
-  after construction, so its fields are replaced with ``object.__setattr__``.
-- ``_BaseDataLoaderIter.__init__``'s base seed: one ``int64`` drawn from the loader's
-  ``generator`` (the global torch generator without one) at every iterator torch makes; the
-  iterable drop-in draws it where torch would (:func:`draw_base_seed`).
-- ``DistributedSampler.__iter__``'s permutation (``randperm`` of a generator seeded with
-  ``seed + epoch``, or ``range``): the drop-in loader deals the rest of an epoch to another
-  number of ranks from the same permutation (:func:`distributed_permutation`).
+- ``DataLoader._iterator`` and ``._shutdown_workers()``: stop persistent workers on restore,
+  failure and close.
+- ``_MultiProcessingDataLoaderIter``, subclassed (:class:`_CycleSafeIterator`), with
+  ``._index_queues``, ``._workers_done_event`` and the worker-pid bookkeeping: prompt shutdown
+  when collected in a reference cycle.
+- ``._workers``: name a dead worker by pid, see whether one is alive.
+- ``._rcvd_idx``, ``._task_info``: tasks in flight, for the queue depth in ``loader.stats()``.
+- ``torch._utils.ExceptionWrapper``: re-raise a worker's error as torch does.
+- ``_utils.worker._worker_info``: ``get_worker_info()`` must report the user's dataset and,
+  after a restore, the logical worker whose stream the process continues
+  (``WorkerInfo`` is frozen: ``object.__setattr__``).
+- ``_BaseDataLoaderIter.__init__``'s base-seed draw, made where torch makes it
+  (:func:`draw_base_seed`).
+- ``DistributedSampler.__iter__``'s permutation, to deal the rest of an epoch to another
+  number of ranks (:func:`distributed_permutation`).
 """
 
 from __future__ import annotations
@@ -59,15 +46,12 @@ __all__ = [
 
 class _CycleSafeIterator(_MultiProcessingDataLoaderIter):
     """torch's worker iterator, whose shutdown also works when it is garbage collected in a
-    reference cycle (a loader held by a stored exception's traceback, a closure, a notebook).
+    reference cycle (a loader held by a stored traceback, a closure, a notebook).
 
-    Why: collecting a cycle first runs the weak-reference finalizers of the objects in it,
-    among them each index queue's, which stops the queue's feeder thread; torch's ``__del__``
-    then runs ``_shutdown_workers()``, whose ``None`` to each worker stays in the stopped
-    feeder's buffer. Every worker waits for it in vain, and torch joins each one with a 5 s
-    timeout before it terminates them: a training loop stalled 5 s per worker at some random
-    later allocation. Workers whose queue can no longer reach them are stopped at once
-    instead (what torch does after the timeout), before torch's own orderly shutdown.
+    Collecting the cycle first stops each index queue's feeder thread, so torch's
+    ``_shutdown_workers()`` cannot reach the workers and joins each with a 5 s timeout. Workers
+    whose queue can no longer reach them are terminated at once instead (what torch does after
+    the timeout), before torch's own orderly shutdown.
     """
 
     def _shutdown_workers(self) -> None:

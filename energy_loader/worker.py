@@ -1,12 +1,8 @@
 """Who is iterating: the rank and worker layout, per-worker seeds, and the worker context.
 
-A pipeline is built once, in the main process, without knowing where it will run. The loader
-then tells every copy of it who it is: which data-parallel rank, which worker process of that
-rank, and the pipeline seed. Sources shard by that context and random components derive their
-streams from it, at iteration time, so wrappers never take a worker config in their
-constructors.
-
-Code inside the pipeline (a user's map function, a source) asks :func:`current_worker`.
+A pipeline is built once, in the main process; the loader tells every copy at iteration time
+which rank, worker and seed it runs with, so wrappers never take a worker config. Code inside
+the pipeline (a map function, a source) asks :func:`current_worker`.
 """
 
 from __future__ import annotations
@@ -83,19 +79,14 @@ def _torchrun_layout(environ: Mapping[str, str]) -> tuple[int, int] | None:
 class WorkerConfig:
     """The data-parallel layout of one rank: rank, world size, workers, seed.
 
-    ``rank`` and ``world_size`` are the *data-parallel* rank and size, and sources shard by
-    them: ranks that must see identical samples (the tensor- or pipeline-parallel peers of one
-    model replica) share a data-parallel rank, and different replicas read disjoint shards.
-    ``data_parallel_group`` is the ``torch.distributed`` process group over which
+    ``rank`` and ``world_size`` are the *data-parallel* rank and size, by which sources shard: the
+    tensor- or pipeline-parallel peers of one replica share a rank and see identical samples.
+    ``data_parallel_group`` is the process group over which
     :func:`~energy_loader.distributed.save_state_global` gathers and
-    :func:`~energy_loader.distributed.restore_state_global` scatters states: the group of the
-    ranks that read *different* data (one rank per replica, Megatron's
-    ``get_data_parallel_group()``, ``mesh["dp"].get_group()`` of a DeviceMesh); ``None``
-    means the default group. When given, ``rank``/``world_size`` must be this process's rank
-    in it and its size. The group never travels to worker processes and takes no part in
-    equality.
-
-    Build it from the job rather than by hand::
+    :func:`~energy_loader.distributed.restore_state_global` scatters (one rank per replica, e.g.
+    Megatron's ``get_data_parallel_group()`` or ``mesh["dp"].get_group()``); ``None`` means the
+    default group. When given, ``rank``/``world_size`` must be this process's rank in it and its
+    size. The group never travels to workers and takes no part in equality. Build it from the job::
 
         WorkerConfig.from_process_group(num_workers=2, seed=1234)      # every rank a replica
         WorkerConfig.from_process_group(num_workers=2, data_parallel_group=mesh["dp"])
@@ -128,21 +119,15 @@ class WorkerConfig:
     ) -> WorkerConfig:
         """The layout of this process in an initialised ``torch.distributed`` job.
 
-        With ``data_parallel_group=None`` every rank of the default group is its own
-        data-parallel replica: ``rank``/``world_size`` are the global ones. With model
-        parallelism pass the data-parallel group (a ``ProcessGroup`` or a one-dimensional
-        ``DeviceMesh`` such as ``mesh["dp"]``): ``rank``/``world_size`` become this process's
-        rank in that group and its size, so the tensor-parallel peers of a replica (which sit
-        in different data-parallel groups at the same position) read identical samples.
+        With ``data_parallel_group=None`` every rank of the default group is its own replica. With
+        model parallelism pass the data-parallel group (a ``ProcessGroup`` or a one-dimensional
+        ``DeviceMesh`` such as ``mesh["dp"]``): ``rank``/``world_size`` become this process's rank
+        in it and its size, so a replica's tensor-parallel peers read identical samples. Raises
+        ``ValueError`` without a process group or when this process is not in the group,
+        ``TypeError`` for something that is not a group. Example::
 
-        Raises ``ValueError`` when no process group is initialised or this process is not a
-        member of the group, ``TypeError`` for something that is not a group. Example::
-
-            dist.init_process_group("gloo")
             mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-            config = WorkerConfig.from_process_group(
-                num_workers=2, seed=1234, data_parallel_group=mesh["dp"]
-            )
+            config = WorkerConfig.from_process_group(num_workers=2, data_parallel_group=mesh["dp"])
         """
         from .process_groups import data_parallel_layout
 
@@ -159,13 +144,10 @@ class WorkerConfig:
     def from_env(cls, *, num_workers: int = 0, seed: int = 0) -> WorkerConfig:
         """The layout of this process: an initialised process group, torchrun's variables, or 1.
 
-        Order of precedence: an initialised default ``torch.distributed`` process group
-        (:meth:`from_process_group` with the default group), then the ``RANK``/``WORLD_SIZE``
-        environment variables torchrun sets (checked for consistency with ``LOCAL_RANK`` and
-        ``LOCAL_WORLD_SIZE`` when those are set), then rank 0 of 1. Every rank is its own
-        data-parallel replica here; with model parallelism use :meth:`from_process_group`
-        with the data-parallel group. A half-set or malformed environment is a ``ValueError``
-        rather than a silent rank 0 of 1.
+        In that order: the default process group (:meth:`from_process_group`), then ``RANK``/
+        ``WORLD_SIZE`` as torchrun sets them (checked against ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``
+        when set), then rank 0 of 1. Every rank is its own replica; with model parallelism use
+        :meth:`from_process_group`. A half-set or malformed environment is a ``ValueError``.
         """
         from .process_groups import process_group_initialized
 
@@ -212,13 +194,11 @@ class WorkerConfig:
 class WorkerContext:
     """Where one copy of the pipeline runs: plain numbers, cheap to send to a worker.
 
-    A copy of the pipeline is one *logical partition* ``partition`` of ``num_partitions``
-    (see :mod:`energy_loader.loader.partitions`): sources read shard ``partition`` of
-    ``num_partitions`` and random components seed their streams from it, so what a partition
-    yields does not depend on which rank or worker runs it. ``rank``, ``world_size``,
-    ``worker_id`` and ``num_workers`` say who runs it now (``num_workers`` is at least 1:
-    the main process iterating alone is worker 0 of 1); they are for logs and messages only
-    and may differ after a restore onto another layout.
+    A copy is logical partition ``partition`` of ``num_partitions``
+    (:mod:`energy_loader.loader.partitions`): sources shard and random components seed by it, so
+    what it yields does not depend on who runs it. ``rank``, ``world_size``, ``worker_id`` and
+    ``num_workers`` (at least 1: the main process alone is worker 0 of 1) say who runs it now, for
+    logs and messages only; they may differ after a restore onto another layout.
     """
 
     rank: int = 0

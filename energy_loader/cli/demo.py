@@ -1,17 +1,10 @@
 """``python -m energy_loader demo``: kill a training run, resume it, prove nothing changed.
 
-The demo writes a token file of its own, then runs three training-like loops over the same
-pipeline (memory-mapped tokens -> random augmentation -> shuffle buffer -> batch, 2 workers),
-each in its own process:
-
-1. *interrupted*: saves the loader state with an atomic checkpoint file every ``save_every``
-   steps and SIGKILLs itself at the kill step;
-2. *resumed*: a new process restores the newest intact checkpoint and runs to the end;
-3. *reference*: one uninterrupted run.
-
-Each loop logs every step's sample indices and a checksum of the batch's tokens (which
-include the random augmentation). The verdict compares the interrupted run's steps up to its
-last checkpoint followed by the resumed run's steps with the reference, step by step.
+Over a pipeline of its own (memory-mapped tokens -> random augmentation -> shuffle buffer ->
+batch, 2 workers) it runs, each in its own process: an *interrupted* loop that checkpoints
+every ``save_every`` steps and SIGKILLs itself, a *resumed* one from the newest intact
+checkpoint, and an uninterrupted *reference*. Each logs every step's indices and a checksum of
+its tokens; the verdict compares interrupted-then-resumed with the reference, step by step.
 """
 
 from __future__ import annotations

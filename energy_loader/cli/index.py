@@ -1,11 +1,9 @@
 """``python -m energy_loader index PATH``: build the member indexes of WebDataset tar shards.
 
-Each shard gets ``<shard>.idx.json`` beside it (local directory or fsspec URL) so that
-:class:`~energy_loader.WebDatasetSource` can seek to any sample; shards are indexed in
-parallel threads (the work is reading and hashing), with a progress bar. Remote locations are
-reached with fsspec storage options as the sources take them (``storage_options``), built from
-``--storage-options`` / ``--endpoint-url`` / ``--profile``; a failure (an endpoint that cannot
-be reached, missing credentials, a missing bucket) is one line on stderr and exit code 1.
+Each shard gets ``<shard>.idx.json`` beside it (local or fsspec URL), built in parallel threads
+with a progress bar. Remote locations take fsspec ``storage_options`` built from
+``--storage-options`` / ``--endpoint-url`` / ``--profile``; a failure is one line on stderr and
+exit code 1.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """``python -m energy_loader inspect PATH``: print a saved loader state as a readable tree.
 
-Reads a checkpoint file written by :func:`energy_loader.state.save_checkpoint` (or a
-:class:`~energy_loader.state.CheckpointDirectory`), a ``torch.save`` file, a JSON file, a
-folder of per-rank files written by :func:`energy_loader.save_state_rank_file` (found as
-:func:`energy_loader.distributed.rank_state_files` finds them), or a
-``torch.distributed.checkpoint`` folder (its loader entries, read without a process group:
-:func:`energy_loader.dcp.read_loader_entries`), and prints every loader state
-found inside (a rank state, the list ``save_state_global`` returns, or the partition leaves of
-``loader.state_dict()``): format version, layout and partitions, epoch and position, each
-partition's position, and the pipeline config. Anything unreadable is a one-line error that
-says what the path is, and exit code 2.
+Reads a checkpoint file or directory, a ``torch.save`` or JSON file, a folder of per-rank
+files (:func:`energy_loader.save_state_rank_file`) or a ``torch.distributed.checkpoint``
+folder (without a process group), and prints every loader state inside: format version,
+layout, epoch and position, each partition's position, the pipeline config. Anything
+unreadable is a one-line error naming the path, exit code 2.
 """
 
 from __future__ import annotations
@@ -93,13 +88,10 @@ def _read(path: Path) -> Any:
 def read_path(path: Path, prefix: str | None = None) -> list[tuple[str, Any]]:
     """Every loader state in ``path``, with where it was found (plain data, not checked).
 
-    ``path`` is a state file (checkpoint, ``torch.save`` or JSON), a folder of per-rank
-    files of one :func:`~energy_loader.save_state_rank_file` save (``prefix``: theirs, or the
-    one prefix the folder's rank files have), read in rank order, or a
-    ``torch.distributed.checkpoint`` folder (its loader entries, without a process group).
-    ``FileNotFoundError`` for a missing path or a folder without rank files (naming the file
-    names expected),
-    ``StateFormatError`` for a file that holds no loader state, naming the path.
+    ``path``: a state file, a folder of one save's per-rank files (``prefix``: theirs, or the one
+    prefix there), read in rank order, or a DCP folder. ``FileNotFoundError`` for a missing path
+    or a folder without rank files (naming those expected), ``StateFormatError`` for a file with
+    no loader state.
     """
     if path.is_dir() and (path / ".metadata").is_file():
         return _states_of_dcp(path)

@@ -1,14 +1,11 @@
 """``python -m energy_loader replay``: the restore keys (or samples) of any steps of a saved job.
 
-Imports the user's function that builds the pipeline (or a loader), builds a loader with the
-saved layout for the chosen rank, reads the states that rank needs (from state files, a
-``torch.distributed.checkpoint`` folder, or a folder of per-rank files the way
-:func:`energy_loader.restore_state_rank_file` picks them), and runs
-:func:`energy_loader.loader.peek.future_items` from the saved states: no worker processes,
-nothing iterated from the epoch start, only the replayed and the requested items are made.
-Step 0 is the first item the rank yields after the saved position; steps run on across epoch
-ends as the training loop's next ``iter()`` would. A drop-in loader's batches are made by its
-own fetcher (:meth:`~energy_loader.SavableDataLoader.peek_batches`).
+Imports the user's build function, builds a loader with the saved layout for the chosen rank,
+reads the states that rank needs (state files, a DCP folder or per-rank files) and runs
+:func:`energy_loader.loader.peek.future_items` from them: no workers, only the replayed and
+requested items are made. Step 0 is the first item after the saved position; steps run on
+across epoch ends. A drop-in loader's batches come from
+:meth:`~energy_loader.SavableDataLoader.peek_batches`.
 """
 
 from __future__ import annotations

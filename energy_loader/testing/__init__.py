@@ -1,13 +1,6 @@
 """Test your own setups: ``check_resume`` for pipelines, ``check_loader_resume`` for any
 loader (a drop-in over your plain dataset, sampler and collate), and hypothesis strategies
-(needs hypothesis).
-
-Example, in your test suite::
-
-    from energy_loader.testing import check_loader_resume, check_resume
-
-    def test_pipeline_resumes_exactly():
-        check_resume(build_my_pipeline, num_workers=2, epochs=2)
+(needs hypothesis). Example::
 
     def test_loader_resumes_exactly():
         check_loader_resume(lambda n: build_my_loader(num_workers=n), num_workers=2)

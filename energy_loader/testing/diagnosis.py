@@ -1,18 +1,10 @@
 """Why a restored run differs from the uninterrupted one: the first batch that differs, and
 whose fault it is.
 
-A difference has one of three causes, told apart by running again:
-
-- **the uninterrupted run is not reproducible**: run twice from the same seeds it differs
-  itself. Where the loader can tell a batch's dataset indices (``peek_keys``), other indices
-  mean the sampler draws from something nobody seeds or saves (the clock, ``os.urandom``, a
-  generator of its own); the same indices mean ``__getitem__`` or ``collate_fn`` is not a
-  function of the index and the global RNGs the loader seeds per sample (it reads the clock,
-  a counter, a file that changes);
-- **the restored loop is in another epoch** (``loader.epoch`` after the restore);
-- **the restore went elsewhere**: other dataset indices (the sampler's position, or its
-  draws at the epoch's end, were not reproduced), or the same indices with other samples
-  (the samples' randomness after the restore differs).
+Three causes, told apart by running again: the uninterrupted run is not reproducible (other
+indices: an unseeded sampler; same indices: ``__getitem__`` or ``collate_fn`` is not a function
+of the index and the seeded RNGs), the restored loop is in another epoch, or the restore went
+elsewhere (other indices, or the same indices with other samples). See docs/dropin.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """check_resume and check_loader_resume: prove that save -> fresh loader -> restore ->
 continue is exact, for a pipeline or for any loader setup of yours.
 
-Both run the training loop of :mod:`.runs` uninterrupted and then killed and restarted at
-stop points, and compare every batch, with its epoch, to the uninterrupted run's. A stop point
-``k`` means "the loop consumed the first ``k`` events of the uninterrupted run, then saved",
-where the events are its samples (or batches) and an end after each ``for`` loop: stopping
-right before an end is a save at an epoch's last batch inside the loop, right after one a
-save after the loop. A tuple of stop points is a chain of restarts. On a difference,
-:mod:`.diagnosis` says why. :func:`record_events` and :func:`compare_events` are the plain
-event recorder and comparison other harnesses (real process groups) use.
+Both run the loop of :mod:`.runs` uninterrupted, then killed and restarted at stop points, and
+compare every batch and its epoch. Stop point ``k``: the loop consumed the first ``k`` events
+(samples or batches, and an end after each ``for`` loop), then saved. A tuple of stop points
+is a chain of restarts; :mod:`.diagnosis` explains a difference. :func:`record_events` and
+:func:`compare_events` serve other harnesses (real process groups).
 """
 
 from __future__ import annotations
@@ -137,22 +134,16 @@ def check_resume(
 ) -> ResumeReport:
     """Check that a pipeline resumes exactly; raise :class:`ResumeMismatch` if not.
 
-    ``build_fn()`` returns a fresh pipeline (a ``SavableDataset``, wrapped in a
-    ``SavableDataLoader(num_workers=..., **loader_kwargs)``) or a fresh loader. The run is the
-    loop of :mod:`energy_loader.testing.runs` (``while loader.epoch < epochs: for batch in
-    loader``). A stop point ``k`` means "the loop consumed the first ``k`` events of the
-    uninterrupted run (its samples, and an end after each ``for`` loop), then saved": right
-    before an end is inside the loop at the epoch's last sample, right after one is after the
-    loop. A tuple of stop points is a chain of restarts: save at the first, restore on a fresh
-    loader, run to the second, save again, ... (two equal points: save right after a load).
-    States go through ``json`` and ``torch.save``/``torch.load(weights_only=True)`` in turn.
-    Every restored run must equal the uninterrupted one, epochs included; every other chain
-    follows the docs' recipe (the restarted program puts back the global RNG states saved
-    with the checkpoint) and must then also leave python's, numpy's and torch's global
-    generators where the uninterrupted run had them after every batch (a model with dropout
-    trains the same weights). Default stop points: the start, the first sample, mid-epoch,
-    right before and right after the first epoch end, the last sample, and a chain through the
-    first epoch end. Use it in your own test suite::
+    ``build_fn()`` returns a fresh pipeline (run in ``SavableDataLoader(num_workers=...,
+    **loader_kwargs)``) or a fresh loader. The loop is :mod:`energy_loader.testing.runs`'s. Stop
+    point ``k``: the loop consumed the first ``k`` events of the uninterrupted run (its samples,
+    and an end after each ``for`` loop), then saved; a tuple of stop points is a chain of restarts
+    (two equal points: a save right after a load). States go through ``json`` and
+    ``torch.save``/``torch.load(weights_only=True)`` in turn. Every restored run must equal the
+    uninterrupted one, epochs included; every other chain puts back the saved global RNG states
+    (the docs' recipe) and must also leave the global generators where the uninterrupted run had
+    them after every batch. Default stop points: the start, the first sample, mid-epoch, right
+    before and after the first epoch end, the last sample, and a chain through that end::
 
         def test_my_pipeline_resumes():
             check_resume(lambda: build_my_pipeline(small=True), num_workers=2)
@@ -201,28 +192,17 @@ def check_loader_resume(
 ) -> ResumeReport:
     """Check that your own loader setup resumes exactly; raise :class:`ResumeMismatch` if not.
 
-    ``make_loader(num_workers)`` builds your loader as your training script does: your
-    dataset (map-style or iterable, not necessarily savable), sampler, ``collate_fn``,
-    ``batch_size``, ``persistent_workers``... in a ``SavableDataLoader`` with that many
-    workers. The check runs your training loop as scripts write it (global RNGs seeded at
-    program start, ``while loader.epoch < epochs``, ``sampler.set_epoch(loader.epoch)`` where
-    the sampler has it, every step drawing from the global RNGs) uninterrupted, then killed
-    and restarted at save points: the defaults of :func:`check_resume` (the start, mid-epoch,
-    an epoch's last batch inside the loop and after it, a chain of restarts with a save right
-    after a load) plus ``draws`` chains drawn from ``seed``. Restarts run on the worker
-    counts of ``restore_workers`` in turn (default: ``num_workers`` and one other; an
-    iterable dataset's state restores on the same count only, so ``num_workers`` alone).
-    Every other chain's restarted programs leave their global RNGs elsewhere than the saving
-    one's; the others put back the states saved with the checkpoint (the docs' recipe) and
-    must then draw as the uninterrupted run did: its generators after every batch are
-    compared too.
-
-    On the first batch that differs the error says which batch, how the chain got there, and
-    why: the uninterrupted run is itself not reproducible (it ran twice and differed: a
-    ``__getitem__`` reading the clock, a sampler drawing from a generator nobody seeded), or
-    the restore went elsewhere (other dataset indices: the sampler's position was not
-    reproduced; the same indices: the samples' randomness differs), or the restored loop is
-    in another epoch. Example, in your test suite::
+    ``make_loader(num_workers)`` builds your loader as your training script does (your dataset,
+    map-style or iterable, sampler, ``collate_fn``, ``batch_size``...) in a ``SavableDataLoader``
+    with that many workers. The check runs your training loop (global RNGs seeded at start,
+    ``while loader.epoch < epochs``, ``sampler.set_epoch`` where there is one, every step drawing
+    from the global RNGs) uninterrupted, then killed and restarted at :func:`check_resume`'s
+    default save points plus ``draws`` chains drawn from ``seed``. Restarts run on the worker
+    counts of ``restore_workers`` in turn (default: ``num_workers`` and one other; ``num_workers``
+    alone for an iterable dataset). Every other chain puts back the RNG states saved with the
+    checkpoint and must then draw as the uninterrupted run did. On the first differing batch the
+    error says which, how the chain got there, and why (the uninterrupted run is not
+    reproducible, the restore went elsewhere, or the loop is in another epoch). Example::
 
         def test_my_loader_resumes():
             check_loader_resume(

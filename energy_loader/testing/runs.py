@@ -1,25 +1,11 @@
 """The training program the resume checks run: the loop people write, killed and restarted.
 
-A *program* starts as a training script starts (python's, numpy's and torch's global RNGs
-seeded), builds a loader, optionally restores a saved state, and runs the documented loop::
-
-    while loader.epoch < epochs:
-        sampler.set_epoch(loader.epoch)      # where the sampler has one
-        for batch in loader:
-            ...                              # each step draws from the global RNGs
-        # (the for loop ended: the epoch's end was reported)
-
-A *save point* says where the program stops and saves: after ``batches`` batches in all,
-either inside the ``for`` loop (right after that batch was handed out) or, with
-``after_loop``, right after the ``for`` loop that handed out that batch ended. The only
-position where the two differ is an epoch's last batch. A *chain* is a list of save points:
-the first program saves at the first, a restarted program restores that state and runs to the
-second, saves, and so on; two equal points in a row save right after a load, before any
-``iter()``. The last program runs to the end.
-
-A run records every batch with the epoch the loop was in (``loader.epoch`` read before the
-``for`` loop), so a restored loader that lands in another epoch, or trains an epoch again,
-differs from the uninterrupted run even where its batches are the same.
+A *program* seeds the global RNGs, builds a loader, optionally restores a state, and runs
+``while loader.epoch < epochs: (sampler.set_epoch(loader.epoch);) for batch in loader: ...``.
+A *save point* stops after ``batches`` batches in all, inside the ``for`` loop or, with
+``after_loop``, right after it (they differ only at an epoch's last batch). A *chain* of save
+points restarts at each in turn (two equal points in a row: a save right after a load); the
+last program runs to the end. Every batch is recorded with the epoch the loop was in.
 """
 
 from __future__ import annotations

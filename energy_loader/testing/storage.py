@@ -1,14 +1,8 @@
 """Storage that counts its bytes: what a checkpoint costs each rank, measured, not estimated.
 
 :class:`CountingReader` and :class:`CountingWriter` are ``torch.distributed.checkpoint``'s
-``FileSystemReader``/``FileSystemWriter`` with byte counters: the reader counts every byte a
-load pulls out of the checkpoint's data files and its ``.metadata`` file, the writer every
-byte a save puts into them (per-rank state files count their own reads:
-:class:`energy_loader.state.rank_file.ReadTally`). The many-rank benchmark
-(``benchmarks/bench_ranks.py``) and the tests that bound a rank's reads use them; nothing in
-the library depends on this module.
-
-Example::
+file-system reader and writer with byte counters (data files and ``.metadata``), for
+``benchmarks/bench_ranks.py`` and the tests that bound a rank's reads. Example::
 
     reader = CountingReader(step_dir)
     dcp.load({"loader": loader}, storage_reader=reader)

@@ -1,13 +1,9 @@
 """Hypothesis strategies for random pipelines and stop points.
 
 :func:`pipelines` draws a :class:`PipelineSpec`: plain data describing an IndexedSource and a
-stack of wrappers, any of the library's wrappers in any order that makes sense for the samples
-flowing through (items, token packs, batches of either). ``spec.build()`` makes a fresh
-pipeline from it, so a property test can build the same pipeline as often as it needs
-(uninterrupted, interrupted, restored). Blends and concats read from further, smaller
-``PipelineSpec`` s of their own. The user functions in it are module-level callables
-(picklable under every start method); the map and the packing encoder draw from python's,
-numpy's and torch's global RNGs, so per-sample seeding is exercised.
+stack of any wrappers in an order that makes sense for the samples (items, packs, batches);
+``spec.build()`` makes a fresh pipeline from it as often as needed. User functions are
+module-level (picklable) and draw from the global RNGs, so per-sample seeding is exercised.
 """
 
 from __future__ import annotations

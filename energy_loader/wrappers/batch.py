@@ -1,12 +1,10 @@
 """BatchDataset: group consecutive samples into batches.
 
-State: ``{"phase", "epoch", "inner_done", "inner"}``. A batch is yielded only when it is
-complete, so between yields nothing is buffered and the inner state says where the next batch
-begins; ``inner_done`` marks the moment after the inner epoch ended but before the last partial
-batch was consumed. Because the state holds no batch-size-dependent position, a state saved
-with batch size 32 restores under batch size 16 (the loader scales its replay counts).
-
-Restore key: the tuple of the samples' keys; ``restore_sample`` rebuilds and re-collates them.
+State: ``{"phase", "epoch", "inner_done", "inner"}``. A batch is yielded only when complete, so
+between yields the inner state says where the next batch begins (``inner_done``: the inner
+epoch ended before the last partial batch was consumed). Holding no batch-size position, a
+state restores under a smaller batch size that divides the saved one. Restore key: the tuple
+of the samples' keys.
 """
 
 from __future__ import annotations

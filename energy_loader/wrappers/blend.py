@@ -1,22 +1,11 @@
 """BlendDataset: weighted random mixing of several inner datasets.
 
-Ordering. Before each sample the blend draws an inner dataset with probability proportional to
-its weight (among the inner datasets still running) and yields that dataset's next sample.
-Zero-weight inner datasets are never read. When a drawn inner dataset has ended its epoch,
-``on_exhausted`` decides: ``"end"`` (the default) ends the blend's epoch and ends the other
-inner datasets' epochs too, so the next blend epoch starts every inner dataset's next epoch;
-``"drop"`` leaves it out and draws again among the rest (their weights renormalised), and the
-blend's epoch ends once every positive-weight inner dataset has ended. Endless inner datasets
-(``RepeatDataset(ds)``) make the blend endless.
-
-Randomness: one :class:`~energy_loader.rng.CounterRng` draw per choice, seeded from the worker
-seed (pipeline seed, rank, worker) and this blend's ordinal in the pipeline. The counter runs
-on across epochs, so every epoch mixes differently; the order is the same on every run.
-
-State: ``{"phase", "epoch", "counter", "done", "inners"}``: the draw counter, which inner
-datasets have ended in this epoch, and every inner state in order. Nothing is buffered.
-
-Restore key: ``(i, inner_key)``.
+Before each sample it draws a running inner dataset with probability proportional to its
+weight (one :class:`~energy_loader.rng.CounterRng` draw, seeded from the worker seed and this
+blend's ordinal; the counter runs on across epochs). ``on_exhausted`` decides what an ended
+inner dataset does: ``"end"`` ends the blend's epoch (and the others'), ``"drop"`` leaves it
+out. State: ``{"phase", "epoch", "counter", "done", "inners"}``; nothing is buffered. Restore
+key ``(i, inner_key)``. Details: docs/wrappers.md, "BlendDataset".
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """The default collate function: ``torch.utils.data.default_collate``, tolerant of ragged data.
 
-It makes the batches a plain ``torch.utils.data.DataLoader`` would make, so a training step
-written for one works with the other: numbers and numpy arrays become tensors, strings stay
-lists, dicts, named tuples and sequences are collated per entry. Where torch raises, it keeps
-the samples as a list instead, so variable-length data (token lists, ragged tensors, images
-of different sizes) batches without a custom ``collate_fn``.
-
-Stacked tensors are made with :func:`energy_loader.transport.batch_tensor`: in a loader worker
-a large batch is stacked straight into the worker's shared-memory arena and reaches the main
-process without a copy (elsewhere it is ordinary memory), the way torch's own collate stacks
-into shared memory inside a DataLoader worker.
+Makes the batches torch's ``DataLoader`` makes, but keeps samples as a list where torch raises
+(ragged data). Stacked tensors come from :func:`energy_loader.transport.batch_tensor`, so in
+a loader worker a large batch is stacked straight into the shared-memory arena.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """ConcatDataset: the inner datasets' epochs one after another.
 
-Ordering. Epoch ``e`` of ``ConcatDataset(a, b, c)`` is the rest of ``a``'s current epoch, then
-``b``'s, then ``c``'s; each inner dataset shuffles its own epoch as usual, so the next concat
-epoch is every inner dataset's next epoch, in the same order of datasets. Each copy of the
-pipeline (worker) reads its own shard of every inner dataset.
-
-State: ``{"phase", "epoch", "current", "inners"}``: the index of the inner dataset being read
-(``len(datasets)`` once all have ended) and every inner state, in order. Nothing is buffered.
-Ending the epoch early (an outer ``LimitDataset``) ends the current inner epoch; the inner
-datasets not reached yet start their next epoch when the next concat epoch reaches them.
-
-Restore key: ``(i, inner_key)``.
+Epoch ``e`` is the rest of each inner dataset's current epoch, in order; each copy of the
+pipeline reads its own shard of every inner dataset. State: ``{"phase", "epoch", "current",
+"inners"}`` (``current`` is ``len(datasets)`` once all ended); nothing is buffered. Ending
+early ends the current inner epoch. Restore key ``(i, inner_key)``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """EpochizeDataset: cut a long or endless stream into epochs of ``length`` samples.
 
-Ordering. Epoch ``e`` yields the next ``length`` samples of the inner stream; the next epoch
-continues the stream where the last one stopped, never from its start (unlike
-:class:`~energy_loader.wrappers.limit.LimitDataset`, which restarts the inner epoch). When a
-finite inner dataset ends its epoch inside an epochized epoch, its next epoch (a new shuffle)
-follows at once, so the stream never runs dry; an inner epoch that yields nothing at all is an
-error rather than an endless loop. ``length`` counts the samples of the whole job, like
-``LimitDataset``: each of the loader's ``P`` logical partitions yields its share (``length //
-P`` or one more) per epoch, so a loader of one rank yields ``length`` items per epoch with any
-number of workers, and the shares stay put when partitions move between ranks or workers.
-
-State: ``{"phase", "epoch", "count", "pass_count", "inner"}``: samples yielded in this epoch,
-samples taken from the current inner epoch (to tell an empty inner epoch from one that ended
-right after a restore), and the inner state. Nothing is buffered; restore keys pass through.
+The next epoch continues the stream where the last one stopped (unlike
+:class:`~energy_loader.wrappers.limit.LimitDataset`); a finite inner dataset rolls over into
+its next epoch, and an inner epoch that yields nothing raises. ``length`` counts the whole job:
+each of the ``P`` partitions yields ``length // P`` or one more. State:
+``{"phase", "epoch", "count", "pass_count", "inner"}``; restore keys pass through.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """GcDataset: deterministic garbage collection in the process that runs the pipeline.
 
-Python's cyclic collector runs when allocation counters say so, which in a data worker means
-long, randomly placed pauses, and in a forked worker it touches every inherited object and
-un-shares copy-on-write pages. ``gc.freeze()`` at start moves everything that exists into a
-permanent generation the collector ignores; ``gc.collect()`` every ``every_n_iter`` samples
-keeps the rest small at predictable points.
-
-State: none (passes the inner state through); the collection counter does not affect samples.
+``gc.freeze()`` at start, ``gc.collect()`` every ``every_n_iter`` samples: no random long
+pauses, no copy-on-write pages un-shared in forked workers (docs/wrappers.md, "GcDataset").
+State: none (passes the inner state through).
 """
 
 from __future__ import annotations

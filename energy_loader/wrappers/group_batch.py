@@ -1,21 +1,10 @@
 """GroupBatchDataset: batches of samples that share a group key (bucketing).
 
-Ordering. ``key_fn(sample)`` names each sample's group; the sample joins that group's bucket,
-and a bucket is collated and yielded (samples in arrival order) as soon as it holds its batch
-size: ``batch_sizes[group]`` when given, else ``batch_size``. At the end of the inner epoch the
-partial buckets are yielded (``leftovers="emit"``, oldest bucket first) or discarded
-(``leftovers="drop"``). Deterministic: the order depends only on the inner order.
-
-Group keys go into the state, so ``key_fn`` must return plain values: str, int, float, bool,
-None, or tuples of those (a length bucket ``len(tokens) // 64``, a language code, ...).
-``key_fn`` runs after the same per-sample seeding as :class:`MapDataset`
-(``seed_per_sample=False`` turns it off).
-
-State: ``{"phase", "epoch", "inner_done", "inner", "buckets"}``: the partial buckets, oldest
-first, each ``[group, [restore keys]]``; never samples. After a restore the buffered samples
-are rebuilt lazily with the inner ``restore_sample`` when their bucket is yielded.
-
-Restore key: the tuple of the batch's samples' keys, as for ``BatchDataset``.
+A sample joins the bucket of ``key_fn(sample)`` (plain values: they are saved); a full bucket
+is collated and yielded, partial ones at the end of the inner epoch (``leftovers``). ``key_fn``
+runs under :class:`MapDataset`'s per-sample seeding. State: the partial buckets as
+``[group, [restore keys]]``, oldest first; samples are rebuilt lazily. Restore key: the batch's
+samples' keys. Details: docs/wrappers.md, "GroupBatchDataset".
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """LimitDataset: at most ``length`` samples per epoch, counted over the whole job.
 
-``length`` is what the job yields per epoch, whatever its ranks and workers: each of the
-loader's ``P`` logical partitions (see :mod:`energy_loader.loader.partitions`) takes its share,
-``length // P`` or one more, so the shares add up to ``length`` (a loader of one rank yields
-``length`` items per epoch with any ``num_workers``; ``R`` ranks yield ``length`` together).
-The shares depend only on ``P``, so they stay the same when partitions move to other ranks
-or workers. Iterated outside a loader, the dataset is partition 0 of 1 and yields ``length``.
-
-Each epoch yields a partition's first samples of the inner dataset's epoch and then ends the
-inner epoch too, so the next epoch starts a fresh inner epoch (use
-``EpochizeDataset`` to cut an endless stream into epochs that continue where the last stopped).
-
-State: ``{"phase", "epoch", "inner_done", "inner", "count"}``.
+Each of the loader's ``P`` logical partitions takes ``length // P`` or one more, so the shares
+add up to ``length`` on any layout and stay put when partitions move (outside a loader: all of
+``length``). An epoch ends the inner epoch too, so the next starts a fresh one
+(``EpochizeDataset`` continues instead). State: ``{"phase", "epoch", "inner_done", "inner",
+"count"}``.
 """
 
 from __future__ import annotations

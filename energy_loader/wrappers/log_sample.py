@@ -1,17 +1,10 @@
 """LogSampleDataset: a JSON-lines audit trail of which samples each worker produced.
 
-Each sample passing through writes one line
-``{"rank": 0, "worker": 1, "partition": 2, "index": 17, "epoch": 0, "key": [...]}`` to
-``log_dir/partition00002-of-00004.jsonl`` (or, without ``log_dir``, to the
-``energy_loader.samples`` logger at INFO). ``index`` counts this copy's samples across epochs
-and is saved, so it continues after a restore.
-
-What the log shows is what the workers *produced*, which is more than what the training loop
-consumed: samples in flight when a job died, and samples a restored worker replays from its
-checkpoint to reach the saved position, appear too, replays with the same ``index`` as their
-first appearance. Deduplicate by (partition, epoch, index) and keep the last occurrence.
-
-State: ``{"phase", "epoch", "inner_done", "inner", "count"}``.
+One line a sample, ``{"rank", "worker", "partition", "index", "epoch", "key"}``, to
+``log_dir/partition00002-of-00004.jsonl`` or the ``energy_loader.samples`` logger. ``index``
+is saved, so it continues after a restore; replayed samples appear again with their first
+``index`` (docs/wrappers.md says how to deduplicate). State:
+``{"phase", "epoch", "inner_done", "inner", "count"}``.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """PackingDataset: pack variable-length token sequences into buffers of at most ``max_len``.
 
-Each inner sample becomes one token sequence (``encode_fn(sample)``, or the sample itself): a
-1-D tensor, numpy array or list of ints. A sequence longer than ``max_len`` is cut into
-pieces of ``max_len`` tokens (``too_long="split"``, the last piece shorter) or dropped
-(``too_long="drop"``); empty sequences are skipped.
-
-Ordering (first-fit over a look-ahead buffer). One pack is open at a time. Each new piece goes
-into the open pack if it fits, else into the look-ahead buffer. The open pack is emitted when it
-is exactly full or when the buffer holds ``buffer_size`` pieces; the next pack then takes, in
-arrival order, every buffered piece that still fits (first fit). At the end of the inner epoch
-the buffer drains the same way. Deterministic: the order depends only on the inner order.
-
-Each pack is ``{"tokens": 1-D tensor, "cu_seqlens": int32 tensor}``: the pieces' tokens one
-after another and the cumulative boundaries ``[0, len_0, len_0 + len_1, ..., total]`` (the
-``cu_seqlens`` of variable-length attention kernels; position ids restart at each boundary).
-With ``pad_id`` the tokens are right-padded to ``max_len`` and ``cu_seqlens[-1]`` still counts
-only the real tokens.
-
-State: ``{"phase", "epoch", "inner_done", "inner", "pack", "buffer"}``: the open pack's and the
-buffer's pieces as ``[inner_key, start, stop]``, never tokens. After a restore the pieces are
-rebuilt lazily (inner ``restore_sample``, then ``encode_fn`` under the same per-sample seeding).
-
-Restore key: the tuple of the pack's pieces ``(inner_key, start, stop)``.
+First fit over a look-ahead buffer: one pack is open; a piece that does not fit waits; the pack
+is emitted when exactly full or when ``buffer_size`` pieces wait, and the next takes the waiting
+pieces that fit, in arrival order. Deterministic given the inner order. A pack is
+``{"tokens", "cu_seqlens"}``. State saves pieces as ``[inner_key, start, stop]``, never tokens;
+they are rebuilt lazily after a restore. Details: docs/wrappers.md, "PackingDataset".
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """RepeatDataset: run the inner dataset's epochs back to back, forever or ``repeats`` times.
 
-One epoch of a ``RepeatDataset(ds, repeats=n)`` is ``n`` epochs of ``ds`` (each with its own
-shuffle); with ``repeats=None`` the epoch never ends, which is how a pipeline becomes endless.
-
-State: ``{"phase", "epoch", "repetition", "yielded", "inner"}``: which inner epoch of this
-repeat-epoch is running and how many samples it has given so far (an endless repeat of an
-inner epoch that gives nothing would spin forever; that is detected and raised).
+State: ``{"phase", "epoch", "repetition", "yielded", "inner"}``; an endless repeat of an inner
+epoch that gives nothing is detected and raised.
 """
 
 from __future__ import annotations

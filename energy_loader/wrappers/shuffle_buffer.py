@@ -1,13 +1,9 @@
 """ShuffleBufferDataset: reservoir-style shuffling through a buffer of ``size`` samples.
 
-State: ``{"phase", "epoch", "inner_done", "inner", "counter", "indices" | "keys"}``: the
-counter of this buffer's random stream and the restore keys of the buffered samples, in buffer
-order (about 6 bytes per sample for an IndexedSource). Samples are never saved: after a restore
-they are rebuilt lazily with the inner ``restore_sample`` when the buffer picks them, so
-restoring a 1,000-sample buffer costs nothing until a sample is needed.
-
-Randomness: a :class:`~energy_loader.rng.CounterRng` seeded from the worker seed (pipeline
-seed, rank, worker) and this buffer's ordinal in the pipeline.
+State: ``{"phase", "epoch", "inner_done", "inner", "counter", "indices" | "keys"}``: the random
+stream's counter (a :class:`~energy_loader.rng.CounterRng` seeded from the worker seed and this
+buffer's ordinal) and the buffered samples' restore keys, never samples: they are rebuilt
+lazily with the inner ``restore_sample`` when picked.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """UnbatchDataset: split batches into single samples or into micro-batches of ``m``.
 
-A batch is split along its first dimension: tensors and numpy arrays by rows (each piece a
-copy, so a micro-batch never pins its whole parent batch), nested tensors by their components
-(micro-batches stay nested with the same layout), lists by items, dicts per entry, tuples per
-column (the shape :func:`default_collate` gives tuple samples), and ``TensorDict`` by its
-first batch dimension (when ``tensordict`` is installed; nested-tensor entries included). All
-parts of a batch must agree on its size. With ``micro_batch_size=None`` each sample comes out
-on its own (the batch dimension removed); with ``m`` the pieces are micro-batches of ``m``
-rows and the last one is smaller when ``m`` does not divide the batch.
-
-State: ``{"phase", "epoch", "inner_done", "inner", "batch", "offset"}``: the restore key of the
-batch being split (``None`` between batches) and the first row not yet yielded. After a
-restore the batch is rebuilt with the inner ``restore_sample``. An inner pipeline that cannot
-restore samples (a stream that cannot re-fetch by key) is handled by replay instead: ``inner``
-then holds the inner state from *before* the current batch, and a restore pulls that batch
-again and checks that its key matches.
-
-Restore key: ``(batch_key, row)`` for a single sample, ``(batch_key, start, stop)`` for a
-micro-batch.
+Splits along the first dimension (tensors and arrays by rows, copied; nested tensors; lists;
+dicts and tuples per entry; ``TensorDict``). State: the restore key of the batch being split
+and its first row not yet yielded; the batch is rebuilt with the inner ``restore_sample``, or,
+when the inner pipeline cannot restore samples, ``inner`` holds its state from before the batch
+and the batch is pulled again and its key checked. Details: docs/wrappers.md, "UnbatchDataset".
 """
 
 from __future__ import annotations
