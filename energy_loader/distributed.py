@@ -116,13 +116,12 @@ def _check_layout(config: WorkerConfig, group: _Group) -> None:
 def data_parallel_ranks(loader: EngineOwner | WorkerConfig) -> list[int]:
     """The global ranks of the loader's data-parallel group, in data-parallel-rank order.
 
-    Use it to pick a ``dst_rank``/``src_rank`` that belongs to the group, e.g. with
-    tensor parallelism, where each data-parallel group gathers to its own first rank::
+    To pick a ``dst_rank``/``src_rank`` in the group (with tensor parallelism, each group gathers to
+    its own first rank)::
 
         states = save_state_global(loader, data_parallel_ranks(loader)[0])
 
-    Without an initialised process group this is ``[0]`` for a loader of world size 1 and a
-    ``ValueError`` otherwise.
+    Without a process group: ``[0]`` for world size 1, else ``ValueError``.
     """
     group = _group_of(_config_of(loader))
     _require_collective(group, "data_parallel_ranks")
@@ -239,22 +238,13 @@ def save_state_global(
 ) -> list[dict[str, Any]] | None:
     """Gather every data-parallel rank's state to ``dst_rank``: a list there, ``None`` elsewhere.
 
-    A collective over the loader's data-parallel group: every rank of it calls this with the
-    same ``dst_rank``, a *global* rank that must belong to the group (``ValueError`` on every
-    rank otherwise, before anything is exchanged). Entry ``i`` of the list is the
-    ``save_state_rank(held_back=held_back)`` of data-parallel rank ``i`` (``held_back``: the
-    items each rank has fetched but not yet trained on, as Lightning's prefetch leaves them;
-    each rank passes its own count): plain data, ready for ``json.dump`` or
-    ``torch.save``, and what :func:`restore_state_global` takes. Each state travels to
-    ``dst_rank`` once, pickled by ``gather_object``; cost and memory on ``dst_rank`` grow with
-    the number of ranks (see docs/distributed.md; beyond a few hundred ranks prefer
-    :func:`save_state_rank_file` or DCP).
-
-    If a rank cannot save (a worker died, a layout that disagrees with the group), it still
-    takes part, sending its error instead of a state: that rank raises its error and
-    ``dst_rank`` raises an error naming every rank that failed; no rank hangs. Without an
-    initialised process group, a loader of world size 1 returns ``[state]`` for
-    ``dst_rank=0``. Example::
+    A collective over the loader's data-parallel group, every rank with the same ``dst_rank`` (a
+    *global* rank in the group, else ``ValueError`` on every rank). Entry ``i`` is data-parallel
+    rank ``i``'s ``save_state_rank(held_back=held_back)`` (each rank passes its own count): plain
+    data for ``json.dump`` or ``torch.save`` and :func:`restore_state_global`. A rank that cannot
+    save raises its error and ``dst_rank`` raises one naming every failing rank; none hangs. Cost
+    grows with the ranks: beyond a few hundred prefer :func:`save_state_rank_file` or DCP
+    (docs/distributed.md). Without a process group, world size 1 returns ``[state]``. Example::
 
         states = save_state_global(loader, dst_rank=0)
         if states is not None:
@@ -327,14 +317,9 @@ def _check_states_list(states: Any) -> list[Any]:
 def _wanted(
     engine: Engine, states: list[Any], size: int, ranks: Sequence[int], own: int
 ) -> dict[int, list[Any]]:
-    """The states each data-parallel rank in ``ranks`` of a group of ``size`` needs.
-
-    Its own on the world size that saved them; on another, the lowest rank's (the job's
-    position) and those of the saved ranks that ran the partitions it now runs
-    (``engine.saved_ranks_needed``): a few states per rank, not all of them, so a rank decodes
-    and checks only those. ``own`` (this process's rank) is asked first: a loader that
-    restores on the saved world size only refuses there.
-    """
+    """The states each rank in ``ranks`` needs: its own on the saved world size, else the lowest
+    rank's and those that ran its partitions. ``own`` is asked first, so a loader that restores only
+    on the saved world size refuses there."""
     if len(states) == size:
         return {r: [states[r]] for r in ranks}
     (first,) = engine.decode([states[0]])
@@ -376,27 +361,14 @@ def restore_state_global(
 ) -> None:
     """Restore every data-parallel rank from the list of all ranks' states.
 
-    Two forms, both collectives over the loader's data-parallel group (every rank of it calls
-    this, with the same ``src_rank``):
-
-    * ``src_rank=None``: every rank passes the full list (e.g. each read the same file) and
-      restores from what it needs of it;
-    * ``src_rank=r`` (a global rank in the group): only rank ``r`` needs the list; it is
-      checked there and sent with ``scatter_object_list``: each rank's own entry when the
-      world size is the one the list was saved with; otherwise the lowest rank's entry and
-      those of the ranks that ran its partitions (a few, not all). Other ranks' ``states``
-      are ignored (pass ``None``).
-
-    The list is every rank's state of one save, in rank order, possibly of another world size
-    or worker count with the same ``num_partitions``: each rank then takes the partitions it
-    now runs (see :mod:`energy_loader.loader.partitions`). Every rank checks what it needs as
-    ``restore_state_rank`` would, then the group agrees: if anything does not fit on any rank
-    (an incomplete list, rank order, another pipeline or ``num_partitions``, a malformed state)
-    every rank raises the same ``StateMismatchError``/``StateFormatError``/``TypeError``
-    naming the failing ranks, and no loader is changed. ``src_rank`` outside the group is a
-    ``ValueError`` on every rank before anything is exchanged. Without an initialised process
-    group the full-list form restores this loader (a rank simulated with an explicit
-    ``WorkerConfig``) and the scatter form needs world size 1. Example::
+    A collective over the data-parallel group, every rank with the same ``src_rank``:
+    ``src_rank=None``: every rank passes the full list; ``src_rank=r`` (a global rank in the group):
+    only ``r`` passes it (others ``None``) and each rank is sent the few entries it needs. The list
+    is one save's states in rank order, possibly of another world size or worker count with the same
+    ``num_partitions``. If anything does not fit on any rank every rank raises the same
+    ``StateMismatchError``/``StateFormatError``/``TypeError`` and no loader is changed; a
+    ``src_rank`` outside the group is a ``ValueError``. Without a process group the full-list form
+    restores this loader and the scatter form needs world size 1. Example::
 
         states = json.load(open(path)) if dist.get_rank() == 0 else None
         restore_state_global(loader, states, src_rank=0)
@@ -445,16 +417,13 @@ def _rank_stem(config: WorkerConfig, prefix: str) -> str:
 def rank_state_key(loader: EngineOwner | WorkerConfig, prefix: str = "loader") -> str:
     """A per-rank name, ``loader_rank_00003_of_00016``, for things saved once per rank.
 
-    Not needed for ``torch.distributed.checkpoint``: ``loader.state_dict()`` holds one JSON
-    leaf per logical partition under keys that name the partition, so the loader goes under
-    one common key on every rank and a job saved on ``R`` ranks loads on ``R'``::
+    Not for ``torch.distributed.checkpoint``: there the loader goes under one common key on every
+    rank, so a job saved on ``R`` ranks loads on ``R'``::
 
         dcp.save({"model": model_state, "loader": loader}, checkpoint_id=path)
         dcp.load({"model": model_state, "loader": fresh_loader}, checkpoint_id=path)
 
-    A per-rank key would tie the checkpoint to the world size it was saved with:
-    :class:`energy_loader.dcp.LoadPlanner` refuses such a load on another world size with a
-    ``StateMismatchError`` naming this one-key recipe.
+    :class:`energy_loader.dcp.LoadPlanner` refuses a per-rank key on another world size.
     """
     return _rank_stem(_config_of(loader), prefix)
 
@@ -473,13 +442,9 @@ def save_state_rank_file(
 ) -> Path:
     """Write this rank's state to its own file in ``directory``; returns the path.
 
-    No collective: call it on every rank, next to where the model checkpoint goes. The file is
-    a rank state file (:mod:`energy_loader.state.rank_file`: a ZIP of JSON members, the
-    rank's header, its pipeline config and its partitions by slot, each checksummed),
-    written atomically (temporary file, fsync, rename, fsync of the directory), so a crash
-    leaves the previous file or the new one, never a torn one; the directory is created if
-    needed. Tensor-parallel peers share a data-parallel rank and so a file name: each rename
-    is atomic and their states are equivalent, or let one peer write.
+    No collective: call it on every rank. The file (:mod:`energy_loader.state.rank_file`) is written
+    atomically, so a crash leaves the old file or the new one; the directory is created if needed.
+    Tensor-parallel peers share a file name (docs/distributed.md).
     """
     engine = _require_loader(loader)
     return write_rank_file(rank_state_path(directory, loader, prefix), engine.save(0))
@@ -494,16 +459,11 @@ def restore_state_rank_file(
 ) -> None:
     """Restore this rank from the files in ``directory`` written by :func:`save_state_rank_file`.
 
-    No collective. On the world size that saved them a rank reads its own file (and one
-    other rank's header, to tell a file of another save). On another
-    (the same ``num_partitions``) it reads, of each file that holds partitions it now runs,
-    the file's header and those partitions' bytes, and the pipeline config once
-    (:func:`read_rank_state_files`): about what its own file would hold, whatever the old and
-    new world sizes. Nothing is unpickled; every byte read is checksummed. No state files at
-    all is a ``FileNotFoundError``; a damaged file a ``StateFormatError``; files of two
-    different saves, or a state that does not fit, a ``StateMismatchError`` saying what
-    differs. ``tally`` (a :class:`~energy_loader.state.rank_file.ReadTally`) counts the bytes
-    and files read.
+    No collective. Reads about what its own file would hold, whatever the old and new world sizes
+    (:func:`read_rank_state_files`); nothing is unpickled and every byte read is checksummed. Raises
+    ``FileNotFoundError`` without state files, ``StateFormatError`` for a damaged file,
+    ``StateMismatchError`` for files of two saves or a state that does not fit. ``tally`` (a
+    :class:`~energy_loader.state.rank_file.ReadTally`) counts bytes and files read.
     """
     engine = _require_loader(loader)
     engine.apply(engine.plan(read_rank_state_files(loader, directory, prefix, tally=tally)))
@@ -518,21 +478,11 @@ def read_rank_state_files(
 ) -> list[Any]:
     """The saved states ``loader``'s rank restores from, read from ``directory``'s rank files.
 
-    What :func:`restore_state_rank_file` restores from, without restoring. This rank's own
-    file when the world size is the one that saved them (checked against the header of one
-    other rank's file of the save, so a file of another save left in the folder is a
-    ``StateMismatchError``). Otherwise, for a savable pipeline,
-    the states of the saved ranks whose slots this rank now runs, each holding only those
-    partitions: rank ``r`` of ``R`` saved slots ``r, r + R, ...`` and rank ``r'`` of ``R'``
-    runs slots ``r', r' + R', ...``, so the lowest rank's header (for the saved partition
-    count) and, per needed file, its header and those slots' byte ranges are all it reads.
-    A drop-in loader's files hold whole states: its own file, or on another world size the
-    lowest rank's file and those ``loader.saved_ranks_needed`` names (a drop-in loader
-    restores on another world size only under a ``DistributedSampler``), and one more of the
-    save (rank 0's, or rank 1's for rank 0), so that files of different runs or saves mixed
-    in the folder are a ``StateMismatchError``. ``prefix=None`` takes the prefix the files
-    have (see :func:`rank_state_files`). Changes nothing; raises as
-    :func:`restore_state_rank_file` does; ``tally`` counts the bytes and files read.
+    What :func:`restore_state_rank_file` restores from, without restoring: this rank's own file on
+    the saved world size, else only the headers and partitions it now runs (docs/distributed.md).
+    One more file of the save is read so that a file of another save in the folder is a
+    ``StateMismatchError``. ``prefix=None`` takes the prefix the files have. Changes nothing; raises
+    as :func:`restore_state_rank_file` does.
     """
     engine = _require_loader(loader)
     config = engine.worker_config

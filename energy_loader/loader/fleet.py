@@ -84,10 +84,8 @@ class WorkerFleet:
     # -- starting and stopping ---------------------------------------------------------------
 
     def open(self, starting: Callable[[int], Position]) -> None:
-        """Prepare channels, books, bundle caps and arenas for workers about to start.
-
-        ``starting(logical)`` is where logical worker ``logical`` starts: its book's first
-        entry, so a save before its first item is answered too.
+        """Prepare channels, books, bundle caps and arenas for workers about to start; ``starting``
+        gives each logical worker's first book entry, so a save before its first item is answered.
         """
         side = self._side
         context = self._mp_context or multiprocessing.get_context()
@@ -144,11 +142,8 @@ class WorkerFleet:
     # -- asking the workers ------------------------------------------------------------------
 
     def poll_stats(self, offset: int) -> tuple[Readings, list[int]]:
-        """Each logical worker's counters and queue depth (trips asked for, not received).
-
-        Workers answer over their command channels while they compute; a fleet whose workers
-        have not started reads as ``None`` counters and empty queues.
-        """
+        """Each logical worker's counters and queue depth (trips asked for, not received); ``None``
+        counters and empty queues before the workers start."""
         workers = self.num_workers
         loader = self._loader()
         if loader is None or not self.running or not self._channels:

@@ -48,12 +48,8 @@ __all__ = [
 
 
 def resolve_num_partitions(num_partitions: Any, world_size: int, num_workers: int) -> int:
-    """``P`` for a loader: the given number, or ``world_size * max(1, num_workers)``.
-
-    ``P`` must be a positive multiple of ``world_size`` (every rank runs ``P / world_size``
-    partitions); any number of workers can run a rank's partitions (:class:`PartitionLayout`).
-    Raises ``TypeError``/``ValueError`` naming the world sizes that would work.
-    """
+    """``P`` for a loader: the given number, or ``world_size * max(1, num_workers)``; it must be a
+    positive multiple of ``world_size`` (errors name the world sizes that would work)."""
     if num_partitions is None:
         return world_size * max(1, num_workers)
     if isinstance(num_partitions, bool) or not isinstance(num_partitions, int):
@@ -106,10 +102,8 @@ def next_worker(worker: int, slot: int, per_rank: int, num_workers: int) -> int:
 
 @attrs.frozen
 class PartitionLayout:
-    """Which partitions each rank and worker of one layout runs, from a global position.
-
-    ``start`` is the global position ``B`` modulo ``P`` the assignment starts from: 0 at every
-    epoch start, the job's position after a restore onto another layout.
+    """Which partitions each rank and worker of one layout runs, from a global position ``start``
+    (``B mod P``: 0 at every epoch start, the job's position after a restore onto another layout).
     """
 
     num_partitions: int

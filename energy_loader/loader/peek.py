@@ -47,13 +47,9 @@ def future_items(
 ) -> Iterator[tuple[Key, Any]]:
     """``(key, sample)`` of every item a loader yields after a restore from ``states``.
 
-    ``planner`` is the loader's (``loader.planner``), ``settings`` its workers' checkpoint
-    settings.
-
-    ``states`` are one save's rank states (this rank's, or all ranks'). Runs on across epoch
-    ends; stops only when two epochs in a row yield nothing. Raises what
-    ``restore_state_rank`` raises for states that do not fit the loader. Wrap the iteration in
-    :func:`energy_loader.rng.kept_rng_state` to leave the global RNGs as they were.
+    ``planner`` and ``settings`` are the loader's; ``states`` one save's rank states. Runs on across
+    epoch ends until two epochs in a row yield nothing. Raises what ``restore_state_rank`` raises;
+    wrap it in :func:`energy_loader.rng.kept_rng_state` to keep the global RNGs.
     """
     empty_epochs = 0
     current = list(states)

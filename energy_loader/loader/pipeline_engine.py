@@ -73,12 +73,8 @@ class PipelinePlan:
 
 
 class _EngineIterator:
-    """What ``iter(loader)`` returns: the engine's epoch stream, item by item.
-
-    An iterator made while an epoch is in progress *continues* it. If a continuation finds
-    nothing left (every item of the epoch had been handed out, the end just not reported
-    yet), the epoch is over and the iterator rolls straight into the next.
-    """
+    """What ``iter(loader)`` returns: the engine's epoch stream, item by item; made mid-epoch it
+    continues the epoch, or rolls into the next if nothing was left."""
 
     def __init__(self, engine: PipelineEngine, continuation: bool) -> None:
         self._engine = engine
@@ -122,13 +118,10 @@ class _EngineIterator:
 class PipelineEngine:
     """Runs and records a savable pipeline for one loader (see the module docstring).
 
-    ``adopts_partitions``: a loader given no ``num_partitions`` continues whatever partition
-    count it restores. ``verify``: a restore checks its proof (what it re-made is what the
-    saving loader handed out). ``savable=False``: a loader that saves nothing (evaluation).
-    ``dropin``: the inner engine of an iterable drop-in, which behaves as torch's loader: each
-    worker's copy ends where it ends (no equal steps, :mod:`.equal_steps`), and without
-    workers the dataset draws from the training's generators. A pipeline instead gives every
-    rank as many steps and never moves those generators.
+    ``adopts_partitions``: no ``num_partitions`` given, continue the restored count. ``verify``:
+    restores check their proof. ``savable=False``: saves nothing (evaluation). ``dropin``: the inner
+    engine of an iterable drop-in, behaving as torch's loader (no equal steps; without workers the
+    dataset draws from the training's generators).
     """
 
     def __init__(
@@ -412,12 +405,8 @@ class PipelineEngine:
         return state
 
     def _fail(self, failure: WorkerError) -> None:
-        """Stop the workers now and refuse to save until a restore or reset.
-
-        Stopping here, not when the loader is garbage collected, matters: the traceback keeps
-        the loader alive in a reference cycle, and torch's shutdown from the cycle collector
-        waits 5 s for each worker. Refusing to save matters more: the workers' positions died
-        with them, and a fresh-looking state would silently restart the epoch.
+        """Stop the workers now and refuse to save until a restore or reset: the workers' positions
+        died with them, and the traceback's cycle would make torch's shutdown wait 5 s per worker.
         """
         self.failure = failure
         self.shutdown()
@@ -546,15 +535,8 @@ def _make_metrics(engine: PipelineEngine, stall: StallPolicy | None) -> LoaderMe
 def _torch_arguments(
     config: WorkerConfig, mp_context: Any, prefetch_factor: int | None
 ) -> dict[str, Any]:
-    """The arguments of the torch DataLoader that runs a pipeline engine's worker side.
-
-    Its ``generator`` is the engine's own: torch draws a base seed for the worker processes
-    from it at every iterator it makes (each epoch without workers, each start of the
-    workers), which would otherwise move the training process's global torch generator, and
-    move it differently in a restored run (an iterator made at the restore, none at a
-    continued epoch's start). A pipeline seeds its own randomness (:mod:`energy_loader.rng`),
-    so the base seed is used for nothing.
-    """
+    """The torch DataLoader arguments for the worker side; its ``generator`` is the engine's own, so
+    torch's unused base-seed draws never move the training's global generator."""
     workers = config.num_workers
     generator = torch.Generator()
     generator.manual_seed(config.seed)

@@ -67,11 +67,8 @@ def plan(planner: Planner, records: list[RankState], on_code_change: str) -> Res
 
 
 def check_headers_of_one_save(states: Sequence[Any], *, across: bool) -> None:
-    """``StateMismatchError`` unless the pipeline rank states of a list (plain, or decoded
-    records) agree as the states of one save
-    (:func:`~energy_loader.loader.checks.check_states_of_one_save`; ``across``: on another
-    world size), even where each rank will restore from its own entry alone. Decodes the
-    headers only; entries that are not pipeline rank states are left to the decoder."""
+    """``StateMismatchError`` unless the pipeline rank states of a list (plain or decoded) are of
+    one save (``across``: on another world size); decodes the headers only."""
     headers = [
         state
         if isinstance(state, RankState)
@@ -95,12 +92,8 @@ def slots_to_run(engine: StatesReader, saved: RankState) -> list[str]:
 
 
 def leaves_to_run(engine: StatesReader, leaves: dict[str, Any]) -> list[RankState] | None:
-    """The leaves of ``state_dict()``'s layout this rank runs, decoded (None: ``leaves`` is a
-    plain rank state, not leaves).
-
-    Raises ``StateMismatchError`` for another ``num_partitions`` (naming both), for slots the
-    dict lacks, and for leaves of ranks that stood at different positions.
-    """
+    """The leaves of ``state_dict()``'s layout this rank runs, decoded (None: a plain rank state).
+    ``StateMismatchError`` for another ``num_partitions``, missing slots or mixed positions."""
     if not is_partition_entries(leaves):
         return None
     lowest = min(leaves)
@@ -127,10 +120,8 @@ def leaves_to_run(engine: StatesReader, leaves: dict[str, Any]) -> list[RankStat
 def _check_slot_states(
     engine: StatesReader, states: list[RankState], witnesses: Sequence[RankState] = ()
 ) -> None:
-    """The saved states holding the slots this rank runs (and ``witnesses``: other ranks'
-    headers of the save) are of one save (:mod:`.checks`), and stood at one
-    position of the job's stream: a rank running partitions of several saved ranks needs them
-    saved at the same step."""
+    """The saved states of the slots this rank runs (and the ``witnesses``' headers) are of one save
+    and stood at one position of the job's stream."""
     config = engine.worker_config
     across = states[0].world_size != config.world_size
     checks.check_states_of_one_save([*states, *witnesses], across=across)
@@ -138,15 +129,12 @@ def _check_slot_states(
 
 
 def read_rank_files(engine: StatesReader, folder: RankFolder) -> list[RankState]:
-    """The saved states ``engine``'s rank restores from, out of a folder of rank files, each
-    holding only the slots the rank now runs, checked to be of one save.
+    """The saved states ``engine``'s rank restores from, out of a folder of rank files, each holding
+    only the slots the rank now runs, checked to be of one save.
 
-    One way on any layout: the file holding this rank's first slot (its own file on the world
-    size that saved it, found by name) gives the saved layout and the pipeline's config; the
-    files of the saved ranks whose slots it runs give those slots (a byte range each); one
-    other rank's file (the witness, where only one file is read) gives its header. All of them
-    must share the config's digest and pass the check of one save (:mod:`.checks`), so a file
-    of another save or run left in the folder is refused on at least one rank.
+    The file of this rank's first slot gives the saved layout and config, the files of the ranks
+    whose slots it runs those slots, and one more file (the witness) its header, so a file of
+    another save in the folder is refused on at least one rank.
     """
     first = folder.open_own() if folder.has_own() else folder.open(folder.rank % len(folder.files))
     config = first.config()

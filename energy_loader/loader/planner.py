@@ -40,11 +40,8 @@ __all__ = ["Planner", "RestorePlan"]
 
 
 class Planner:
-    """Plans saves and restores of one rank's loader over ``pipeline`` (see the module doc).
-
-    Holds the pipeline's configuration, computed once: it is part of every saved state and
-    compared with every restored one.
-    """
+    """Plans saves and restores of one rank's loader over ``pipeline`` (see the module doc); its
+    configuration, computed once, goes in every saved state and is compared at every restore."""
 
     def __init__(self, pipeline: SavableDataset, config: WorkerConfig, num_partitions: int) -> None:
         self.pipeline = pipeline
@@ -223,12 +220,8 @@ class Planner:
     # -- restoring -------------------------------------------------------------------------------
 
     def adopting(self, states: Sequence[RankState]) -> Planner:
-        """This planner, or one for the partition count ``states`` were saved with.
-
-        A loader built without ``num_partitions`` continues a saved stream on any number of
-        workers by adopting its count. Raises ``StateMismatchError`` when this world size
-        cannot run the saved partitions.
-        """
+        """This planner, or one for the partition count ``states`` were saved with (a loader built
+        without ``num_partitions``); ``StateMismatchError`` when this world size cannot run them."""
         if not states or states[0].num_partitions == self.num_partitions:
             return self
         saved = states[0].num_partitions
@@ -242,15 +235,9 @@ class Planner:
         return Planner(self.pipeline, self.config, saved)
 
     def saved_ranks_needed(self, first: RankState, rank: int | None = None) -> list[int]:
-        """The saved ranks whose states rank ``rank`` (this planner's, by default) restores
-        from on another layout.
-
-        ``first`` is the lowest saved rank's state: in lockstep, its position is the job's.
-        The rank runs, from that position (or from where the next epoch starts, if the epoch
-        had ended there), the partitions of this planner's layout; each was run by the saved
-        rank ``(partition - start) % saved world size``. Lets a rank read a few of the saved
-        states, not all.
-        """
+        """The saved ranks whose states ``rank`` (this planner's by default) restores from on
+        another layout: those that ran the partitions it runs from the job's position (``first``'s,
+        the lowest saved rank's), so a rank reads a few states, not all."""
         rank = self.config.rank if rank is None else rank
         lockstep = first.start + first.world_size * first.delivered
         ranks = {first.rank}
@@ -278,11 +265,7 @@ class Planner:
 @attrs.frozen
 class RestorePlan:
     """How one rank continues from saved states: its workers' partitions and their states.
-
-    ``offset`` rotates torch's round-robin so that the worker due next comes first (only when
-    restoring onto the layout that saved the state; elsewhere the partition assignment itself
-    starts from the job's position and ``offset`` is 0).
-    """
+    ``offset`` rotates torch's round-robin to the worker due next (on the saving layout only)."""
 
     workers: tuple[WorkerSlots, ...]
     restores: dict[int, PartitionState]
@@ -333,15 +316,11 @@ def _plan_rank(
 ) -> RestorePlan:
     """Plan rank ``rank`` of the layout ``(world_size, num_workers)`` from saved rank states.
 
-    ``states`` are some or all ranks' states of one save. On the layout that saved them a
-    rank needs only its own state and continues exactly, the tail of an epoch included. On
-    another layout the job's position ``B`` is the saved assignment's start plus
-    ``world_size x`` the items the lowest given rank delivered (every rank's count, in the
-    lockstep of synchronous data-parallel training), and the rank takes the partitions its
-    steps reach from ``B`` on, counting the epoch's steps again from every partition's
-    ``lengths`` (:mod:`.equal_steps`; none when empty). Replay counts are multiplied by
-    ``scale`` (a smaller batch size). Raises ``StateMismatchError`` naming which partitions no
-    given state holds (the states were checked before: :mod:`.checks`).
+    On the saving layout a rank continues from its own state exactly. On another, the job's position
+    is the saved start plus ``world_size x`` the lowest rank's delivered items (lockstep), and the
+    rank takes the partitions its steps reach from there, counting the epoch's steps again from
+    ``lengths`` (:mod:`.equal_steps`). Replay counts are multiplied by ``scale``. Raises
+    ``StateMismatchError`` naming partitions no given state holds.
     """
     first = states[0]
     own = next((s for s in states if s.rank == rank), None)

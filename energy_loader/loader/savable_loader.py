@@ -41,8 +41,7 @@ __all__ = ["BasicDataLoader", "SavableDataLoader"]
 
 
 class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
-    """A torch DataLoader that saves its exact position, over a savable pipeline or any
-    dataset.
+    """A torch DataLoader that saves its exact position, over a savable pipeline or any dataset.
 
     Example::
 
@@ -55,29 +54,12 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
         loader = SavableDataLoader(build_pipeline(), num_workers=2)
         loader.load_state_dict(torch.load(path, weights_only=True)["data"])
 
-    Over any other dataset (map-style or iterable) it is a drop-in for torch's DataLoader:
-    torch's behaviour for torch's arguments, with exact resume (docs/loader.md). Over a
-    pipeline, torch's ``batch_size``, ``collate_fn`` and ``drop_last`` add a ``BatchDataset``;
-    ``shuffle``, samplers and ``generator`` are refused with the savable way.
-
-    Each worker snapshots its partitions every ``checkpoint_every_n_samples`` items (and after
-    an item when ``checkpoint_every_sec`` seconds have passed) and sends the snapshots with its
-    items, so a save is computed here and a restore replays fewer than
-    ``checkpoint_every_n_samples`` items, or about ``checkpoint_every_sec`` of work, per
-    worker. ``iter(loader)`` continues the current epoch if it has not ended (also after a
-    ``break``), otherwise starts the next; workers are persistent. Items travel up to
-    ``items_per_transfer`` a trip through :mod:`energy_loader.transport`'s codec (inline below
-    ``transport_inline_bytes``, through a shared-memory arena of ``transport_arena_bytes``
-    above; ``transport_codec=False`` uses torch's). ``seed_per_sample`` (drop-in loaders):
-    seed the global RNGs per sample so random augmentation in ``__getitem__`` comes back
-    identical. ``verify_restore`` (default True): a restore re-makes what the saving loader
-    handed out last and checks it against the state's proof, raising ``StateMismatchError``
-    if it made another stream; False continues unchecked. ``on_code_change`` (a pipeline):
-    what a restore does when a user function's code differs from the code that saved the
-    state (its name unchanged, a fixed bug): ``"warn"`` continues with a
-    ``CodeChangedWarning`` naming it, ``"refuse"`` raises ``StateMismatchError``.
-    ``stats()``, ``peek_keys(n)`` and ``stall_warning``: :mod:`energy_loader.metrics`. Every
-    option: docs/loader.md.
+    Over a pipeline, torch's ``batch_size``, ``collate_fn`` and ``drop_last`` add a ``BatchDataset``
+    and ``shuffle``, samplers and ``generator`` are refused with the savable way; over any other
+    dataset it is a drop-in for torch's DataLoader (docs/dropin.md). A restore replays fewer than
+    ``checkpoint_every_n_samples`` items (or about ``checkpoint_every_sec`` of work) per worker;
+    ``iter(loader)`` continues an unfinished epoch (also after a ``break``). Every option, and what
+    ``verify_restore`` and ``on_code_change`` do: docs/loader.md.
 
     Thread-safety: one thread iterates and saves.
     """
@@ -260,17 +242,8 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
 
     @property
     def epoch(self) -> int:
-        """The epoch the loader is in (0 before the first item).
-
-        While an epoch runs, and after a ``break``, it is the epoch of the item handed out
-        last. Once the end of an epoch has been reported (a ``for`` loop over the loader ran to
-        its end), it is already the next epoch, the one the next ``iter()`` starts. A consumer
-        that takes every item without pulling the end (``zip``, ``islice``,
-        ``range(len(loader))``) sees the finished epoch until the first item of the next. A
-        loader restored from a state saved right after an epoch's last item is already in the
-        next epoch (the next ``iter()`` starts it). One rule for every loader; read it right
-        after the item it should describe.
-        """
+        """The epoch the loader is in (0 before the first item): the epoch of the item handed out
+        last, or the next once a ``for`` loop has pulled the end (docs/epochs.md)."""
         return self._engine.current_epoch()
 
     @property
@@ -304,15 +277,8 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
 
     @property
     def resumed_batches_left(self) -> int | None:
-        """While the epoch a restore continues runs (its first ``iter()``): how many of its
-        batches this rank has not handed out yet (a map-style drop-in loader); None in any
-        other epoch, before ``iter()``, or for other loaders.
-
-        After a restore on the same layout this is ``len(self)`` minus the batches used
-        before the save; after a resize (another world size or batch size under a
-        ``DistributedSampler``) it is what the new dealing gives this rank, which a trainer
-        that counts an epoch's batches up to ``len()`` needs to know (Lightning's callback).
-        """
+        """While the epoch a restore continues runs, the batches of it this rank has yet to hand out
+        (a map-style drop-in; after a resize, what the new dealing gives it); None otherwise."""
         engine = self._engine
         return engine.resumed_batches_left() if isinstance(engine, MapEngine) else None
 
@@ -321,33 +287,21 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
     def save_state_rank(self, *, held_back: int = 0) -> dict[str, Any]:
         """This rank's exact position as plain data (json-able, weights_only-loadable).
 
-        ``held_back=n`` saves the position as of ``n`` items before the last one handed out
-        (at most 2): for a consumer that fetches ahead of what it has trained on, such as
-        Lightning with a loader of unknown length. Raises ``WorkerError`` after a worker
-        failed, until ``restore_state_rank`` (from the last state saved before the failure)
-        or ``reset_state``.
+        ``held_back=n`` (at most 2): as of ``n`` items before the last one handed out (Lightning).
+        Raises ``WorkerError`` after a worker failed, until ``restore_state_rank`` or
+        ``reset_state``.
         """
         return self._engine.save(held_back)
 
     def state_dict(self, *, held_back: int | None = None) -> dict[str, Any]:
         """This rank's state as JSON string leaves (``torch.distributed.checkpoint``'s Stateful
-        protocol): one leaf per partition it runs, ``{"slot_00003": "<JSON>", ...}``, for a
-        pipeline; ``{"rank_00001": "<JSON>"}`` for a drop-in loader.
+        protocol): ``{"slot_00003": "<JSON>", ...}`` for a pipeline, ``{"rank_00001": "<JSON>"}``
+        for a drop-in loader.
 
-        ``held_back`` is passed to :meth:`save_state_rank`. Left at ``None`` (how DCP and
-        trainers call it), it is ``held_back_source()`` when an integration set that attribute
-        -- :class:`energy_loader.integrations.lightning.SavableLoaderCallback` does, because
-        Lightning may hold a fetched batch it has not trained on when it saves -- and 0
-        otherwise.
-
-        A pipeline's leaves are keyed by each partition's *slot*, its place in the job's
-        stream from the rank's position (rank ``r`` of ``R`` holds slots ``r, r + R, ...``):
-        the leaves of all ranks together are the whole job's state, DCP stores them under one
-        common key for the loader on every rank, and a fresh loader with the saved
-        ``num_partitions`` reads only the partitions its rank runs, on any world size. String
-        leaves also avoid DCP's deduplication of equal leaves and its load into the *shape* of
-        a fresh state. ``torch.save`` and ``json`` take the dict as is; :meth:`load_state_dict`
-        reads it back.
+        ``held_back`` as in :meth:`save_state_rank`; left at ``None`` (how DCP and trainers call it)
+        it is ``held_back_source()`` when an integration set it (Lightning's callback), else 0. Why
+        slots and string leaves: docs/distributed.md. ``torch.save`` and ``json`` take the dict as
+        is.
         """
         if held_back is None:
             held_back = 0 if self.held_back_source is None else self.held_back_source()
@@ -360,10 +314,8 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
         return self._engine.leaves_of_ranks(states)
 
     def save_state_global(self, dst_rank: int = 0) -> list[dict[str, Any]] | None:
-        """Gather every rank's state to ``dst_rank``: a list there, ``None`` elsewhere.
-
-        A collective: every rank of the data-parallel group must call it.
-        """
+        """Gather every rank's state to ``dst_rank``: a list there, ``None`` elsewhere (a collective
+        over the data-parallel group)."""
         return distributed.save_state_global(self, dst_rank)
 
     # -- restoring -------------------------------------------------------------------------
@@ -371,15 +323,12 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
     def restore_state_rank(self, state: dict[str, Any]) -> None:
         """Continue exactly from ``state`` at the next ``iter()``.
 
-        ``state`` is this rank's own state, or, after a change of ``num_workers`` only, the
-        state this rank saved on the old layout (a drop-in loader under a
-        ``DistributedSampler``: any rank's state, on any world size or batch size). Onto
-        another world size, a pipeline restores from every rank's state
-        (:meth:`restore_state_global`, ``restore_state_rank_file`` or a
-        ``torch.distributed.checkpoint`` load). Raises ``StateFormatError`` for something that
-        is not a valid state and ``StateMismatchError`` for a state of another pipeline or
-        dataset, another ``num_partitions``, or one that lacks partitions this rank runs; in
-        every case the loader is left as it was. Running workers are stopped and restarted.
+        ``state`` is this rank's own state, also from another ``num_workers`` (a drop-in under a
+        ``DistributedSampler``: any rank's, on any world size or batch size); onto another world
+        size a pipeline needs every rank's state (:meth:`restore_state_global`). Raises
+        ``StateFormatError`` for an invalid state and ``StateMismatchError`` for one of another
+        pipeline, dataset or ``num_partitions``, or lacking this rank's partitions; the loader is
+        then left as it was. Running workers are restarted.
         """
         self.restore_from_states([state])
 
@@ -413,13 +362,8 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
     def restore_state_global(
         self, states: list[dict[str, Any]] | None, *, src_rank: int | None = None
     ) -> None:
-        """Restore every rank from the list of all ranks' states.
-
-        Either every rank passes the full list (``src_rank=None``), or only ``src_rank``
-        passes it and it is scattered. A collective over the data-parallel group in both forms
-        when torch.distributed is initialised: a state that does not fit on any rank raises on
-        every rank.
-        """
+        """Restore every rank from the list of all ranks' states, passed by every rank
+        (``src_rank=None``) or by ``src_rank`` only (scattered); a collective."""
         distributed.restore_state_global(self, states, src_rank=src_rank)
 
     def reset_state(self) -> None:
@@ -430,12 +374,9 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
     # -- looking ---------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """What the loader has been doing, as plain numbers: see :mod:`energy_loader.metrics`.
+        """What the loader has been doing, as plain numbers (docs/observability.md).
 
-        ``{"since_last": {...}, "total": {...}, "queue_depth": [...]}``: per section the
-        items handed out and items/s, the time ``next()`` waited (mean, p50/p90/p99, max,
-        and as a fraction of the step time), decoding, saves and their latency, and per worker
-        its busy fraction, checkpoint and encode seconds and payload bytes. Example::
+        Example::
 
             if step % 100 == 0:
                 print(energy_loader.metrics.flatten(loader.stats()))
@@ -447,14 +388,9 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
         return self._engine.config()
 
     def peek_keys(self, n: int, state: dict[str, Any] | None = None) -> list[Any]:
-        """What this rank yields next, without taking it: the restore keys of the next ``n``
-        items of a pipeline, or the dataset indices of the next ``n`` batches of a map-style
-        drop-in loader (with ``state``: after that saved position instead).
-
-        A pipeline saves this rank's state and runs a throwaway copy of the pipeline from it
-        in this process, the way a restore would (:mod:`energy_loader.loader.peek`); keys run
-        on across an epoch end. The live loader is untouched and the global RNGs are kept.
-        """
+        """What this rank yields next, without taking it: the restore keys of the next ``n`` items
+        of a pipeline, or the dataset indices of the next ``n`` batches of a map-style drop-in (with
+        ``state``: after that saved position). The live loader and the global RNGs are untouched."""
         require_int(n, "n", minimum=0)
         engine = self._engine
         if isinstance(engine, MapEngine):
@@ -479,11 +415,8 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
         return self._engine.restore_sample(key)
 
     def peek_batches(self, n: int, state: dict[str, Any]) -> list[tuple[Any, Any]]:
-        """The next ``n`` batches after the saved ``state`` (fewer if its epoch ends first),
-        each with its dataset indices (:meth:`peek_keys`), made in this process by the
-        loader's own fetcher, the one its workers run: with ``seed_per_sample`` each
-        ``dataset[index]`` draws from the same per-sample seeds as in training, and
-        ``collate_fn`` makes the batch. Changes nothing; map-style drop-in loaders only.
+        """The next ``n`` batches after the saved ``state`` with their indices, made here by the
+        loader's own fetcher (same per-sample seeds, same ``collate_fn``); map-style drop-ins only.
         """
         units = self.peek_keys(n, state)
         if not units:
@@ -493,14 +426,9 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
         return list(zip(units, make_units(engine, units, saved), strict=True))
 
     def set_distributed_rank(self, rank: int, num_replicas: int) -> None:
-        """Point a map-style drop-in loader's ``DistributedSampler`` at ``rank`` of
-        ``num_replicas`` (its ``num_samples`` and ``total_size`` recomputed as its constructor
-        computes them), before the first ``iter()``: how ``python -m energy_loader replay
-        --rank R`` makes rank R's loader out of one built for another rank.
-
-        Raises ``TypeError`` without a ``DistributedSampler`` and ``ValueError`` for a rank
-        outside ``range(num_replicas)`` or a loader that has iterated or restored already.
-        """
+        """Point a map-style drop-in's ``DistributedSampler`` at ``rank`` of ``num_replicas`` before
+        the first ``iter()`` (what ``replay --rank`` does). Raises ``TypeError`` without one and
+        ``ValueError`` for a bad rank or a loader that has iterated or restored."""
         require_int(num_replicas, "num_replicas", minimum=1)
         require_int(rank, "rank", minimum=0)
         if rank >= num_replicas:
@@ -525,13 +453,8 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
     # -- the rest --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the worker processes now, keeping the position: the next ``iter()`` restarts
-        them exactly where the loader stood.
-
-        Frameworks that keep the loader in reference cycles (trainers, accelerators) free it
-        through the cyclic garbage collector, where torch's own shutdown waits up to 5 s per
-        worker; call this (or use the loader as a context manager) when done with it.
-        """
+        """Stop the workers now, keeping the position (the next ``iter()`` restarts them); torch's
+        own shutdown from the cycle collector waits up to 5 s per worker."""
         self._engine.close()
 
     def _shutdown_workers(self) -> None:
@@ -539,16 +462,8 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
 
     @property
     def _is_accelerate_prepared(self) -> bool:
-        """Refuses ``accelerator.prepare(loader)`` at the call, for every savable loader.
-
-        ``Accelerator.prepare_data_loader`` (which ``prepare`` and its DeepSpeed/FSDP paths go
-        through) reads this attribute of a DataLoader before anything else. A savable loader
-        cannot be prepared: Accelerate would rebuild a plain DataLoader over ``loader.dataset``
-        (a pipeline's internal worker-side dataset, or a drop-in's dataset without its
-        position) and save no position. Raising here turns that into a ``TypeError`` at
-        ``prepare`` instead of a silent loss of the position (drop-in) or an error from inside
-        a worker at the first batch (pipeline), without patching Accelerate.
-        """
+        """Refuses ``accelerator.prepare(loader)``: Accelerate reads this first and would rebuild a
+        plain DataLoader that saves no position."""
         raise TypeError(
             f"accelerator.prepare() cannot take a {type(self).__name__}: it would rebuild a "
             "plain DataLoader that saves no position (and, for a pipeline, cannot read it). "
@@ -570,11 +485,8 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
 
 
 class BasicDataLoader(SavableDataLoader):
-    """Runs a savable pipeline with the same sharding and seeding, but saves nothing.
-
-    For evaluation: no numbering, no checkpoints, no command threads. ``save_state_rank``
-    and the other state methods raise ``TypeError``.
-    """
+    """Runs a savable pipeline with the same sharding and seeding, but saves nothing: for
+    evaluation; ``save_state_rank`` and the other state methods raise ``TypeError``."""
 
     saves_state = False
 

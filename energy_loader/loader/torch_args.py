@@ -68,11 +68,8 @@ class PipelineTorchArgs:
 
 
 def apply_to_pipeline(pipeline: SavableDataset, args: PipelineTorchArgs) -> SavableDataset:
-    """The pipeline the loader runs: ``pipeline``, batched if ``batch_size`` was given.
-
-    Raises :class:`TorchArgumentError` (a ``ValueError``) for an argument a pipeline does its
-    own way, naming the savable equivalent.
-    """
+    """The pipeline the loader runs, batched if ``batch_size`` was given; raises
+    :class:`TorchArgumentError` for an argument a pipeline does its own way, naming that way."""
     if args.shuffle:
         raise TorchArgumentError(
             "`shuffle=True` does not apply to a savable pipeline: shuffle at the source "

@@ -20,11 +20,8 @@ __all__ = ["Unbundler"]
 
 
 class Unbundler:
-    """The main end: hands out bundled items one at a time in round-robin order.
-
-    ``bundles`` is torch's iterator over the workers' bundles; ``limits`` the shared array the
-    workers read their bundle cap from. Not thread-safe: the iterating thread only.
-    """
+    """The main end: hands out bundled items one at a time in round-robin order (``bundles``:
+    torch's iterator; ``limits``: the workers' bundle caps). The iterating thread only."""
 
     def __init__(self, bundles: Iterator[Any], limits: Any, items_per_transfer: int) -> None:
         self._bundles = bundles

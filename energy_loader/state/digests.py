@@ -63,14 +63,10 @@ def _hash(text: str) -> str:
 
 
 class CheckpointDigest(str):
-    """A checkpoint's digest, holding beside it the checkpoint's :func:`compact_json`
-    (``text``).
+    """A checkpoint's digest, holding beside it the checkpoint's :func:`compact_json` (``text``).
 
-    A worker process computes both when it takes a rolling checkpoint, off the training
-    loop's thread, and they travel with the checkpoint: a save then splices ``text`` into the
-    state's JSON instead of encoding the checkpoint again (a 1,000-key shuffle buffer is ~60
-    us of JSON), and the state's bytes are the same either way. It compares, hashes, prints
-    and encodes as the plain digest string.
+    Both are computed in the worker process, so a save splices ``text`` into the state's JSON
+    instead of encoding it again. It compares, hashes, prints and encodes as the digest string.
     """
 
     text: str
@@ -194,35 +190,8 @@ def content_digest(value: Any) -> str:
     """A short digest of an item's values as the pipeline made it (a sample, or a batch as
     collated), the same in every process and run for equal values.
 
-    It reads: dicts (entries in order) and other mappings, lists, tuples and named tuples (their
-    type's name too), sets (their elements in any order), torch tensors and numpy arrays (dtype,
-    shape and their elements: all of them up to 64 KiB, else up to 4,096 at an even stride of
-    their flattened view, the stride prime to the size of one row so that the elements read
-    spread over every row's positions; a tensor on another device copies only those), str and
-    bytes, ints, floats (their bits), bools, None, numpy scalars, and values whose ``repr`` is
-    their value (dates and times, decimals, fractions, UUIDs, paths, ranges, complex numbers,
-    enum members by name).
-
-    How, at what cost: an item is pickled at C speed, without the pickler's memo (so that the
-    bytes depend on the values, not on which objects they share), with every value that is not a
-    plain python value (a tensor, an array, any other object) replaced by its own digest or, for
-    a small array, its bytes; the bytes are hashed with XXH3 (``xxhash``: 64 KiB in 1 us here,
-    where CRC-32 takes 18): ~12 us for a batch of 64 small dicts, ~0.2 us a sample, where
-    walking it value by value in python cost 380 us. A list or tuple of small numpy arrays
-    (documents batched as a list) is hashed array by array without pickling. An item that does
-    not pickle so, that holds a set (whose order depends on the process's string hashing), or
-    that pickles to more than 8 MiB (long texts or lists), is walked value by value instead,
-    reading long texts, sequences and dicts at an even stride (64 Ki characters, 512 items) and
-    sharing 4,096 elements out among its tensors. Which way reads an item depends on its values
-    only, so equal items get equal digests. Items are digested as made, before the loader
-    attaches their restore key.
-
-    What it cannot see: values of any other type (an object's attributes, a PIL image, a
-    sparse, quantized or nested tensor's elements) count by their type's name only, never by
-    ``repr``, which can hold addresses that differ between processes; elements of a large
-    tensor (or, walked, a large text or sequence) between the ones read; nesting deeper than
-    32 levels. Floats compare by their bits: a result that differs in its last bit (a
-    reduction run on another number of threads) is another value.
+    What it reads, how, at what cost, and what it cannot see: docs/restores.md ("What the proof of
+    values reads"). Items are digested as made, before the loader attaches their restore key.
     """
     kind = type(value)
     if (kind is list or kind is tuple) and value and type(value[0]) is np.ndarray:

@@ -25,10 +25,9 @@ __all__ = ["CheckpointRing", "Position", "PositionBook", "Snapshot"]
 class CheckpointRing:
     """The rolling checkpoints of one worker: ``(index, state)`` pairs, oldest first.
 
-    A checkpoint is dropped only when the next one is already at or before
-    ``newest_index - in_flight``: the main process has received at least that far, so the
-    next one covers every save it can still ask for. ``capacity`` bounds memory; optional
-    (time-based) checkpoints are not taken when the ring is full.
+    A checkpoint is dropped only when the next one is at or before ``newest_index - in_flight``, so
+    the ring covers every save the main process can still ask for. When full, optional (time-based)
+    checkpoints are not taken.
     """
 
     def __init__(self, capacity: int, in_flight: int) -> None:
@@ -78,15 +77,11 @@ class CheckpointRing:
 
 @attrs.frozen
 class Snapshot:
-    """One rolling checkpoint of a worker: each of its partitions' position, in the worker's
-    order, then ``next``, whose turn came next.
+    """One rolling checkpoint of a worker: each of its partitions' position, in the worker's order,
+    then ``next``, whose turn came next.
 
-    Each :class:`~energy_loader.state.rank_state.PartitionState` is the record a save writes:
-    its ``skip`` counts items still to be replayed on top of its checkpoint (nonzero only in
-    the snapshot a restored worker starts from), its ``checkpoint_check`` is the checkpoint's
-    digest where the worker process computed it (off the training loop's thread), else
-    ``None``. A worker sends neither ``last`` nor ``made``: the book that files a snapshot
-    knows them from the items. ``era`` is which of the worker's epochs it was taken in.
+    Its states' ``last`` and ``made`` are unset (the book knows them from the items); ``era`` is the
+    worker's epoch it was taken in.
     """
 
     partitions: tuple[PartitionState, ...]
@@ -124,18 +119,9 @@ Event = tuple[int, int, Any, str | None]
 class PositionBook(CheckpointRing):
     """A worker's :class:`Snapshot` ring plus which partition made each recent item.
 
-    Each snapshot is filed with its partitions' last keys and made digests as the book knew
-    them then (``(snapshot, lasts, mades)``): a worker sends neither, they come with the items.
-
-    Kept by the main process for each worker (fed by :meth:`receive` with what comes with the
-    items), and by the in-process runner when the loader has no workers. ``events`` holds
-    ``(index, slot, key, made)`` for every item (which slot made it, its restore key and the
-    digest of its values as made: the proof a save records); entries older than the oldest
-    snapshot are dropped with it. A snapshot is also taken whenever a partition ends its epoch
-    and when a new epoch begins, so a partition's ``done`` flag always comes from a snapshot
-    taken after its end (its state then says so). :meth:`position_at` turns "the newest
-    snapshot at or before ``last_index``" plus the items after it into each partition's
-    checkpoint and replay count.
+    Kept by the main process per worker, or by the in-process runner. ``events`` holds ``(index,
+    slot, key, made)`` per item, dropped with the snapshots older than it. A snapshot is also taken
+    at every partition's epoch end and epoch start, so ``done`` always comes from one.
     """
 
     def __init__(self, capacity: int, in_flight: int) -> None:
@@ -189,13 +175,9 @@ class PositionBook(CheckpointRing):
     def receive(
         self, index: int, slot: int, snapshots: Any, key: Any = None, made: str | None = None
     ) -> None:
-        """Record a worker's item ``index`` (made by ``slot``, carrying ``key``, its values'
-        digest ``made``; slot -1 for an end marker) and the snapshots that came with it.
-
-        A snapshot travels with the first item that leaves after it was taken: one taken
-        before this item (``taken_at < index``) is filed before it, one taken right after
-        making it (``taken_at == index``) after it, so that the last keys it records are
-        those of the items up to ``taken_at``."""
+        """Record a worker's item ``index`` (slot -1: an end marker) and the snapshots that came
+        with it: those taken before the item are filed before it, one taken right after it after it.
+        """
         for taken_at, snapshot in snapshots or ():
             if taken_at < index:
                 self.add(taken_at, snapshot)
@@ -208,14 +190,10 @@ class PositionBook(CheckpointRing):
                 self.add(taken_at, snapshot)
 
     def position_at(self, last_index: int, *, epoch_ended: bool = True) -> Position:
-        """Each partition's position and the next slot after ``last_index``, as a save
-        writes them (``last`` as its digest).
+        """Each partition's position and the next slot after ``last_index``, as a save writes them.
 
-        ``epoch_ended=False``: the worker has not ended the rank's current epoch. If the
-        newest snapshot is then one of an epoch it *has* ended (its next epoch's first
-        snapshot comes with its first item of that epoch), every partition continues from
-        its end into the current epoch: none is done in it yet, and the round-robin starts
-        over, as a new epoch does.
+        ``epoch_ended=False`` with a newest snapshot of an ended epoch: every partition continues
+        from its end into the current epoch, the round-robin starting over.
         """
         with self._lock:
             index, (snapshot, filed_lasts, filed_mades) = self._find(last_index)
@@ -264,16 +242,8 @@ def _remade(
     earlier: list[tuple[int, Snapshot]],
     events: list[Event],
 ) -> PartitionState | None:
-    """``slot``'s position from the newest earlier snapshot (of the same epoch) before its
-    last item, so that a restore re-makes that item and checks it against the proof; None
-    when no such snapshot is kept.
-
-    A snapshot taken right after a partition's last item leaves a restore nothing to re-make:
-    about one save in ``checkpoint_every_n_samples`` of a partition, and nearly every save
-    when items are slower than ``checkpoint_every_sec``. Partitions are placed one by one, so
-    this one partition replays from an earlier snapshot (one more item or a few) while the
-    others keep the newest.
-    """
+    """``slot``'s position from the newest earlier snapshot of its epoch before its last item, so a
+    restore re-makes that item to check it; None when none is kept."""
     items = [index for index, made_by, _, _ in events if made_by == slot]
     if not items:
         return None

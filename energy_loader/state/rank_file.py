@@ -54,13 +54,8 @@ _CRC, _SIZE, _METHOD, _NAME_LENGTH, _EXTRA_LENGTH = 7, 8, 4, 10, 11
 
 
 class ReadTally:
-    """What reading rank files cost: the bytes taken from storage and the files opened.
-
-    Pass one to :func:`energy_loader.restore_state_rank_file` (or
-    :func:`~energy_loader.distributed.read_rank_state_files`) to measure a restore, as the
-    many-rank benchmark (``benchmarks/bench_ranks.py``) and the tests that bound a rank's
-    reads do.
-    """
+    """What reading rank files cost: the bytes taken from storage and the files opened (pass one to
+    :func:`energy_loader.restore_state_rank_file` to measure a restore)."""
 
     __slots__ = ("bytes", "files")
 
@@ -142,20 +137,10 @@ def write_rank_file(path: str | os.PathLike[str], state: dict[str, Any]) -> Path
 class RankFile:
     """One rank file, opened to read only what a restore needs.
 
-    ``header`` is the rank's state without its config and partitions, ``slots`` the slots the
-    file holds (``{key: (offset, length)}``), ``config_check`` the digest of the config the
-    header records; :meth:`config` and :meth:`partitions` read those. A drop-in loader's file
-    holds a whole state: ``split`` is false and ``header`` is that state. Use as a context
-    manager, or call :meth:`close`.
-
-    The members are found by the archive's layout rather than its central directory, which a
-    reader would otherwise fetch from the file's end: ``rank.json`` is the first member, at
-    offset 0, and its local header gives its size, so opening reads that header and
-    ``rank.json``; the partitions' data follows (at a known offset: members are written
-    without extra fields), so a partition costs the read of its own bytes, and the config's
-    member follows them. Every member's CRC-32 is checked (and each partition's entry by its
-    own digest when it is decoded), so a file laid out otherwise is a ``StateFormatError``,
-    never a wrong read.
+    ``header`` is the rank's state without its config and partitions (a drop-in's whole state,
+    ``split`` false), ``slots`` ``{key: (offset, length)}``. Members are found from the front of the
+    file by their local headers (docs/design.md), so a partition costs the read of its own bytes;
+    every CRC is checked, so a file laid out otherwise is a ``StateFormatError``. A context manager.
     """
 
     def __init__(self, path: str | os.PathLike[str], tally: ReadTally | None = None) -> None:

@@ -43,16 +43,10 @@ _CONFIG_CHECKS: dict[int, tuple[Any, str]] = {}
 class PartitionState:
     """One partition's position: a pipeline checkpoint plus items to replay on top of it.
 
-    The one record of a partition's position, from a worker's rolling snapshot
-    (:class:`~energy_loader.state.positions.Snapshot`) through the book that files it and a
-    restore's plan to the state file, which holds one per partition. ``done``: the partition
-    had ended its epoch. ``last`` is the digest of the restore key of the last item the
-    partition handed out and ``made`` the digest of that item's values as it was made
-    (:func:`~energy_loader.state.digests.content_digest`): the restore's proof, ``None`` where
-    there is none to check (while a worker's book holds a snapshot, ``last`` is the key
-    itself: a position read off the book holds its digest). ``checkpoint_check`` is the
-    checkpoint's digest when the worker that took it already computed it (else it is
-    computed when the state is encoded).
+    The one record of it from a worker's snapshot to the state file (docs/state-format.md). ``last``
+    (the last item's restore key, as its digest once read off the book) and ``made``
+    (:func:`~energy_loader.state.digests.content_digest` of its values) are the restore's proof,
+    ``None`` where there is none; ``checkpoint_check`` is set when the worker computed it.
     """
 
     partition: int
@@ -495,15 +489,10 @@ def is_partition_entries(value: Any) -> bool:
 
 
 def partition_entries(states: list[RankState]) -> dict[str, str]:
-    """Every partition of ``states`` as a JSON leaf holding it and its rank's position.
-
-    Each leaf is ``{"rank_state": <the rank state without its partitions>, "partition":
-    <one partition>}`` as compact JSON, under the key of its slot (see above). The header is
-    encoded once per rank and spliced into each leaf, and so is a checkpoint's JSON that the
-    worker which took it encoded already (:class:`~energy_loader.state.digests.CheckpointDigest`):
-    the same text ``json.dumps`` of the whole leaf gives, at a fraction of the cost, since
-    ``state_dict()`` is on the training loop's path.
-    """
+    """Every partition of ``states`` as a JSON leaf ``{"rank_state": <header>, "partition": <one
+    partition>}`` under its slot's key; header and already-encoded checkpoints are spliced in,
+    giving ``json.dumps``'s text at a fraction of the cost (``state_dict()`` is on the training
+    loop's path)."""
     out = {}
     for state in states:
         header = state.to_plain(with_partitions=False)
@@ -529,13 +518,9 @@ def _entry_json(entry: PartitionState) -> str:
 
 
 def states_from_entries(entries: dict[str, Any], *, complete: bool = True) -> list[RankState]:
-    """The rank states that :func:`partition_entries` split into leaves (validated); a leaf
-    may also be given parsed, as the dict its JSON holds.
-
-    ``complete=False`` accepts states that hold only some of their rank's partitions (the
-    leaves one restoring rank read). Raises ``StateFormatError`` for a leaf that is not such
-    JSON or a key that does not name the slot its leaf holds.
-    """
+    """The rank states that :func:`partition_entries` split into leaves (validated; a leaf may be
+    parsed already). ``complete=False`` accepts states with only some of their partitions. Raises
+    ``StateFormatError`` for a bad leaf or a key that does not name its leaf's slot."""
     by_rank: dict[int, dict[str, Any]] = {}
     keys: dict[tuple[int, int], str] = {}
     for key, text in sorted(entries.items()):

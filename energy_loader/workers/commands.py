@@ -55,13 +55,9 @@ class CommandServer(threading.Thread):
 def exit_without_flushing_if_orphaned() -> None:
     """Let this worker process exit at once if its main process has died.
 
-    Torch's worker notices a dead main process within seconds and returns, but on its way
-    out multiprocessing joins the result queue's feeder thread, which waits to write what
-    is left into the pipe. Nobody reads it any more, and a bundle of items can be larger
-    than the pipe's buffer: the orphan would wait forever, holding its memory and any
-    inherited stdout (a shell pipe or a parent's ``capture_output`` then never ends).
-    A finalizer with priority >= 0 runs before that join: if the parent is gone, it ends
-    the process there. A worker of a live loader exits as before.
+    On exit multiprocessing joins the result queue's feeder thread, which in an orphan waits forever
+    to write a bundle nobody reads (holding memory and inherited stdout). A finalizer with priority
+    >= 0 runs before that join and ends an orphan there.
     """
     parent = os.getppid()
 

@@ -43,14 +43,10 @@ class CheckpointSettings:
 class WorkerItem(NamedTuple):
     """One item travelling from a worker to the main process.
 
-    ``worker`` is the logical worker that made it and ``number`` counts the worker's items
-    over its life; ``is_end`` marks the end of the worker's epoch (``sample`` is then ``None`` and
-    ``slot`` is :data:`END_SLOT`); otherwise ``slot`` is the worker's slot (partition) that made
-    it, or :data:`FAILED_SLOT` when ``sample`` is the pipeline's exception. ``snapshots`` are
-    the worker's snapshots taken since its previous item, ``((index, Snapshot), ...)`` or
-    ``None``. ``made`` is the digest of the sample's values as the worker made it
-    (:func:`~energy_loader.state.digests.content_digest`, part of the proof a save records),
-    ``None`` where the loader does not check its restores.
+    ``number`` counts the worker's items over its life; ``slot`` is the partition that made it,
+    :data:`END_SLOT` at the worker's epoch end (``sample`` None) or :data:`FAILED_SLOT` when
+    ``sample`` is the pipeline's exception. ``snapshots``: ``((index, Snapshot), ...)`` taken since
+    its previous item, or None; ``made``: the sample's values' digest (None unchecked).
     """
 
     worker: int
@@ -66,12 +62,9 @@ class WorkerItem(NamedTuple):
 class RunPlan:
     """What the workers of one rank run: partitions per logical worker, and restores.
 
-    ``workers[w]`` lists the partitions logical worker ``w`` runs, whose turn is next and
-    whether it already ended the current epoch; ``restores`` maps a partition to the state it
-    continues from (``None``: every partition starts fresh). ``verify``: whether a restored
-    partition checks its proof (the last item it replays is the one the saving loader handed
-    out, with the same values), and whether the items' values are digested for the proof of
-    a later save; the loader's ``verify_restore``.
+    ``restores`` maps a partition to the state it continues from (``None``: all start fresh).
+    ``verify`` (the loader's ``verify_restore``): restores check their proof and items are digested
+    for later saves' proofs.
     """
 
     num_partitions: int

@@ -49,13 +49,9 @@ def _holds_dataset(value: Any) -> bool:
 
 
 def clone_pipeline(pipeline: SavableDataset) -> SavableDataset:
-    """A copy of the pipeline's recipe for another partition, sharing everything heavy.
-
-    Every dataset node is copied (its cursor dropped), and the containers that hold inner
-    datasets with it; everything else a node refers to (user functions, map-style datasets,
-    file lists, per-process caches) is shared, so ``k`` partitions in one process cost ``k``
-    small recipe objects, not ``k`` copies of the data.
-    """
+    """A copy of the pipeline's recipe for another partition: dataset nodes (and the containers
+    holding them) are copied without their cursors, everything else (functions, data, caches) is
+    shared, so ``k`` partitions cost ``k`` small recipe objects."""
     memo: dict[int, Any] = {}
     for dataset in pipeline.walk():
         for name, value in vars(dataset).items():
@@ -264,13 +260,11 @@ class Runner:
         return True
 
     def next_pair(self, *, snapshot_ends: bool = True) -> tuple[int, Any] | None:
-        """The round-robin's next ``(slot position, (key, sample))``; None when every
-        partition has ended its epoch. A partition found ended is marked (and, with
-        ``snapshot_ends``, recorded in a snapshot).
+        """The round-robin's next ``(slot position, (key, sample))``; None when every partition has
+        ended its epoch (one found ended is marked and, with ``snapshot_ends``, snapshotted).
 
-        The partition's context is current around its next() only: a ContextVar token held
-        across yields would be reset whenever an abandoned generator is collected, inside some
-        other loader's context.
+        The partition's context is current around its next() only: a ContextVar token held across
+        yields would be reset when an abandoned generator is collected.
         """
         slots = self.slots
         count = len(slots)

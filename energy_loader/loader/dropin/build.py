@@ -37,11 +37,8 @@ def dropin_engine(
     verify_restore: Any,
     **options: Any,
 ) -> MapEngine | IterableEngine:
-    """The engine for ``loader``'s plain dataset (``loader``: initialised by torch already).
-
-    ``options`` are the loader's keyword options of its own (checkpoints, transport, ...):
-    a map-style engine takes the transport's, an iterable one all of them.
-    """
+    """The engine for ``loader``'s plain dataset (``loader`` initialised by torch already);
+    ``options``: the loader's own keyword options."""
     require_bool(seed_per_sample, "seed_per_sample")
     require_bool(verify_restore, "verify_restore")
     items_per_transfer = options["items_per_transfer"]

@@ -18,15 +18,9 @@ __all__ = ["Dealing"]
 class Dealing:
     """How the rest of one epoch of a ``DistributedSampler``'s permutation goes to the ranks.
 
-    The ranks of a DDP job advance in lockstep, each taking every ``world``-th index of the
-    dealt list, so after each rank took ``consumed`` indices the job has used the first
-    ``consumed x world`` positions: the job's position is one number, whichever rank saved it.
-    A dealing is the permutation's positions ``offset`` to ``end`` (``end``: the dataset's
-    length, or the ``drop_last`` cut), padded by repeating from their start to a multiple of
-    ``world`` as ``DistributedSampler`` pads, rank ``r`` taking every ``world``-th from ``r``.
-    ``offset=0`` is exactly ``DistributedSampler``'s own dealing. A restore onto another world
-    size or batch size continues with a new dealing from the position reached: nothing lost,
-    nothing repeated but the padding.
+    Positions ``offset`` to ``end`` (the length or the ``drop_last`` cut) padded as the sampler
+    pads, rank ``r`` taking every ``world``-th from ``r``; ``offset=0`` is the sampler's own
+    dealing. A restore onto another world or batch size deals again (docs/dropin.md).
     """
 
     offset: int

@@ -46,11 +46,8 @@ def rank_key(rank: int) -> str:
 
 
 def rank_entries(states: Sequence[Any]) -> dict[str, Any]:
-    """Each plain state under its rank's key, as compact JSON.
-
-    A state that JSON cannot hold (a sampler's or dataset's own state with tensors) stays a
-    plain dict leaf: ``torch.save`` and Lightning keep it, DCP then stores it field by field.
-    """
+    """Each plain state under its rank's key, as compact JSON; one JSON cannot hold (tensors) stays
+    a dict leaf, which DCP stores field by field."""
     out: dict[str, Any] = {}
     for index, state in enumerate(states):
         key = rank_key(StateReader(state, f"states[{index}]").int("rank"))
@@ -67,11 +64,8 @@ def is_rank_entries(value: Any) -> bool:
 
 
 def states_of_entries(entries: dict[str, Any]) -> list[Any]:
-    """The plain states of :func:`rank_entries`, in rank order.
-
-    Raises ``StateFormatError`` for a leaf that is neither such JSON nor a dict, or one whose
-    key does not name the rank it holds (entries of different saves mixed?).
-    """
+    """The plain states of :func:`rank_entries`, in rank order; ``StateFormatError`` for a bad leaf
+    or a key that does not name its rank."""
     states = []
     for key, leaf in sorted(entries.items()):
         if isinstance(leaf, str):

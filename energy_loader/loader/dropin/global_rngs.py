@@ -103,11 +103,9 @@ class BaseSeedFix(enum.Enum):
 def job_draws_base_seed(
     epoch_number: int, *, resumed: bool, persistent: bool, from_global: bool, in_stream: bool
 ) -> bool:
-    """Whether the uninterrupted job draws torch's base seed from the loader's generator as
-    this epoch's iterator is made: once an epoch (once, at epoch 0, with persistent workers),
-    except in a restored epoch (the saving run drew it before the save), from the second epoch
-    on when the generator is the training's global one (the sampler's own stream does, if it
-    draws), and where the epoch's own stream takes the draw (``in_stream``: a pinned start)."""
+    """Whether the uninterrupted job draws torch's base seed from the loader's generator as this
+    epoch's iterator is made: once an epoch (at epoch 0 only with persistent workers), not in a
+    restored epoch, and not from the global generator after epoch 0 unless ``in_stream``."""
     if resumed or (from_global and epoch_number >= 1) or in_stream:
         return False
     return epoch_number == 0 or not persistent
@@ -115,16 +113,8 @@ def job_draws_base_seed(
 
 @attrs.define
 class BaseSeedDraw:
-    """The engine's account of torch's base-seed draw, one ``iter()`` at a time.
-
-    :meth:`expect` compares whether torch's new iterator draws with whether the job draws
-    (:func:`job_draws_base_seed`); where torch draws one too many, :meth:`note_before_draw`
-    keeps the generator's state right before torch draws (it draws just after opening the task
-    stream, once), and :meth:`settle` puts it back; where torch draws none but the job does
-    (persistent workers), :meth:`settle` draws it. :meth:`settle` runs once per ``iter()``,
-    before the epoch's first unit: right after ``iter()`` without workers, else at the first
-    pull or save.
-    """
+    """The engine's account of torch's base-seed draw, one ``iter()`` at a time: :meth:`settle`
+    (before the epoch's first unit) undoes torch's extra draw or makes the one it skipped."""
 
     generator: torch.Generator
     fix: BaseSeedFix = BaseSeedFix.KEEP
@@ -175,16 +165,9 @@ def draws_in_own_stream(rng: SamplerGenerators, epoch_number: int) -> bool:
 
 
 class PrivateGlobal:
-    """torch's global generator, swapped for the epoch's own stream while the sampler draws.
-
-    Why: torch draws a loader's shuffle from the global generator at each ``iter()`` when no
-    ``generator`` is given, and the training step draws from it too (dropout), so the order
-    of the epochs after a restore would depend on draws a restored job cannot repeat. From
-    the second epoch on the sampler draws from a stream of its own (a function of the job's
-    seed and the epoch), entered around every pull and left with the training process's
-    generator exactly as it was. ``base_draw``: torch's base-seed draw this stream takes
-    instead of the training's generator (a pinned start, :func:`pinned_stream`).
-    """
+    """torch's global generator, swapped for the epoch's own stream (the job's seed and epoch) while
+    the sampler draws from epoch 1 on, so the order ignores the training's draws. ``base_draw``:
+    torch's base-seed draw this stream takes instead (a pinned start)."""
 
     __slots__ = ("_user", "base_draw", "state")
 
@@ -340,13 +323,9 @@ def digests_now(names: Iterable[str]) -> dict[str, str]:
 
 
 class GlobalStart:
-    """Where the global RNGs a sampler drew from stood before its first draws of an epoch.
-
-    ``at_iter``: their states before ``iter(sampler)``, for those that call moved; ``start``:
-    before the sampler's first pull, for those that pull moved (by name; the others are
-    absent). A restore puts ``at_iter`` before ``iter(sampler)`` and ``start`` after it, as it
-    does with torch's generator states. The plain form is built once.
-    """
+    """Where the global RNGs a sampler drew from stood before its first draws of an epoch:
+    ``at_iter`` before ``iter(sampler)``, ``start`` before its first pull (those that moved, by
+    name); a restore puts them back at the same points."""
 
     __slots__ = ("_plain", "at_iter", "names", "start")
 
@@ -445,13 +424,9 @@ def _moved_since_pin(names: Iterable[str], chain: str) -> str:
 
 @attrs.frozen
 class GlobalsAtSave:
-    """The check of the global RNGs a sampler draws its order from against a save's digests
-    of them (``state.global_rngs_at_save``): ``names``, those the program has elsewhere now
-    than at the save, must not be drawn from. A restore refuses (``refuses``) as soon as it
-    knows what the sampler draws from: at its first ``iter()`` for a started epoch (the state
-    says, :func:`check_restored_epoch`), at the sampler's first draws for a start pinned
-    before the first ``iter()``; the loader that saved a pin warns instead (its first order
-    cannot be drawn again by a restore)."""
+    """The check of the global RNGs a sampler draws from against a save's digests of them: ``names``
+    (moved since the save) must not be drawn from; a restore refuses (``refuses``) as soon as it
+    sees the sampler draw from one, the saving loader of a pin warns instead."""
 
     names: tuple[str, ...]
     refuses: bool
@@ -489,12 +464,10 @@ def pinned_stream(
     *,
     base_from_global: bool,
 ) -> PrivateGlobal | None:
-    """The first epoch of a job whose start a save pinned (:mod:`.pin`; ``states``: the pinned
-    states of the generators that drive the sampler; ``moved``: whether they stand elsewhere
-    now). Where they moved, the loader's and samplers' own generators are set to the pinned
-    states, and a sampler that draws from torch's global generator draws from the pinned state
-    in a stream of its own (returned), which takes torch's base-seed draw where torch draws it
-    from the global generator (``base_from_global``). None: the epoch draws as it stands."""
+    """The first epoch of a job whose start a save pinned (:mod:`.pin`): where the generators moved,
+    set them to the pinned ``states`` and return the stream a sampler drawing from the global
+    generator draws from (taking the base-seed draw with ``base_from_global``); None: the epoch
+    draws as it stands."""
     if states is None or not moved:
         return None
     rng.put_own(states)

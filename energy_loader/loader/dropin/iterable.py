@@ -39,10 +39,8 @@ __all__ = ["IterableEngine", "IterableState"]
 
 
 class IterableState:
-    """An iterable drop-in loader's state: the inner pipeline's rank state, wrapped; the
-    state of the loader's ``generator=`` (None without one), which torch draws each epoch's
-    base seed from, and whether the job's workers persist, which says when it draws
-    (:meth:`IterableEngine.iterate`)."""
+    """An iterable drop-in loader's state: the inner pipeline's rank state, the loader's
+    ``generator=`` state (None without one) and whether its workers persist."""
 
     def __init__(
         self,
@@ -174,13 +172,9 @@ class IterableEngine(DropInRestore):
         return self._state_config
 
     def iterate(self) -> _Stripped:
-        """The epoch's batches; where torch's DataLoader would make a new iterator (an epoch
-        begins: every one without persistent workers, the first with them) it draws the
-        workers' base seed from the loader's ``generator`` (the global torch generator without
-        one), and so does this loader: the training process's generators move as under torch,
-        and a restored run moves them as the uninterrupted one did (no draw where a restore
-        continues an epoch whose draw came before the save). The workers seed from the job
-        seed instead (:mod:`energy_loader.sources.iterable`)."""
+        """The epoch's batches, drawing the workers' base seed from the loader's generator wherever
+        torch would make a new iterator, so the training's generators move as under torch, in a
+        restored run too; the workers seed from the job seed."""
         inner = self.inner
         loader = self._owner()
         if loader is None:

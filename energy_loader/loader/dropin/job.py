@@ -49,11 +49,8 @@ def _group_of(config: WorkerConfig) -> tuple[Any] | None:
 
 
 def agree_on_job(job: JobStart, restored: bool, config: WorkerConfig) -> JobStart:
-    """The job every rank of the loader's data-parallel group runs (a collective there).
-
-    ``job``: this rank's (a new job's local seed, or the restored state's); ``restored``:
-    whether it comes from a restored state. Returns ``job`` unchanged without a group.
-    """
+    """The job every rank of the data-parallel group runs (a collective there; ``job`` unchanged
+    without a group). ``restored``: whether ``job`` comes from a restored state."""
     found = _group_of(config)
     if found is None:
         return job
@@ -119,14 +116,9 @@ def _job_of(state: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def check_one_save(states: Sequence[Any], *, across: bool) -> None:
-    """Raise ``StateMismatchError`` unless the drop-in rank states ``states`` (plain, as
-    saved; other states are not looked at) can be the states of one save of one job.
-
-    They must name one job (its id; its seed once the job has an id) and, under a
-    ``DistributedSampler``, one position (every rank has used as many batches of the same
-    epoch). ``across``: one rank's state will continue other ranks' samples (a restore on
-    another world size): then the seeds must agree even in states without a job id.
-    """
+    """Raise ``StateMismatchError`` unless the drop-in rank states ``states`` can be the states of
+    one save of one job: one job id (and seed) and, under a ``DistributedSampler``, one position.
+    ``across`` (a restore on another world size): the seeds must agree even without a job id."""
     maps = [
         (index, s)
         for index, s in enumerate(states)

@@ -494,10 +494,8 @@ def _config_of(loader: DataLoader[Any], rng: SamplerRng) -> dict[str, Any]:
 
 
 class _Trips:
-    """The worker trips of a map-style engine: per worker what its trips made and took (for
-    ``stats()``: torch deals trips to its workers in turn), and the units of the next task
-    (``bundle``: one at an epoch's start, doubled while units are small and quick to make, at
-    most ``items_per_transfer``)."""
+    """The worker trips of a map-style engine: what each worker's trips made and took (``stats()``),
+    and the next task's units (``bundle`` doubles while units are quick)."""
 
     def __init__(self, workers: int, items_per_transfer: int, max_bytes: int) -> None:
         self.counters = [dict.fromkeys(WORKER_FIELDS, 0.0) for _ in range(workers)]

@@ -32,9 +32,7 @@ __all__ = ["Pin"]
 @attrs.frozen
 class Pin:
     """The job's start as the first ``iter()`` would take it at the save: ``job`` (its seed),
-    the states of the generators that drive the sampler (``start.states``; None when none
-    needs recording: :attr:`SamplerRng.recorded`), and digests of the global RNGs the loader
-    does not drive (``at_save``)."""
+    ``start.states`` of the sampler's generators, and digests of the global RNGs (``at_save``)."""
 
     job: JobStart
     start: EpochStart
@@ -84,18 +82,9 @@ class Pin:
     def job_for(
         self, restored: MapState | None, config: WorkerConfig, generator: torch.Generator
     ) -> JobStart:
-        """The pinned job, as the first ``iter()`` of the loader of ``config``'s rank takes it
-        (``restored``: the state the pin came from, None for the loader that saved it;
-        ``generator``: the one the job seed is a hash of).
-
-        Warns (``UserWarning``) on rank 0 when the pin was saved by another rank of a
-        multi-rank job and pins another seed than rank 0's generator gives now: the job takes
-        rank 0's seed at its first ``iter()`` (:mod:`.job`), and a
-        ``torch.distributed.checkpoint`` of a step-0 save keeps one rank's entry (the position
-        is every rank's), so where the ranks seed differently the restored job would augment
-        as that rank's seed does without a word. Ranks seeded alike give the same seed (no
-        warning); rank 0's generator moved since the save is the one case warned for nothing.
-        """
+        """The pinned job, as the first ``iter()`` of ``config``'s rank takes it (``restored``: the
+        state the pin came from, None for the saving loader; ``generator``: the job seed's source).
+        Rank 0 warns when another rank's pin holds another seed (docs/dropin.md, step 0)."""
         if (
             restored is not None
             and config.rank == 0

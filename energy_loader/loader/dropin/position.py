@@ -47,10 +47,8 @@ NOT_REPLAYED: Any = _NONE
 class Units:
     """A sampler iterator, counted, under the epoch-end rule (see the module docstring).
 
-    ``pulled`` units were taken before this wrapper (a restored epoch); ``total`` is the
-    epoch's number of units, None if the sampler has no ``len()``. ``ended`` turns true when
-    the pull past the last unit found nothing (a sampler that yields more than its ``len()``
-    keeps yielding: the unit found is handed out next, as torch would).
+    ``pulled``: units taken before it (a restored epoch); ``total``: the epoch's units or None.
+    ``ended`` turns true when the pull past the last unit finds nothing.
     """
 
     __slots__ = ("_ahead", "_iterator", "_peeked", "ended", "pulled", "total")
@@ -150,10 +148,8 @@ def positioned_iterator(
     sampler_state: Any,
     length: int | None,
 ) -> Replayed:
-    """Run the sampler of a saved epoch up to its ``used`` units (of ``length``, if known),
-    loading nothing, under the epoch-end rule. torch's global generator, and the other global
-    RNGs the sampler drew from (:mod:`.global_rngs`), are left as they were. Raises
-    ``StateMismatchError`` if the sampler yields fewer units than were used."""
+    """Run a saved epoch's sampler up to its ``used`` units, loading nothing and leaving the global
+    RNGs as they were; ``StateMismatchError`` if it yields fewer units than were used."""
     drawn = start.global_start
     last: Any = _NONE
     with global_rngs.training_generators_kept(

@@ -116,11 +116,8 @@ class DropInRestore:
         return isinstance(config, dict) and self.names_job_position(config)
 
     def read_rank_files(self, folder: RankFolder) -> list[Any]:
-        """This rank's own file on the world size that saved it; on another world size the
-        lowest rank's file and those :meth:`saved_ranks_needed` names. One other rank's file
-        (:meth:`~energy_loader.state.rank_folder.RankFolder.witness_rank`) is read too, and
-        the states read are checked to be of one save: a file of another save or run left in
-        the folder is refused on at least one rank."""
+        """This rank's own file on the saving world size, else the lowest rank's and those
+        :meth:`saved_ranks_needed` names, plus a witness file; checked to be of one save."""
         own = folder.has_own()
         if own:
             saved_world_size = folder.world_size
@@ -143,17 +140,8 @@ class DropInRestore:
         return [states[r] for r in sorted(states)]
 
     def plan(self, records: list[Any]) -> Any:
-        """This rank's state, decoded and checked once (``StateFormatError``,
-        ``StateMismatchError`` for states of several saves, or a state of another dataset,
-        sampler, batching or rank), as the engine's plan (:meth:`apply` takes it).
-
-        ``records``: this rank's own state alone, every rank's of the saved world size (this
-        rank takes its own), or, under a ``DistributedSampler``, some of another world size
-        (the job's position: any rank's, the lowest given). That several are of one save is
-        the check of the carrier that holds them (the loader's ``restore_from_states``,
-        :meth:`decode_leaves`, :meth:`read_rank_files`, ``restore_state_global``), made once
-        where they met.
-        """
+        """This rank's state, decoded and checked once, as the plan for :meth:`apply`: from its own
+        state, every rank's, or (under a ``DistributedSampler``) some of another world size."""
         config = self.worker_config
         if not records:
             raise self._other_world_size(0)

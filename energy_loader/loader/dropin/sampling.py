@@ -133,15 +133,8 @@ class SamplerRng:
 
 
 class EpochStart:
-    """How one epoch's index stream began: the generator states before the sampler drew.
-
-    ``states``: the generators that drive the sampler, before its first pull (None when none
-    needs recording: :attr:`SamplerRng.recorded`); ``at_iter``: the same before
-    ``iter(sampler)``, where that call drew. ``global_start``: where python's or numpy's
-    global RNG stood before the sampler drew from it (:mod:`.global_rngs`), once its first
-    pull showed it does (None: it drew from neither). The base64 form of the states is built
-    once, on the first save that needs it (given as ``encoded`` when read from a state).
-    """
+    """How one epoch's index stream began: the generator states before the sampler drew (``states``
+    before its first pull, ``at_iter`` before ``iter(sampler)``, ``global_start``)."""
 
     def __init__(
         self,

@@ -140,13 +140,8 @@ class Epoch:
 
 
 class IndexStream:
-    """The loader's index stream: its sampler and generators, what a position of it is, and
-    how a saved position is re-derived (one per loader, owned by the engine).
-
-    ``length`` is the sampler's ``len()`` (None without one); ``config`` what a state must
-    agree with; ``unit_size`` and ``drop_last`` how a dealt rank's indices are batched;
-    ``verify`` whether a restore checks itself (:func:`~.position.verify_replay`).
-    """
+    """The loader's index stream, owned by the engine: its sampler and generators, what a position
+    of it is, and how a saved one is re-derived (``length``: the sampler's ``len()`` or None)."""
 
     def __init__(
         self,
@@ -209,12 +204,9 @@ class IndexStream:
         epoch.iters += 1
 
     def begin(self, epoch: Epoch) -> None:
-        """Once an epoch, before its first unit goes anywhere (its task stream's first pull, or
-        a save that comes first, so that what a save records is what the epoch runs), after
-        the engine settled torch's base-seed draw: put a restored epoch's own generators where
-        the saving job had them; or call ``iter(sampler)`` as often as the job's iterator did,
-        capture the fresh epoch's start and pull its first unit, noting the global RNGs that
-        pull moved (global_rngs.py)."""
+        """Once an epoch, before its first unit goes anywhere (after the base-seed draw is settled):
+        put a restored epoch's generators back, or run ``iter(sampler)`` as the job did and capture
+        the fresh epoch's start and first unit, noting the global RNGs it moved."""
         if epoch.resume is not None:
             self.rng.put_own(epoch.resume[1])
         else:
