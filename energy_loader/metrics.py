@@ -43,10 +43,8 @@ _QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
 
 
 class WorkerCounters:
-    """Counters kept by one worker's iterating thread, read by its command thread.
-
-    Plain float/int attributes: a read from the command thread sees each one whole (the GIL),
-    and a reading taken between two updates is off by at most one item.
+    """Counters kept by one worker's iterating thread, read by its command thread: plain
+    attributes, each read whole under the GIL (a reading may be one item behind).
     """
 
     __slots__ = ("bytes", "checkpoint_s", "encode_s", "items", "produce_s", "started")
@@ -203,11 +201,9 @@ def _histogram_quantiles(histogram: Counter[int]) -> dict[str, float]:
 
 
 class LoaderMetrics:
-    """The main-process side: per-item timings, save timings, worker polls, windows.
-
-    ``poll`` returns each logical worker's :meth:`WorkerCounters.read` (``None`` for one that
-    cannot be asked) and the per-worker queue depth; ``on_window`` is called with the window's
-    numbers whenever a stall window closes (the stall detector).
+    """The main-process side: per-item timings, save timings, worker polls, windows. ``poll``
+    returns each worker's :meth:`WorkerCounters.read` (None if it cannot be asked) and queue
+    depths; ``on_window`` gets each closed stall window's numbers.
     """
 
     def __init__(
@@ -363,10 +359,8 @@ class LoaderMetrics:
 
 
 def flatten(stats: dict[str, Any], prefix: str = "") -> dict[str, float]:
-    """``stats()`` as one flat dict of numbers, e.g. ``{"since_last/wait_s_p50": 0.001}``.
-
-    Lists become ``workers/0/busy_fraction`` style keys. For loggers that take scalars
-    (``SummaryWriter.add_scalar``, wandb, MLflow).
+    """``stats()`` as one flat dict of numbers, e.g. ``{"since_last/wait_s_p50": 0.001}``, lists as
+    ``workers/0/busy_fraction``: for loggers that take scalars (TensorBoard, wandb, MLflow).
     """
     if not isinstance(stats, dict):
         raise TypeError(f"`stats` must be the dict loader.stats() returns (got {stats!r})")

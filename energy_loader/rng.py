@@ -55,11 +55,8 @@ def mix64_array(values: np.ndarray) -> np.ndarray:
 
 
 def stable_hash(*parts: Hashable) -> int:
-    """A 64-bit hash of plain values that is the same in every process and every run.
-
-    Python's ``hash()`` of a ``str`` is salted per process, so it cannot seed anything that
-    must agree between a worker and its restarted successor. ``repr`` of ints, strings and
-    tuples of them is stable, and CRC32 of it plus one round of mixing is cheap (~1.5 us).
+    """A 64-bit hash of plain values, the same in every process and run (``hash()`` of a ``str`` is
+    salted per process): CRC32 of the ``repr`` plus one mixing round (~1.5 us).
     """
     text = repr(parts).encode()
     return mix64(zlib.crc32(text) | (len(text) << 32))
@@ -81,11 +78,9 @@ _BLOCK = 256
 
 
 class CounterRng:
-    """A random stream whose whole state is ``(seed, counter)``.
-
-    Draw ``k`` is ``mix64(seed ^ mix64(k))``: no draw depends on an earlier one, so saving
-    the counter is enough to resume the stream exactly. Draws are computed with numpy in
-    blocks of 256 (~0.2 us a draw instead of ~1 us); the values do not depend on the blocks.
+    """A random stream whose whole state is ``(seed, counter)``: draw ``k`` is
+    ``mix64(seed ^ mix64(k))``, so the counter resumes it exactly. Draws are computed with numpy
+    in blocks of 256 (~0.2 us a draw instead of ~1 us); the values do not depend on the blocks.
     """
 
     __slots__ = ("_block", "_block_start", "counter", "seed")
@@ -134,10 +129,8 @@ def _one_int_key_base(seed: int, position: int) -> int:
 
 
 def sample_seed(seed: int, position: int, key: Hashable) -> int:
-    """The 64-bit seed of one sample: ``fold_key(sample_seed_base(seed, position), key)``.
-
-    A key of one integer (an ``IndexedSource``'s ``(index,)``) takes a shortcut to the same
-    value (~0.7 us instead of ~1.6 us).
+    """The 64-bit seed of one sample: ``fold_key(sample_seed_base(seed, position), key)``; a
+    one-integer key takes a shortcut to the same value (~0.7 us instead of ~1.6 us).
     """
     if type(key) is tuple and len(key) == 1:
         index = key[0]
@@ -178,13 +171,9 @@ def _put_back(states: tuple[object, object, torch.Tensor]) -> None:
 
 @contextlib.contextmanager
 def kept_rng_state() -> Iterator[None]:
-    """Put the global ``random``, ``numpy`` and ``torch`` RNG states back on exit.
-
-    For work done on the training process's behalf that may run code drawing from them
-    without seeding (a drop-in's dataset peeked ahead): it must not change what the training
-    process draws next. Costs ~80 us (numpy's ``get_state`` and ``set_state``, ~33 us each);
-    where only the library's per-sample seeding moves them, :func:`kept_rng_state_if_seeded`
-    costs nothing until a sample is seeded.
+    """Put the global ``random``, ``numpy`` and ``torch`` RNG states back on exit, for work done on
+    the training process's behalf (a drop-in's dataset peeked ahead). ~80 us (numpy's get/set
+    state); :func:`kept_rng_state_if_seeded` costs nothing until a sample is seeded.
     """
     saved = _global_states()
     try:

@@ -64,11 +64,9 @@ def storage_options_from(
     endpoint_url: str | None = None,
     profile: str | None = None,
 ) -> dict[str, Any]:
-    """The fsspec storage options the command line asks for, as a source takes them.
-
-    ``options_json`` is a JSON object of storage options; ``endpoint_url`` and ``profile``
-    (S3 only) are added as ``{"client_kwargs": {"endpoint_url": ...}, "profile": ...}``.
-    ``ValueError`` names the option that is wrong.
+    """The fsspec storage options the command line asks for, as a source takes them: the JSON
+    object ``options_json``, plus ``endpoint_url`` and ``profile`` (S3 only) added as
+    ``{"client_kwargs": {"endpoint_url": ...}, "profile": ...}``; ``ValueError`` names a wrong one.
     """
     options: dict[str, Any] = {}
     if options_json is not None:
@@ -140,11 +138,8 @@ def index_shards(
     storage_options: dict[str, Any] | None = None,
 ) -> dict[str, int | None]:
     """Index every shard of ``location``; returns ``{shard: samples or None if kept}``.
-
-    ``storage_options`` go to fsspec for a remote ``location``, as a
-    :class:`~energy_loader.WebDatasetSource` takes them (e.g. ``{"client_kwargs":
-    {"endpoint_url": "http://minio:9000"}}``). Errors of the storage library (an unreachable
-    endpoint, missing credentials) propagate as they are.
+    ``storage_options`` go to fsspec as a :class:`~energy_loader.WebDatasetSource` takes them;
+    errors of the storage library propagate as they are.
     """
     if storage_options is not None and not isinstance(storage_options, dict):
         raise TypeError(

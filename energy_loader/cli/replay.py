@@ -105,11 +105,9 @@ def read_states(paths: list[Path]) -> list[dict[str, Any]]:
 def loader_and_states(
     built: Any, paths: list[Path], rank: int, seed: int | None, prefix: str | None = None
 ) -> tuple[Any, list[RankState]]:
-    """The replay loader for ``rank`` and the saved states it restores from.
-
-    ``paths`` are state files (all the states in them are used), or one folder of per-rank
-    files (``prefix``: theirs, or the one prefix its rank files have), from which only the
-    files ``rank`` needs are read, as :func:`energy_loader.restore_state_rank_file` picks them.
+    """The replay loader for ``rank`` and the saved states it restores from: every state in the
+    state files ``paths``, or the files ``rank`` needs from one folder of per-rank files
+    (``prefix``: theirs, or the one there), as :func:`energy_loader.restore_state_rank_file` picks.
     """
     if len(paths) == 1 and paths[0].is_dir() and not _is_dcp(paths[0]):
         files = rank_state_files(paths[0], prefix)
@@ -256,12 +254,10 @@ def replay_dropin(
     *,
     samples: bool = False,
 ) -> list[dict[str, Any]]:
-    """Steps ``start`` to ``stop`` after a drop-in loader's saved position: the dataset
-    indices of each batch (within the saved epoch), for ``rank``'s state in ``paths`` (any
-    rank's under a ``DistributedSampler``: the loader's own sampler, set to ``rank``, says
-    which part is ``rank``'s). ``samples``: each batch too, made as training made it
-    (:meth:`~energy_loader.SavableDataLoader.peek_batches`: the same
-    per-sample seeds and ``collate_fn``)."""
+    """Steps ``start`` to ``stop`` after a drop-in loader's saved position: each batch's dataset
+    indices in the saved epoch, for ``rank`` (under a ``DistributedSampler`` any rank's state
+    serves); ``samples``: the batches too, made as training made them (``peek_batches``).
+    """
     state = dropin_state_for(loader, paths, rank, prefix)
     if samples:
         made = loader.peek_batches(stop, state)

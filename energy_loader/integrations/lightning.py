@@ -34,11 +34,8 @@ class LoaderStateNotLoadedError(EnergyLoaderError, RuntimeError):
 
 
 def held_back_batches(trainer: Trainer) -> int:
-    """How many train batches ``trainer`` has fetched but not yet handed to ``training_step``.
-
-    Reads the fit loop's data fetcher: its ``batches`` list holds the batches fetched ahead
-    (one while a loader of unknown length is mid-epoch; none for a sized loader, after the
-    epoch's end was seen, or with ``training_step(dataloader_iter)``, where the user fetches).
+    """How many train batches ``trainer`` has fetched but not yet handed to ``training_step``:
+    the fit loop's fetcher's ``batches`` (one while a loader of unknown length is mid-epoch).
     """
     fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
     prefetched = getattr(fetcher, "batches", None)
@@ -84,13 +81,10 @@ def _count_the_resumed_epoch_as_the_loader_deals_it(trainer: Trainer) -> None:
 class SavableLoaderCallback(Callback):
     """Makes Lightning checkpoints of a :class:`~energy_loader.SavableDataLoader` resume exactly.
 
-    Saved state: nothing of its own. At the start of training (and of each epoch, so loaders
-    reloaded by ``reload_dataloaders_every_n_epochs`` are covered) it sets
-    ``held_back_source`` on every ``SavableDataLoader`` among the train dataloaders, and
-    clears it at teardown. Other loaders are left alone. With several train dataloaders each
-    fetched batch holds one item of each loader. On several ranks, every checkpoint gets all
-    ranks' loader states (:meth:`on_save_checkpoint`); the callback must then be in the
-    callbacks of every rank, as Lightning requires of callbacks anyway.
+    Saves nothing of its own. At the start of training and of each epoch it sets
+    ``held_back_source`` on every ``SavableDataLoader`` among the train dataloaders (cleared at
+    teardown). On several ranks every checkpoint gets all ranks' loader states, so the callback
+    must be in every rank's callbacks (as Lightning requires anyway).
     """
 
     def __init__(self, *, check_resume: bool = True) -> None:

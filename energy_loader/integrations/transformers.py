@@ -72,13 +72,10 @@ def _sampler_chain(loader: SavableDataLoader) -> list[Any]:
 class TrainerLoader:
     """What ``SavableLoaderTrainer.get_train_dataloader`` returns: the loader, keys stripped.
 
-    Iterating it iterates the loader (one epoch) and drops ``__restore_key__`` from dict
-    batches, because Trainer passes every entry of a batch to ``model(**batch)``; ``len()`` is
-    the loader's. Trainer takes exactly ``len()`` batches per epoch and never asks for the end;
-    the loader counts an epoch whose batches have all been taken as over, so the next
-    ``iter()`` starts the next epoch, also right after a restore at an epoch boundary.
-    ``set_epoch(epoch)`` (Trainer calls it before each epoch) reaches the drop-in's samplers
-    that have one, a ``DistributedSampler`` above all.
+    Iterates the loader (one epoch), dropping ``__restore_key__`` from dict batches (Trainer
+    passes every entry to ``model(**batch)``); ``len()`` is the loader's. An epoch whose batches
+    were all taken counts as over, so the next ``iter()`` starts the next one. ``set_epoch``
+    reaches the drop-in's samplers that have one.
     """
 
     def __init__(self, loader: SavableDataLoader) -> None:
@@ -173,11 +170,10 @@ def _saved_world_size(state: Any) -> int:
 class SavableLoaderTrainer(Trainer):  # type: ignore[misc]
     """A ``transformers.Trainer`` that trains from a :class:`SavableDataLoader`.
 
-    Pass ``train_loader=`` instead of ``train_dataset=`` (and no ``data_collator``: the
-    pipeline batches). All other arguments are Trainer's. Checkpoints made by Trainer carry
-    the loader's position, and ``train(resume_from_checkpoint=path | True)`` continues the
-    data stream exactly where that checkpoint stood, on the same or (drop-in loader under a
-    ``DistributedSampler``) another number of processes (see the module docs).
+    Pass ``train_loader=`` instead of ``train_dataset=`` (no ``data_collator``: the pipeline
+    batches). Checkpoints carry the loader's position; ``train(resume_from_checkpoint=path |
+    True)`` continues exactly there, on the same or (drop-in under a ``DistributedSampler``)
+    another number of processes (docs/integrations.md).
     """
 
     def __init__(self, *args: Any, train_loader: SavableDataLoader, **kwargs: Any) -> None:

@@ -75,10 +75,8 @@ class DownloadSettings(NamedTuple):
 def download_settings(
     predownload: Any, cache_limit: Any, download_retries: Any, download_timeout: Any
 ) -> DownloadSettings:
-    """Check a source's download arguments (raising with the fix) and return them.
-
-    ``predownload`` >= 0 samples, ``cache_limit`` ``None`` or positive bytes,
-    ``download_retries`` >= 0, ``download_timeout`` a positive finite number of seconds.
+    """Check a source's download arguments (raising with the fix) and return them: ``predownload``
+    >= 0, ``cache_limit`` None or > 0 bytes, ``download_retries`` >= 0, ``download_timeout`` > 0 s.
     """
     predownload = require_int(predownload, "predownload", minimum=0)
     if cache_limit is not None:
@@ -98,10 +96,8 @@ def download_settings(
 
 @contextlib.contextmanager
 def node_lock(path: Path, timeout: float, purpose: str) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``path`` (shared by all processes of the node).
-
-    Raises :class:`DownloadError` after ``timeout`` seconds of waiting. ``flock`` locks belong to
-    an open file, so two threads of one process exclude each other too.
+    """Hold an exclusive ``flock`` on ``path`` (node-wide; it belongs to an open file, so threads of
+    one process exclude each other too); :class:`DownloadError` after ``timeout`` seconds.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + timeout
@@ -127,11 +123,8 @@ def node_lock(path: Path, timeout: float, purpose: str) -> Iterator[None]:
 
 
 class Remote:
-    """A remote directory: any fsspec URL, or a local directory standing in for one.
-
-    The fsspec filesystem is opened lazily in each process (never pickled).
-    ``storage_options`` go to the filesystem (``{"client_kwargs": {"endpoint_url": ...}}`` for
-    an S3-compatible server); they must be plain data, as they travel to worker processes.
+    """A remote directory: any fsspec URL, or a local directory standing in for one. The filesystem
+    is opened lazily in each process; ``storage_options`` must be plain data (they travel).
     """
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
@@ -212,10 +205,9 @@ def fetch_bytes(remote: Remote, name: str, *, retries: int, timeout: float) -> b
 class ShardCache:
     """The shards of one index in a local directory: ensure present, release, evict.
 
-    ``cache_limit`` (bytes of uncompressed shards, or ``None``) bounds the directory: before a
-    download, shards this process has finished reading are deleted, oldest first, until the new
-    one fits. Downloads for the reader happen even when nothing can be evicted (the bound is
-    then exceeded by the shards being read); downloads ahead of the reader wait for room.
+    With ``cache_limit`` (bytes of uncompressed shards) shards this process finished are deleted,
+    oldest first, before a download. The reader downloads even when nothing can be evicted (the
+    bound is then exceeded); downloads ahead of it wait for room.
     """
 
     def __init__(
@@ -325,11 +317,9 @@ class ShardCache:
     def make_room(
         self, needed: int, *, reserve_for: int | None = None, even_if_full: bool = False
     ) -> bool:
-        """Evict released shards until ``needed`` more bytes fit; returns whether they fit.
-
-        With ``reserve_for`` (a shard about to be downloaded), the bytes are reserved for it,
-        when they fit or ``even_if_full`` (the reader downloads regardless), until its
-        download ends: downloads in progress count as used.
+        """Evict released shards until ``needed`` more bytes fit; returns whether they fit. With
+        ``reserve_for`` the bytes are reserved for that shard's download (also when full, with
+        ``even_if_full``) until it ends.
         """
         if self.cache_limit is None:
             return True
@@ -482,12 +472,10 @@ class ReaderProgress:
 
 
 class Prefetcher(threading.Thread):
-    """Downloads the shards of the reader's next ``window`` samples, in the order it needs them.
-
-    ``shard_at(step)`` names the shard of the reader's sample ``step``; ``steps`` is the
-    number of steps in the epoch. The thread holds no reference to the dataset or its cursor,
-    stops when ``stop`` is set (checked between 1 MiB reads) and exits when it has covered the
-    epoch. A failed download is kept by the cache for the reader to raise when it gets there.
+    """Downloads the shards of the reader's next ``window`` samples, in the order it needs them
+    (``shard_at(step)``, ``steps`` in the epoch). Holds no reference to the dataset or cursor;
+    stops on ``stop`` (checked between 1 MiB reads) or at the epoch's end. Failures are kept by
+    the cache for the reader to raise.
     """
 
     def __init__(

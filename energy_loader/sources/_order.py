@@ -46,10 +46,8 @@ def span(total: int, partitions: int, partition: int) -> tuple[int, int]:
 
 
 class EpochOrder:
-    """Global position -> ``(unit, row)`` for one epoch.
-
-    ``samples[u]`` is the number of samples of unit ``u``; ``seed`` already folds in the
-    source's seed, stream salt and epoch.
+    """Global position -> ``(unit, row)`` for one epoch. ``samples[u]``: unit ``u``'s samples;
+    ``seed`` already folds in the source's seed, stream salt and epoch.
     """
 
     def __init__(

@@ -102,10 +102,8 @@ class StridedCursor(EpochCursor):
 
 
 class PrefetchingCursor(StridedCursor):
-    """A strided cursor whose shards a background :class:`Prefetcher` downloads ahead of it.
-
-    The thread is started by :meth:`start_prefetch` (in the reader, never the constructor)
-    and stopped by :meth:`stop_prefetch`, or when the cursor is dropped.
+    """A strided cursor whose shards a background :class:`Prefetcher` downloads ahead of it,
+    from :meth:`start_prefetch` (in the reader) to :meth:`stop_prefetch` or the cursor's end.
     """
 
     def __init__(self, dataset: SavableDataset) -> None:
@@ -120,11 +118,9 @@ class PrefetchingCursor(StridedCursor):
         cache: Callable[[], ShardCache],
         shard_of: Callable[[int], int] | None = None,
     ) -> ReaderProgress:
-        """Start downloading the shards of the next ``predownload`` samples (0: no thread).
-
-        ``shard_of(unit)`` names the shard file that holds a unit of ``order`` (default: the
-        units are the shards). Returns the progress the reader updates as it goes
-        (``progress.step``).
+        """Start downloading the shards of the next ``predownload`` samples (0: no thread);
+        ``shard_of(unit)`` names a unit's shard (default: units are shards). Returns the progress
+        the reader updates (``progress.step``).
         """
         self.stop_prefetch()
         context = self.dataset.context
@@ -190,10 +186,8 @@ F = TypeVar("F", bound=_Closable)
 
 
 class OpenShards(Generic[F]):
-    """The shards a strided reader has open: the one each span is reading, shared by spans.
-
-    ``open_shard(shard)`` opens a shard; ``release(shard)`` is called after its file is closed
-    (a cache may then evict it). Not thread-safe: one reader uses it.
+    """The shards a strided reader has open, one per span, shared by spans; ``release(shard)`` runs
+    after a file is closed (a cache may then evict it). Not thread-safe: one reader uses it.
     """
 
     def __init__(self, open_shard: Callable[[int], F], release: Callable[[int], None]) -> None:
@@ -264,12 +258,9 @@ def is_shard_row(key: Key, shards: Sequence[ShardInfo]) -> bool:
 
 
 class ShardRowSource(StridedSource):
-    """A strided source over shards whose samples are named ``(shard, row)``: the restore
-    key's check, ``restore_sample`` through the one shard kept open, and the config fields
-    such sources share (WebDataset tars, MDS and litdata shards).
-
-    A subclass sets ``shards``, ``_fingerprint`` and ``_restore`` (a :class:`RestoreShard`)
-    and defines ``open_shard(shard)`` and ``read_row(file, shard, row)``.
+    """A strided source over shards whose samples are ``(shard, row)`` (WebDataset, MDS, litdata):
+    the key check, ``restore_sample`` through one open shard, shared config fields. A subclass
+    sets ``shards``, ``_fingerprint`` and ``_restore`` and defines ``open_shard`` and ``read_row``.
     """
 
     shards: tuple[ShardInfo, ...]

@@ -62,10 +62,8 @@ class _CountingReader:
 
 
 def build_index(file: BinaryIO, name: str, where: str) -> dict[str, Any]:
-    """Scan one tar shard (a binary file object, read sequentially) into its index.
-
-    ``name`` is the shard's name as recorded in the index; ``where`` names it in errors.
-    Raises :class:`SourceDataError` for a truncated or damaged tar.
+    """Scan one tar shard (a binary file object, read sequentially) into its index; ``name`` is
+    recorded, ``where`` names it in errors. :class:`SourceDataError` for a damaged tar.
     """
     reader = _CountingReader(file)
     keys: list[str] = []

@@ -44,10 +44,8 @@ _LIVE_CHUNKS: weakref.WeakSet[_Chunk] = weakref.WeakSet()
 
 
 def loaded_chunk_count() -> int:
-    """How many chunk files are held in memory by this process's sources right now.
-
-    A streaming :class:`ChunkedFolderSource` holds at most one per cursor, plus one that
-    ``restore_sample`` keeps for repeated look-ups into the same file.
+    """How many chunk files this process's sources hold right now: at most one per cursor, plus
+    one that ``restore_sample`` keeps for repeated look-ups.
     """
     return len(_LIVE_CHUNKS)
 
@@ -579,10 +577,8 @@ def _check_weights_only(value: Any, what: str) -> None:
 
 
 def _numpy_to_torch(value: Any, what: str) -> Any:
-    """``value`` with numpy arrays and scalars replaced by tensors, containers rebuilt.
-
-    ``torch.load(weights_only=True)`` refuses numpy objects; a tensor of the same dtype holds
-    the same values. Named tuples become plain tuples for the same reason.
+    """``value`` with numpy arrays and scalars as tensors of the same dtype and named tuples as
+    tuples (``torch.load(weights_only=True)`` refuses them), containers rebuilt.
     """
     if isinstance(value, (np.ndarray, np.generic)):
         if isinstance(value, np.str_):

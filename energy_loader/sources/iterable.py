@@ -25,9 +25,7 @@ __all__ = ["IterableSource"]
 
 class IterableSource(SavableDataset):
     """Yield a user iterable dataset's items, saving its ``state_dict()`` or an item count.
-
-    ``worker_init_fn`` is the user's (called once per copy, inside a worker, with torch's
-    ``get_worker_info()`` naming the copy's worker). Example::
+    ``worker_init_fn`` is the user's, called once per copy inside a worker. Example::
 
         source = IterableSource(my_iterable_dataset)
     """
@@ -138,11 +136,9 @@ class _IterableCursor(EpochCursor):
 
 
 def loaded_copy(dataset: Any, state: Any) -> Any:
-    """A shallow copy of ``dataset`` with ``state`` loaded into it; ``dataset`` is unchanged.
-
-    ``copy.copy`` follows the class's pickling methods, and a class whose ``__getstate__``
-    returns its own ``__dict__`` (a Hugging Face ``IterableDataset``) would get a copy that
-    shares it: the copy then gets a dict of its own.
+    """A shallow copy of ``dataset`` with ``state`` loaded into it; ``dataset`` is unchanged. The
+    copy gets a ``__dict__`` of its own (``copy.copy`` of a class whose ``__getstate__`` returns
+    its ``__dict__``, a Hugging Face ``IterableDataset``, would share it).
     """
     view = copy.copy(dataset)
     if view is not dataset and getattr(view, "__dict__", None) is getattr(dataset, "__dict__", 0):

@@ -55,12 +55,9 @@ def _take(table: Any, rows: np.ndarray) -> list[dict[str, Any]]:
 
 
 def _release_unused_arrow_memory() -> None:
-    """Hand the pages of evicted row groups back to the OS before the next is decoded.
-
-    Arrow's default allocator (mimalloc, or jemalloc) keeps freed pages for reuse, so without
-    this a worker briefly holds the old window's pages and the new one's: ~8 MiB more peak RSS
-    per worker with 4,096-document row groups (llm bench). It runs once per window, every few
-    thousand rows; Arrow calls it costly only when done often.
+    """Hand the pages of evicted row groups back to the OS before the next is decoded: Arrow's
+    allocator keeps them, ~8 MiB more peak RSS a worker with 4,096-document row groups (llm
+    bench). Once per window, every few thousand rows: cheap at that rate.
     """
     import pyarrow
 
@@ -68,11 +65,9 @@ def _release_unused_arrow_memory() -> None:
 
 
 class _Window:
-    """The decoded row groups of one window (or one row group), rows numbered across them.
-
-    Row groups of one schema are concatenated into one table; if the files' schemas differ
-    (a column missing, another type), each keeps its own and rows are read one by one, so
-    every row keeps exactly the values and keys its own file gives it.
+    """The decoded row groups of one window, rows numbered across them: one table for one schema;
+    with differing schemas each keeps its own and rows are read one by one, keeping their file's
+    values and keys.
     """
 
     __slots__ = ("starts", "tables")
@@ -368,12 +363,9 @@ class ParquetSource(StridedSource):
     def rows_at(
         self, order: _ParquetOrder, windows: np.ndarray, rows: np.ndarray
     ) -> tuple[list[dict[str, Any]], Exception | None]:
-        """Rows ``rows[i]`` of windows ``windows[i]`` of ``order`` as dicts, in that order, and
-        the error that stopped the list short.
-
-        If a row group cannot be read, the list ends before the first row that needs it and
-        the error is returned, so every row before the damaged one is still delivered, in
-        order, before the error is raised.
+        """Rows ``rows[i]`` of windows ``windows[i]`` of ``order`` as dicts, in order, and the error
+        that cut the list short before the first row of an unreadable row group (so the rows before
+        it are delivered first).
         """
         if len(windows) == 0:
             return [], None

@@ -273,11 +273,8 @@ class ShardedSource(StridedSource):
         return self._cache
 
     def open_shard(self, shard: int) -> _ShardFile:
-        """Open one shard for reading, downloading it first if needed.
-
-        Another process of the node may evict the shard between ``ensure`` finding it and the
-        open here (each process evicts the shards it finished, under ``cache_limit``); the
-        shard is then fetched again. Once open, a later eviction cannot take it away.
+        """Open one shard for reading, downloading it first if needed (again, if another process
+        evicted it after ``ensure`` found it); once open, an eviction cannot take it away.
         """
         for _ in range(2):
             with contextlib.suppress(FileNotFoundError):

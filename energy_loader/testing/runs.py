@@ -137,11 +137,10 @@ def set_epoch_of(loader: Any, epoch: int) -> None:
 
 
 def round_trip(loader: Any, via_torch: bool) -> tuple[Any, int]:
-    """Save the loader's state as a checkpoint holds it: ``save_state_rank()`` through
-    ``json``, or ``state_dict()`` through ``torch.save``/``torch.load(weights_only=True)``
-    (a state ``json`` cannot hold, a stateful sampler's own, goes the second way). Returns
-    ``(how, state as loaded)`` for :func:`load` and the state's size in JSON characters (in
-    ``torch.save`` bytes for a state JSON cannot hold)."""
+    """Save the loader's state as a checkpoint holds it: ``save_state_rank()`` through ``json``, or
+    ``state_dict()`` through ``torch.save``/``torch.load(weights_only=True)``. Returns ``(how,
+    state as loaded)`` for :func:`load` and its size (JSON characters, or ``torch.save`` bytes).
+    """
     if not via_torch:
         state = loader.save_state_rank()
         try:
@@ -172,12 +171,11 @@ def load(loader: Any, saved: tuple[str, Any]) -> None:
 
 @attrs.define
 class TrainingLoop:
-    """One program's loop over ``loader``, appending to ``out`` (the batches of the whole
-    chain so far); :meth:`run` stops at ``stop`` (or runs to the end with None). ``restored``:
-    the loader was just restored (a save point where it stands saves before any ``iter()``);
-    ``peek_at``: keep the indices of that batch as the loader tells them (``peeked``);
-    ``on_first``: sees a restored program's first batch. ``ends``: the batch counts at which
-    a ``for`` loop ended."""
+    """One program's loop over ``loader``, appending to ``out`` (the chain's batches so far);
+    :meth:`run` stops at ``stop`` (None: the end). ``restored``: just restored; ``peek_at``: keep
+    that batch's indices as the loader tells them; ``on_first``: sees a restored program's first
+    batch; ``ends``: the batch counts at which a ``for`` loop ended.
+    """
 
     loader: Any
     epochs: int
@@ -290,16 +288,13 @@ def run_chain(
     first_via_torch: bool = False,
     on_restored_batch: Callable[[Any, Any], None] | None = None,
 ) -> ChainRun:
-    """Run the chain's programs one after the other (each saves, the next restores) and
-    return every batch in order. ``restore_global_rngs``: the restarted programs put the
-    saving program's global torch RNG state back after the load, as careful scripts do;
-    ``restore_every_global_rng``: python's, numpy's and torch's; otherwise
-    they are elsewhere (once a batch was handed out before the save, or, with
-    ``move_rngs_at_start``, also for a state saved before the first batch: the restarted
-    program drew more before iterating, another model's init). States alternate between the
-    two ways of :func:`round_trip`. A chain with no save points is the
-    uninterrupted run. ``on_restored_batch(loader, batch)`` sees each restored program's
-    first batch."""
+    """Run the chain's programs one after the other (each saves, the next restores); return every
+    batch in order. Restarted programs put back the saving program's global torch RNG
+    (``restore_global_rngs``) or all three (``restore_every_global_rng``) after the load, else
+    leave them elsewhere (``move_rngs_at_start``: also before the first batch). States alternate
+    between :func:`round_trip`'s two ways; no save points is the uninterrupted run.
+    ``on_restored_batch(loader, batch)`` sees each restored program's first batch.
+    """
     out: list[Batch] = []
     ends: list[int] = []
     largest = 0

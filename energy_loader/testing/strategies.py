@@ -216,10 +216,8 @@ def _simple_stages(kind: str, may_be_empty: bool) -> list[st.SearchStrategy[tupl
 def _inner_specs(
     draw: st.DrawFn, count: int, noisy: bool, max_shards: int
 ) -> tuple[tuple[PipelineSpec, bool], ...]:
-    """Small item pipelines for blends and concats, each with whether it may be empty.
-
-    Their samples must have the same fields as the main flow's (a batch after the blend
-    collates them together), so they end with a map exactly when the main flow had one.
+    """Small item pipelines for blends and concats, each with whether it may be empty; they end with
+    a map exactly when the main flow had one (a batch after the blend collates them together).
     """
     out = []
     for _ in range(count):
@@ -256,13 +254,9 @@ def _can_empty(name: str, parameter: Any) -> bool:
 def pipelines(
     draw: st.DrawFn, *, max_length: int = 60, max_depth: int = 6, max_shards: int = 4
 ) -> PipelineSpec:
-    """A random pipeline: a source and up to ``max_depth`` stages of any wrapper.
-
-    Stages are drawn to fit what flows through them: filters, packing, grouping, blends and
-    concats see source items; packs and items can be batched (``batch`` or ``group_batch``);
-    batches can be unbatched, shuffled, limited, repeated, epochized... ``max_shards`` (ranks
-    x workers the pipeline will run on) keeps ``EpochizeDataset`` away from shards that might
-    be empty, where it raises by design.
+    """A random pipeline: a source and up to ``max_depth`` stages of any wrapper, each drawn to fit
+    what flows through it (items, packs, batches). ``max_shards`` (ranks x workers it will run
+    on) keeps ``EpochizeDataset`` away from shards that might be empty, where it raises.
     """
     length = draw(st.integers(1, max_length))
     kind, may_be_empty, noisy = "item", length < max_shards, False

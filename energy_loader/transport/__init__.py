@@ -74,11 +74,9 @@ class WorkerTransport:
         self.arenas = tuple(arenas)
 
     def encoder(self, worker_id: int) -> Callable[[Any], Packet]:
-        """The encode function of physical worker ``worker_id``, in that worker's process.
-
-        Closes every other arena this process inherited or received (a forked worker maps
-        its siblings' arenas, and those of any other loader, until it lets them go), and
-        points :func:`batch_tensor` at the worker's own.
+        """The encode function of physical worker ``worker_id``, in that worker's process: closes
+        every other arena this process inherited or received and points :func:`batch_tensor` at
+        its own.
         """
         own = self.arenas[worker_id] if worker_id < len(self.arenas) else None
         close_all_but(own)

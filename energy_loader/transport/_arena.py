@@ -147,10 +147,8 @@ class Arena:
                     del in_use[offset]
 
     def _next_number(self) -> int:
-        """The next payload number whose slot no payload in use shares.
-
-        A slot holds one number at a time: two payloads in flight on one slot could hide
-        one's hand-back behind the other's (a batch kept for long, with 512 after it).
+        """The next payload number whose slot no payload in use shares (two in flight on one slot
+        could hide one's hand-back behind the other's).
         """
         taken = {number % _SLOTS for _, number in self._in_use.values()}
         number = self._sequence + 1
@@ -160,11 +158,9 @@ class Arena:
         return number
 
     def reserve_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """An uninitialised tensor in a fresh region of the ring, or None if full.
-
-        The region belongs to the worker until the encoder sends the tensor by reference
-        (:meth:`reservation_of`, :meth:`mark_sent`); it is freed when its last reference in
-        this process dies and, if it was sent, the main process has handed it back.
+        """An uninitialised tensor in a fresh region of the ring, or None if full. The worker owns
+        the region until it is sent by reference; it is freed once its last reference here dies
+        and, if sent, the main process handed it back.
         """
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
@@ -223,11 +219,9 @@ class Arena:
         self.hand_back(sequence, 0)
 
     def read(self, offset: int, sequence: int, size: int, *, pin: bool) -> np.ndarray:
-        """Payload ``sequence`` (``size`` bytes at ``offset``) as a ``uint8`` array to decode.
-
-        Read in place (:meth:`view`: no copy, and no page of this process's own is touched
-        until the user reads the tensors) unless it is wanted in pinned memory or half the
-        ring is already held that way; then copied out (:meth:`take`) and handed back at once.
+        """Payload ``sequence`` (``size`` bytes at ``offset``) as a ``uint8`` array to decode: in
+        place (:meth:`view`) unless wanted in pinned memory or half the ring is held so; then
+        copied out (:meth:`take`) and handed back at once.
         """
         copy = pinned_buffer(size) if pin else None
         if copy is None and self.can_view(size):
@@ -242,10 +236,8 @@ class Arena:
         return self.held_bytes + size <= self.size // 2
 
     def view(self, offset: int, sequence: int, size: int) -> np.ndarray:
-        """The payload at ``offset`` in place, as a ``uint8`` array of ``size`` bytes.
-
-        Its space is handed back to the worker once the array and every view made of it (the
-        decoded tensors and arrays) are gone.
+        """The payload at ``offset`` in place, as a ``uint8`` array of ``size`` bytes; its space
+        goes back to the worker once it and every view of it (the decoded tensors) are gone.
         """
         start = _HEADER_BYTES + offset
         payload = np.frombuffer(self._map, dtype=np.uint8, count=size, offset=start)

@@ -24,10 +24,8 @@ __all__ = ["Encoder", "Packet", "decode"]
 
 
 class Packet(abc.ABC):
-    """An encoded item on its way to the main process; :func:`decode` turns it back.
-
-    Torch's pin-memory thread calls :meth:`pin_memory` on it (as on anything with that
-    method): the item is then decoded there, straight into pinned memory.
+    """An encoded item on its way to the main process; :func:`decode` turns it back. Torch's
+    pin-memory thread calls :meth:`pin_memory`, which decodes straight into pinned memory.
     """
 
     __slots__ = ()
@@ -79,10 +77,8 @@ class _Inline(Packet):
 
 
 class _ArenaPacket(Packet):
-    """A packet that, in the main process, owns regions of its worker's arena until decoded.
-
-    Only the copy the main process received owns them (``owned``); dropped undecoded (a
-    loader shutting down, a discarded prefetch) it hands them all back.
+    """A packet that, in the main process, owns regions of its worker's arena until decoded (only
+    the received copy, ``owned``); dropped undecoded it hands them all back.
     """
 
     __slots__ = ("arena", "owned")
@@ -148,10 +144,8 @@ class _InArena(_ArenaPacket):
 
 
 class _Referencing(_ArenaPacket):
-    """An item whose payload (``inner``) refers to regions of its worker's arena by position.
-
-    In the main process the packet owns those regions until it is decoded: the decode adopts
-    each (a view of the ring, or a copy), and a packet dropped undecoded hands them all back.
+    """An item whose payload (``inner``) refers to regions of its worker's arena by position; the
+    decode adopts each (a view or a copy), and a packet dropped undecoded hands them back.
     """
 
     __slots__ = ("inner", "numbers", "referenced_bytes")
@@ -210,11 +204,8 @@ def decode(item: Any) -> Any:
 
 
 class Encoder:
-    """The worker end: turns each item into a :class:`Packet`.
-
-    One pickler and one stream are reused for every item (the memo is cleared in between);
-    nothing of an item is kept once its packet is made. Not thread-safe: one encoder per
-    worker, used by its iterating thread.
+    """The worker end: turns each item into a :class:`Packet`. One pickler and stream are reused
+    (memo cleared between items); nothing of an item is kept. One per worker, not thread-safe.
     """
 
     def __init__(self, inline_bytes: int, arena: Arena | None) -> None:

@@ -69,10 +69,8 @@ def batch_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 
 
 class ReferenceReducer:
-    """Worker side, the pickler's hook: reserved tensors by reference, not by copy.
-
-    ``adopted`` collects the reservations the item being pickled refers to; the encoder marks
-    them sent once the item is pickled, and clears it.
+    """Worker side, the pickler's hook: reserved tensors by reference, not by copy. ``adopted``
+    collects the reservations of the item being pickled, for the encoder to mark sent.
     """
 
     def __init__(self, arena: Arena) -> None:

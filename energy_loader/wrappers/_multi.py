@@ -17,10 +17,8 @@ __all__ = ["MultiCursor", "MultiWrapperDataset"]
 
 
 class MultiWrapperDataset(SavableDataset):
-    """A dataset that reads from several distinct inner datasets.
-
-    The inner datasets must be distinct objects that share no dataset below them: each keeps
-    its own position, and one object iterated from two places would mix both positions.
+    """A dataset that reads from several distinct inner datasets: distinct objects sharing no
+    dataset below them, since each keeps its own position.
     """
 
     datasets: tuple[SavableDataset, ...]

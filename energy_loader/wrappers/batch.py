@@ -50,12 +50,11 @@ class _BatchCursor(WrapperCursor):
 class BatchDataset(BaseWrapperDataset):
     """Group ``batch_size`` consecutive samples into one batch.
 
-    ``collate_fn(list_of_samples)`` builds the batch; the default,
-    :func:`~energy_loader.wrappers.collate.collate_keeping_tuples`, makes the batches
-    ``torch.utils.data.default_collate`` makes (numbers and arrays become tensors, strings stay
-    lists) but keeps ragged data as lists instead of failing, and the columns of tuple samples
-    in a tuple (torch gives a list) so that :class:`UnbatchDataset` can split them. The last
-    batch of an epoch may be smaller unless ``drop_last=True``. Example::
+    ``collate_fn(list_of_samples)`` builds the batch; the default
+    (:func:`~energy_loader.wrappers.collate.collate_keeping_tuples`) makes torch's
+    ``default_collate`` batches but keeps ragged data as lists and tuple samples' columns in a
+    tuple (for :class:`UnbatchDataset`). The last batch of an epoch may be smaller unless
+    ``drop_last=True``. Example::
 
         BatchDataset(ShuffleBufferDataset(source, size=1000), batch_size=32)
     """

@@ -70,10 +70,9 @@ def default_collate(samples: Sequence[Any]) -> Any:
 
 
 def collate_keeping_tuples(samples: Sequence[Any]) -> Any:
-    """:func:`default_collate`, but tuple samples give a *tuple* of collated columns.
-
-    The default of :class:`BatchDataset` and :class:`GroupBatchDataset`: it keeps columns
-    apart from a list of items, which is how :class:`UnbatchDataset` splits a batch.
+    """:func:`default_collate`, but tuple samples give a *tuple* of collated columns: the
+    default of :class:`BatchDataset` and :class:`GroupBatchDataset`, as
+    :class:`UnbatchDataset` splits them.
     """
     return _collate(samples, True)
 
@@ -119,10 +118,8 @@ def _collate_tensors(samples: list[Any]) -> Any:
 
 
 def _stack_tensors(samples: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack(samples)``, into :func:`batch_tensor` memory where that gives the same.
-
-    Only plain CPU tensors of one dtype that track no gradient: ``out=`` would refuse to
-    promote dtypes or record autograd, and subclasses return their own type from stack.
+    """``torch.stack(samples)``, into :func:`batch_tensor` memory where that gives the same: plain
+    CPU tensors of one dtype without grad (``out=`` would not promote or record autograd).
     """
     first = samples[0]
     dtype = first.dtype

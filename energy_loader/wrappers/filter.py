@@ -25,11 +25,8 @@ __all__ = ["FilterDataset"]
 class FilterDataset(BaseWrapperDataset):
     """Drop the samples for which ``predicate`` returns false.
 
-    The predicate runs after the same per-sample seeding as :class:`MapDataset` (turn it off
-    with ``seed_per_sample=False``), so a random predicate ("keep 10%") is reproducible;
-    right on a source that seeds its reads, one seeding before the read serves both, as for
-    a map.
-    ``len()`` is unknown. Example::
+    The predicate runs under :class:`MapDataset`'s per-sample seeding (``seed_per_sample``), so a
+    random predicate ("keep 10%") is reproducible. ``len()`` is unknown. Example::
 
         FilterDataset(source, lambda s: len(s["text"]) > 0)
     """

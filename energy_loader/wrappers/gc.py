@@ -22,7 +22,6 @@ _FROZEN_PIDS: set[int] = set()
 
 class GcDataset(BaseWrapperDataset):
     """Collect garbage every ``every_n_iter`` samples; ``gc.freeze()`` once per process.
-
     Example::
 
         GcDataset(BatchDataset(source, 32), every_n_iter=64)

@@ -52,7 +52,6 @@ class _LogCursor(WrapperCursor):
 
 class LogSampleDataset(BaseWrapperDataset):
     """Log every sample's restore key with rank, worker and index, for audits.
-
     Example::
 
         LogSampleDataset(pipeline, log_dir="runs/42/samples")
@@ -70,10 +69,7 @@ class LogSampleDataset(BaseWrapperDataset):
 
     def open_stream(self) -> IO[str] | None:
         """This partition's log file, line-buffered, opened once per process (None: logging).
-
-        One file per logical partition: a partition's samples form one stream whichever rank
-        or worker runs it (each line says which), so a job resumed on another layout appends
-        to the same files.
+        One file per logical partition: a job resumed on another layout appends to the same files.
         """
         if self.log_dir is None:
             return None

@@ -25,15 +25,12 @@ __all__ = ["MapDataset"]
 class MapDataset(BaseWrapperDataset):
     """Apply ``fn`` to every sample.
 
-    With ``seed_per_sample=True`` (the default) python ``random``, numpy's global RNG and
-    torch's default CPU generator are seeded from (pipeline seed, this map's position, the
-    sample's restore key) before each call (~11 us), so random augmentations are reproduced
-    exactly after a restore and by ``restore_sample``, whichever worker makes the sample.
-    Right on a source that seeds its reads (``IndexedSource`` over a dataset object), that
-    seeding is done once, before the read, and serves the read and ``fn`` alike
-    (:meth:`~energy_loader.SavableDataset.share_sample_seeding`). Pass
-    ``seed_per_sample=False`` for functions that draw no random numbers; a function that does
-    draw then gives different values after a restore. Example::
+    With ``seed_per_sample=True`` (the default) python ``random``, numpy's global RNG and torch's
+    default CPU generator are seeded from (pipeline seed, this map's position, the sample's
+    restore key) before each call (~11 us; done once before the read when the source seeds its
+    reads, :meth:`~energy_loader.SavableDataset.share_sample_seeding`), so random augmentations
+    are reproduced after a restore and by ``restore_sample`` on any worker. Pass ``False`` for
+    functions that draw nothing. Example::
 
         MapDataset(source, lambda s: {**s, "tokens": tokenize(s["text"])})
     """

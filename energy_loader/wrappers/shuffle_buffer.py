@@ -87,10 +87,9 @@ class _ShuffleBufferCursor(WrapperCursor):
 class ShuffleBufferDataset(BaseWrapperDataset):
     """Shuffle within a sliding buffer of ``size`` samples.
 
-    The first ``size`` samples fill the buffer; then each new sample replaces a randomly
-    chosen buffered one, which is yielded. At the end of the inner epoch the buffer drains in
-    random order. Needs an inner pipeline that can ``restore_sample`` (every built-in one can).
-    Example::
+    Once the buffer is full each new sample replaces a random buffered one, which is yielded; at
+    the inner epoch's end the buffer drains in random order. Needs an inner pipeline that can
+    ``restore_sample`` (every built-in one can). Example::
 
         ShuffleBufferDataset(MapDataset(source, tokenize), size=1000)
     """
