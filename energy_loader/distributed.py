@@ -56,12 +56,8 @@ _MAX_LISTED = 4
 
 @attrs.frozen
 class _Group:
-    """A loader's data-parallel group as this process sees it.
-
-    ``members`` are the global ranks in data-parallel-rank order and ``rank`` this process's
-    data-parallel rank. ``collective`` is False when torch.distributed is not initialised:
-    then nothing can be exchanged, and ``members`` is ``range(world_size)`` of the config.
-    """
+    """A loader's data-parallel group as this process sees it: ``members`` (global ranks in
+    data-parallel order), ``rank``; ``collective`` False without torch.distributed."""
 
     handle: Any
     members: tuple[int, ...]

@@ -70,11 +70,8 @@ def _as_process_group(group: Any) -> Any:
 
 
 def data_parallel_layout(group: Any = None) -> tuple[Any, int, int]:
-    """``(process group, rank in it, its size)`` of this process; ``None`` = default group.
-
-    Accepts a ``ProcessGroup`` or a one-dimensional ``DeviceMesh``. Raises ``ValueError``
-    when no process group is initialised or this process is not a member of ``group``.
-    """
+    """``(process group, rank in it, its size)`` of this process (``None``: the default group) for a
+    ``ProcessGroup`` or 1-D ``DeviceMesh``; ``ValueError`` without one or if not a member."""
     import torch.distributed as dist
 
     _require_initialized("WorkerConfig.from_process_group")
@@ -92,10 +89,8 @@ def data_parallel_layout(group: Any = None) -> tuple[Any, int, int]:
 
 
 def check_group_layout(group: Any, rank: int, world_size: int) -> None:
-    """Raise unless ``rank``/``world_size`` are this process's rank in ``group`` and its size.
-
-    Used by :class:`~energy_loader.WorkerConfig` when it is given a data-parallel group.
-    """
+    """Raise unless ``rank``/``world_size`` are this process's rank in ``group`` and its size (for
+    :class:`~energy_loader.WorkerConfig`)."""
     import torch.distributed as dist
 
     _type_check_group(group)

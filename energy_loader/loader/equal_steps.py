@@ -40,9 +40,8 @@ __all__ = [
 
 @attrs.frozen
 class Tally:
-    """Where a rank stands against the epoch's count: the items the job had left where the
-    assignment began, this rank's items left, and the steps it still lacks (its extra
-    pieces to cut)."""
+    """Where a rank stands against the epoch's count: the job's items left where the assignment
+    began, this rank's items left, and the steps it lacks (extra pieces to cut)."""
 
     job_left: int
     items_left: int
@@ -71,10 +70,8 @@ def tally(lengths: Sequence[int], layout: PartitionLayout, rank: int, consumed: 
 
 
 def pieces_for(items_left: int, extra: int, partitions: int) -> int:
-    """Into how many pieces a short rank that runs ``partitions`` partitions cuts its next
-    item: two once its items left are no more than the steps it lacks plus one round over its
-    partitions (whose last items may be short batches of one row), everything still lacking
-    for its last item."""
+    """Into how many pieces a short rank running ``partitions`` partitions cuts its next item: two
+    once its items left are at most its lacking steps plus one round, all lacking at its last."""
     if extra <= 0 or items_left > extra + max(1, partitions):
         return 1
     return 1 + extra if items_left <= 1 else 2
@@ -93,9 +90,8 @@ def piece_bounds(rows: int, pieces: int) -> list[tuple[int, int]]:
 
 
 def split_item(item: Any, pieces: int) -> list[Any] | None:
-    """``item`` (a batch) cut into up to ``pieces`` smaller batches along its first dimension
-    (as many as it has rows), each carrying the restore keys of its rows; ``None`` when it
-    cannot be cut (not a batch, or one row)."""
+    """``item`` (a batch) cut into up to ``pieces`` batches along its first dimension, each with its
+    rows' restore keys; ``None`` when it cannot be cut (not a batch, or one row)."""
     try:
         rows = batch_length(item)
     except (TypeError, ValueError):
@@ -124,10 +120,9 @@ class Standing(Protocol):
 
 
 def cut_for_equal_steps(sample: Any, progress: Standing) -> list[Any] | None:
-    """``sample`` cut into pieces when the rank lacks steps against the epoch's count and its
-    items left are few enough (:func:`pieces_for`); None to hand it out whole. An item that
-    cannot be cut when it is the rank's last is handed out whole, with a warning: the rank
-    then ends its epoch a step early."""
+    """``sample`` cut into pieces when the rank lacks steps and has few items left
+    (:func:`pieces_for`); None to hand it out whole (a last item that cannot be cut, with a
+    warning)."""
     if progress.job_left is None or progress.extra <= 0:
         return None
     pieces = pieces_for(progress.items_left, progress.extra, progress.per_rank)

@@ -89,13 +89,9 @@ def idle_workers_warning(num_partitions: int, world_size: int, num_workers: int)
 
 
 def next_worker(worker: int, slot: int, per_rank: int, num_workers: int) -> int:
-    """The worker whose item follows item ``slot`` of worker ``worker`` in its rank's stream.
-
-    Worker ``w`` runs the rank's partitions at positions ``w, w + W, w + 2W, ...`` of the
-    order its steps reach them, so its slot ``s`` is position ``w + s * W``; the next position
-    belongs to worker ``(w + s * W + 1) % Q % W`` (``Q`` partitions per rank). When ``W``
-    divides ``Q`` that is ``(w + 1) % W``: torch's own round-robin.
-    """
+    """The worker whose item follows item ``slot`` of worker ``worker`` in its rank's stream: worker
+    ``w``'s slot ``s`` is position ``w + s * W`` of the rank's ``Q`` partitions, so the next is ``(w
+    + s * W + 1) % Q % W``; when ``W`` divides ``Q``, torch's ``(w + 1) % W``."""
     workers = max(1, num_workers)
     return (worker + slot * workers + 1) % per_rank % workers
 

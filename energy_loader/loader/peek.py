@@ -45,12 +45,9 @@ def _worker_items(runner: Runner) -> Iterator[tuple[int, tuple[Key, Any]]]:
 def future_items(
     planner: Planner, settings: CheckpointSettings, states: Sequence[RankState]
 ) -> Iterator[tuple[Key, Any]]:
-    """``(key, sample)`` of every item a loader yields after a restore from ``states``.
-
-    ``planner`` and ``settings`` are the loader's; ``states`` one save's rank states. Runs on across
-    epoch ends until two epochs in a row yield nothing. Raises what ``restore_state_rank`` raises;
-    wrap it in :func:`energy_loader.rng.kept_rng_state` to keep the global RNGs.
-    """
+    """``(key, sample)`` of every item a loader (its ``planner`` and ``settings``) yields after a
+    restore from one save's ``states``, across epochs until two in a row yield nothing. Raises as
+    ``restore_state_rank``; wrap it in :func:`energy_loader.rng.kept_rng_state`."""
     empty_epochs = 0
     current = list(states)
     scale = check_fits(planner, current)  # the next epochs' states are the peek's own

@@ -117,12 +117,8 @@ class _EngineIterator:
 
 class PipelineEngine:
     """Runs and records a savable pipeline for one loader (see the module docstring).
-
-    ``adopts_partitions``: no ``num_partitions`` given, continue the restored count. ``verify``:
-    restores check their proof. ``savable=False``: saves nothing (evaluation). ``dropin``: the inner
-    engine of an iterable drop-in, behaving as torch's loader (no equal steps; without workers the
-    dataset draws from the training's generators).
-    """
+    ``adopts_partitions``: continue the restored partition count; ``savable=False``: save nothing;
+    ``dropin``: an iterable drop-in's inner engine, behaving as torch's loader."""
 
     def __init__(
         self,

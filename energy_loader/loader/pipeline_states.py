@@ -55,10 +55,8 @@ class StatesReader(Protocol):
 
 
 def plan(planner: Planner, records: list[RankState], on_code_change: str) -> RestorePlan:
-    """Check that ``records`` fit ``planner``'s pipeline and plan the restore (:mod:`.checks`,
-    then :meth:`~energy_loader.loader.planner.Planner.plan`); a user function whose code
-    changed since the save warns or refuses (``on_code_change``), and a restore that continues
-    with the new code checks only the keys of the items it re-makes, not their values."""
+    """Check that ``records`` fit ``planner``'s pipeline and plan the restore; a function whose code
+    changed warns or refuses (``on_code_change``), continuing with its keys checked only."""
     restore = planner.plan(records, scale=checks.check_fits(planner, records))
     checks.check_checkpoints(planner, restore.restores)
     if checks.report_code_changes(records[0].config, planner.pipeline_config, on_code_change):
@@ -82,9 +80,8 @@ def check_headers_of_one_save(states: Sequence[Any], *, across: bool) -> None:
 
 
 def slots_to_run(engine: StatesReader, saved: RankState) -> list[str]:
-    """The slot keys ``engine``'s rank runs when it restores from the save ``saved`` (any
-    saved rank's state) belongs to (``StateMismatchError`` naming both counts if this loader
-    cannot run that many partitions)."""
+    """The slot keys ``engine``'s rank runs to restore from ``saved``'s save (``StateMismatchError``
+    naming both counts if it cannot run that many partitions)."""
     planner = engine.planner_for([saved])
     checks.check_partition_count(saved, planner.num_partitions, engine.worker_config.world_size)
     config = engine.worker_config
@@ -130,12 +127,8 @@ def _check_slot_states(
 
 def read_rank_files(engine: StatesReader, folder: RankFolder) -> list[RankState]:
     """The saved states ``engine``'s rank restores from, out of a folder of rank files, each holding
-    only the slots the rank now runs, checked to be of one save.
-
-    The file of this rank's first slot gives the saved layout and config, the files of the ranks
-    whose slots it runs those slots, and one more file (the witness) its header, so a file of
-    another save in the folder is refused on at least one rank.
-    """
+    only the slots it now runs: the files of its slots plus a witness's header, checked to be of one
+    save, so a stray file of another save is refused on at least one rank."""
     first = folder.open_own() if folder.has_own() else folder.open(folder.rank % len(folder.files))
     config = first.config()
     saved = _header_state(first, config)

@@ -97,9 +97,8 @@ class Planner:
         return total
 
     def tally(self, start: int, consumed: int = 0) -> Tally | None:
-        """This rank's count of the epoch's steps (:mod:`.equal_steps`) where an assignment
-        begins at global position ``start`` after the job consumed ``consumed`` items of the
-        epoch; None when a stage's length is unknown."""
+        """This rank's count of the epoch's steps (:mod:`.equal_steps`) for an assignment from
+        ``start`` after ``consumed`` items of the epoch; None when a stage's length is unknown."""
         lengths = self.partition_lengths()
         if not lengths:
             return None
@@ -280,9 +279,8 @@ class RestorePlan:
     pieces: int = 0
 
     def keys_only(self) -> RestorePlan:
-        """This plan with each partition's proof of values dropped, its keys' kept: for a
-        restore that continues with functions whose code changed since the save, and for a
-        peek, which tells keys."""
+        """This plan with each partition's proof of values dropped and its keys kept (a restore onto
+        changed code, and a peek)."""
         restores = {p: attrs.evolve(entry, made=None) for p, entry in self.restores.items()}
         return attrs.evolve(self, restores=restores)
 
@@ -293,10 +291,8 @@ def _describe(numbers: Any) -> str:
 
 
 def _scaled(entry: PartitionState, scale: int) -> PartitionState:
-    """``entry`` replayed with ``scale`` times smaller batches: ``scale`` times the items, and
-    no proof to check (the saved one names a batch of the old size: its key and its values).
-    Only an epoch's last batch can be short, and it makes from 1 to ``scale`` new batches: the
-    replay may end up to ``scale - 1`` items early, at the partition's end (``replay_slack``)."""
+    """``entry`` replayed with ``scale`` times smaller batches: ``scale`` times the items and no
+    proof (it names an old batch); it may end up to ``scale - 1`` items early (``replay_slack``)."""
     if scale == 1:
         return entry
     return attrs.evolve(

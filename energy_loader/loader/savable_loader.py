@@ -485,8 +485,10 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
 
 
 class BasicDataLoader(SavableDataLoader):
-    """Runs a savable pipeline with the same sharding and seeding, but saves nothing: for
-    evaluation; ``save_state_rank`` and the other state methods raise ``TypeError``."""
+    """Runs a savable pipeline with the same sharding and seeding, but saves nothing.
+
+    For evaluation; ``save_state_rank`` and the other state methods raise ``TypeError``.
+    """
 
     saves_state = False
 

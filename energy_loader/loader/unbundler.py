@@ -32,9 +32,8 @@ class Unbundler:
         ]
 
     def next_item(self, expected: int, done: Sequence[bool]) -> WorkerItem:
-        """The next item of logical worker ``expected`` (or the next one due after it that
-        has not ended its epoch). Raises StopIteration when every worker is exhausted, and a
-        failure item's exception when its turn comes."""
+        """The next item of logical worker ``expected`` (or the next due that has not ended); raises
+        StopIteration when all are exhausted, and a failure item's exception in its turn."""
         waiting = self._waiting
         count = len(waiting)
         turns = [(expected + step) % count for step in range(count)]

@@ -19,11 +19,8 @@ __all__ = ["fsync_directory", "write_atomically"]
 
 
 def fsync_directory(directory: str | os.PathLike[str]) -> None:
-    """Make the renames and new entries in ``directory`` durable (POSIX: fsync the directory).
-
-    For publishing a whole directory atomically: write it under a temporary name, rename it
-    into place, then fsync its parent.
-    """
+    """Make the renames and new entries in ``directory`` durable (POSIX: fsync the directory), e.g.
+    after renaming a whole directory into place."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

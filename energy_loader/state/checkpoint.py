@@ -49,9 +49,8 @@ def _digest(payload: Any) -> str:
 def save_checkpoint(path: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
     """Write ``payload`` (plain data, e.g. a loader state) to ``path`` atomically.
 
-    Raises ``StateFormatError`` before touching the disk if ``payload`` is not plain data. On
-    any I/O error (a full disk, say) the temporary file is removed and an existing ``path`` is
-    left exactly as it was.
+    Raises ``StateFormatError`` before touching the disk if ``payload`` is not plain data; on an I/O
+    error the temporary file is removed and an existing ``path`` is left as it was.
     """
     target = Path(path)
     if not isinstance(payload, dict):
@@ -71,11 +70,8 @@ def save_checkpoint(path: str | os.PathLike[str], payload: dict[str, Any]) -> Pa
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a file written by :func:`save_checkpoint`; returns the payload.
-
-    Raises ``FileNotFoundError`` for a missing file and ``StateFormatError`` for anything that
-    is not an intact checkpoint (truncated, corrupted, a pickle payload, a wrong checksum).
-    """
+    """Read a file written by :func:`save_checkpoint`; returns the payload. Raises
+    ``FileNotFoundError`` if missing, ``StateFormatError`` if not an intact checkpoint."""
     source = Path(path)
     try:
         record = torch.load(source, weights_only=True, map_location="cpu")
@@ -147,11 +143,8 @@ class CheckpointDirectory:
         return path
 
     def load_latest(self) -> tuple[int, dict[str, Any]] | None:
-        """The newest intact checkpoint as ``(step, payload)``; damaged ones are skipped.
-
-        Each damaged file is reported with a warning on the ``energy_loader.checkpoint``
-        logger. Returns ``None`` when there is no intact checkpoint.
-        """
+        """The newest intact checkpoint as ``(step, payload)``, or ``None``; damaged ones are
+        skipped with a warning on the ``energy_loader.checkpoint`` logger."""
         for step in reversed(self.steps()):
             try:
                 return step, load_checkpoint(self.path_for(step))

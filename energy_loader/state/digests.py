@@ -63,19 +63,15 @@ def _hash(text: str) -> str:
 
 
 class CheckpointDigest(str):
-    """A checkpoint's digest, holding beside it the checkpoint's :func:`compact_json` (``text``).
-
-    Both are computed in the worker process, so a save splices ``text`` into the state's JSON
-    instead of encoding it again. It compares, hashes, prints and encodes as the digest string.
-    """
+    """A checkpoint's digest, holding beside it the checkpoint's :func:`compact_json` (``text``),
+    both made in the worker so a save splices ``text`` in; it behaves as the digest string."""
 
     text: str
 
 
 def checkpoint_digest(checkpoint: Any) -> str:
-    """A digest of a pipeline checkpoint (plain data) as canonical JSON: lists and tuples
-    alike, keys sorted, so a checkpoint reads the same after any round trip. Returns a
-    :class:`CheckpointDigest` carrying the checkpoint's compact JSON too."""
+    """A digest of a pipeline checkpoint as canonical JSON (lists and tuples alike, keys sorted),
+    carrying the compact JSON too (:class:`CheckpointDigest`)."""
     canonical = json.dumps(checkpoint, sort_keys=True, separators=(",", ":"), allow_nan=False)
     value = CheckpointDigest(hashlib.blake2b(canonical.encode(), digest_size=8).hexdigest())
     value.text = compact_json(checkpoint)
@@ -188,11 +184,8 @@ _Update = Callable[[Any], object]
 
 def content_digest(value: Any) -> str:
     """A short digest of an item's values as the pipeline made it (a sample, or a batch as
-    collated), the same in every process and run for equal values.
-
-    What it reads, how, at what cost, and what it cannot see: docs/restores.md ("What the proof of
-    values reads"). Items are digested as made, before the loader attaches their restore key.
-    """
+    collated), the same in every process and run for equal values; what it reads and cannot see:
+    docs/restores.md. Items are digested before the loader attaches their restore key."""
     kind = type(value)
     if (kind is list or kind is tuple) and value and type(value[0]) is np.ndarray:
         arrays = _arrays_digest(value)
@@ -248,9 +241,8 @@ class _Walk(Exception):
 
 
 def _leaf(*parts: Any) -> tuple[Any, ...]:
-    """What a value other than a plain python one pickles as in :func:`_pickled`: a call of
-    this function (by its name) on the value's digest, or on a small array's dtype, shape and
-    bytes."""
+    """What a non-plain value pickles as in :func:`_pickled`: a call of this function on its digest,
+    or on a small array's dtype, shape and bytes."""
     return parts
 
 
@@ -258,10 +250,8 @@ _LEAF_MEMO = {id(_leaf): (0, _leaf)}
 
 
 class _ValuePickler(pickle.Pickler):
-    """Pickles plain python values (the C pickler's own: ``None``, bools, ints, floats, str,
-    bytes, dicts, lists, tuples) without its memo, so that equal values pickle to equal bytes
-    whichever objects they share; small arrays and tensors as their dtype, shape and bytes, and
-    every other value as its digest (``reducer_override``). A set raises :class:`_Walk`."""
+    """Pickles plain python values without the memo (equal values, equal bytes), small arrays and
+    tensors as dtype, shape and bytes, anything else as its digest; a set raises :class:`_Walk`."""
 
     def reducer_override(self, obj: Any) -> Any:
         kind = type(obj)
@@ -409,9 +399,8 @@ def _feed_text(update: _Update, tag: bytes, text: Any, share: int) -> None:
 
 
 def _stride(count: int, share: int, row: int) -> int:
-    """The stride that reads at most ``share`` of ``count`` elements, prime to ``row`` (the
-    elements of one row), so that the elements read spread over a row's positions instead of
-    one column of it (224 x 224 images would otherwise be read at the same pixel)."""
+    """The stride reading at most ``share`` of ``count`` elements, prime to ``row`` so that the
+    elements read spread over a row's positions, not one column (224 x 224 images)."""
     stride = -(-count // share)
     while math.gcd(stride, row) != 1:
         stride += 1

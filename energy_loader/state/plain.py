@@ -86,9 +86,8 @@ def json_leaf(text: str, path: str) -> Any:
 
 
 def check_format(reader: StateReader, name: str, version: int, what: str) -> None:
-    """``StateFormatError`` unless the dict ``reader`` reads is tagged ``"format": name`` and
-    ``"version": version`` (``what`` names the kind of thing it should be, e.g. "checkpoint
-    file")."""
+    """``StateFormatError`` unless ``reader``'s dict is tagged ``"format": name`` and ``"version":
+    version`` (``what``: the kind of thing, e.g. "checkpoint file")."""
     if not reader.has("format") or reader.raw("format") != name:
         raise StateFormatError(f"{reader.path} is not an energy_loader {what} (no {name!r} tag)")
     found = reader.int("version")
@@ -165,11 +164,8 @@ class StateReader:
 
 
 def pack_keys(keys: list[tuple[Any, ...]]) -> dict[str, list[Any]]:
-    """Encode a list of restore keys compactly: plain ints when every key is ``(int,)``.
-
-    A 1,000-sample shuffle buffer over an IndexedSource then costs ~6 bytes per key in JSON
-    instead of ~9.
-    """
+    """Encode a list of restore keys compactly: plain ints when every key is ``(int,)`` (~6 bytes a
+    key in JSON instead of ~9)."""
     if all(len(k) == 1 and type(k[0]) is int for k in keys):
         return {"indices": [k[0] for k in keys]}
     return {"keys": [list(k) for k in keys]}

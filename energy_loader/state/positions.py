@@ -23,12 +23,9 @@ __all__ = ["CheckpointRing", "Position", "PositionBook", "Snapshot"]
 
 
 class CheckpointRing:
-    """The rolling checkpoints of one worker: ``(index, state)`` pairs, oldest first.
-
-    A checkpoint is dropped only when the next one is at or before ``newest_index - in_flight``, so
-    the ring covers every save the main process can still ask for. When full, optional (time-based)
-    checkpoints are not taken.
-    """
+    """The rolling checkpoints of one worker: ``(index, state)`` pairs, oldest first; one is dropped
+    only once the next is at or before ``newest_index - in_flight`` (every save the main process can
+    still ask for stays covered)."""
 
     def __init__(self, capacity: int, in_flight: int) -> None:
         self._entries: collections.deque[tuple[int, Any]] = collections.deque()
@@ -78,11 +75,7 @@ class CheckpointRing:
 @attrs.frozen
 class Snapshot:
     """One rolling checkpoint of a worker: each of its partitions' position, in the worker's order,
-    then ``next``, whose turn came next.
-
-    Its states' ``last`` and ``made`` are unset (the book knows them from the items); ``era`` is the
-    worker's epoch it was taken in.
-    """
+    then ``next``, whose turn came next; ``era``: the worker's epoch it was taken in."""
 
     partitions: tuple[PartitionState, ...]
     next: int
@@ -117,12 +110,9 @@ Event = tuple[int, int, Any, str | None]
 
 
 class PositionBook(CheckpointRing):
-    """A worker's :class:`Snapshot` ring plus which partition made each recent item.
-
-    Kept by the main process per worker, or by the in-process runner. ``events`` holds ``(index,
-    slot, key, made)`` per item, dropped with the snapshots older than it. A snapshot is also taken
-    at every partition's epoch end and epoch start, so ``done`` always comes from one.
-    """
+    """A worker's :class:`Snapshot` ring plus which partition made each recent item (``events``:
+    ``(index, slot, key, made)``), kept by the main process per worker or by the in-process runner.
+    Snapshots at every partition's epoch end make ``done`` reliable."""
 
     def __init__(self, capacity: int, in_flight: int) -> None:
         super().__init__(capacity, in_flight)
@@ -143,9 +133,8 @@ class PositionBook(CheckpointRing):
         super().add(-1, (snapshot, tuple(self._lasts), tuple(self._mades)))
 
     def add(self, index: int, state: Any, *, optional: bool = False) -> bool:
-        """File snapshot ``state`` taken after item ``index`` with each partition's last key
-        and made digest as the book knows them now (a worker sends neither); a position read
-        off the book puts them into the partitions' records."""
+        """File snapshot ``state`` taken after item ``index`` with each partition's last key and
+        made digest as the book knows them now (a worker sends neither)."""
         count = len(state.partitions)
         if len(self._lasts) != count:
             self._lasts = [None] * count
@@ -190,11 +179,8 @@ class PositionBook(CheckpointRing):
                 self.add(taken_at, snapshot)
 
     def position_at(self, last_index: int, *, epoch_ended: bool = True) -> Position:
-        """Each partition's position and the next slot after ``last_index``, as a save writes them.
-
-        ``epoch_ended=False`` with a newest snapshot of an ended epoch: every partition continues
-        from its end into the current epoch, the round-robin starting over.
-        """
+        """Each partition's position and the next slot after ``last_index``, as a save writes them;
+        with ``epoch_ended=False`` a snapshot of an ended epoch continues into the current one."""
         with self._lock:
             index, (snapshot, filed_lasts, filed_mades) = self._find(last_index)
             events = [e for e in self.events if index < e[0] <= last_index]

@@ -99,12 +99,8 @@ class _CountingFile(io.RawIOBase):
 
 
 def write_rank_file(path: str | os.PathLike[str], state: dict[str, Any]) -> Path:
-    """Write one rank's plain ``state`` (``save_state_rank()``'s) to ``path`` atomically.
-
-    A pipeline's rank state is split into its header, its config and its partitions by slot;
-    any other state goes whole into the header. Raises ``StateFormatError`` before touching
-    the disk if ``state`` is not plain data.
-    """
+    """Write one rank's plain ``state`` (``save_state_rank()``'s) to ``path`` atomically; raises
+    ``StateFormatError`` before touching the disk if it is not plain data."""
     if not isinstance(state, dict):
         raise TypeError(f"`state` must be a dict of plain data (got {type(state).__name__})")
     header: dict[str, Any] = {"format": RANK_FILE_FORMAT, "version": RANK_FILE_VERSION}
@@ -135,12 +131,12 @@ def write_rank_file(path: str | os.PathLike[str], state: dict[str, Any]) -> Path
 
 
 class RankFile:
-    """One rank file, opened to read only what a restore needs.
+    """One rank file, opened to read only what a restore needs (a context manager).
 
-    ``header`` is the rank's state without its config and partitions (a drop-in's whole state,
-    ``split`` false), ``slots`` ``{key: (offset, length)}``. Members are found from the front of the
-    file by their local headers (docs/design.md), so a partition costs the read of its own bytes;
-    every CRC is checked, so a file laid out otherwise is a ``StateFormatError``. A context manager.
+    ``header``: the state without config and partitions (a drop-in's whole state: ``split`` false);
+    ``slots``: ``{key: (offset, length)}``. Members are found from the front by their local headers
+    (docs/design.md) and every CRC is checked, so a partition costs its own bytes and a file laid
+    out otherwise is a ``StateFormatError``.
     """
 
     def __init__(self, path: str | os.PathLike[str], tally: ReadTally | None = None) -> None:
@@ -178,9 +174,8 @@ class RankFile:
         return data
 
     def _read_member(self, offset: int, expected: str) -> tuple[str, bytes, int]:
-        """The name and data of the member whose local header is at ``offset`` (the data is
-        read, and checked by its CRC-32, only when the name is ``expected``), and where the
-        next member begins."""
+        """The name and data (read and CRC-checked only when the name is ``expected``) of the member
+        whose local header is at ``offset``, and where the next member begins."""
         fields = _LOCAL_HEADER.unpack(self._read_range(offset, _LOCAL_HEADER.size))
         if fields[0] != _LOCAL_SIGNATURE:
             raise self._fail(f"no ZIP member at offset {offset}")

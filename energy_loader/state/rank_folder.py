@@ -34,12 +34,8 @@ def rank_file_name(prefix: str, rank: int, world_size: int) -> str:
 
 
 class RankFolder:
-    """One restoring rank's view of a folder of per-rank state files (a context manager that
-    closes every file it opened).
-
-    ``rank``/``world_size`` are the restoring rank's; ``prefix=None`` takes the prefix the
-    files have. ``files`` lists the save's files in rank order (checked complete) on first use.
-    """
+    """One restoring rank's view of a folder of per-rank state files; a context manager closing
+    every file it opened. ``files``: the save's files in rank order, checked complete."""
 
     def __init__(
         self,
@@ -86,10 +82,9 @@ class RankFolder:
         return self._open_path(path)
 
     def witness_rank(self, saved_world_size: int, read: Collection[int]) -> int | None:
-        """The saved rank whose file a restore that reads only one (``read``) reads besides,
-        so that a file of another save or run left in the folder is refused on at least one
-        rank: the lowest rank not read. None when two or more files are read already (they
-        are checked against each other), or the save had one rank."""
+        """The lowest rank not read, whose file a restore reading only one (``read``) checks besides
+        so a stray file of another save is refused; None when two or more are read, or one rank
+        saved."""
         if len(read) > 1:
             return None
         return next((r for r in range(saved_world_size) if r not in read), None)
@@ -130,10 +125,9 @@ def rank_state_files(
 ) -> list[Path]:
     """The state files of one :func:`save_state_rank_file` save in ``directory``, in rank order.
 
-    ``prefix=None`` takes whatever prefix the files were saved with (several prefixes are a
-    ``ValueError`` naming them). ``directory`` that is not a folder, or holds no such files, is
-    a ``FileNotFoundError`` naming the file names expected; files of several world sizes, or
-    an incomplete set, a ``StateMismatchError``. Nothing is read but the file names.
+    Reads only the file names. ``prefix=None`` takes the files' one prefix (several: a
+    ``ValueError``); no folder or no files: ``FileNotFoundError`` naming the names expected; several
+    world sizes or an incomplete set: ``StateMismatchError``.
     """
     folder = Path(directory)
     if not folder.is_dir():
@@ -158,10 +152,8 @@ def rank_state_files(
 
 
 def _rank_files(directory: Path, prefix: str | None) -> list[Path]:
-    """The state files of one save in ``directory``, in rank order (checked complete).
-
-    ``prefix=None``: the files of whichever single prefix the directory holds.
-    """
+    """The state files of one save in ``directory``, in rank order (checked complete);
+    ``prefix=None``: whichever single prefix the directory holds."""
     found: dict[str, dict[int, dict[int, Path]]] = {}
     for candidate in directory.glob(f"{'*' if prefix is None else prefix}_rank_*_of_*.pt"):
         match = _RANK_FILE.fullmatch(candidate.name)

@@ -43,10 +43,9 @@ _CONFIG_CHECKS: dict[int, tuple[Any, str]] = {}
 class PartitionState:
     """One partition's position: a pipeline checkpoint plus items to replay on top of it.
 
-    The one record of it from a worker's snapshot to the state file (docs/state-format.md). ``last``
-    (the last item's restore key, as its digest once read off the book) and ``made``
-    (:func:`~energy_loader.state.digests.content_digest` of its values) are the restore's proof,
-    ``None`` where there is none; ``checkpoint_check`` is set when the worker computed it.
+    The one record from a worker's snapshot to the state file (docs/state-format.md). ``last`` (the
+    last item's key, or its digest once read off the book) and ``made`` (its values' digest) are the
+    restore's proof, ``None`` where there is none.
     """
 
     partition: int
@@ -233,10 +232,9 @@ class RankState:
         return check
 
     def stream_position(self) -> int:
-        """The job's position ``B`` (mod ``P``) seen from this rank, from which its partitions'
-        slots count: ``start + world_size x delivered`` (the ranks of a synchronous job deliver
-        in lockstep), or, once its epoch ended, ``start mod world_size``, where the next
-        epoch's assignment starts (partitions.py)."""
+        """The job's position ``B`` (mod ``P``) seen from this rank: ``start + world_size x
+        delivered`` (lockstep), or once its epoch ended ``start mod world_size``, where the next one
+        starts."""
         if self.epoch_ended:
             return self.start % self.world_size
         return (self.start + self.world_size * self.delivered) % self.num_partitions
@@ -283,10 +281,7 @@ class RankState:
     @classmethod
     def from_plain(cls, data: Any, *, complete: bool = True) -> RankState:
         """Decode and validate; raises ``StateFormatError`` naming the first bad field.
-
-        ``complete=False`` accepts a ``partitions`` list holding only some of the partitions
-        the workers run (the leaves one restoring rank read of a rank that saved more).
-        """
+        ``complete=False`` accepts only some of the workers' partitions."""
         reader = StateReader(data, "state")
         if not reader.has("format"):
             raise StateFormatError(
@@ -490,9 +485,8 @@ def is_partition_entries(value: Any) -> bool:
 
 def partition_entries(states: list[RankState]) -> dict[str, str]:
     """Every partition of ``states`` as a JSON leaf ``{"rank_state": <header>, "partition": <one
-    partition>}`` under its slot's key; header and already-encoded checkpoints are spliced in,
-    giving ``json.dumps``'s text at a fraction of the cost (``state_dict()`` is on the training
-    loop's path)."""
+    partition>}`` under its slot's key, spliced from encoded parts (``state_dict()`` is on the
+    training loop's path)."""
     out = {}
     for state in states:
         header = state.to_plain(with_partitions=False)

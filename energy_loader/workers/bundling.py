@@ -75,12 +75,8 @@ def bundle_items(
     items_per_transfer: int,
     max_bytes: int = BUNDLE_BYTES,
 ) -> Iterator[tuple[WorkerItem, ...]]:
-    """Group a worker's numbered items (``WorkerItem``) into bundles.
-
-    ``limits[logical]`` is the main process's current cap for this worker (see the module
-    docstring); ``physical`` names the worker in a failure's message, as torch does;
-    ``max_bytes`` closes a bundle (:func:`bundle_bytes`).
-    """
+    """Group a worker's numbered items (``WorkerItem``) into bundles, capped by ``limits[logical]``
+    and ``max_bytes``; ``physical`` names the worker in failures."""
     bundle: list[Any] = []
     limit = 1
     nbytes = 0

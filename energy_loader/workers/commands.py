@@ -53,12 +53,9 @@ class CommandServer(threading.Thread):
 
 
 def exit_without_flushing_if_orphaned() -> None:
-    """Let this worker process exit at once if its main process has died.
-
-    On exit multiprocessing joins the result queue's feeder thread, which in an orphan waits forever
-    to write a bundle nobody reads (holding memory and inherited stdout). A finalizer with priority
-    >= 0 runs before that join and ends an orphan there.
-    """
+    """Let this worker process exit at once if its main process has died: at exit an orphan's
+    result-queue feeder thread would wait forever to write a bundle nobody reads; a finalizer with
+    priority >= 0 runs before that join."""
     parent = os.getppid()
 
     def exit_if_orphaned() -> None:

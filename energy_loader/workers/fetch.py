@@ -37,11 +37,8 @@ _SEED_POSITION = -1
 
 @attrs.frozen
 class FetchTask:
-    """One trip to a worker: consecutive units of the index stream, from number ``first``.
-
-    A unit is what the user's index sampler yields: a list of indices with batching (one
-    batch), one index without (``batch_size=None``).
-    """
+    """One trip to a worker: consecutive units of the index stream from number ``first`` (a unit:
+    one batch's indices, or one index with ``batch_size=None``)."""
 
     first: int
     units: tuple[Any, ...]
@@ -50,10 +47,8 @@ class FetchTask:
 
 @attrs.define
 class FetchResult:
-    """What a worker sends back: the made batches (encoded in a worker), their count, how long
-    making them took and their payload bytes (for the bundle size), a failure, if any, and
-    with ``prove`` the digest of each batch's values as collated (``made``, one per batch
-    made; None without)."""
+    """What a worker sends back: the made batches (encoded), their count, time and payload bytes, a
+    failure if any, and with ``prove`` each batch's values' digest (``made``)."""
 
     first: int
     payload: Any
@@ -141,12 +136,9 @@ class BatchFetcher(Dataset[Any]):
         )
 
     def remake(self, unit: Any, epoch_seed: int) -> str | None:
-        """The digest of the batch of ``unit`` made again here, in the main process, exactly
-        as a worker makes it (the same per-sample seeds, ``__getitem__``/``__getitems__`` and
-        ``collate_fn``; the global RNGs put back after); None when the dataset cannot be
-        copied. It reads a shallow copy of the dataset, so that what ``__getitem__`` sets up
-        lazily on its first call (an open file, a database handle) stays off the dataset the
-        worker processes are forked from. Raises what the user's code raises."""
+        """The digest of the batch of ``unit`` made again here exactly as a worker makes it (global
+        RNGs put back after); None when the dataset cannot be copied. It reads a shallow copy, so
+        what ``__getitem__`` opens lazily stays off the dataset the workers fork from."""
         try:
             dataset = copy.copy(self.dataset)
         except Exception:
@@ -187,10 +179,9 @@ class BatchFetcher(Dataset[Any]):
 
 
 def draws_nothing(dataset: Any) -> bool:
-    """Whether ``dataset``'s reads draw no random numbers, known without reading: a Hugging
-    Face ``datasets.Dataset`` without a ``set_transform``/``with_transform`` (its formats are
-    deterministic), read one batch a call whatever ``seed_per_sample`` (7x the rows/s of a
-    row at a time for a two-column table). Checked per batch: a transform may be set late."""
+    """Whether ``dataset``'s reads draw no random numbers, known without reading: a Hugging Face
+    ``datasets.Dataset`` without a transform, then read one batch a call (7x faster); checked per
+    batch, as a transform may be set late."""
     if isinstance(dataset, Subset):  # torch's Subset reads through its dataset's __getitems__
         return draws_nothing(dataset.dataset)
     module = sys.modules.get("datasets")  # not imported: no Hugging Face dataset here
@@ -214,11 +205,8 @@ def _one_sample(samples: Any, index: Any) -> Any:
 
 
 class WorkerInit:
-    """The internal DataLoader's ``worker_init_fn``: set the worker up, then call the user's.
-
-    Points the fetcher at this worker's arena, makes ``get_worker_info().dataset`` the user's
-    dataset (torch would report the fetcher), then calls the user's ``worker_init_fn``.
-    """
+    """The internal DataLoader's ``worker_init_fn``: point the fetcher at this worker's arena, make
+    ``get_worker_info().dataset`` the user's dataset, then call the user's ``worker_init_fn``."""
 
     def __init__(self, user_fn: Callable[[int], None] | None) -> None:
         self.user_fn = user_fn

@@ -43,10 +43,9 @@ class CheckpointSettings:
 class WorkerItem(NamedTuple):
     """One item travelling from a worker to the main process.
 
-    ``number`` counts the worker's items over its life; ``slot`` is the partition that made it,
-    :data:`END_SLOT` at the worker's epoch end (``sample`` None) or :data:`FAILED_SLOT` when
-    ``sample`` is the pipeline's exception. ``snapshots``: ``((index, Snapshot), ...)`` taken since
-    its previous item, or None; ``made``: the sample's values' digest (None unchecked).
+    ``slot``: the partition that made it, :data:`END_SLOT` at the epoch's end (``sample`` None) or
+    :data:`FAILED_SLOT` (``sample``: the exception). ``snapshots``: those taken since the previous
+    item, or None; ``made``: the values' digest, None unchecked.
     """
 
     worker: int
@@ -60,12 +59,8 @@ class WorkerItem(NamedTuple):
 
 @attrs.frozen
 class RunPlan:
-    """What the workers of one rank run: partitions per logical worker, and restores.
-
-    ``restores`` maps a partition to the state it continues from (``None``: all start fresh).
-    ``verify`` (the loader's ``verify_restore``): restores check their proof and items are digested
-    for later saves' proofs.
-    """
+    """What the workers of one rank run: partitions per logical worker, and ``restores`` (None: all
+    fresh). ``verify`` (``verify_restore``): check restores and digest items for proofs."""
 
     num_partitions: int
     workers: tuple[WorkerSlots, ...]

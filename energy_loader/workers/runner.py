@@ -157,11 +157,8 @@ class Runner:
         return Snapshot(tuple(entries), self.next, self.era)
 
     def position_at(self, last_index: int) -> Position:
-        """Where each partition stands after item ``last_index`` (iterating thread): the
-        book's newest snapshot at or before it and the items since, as a worker process's
-        book in the main process answers. A restore then replays those items and checks
-        that the last one is what was handed out (a fresh snapshot would leave it nothing
-        to check), and a save costs no pipeline ``save_state()``."""
+        """Where each partition stands after item ``last_index`` (iterating thread): the book's
+        newest snapshot at or before it plus the items since, so a restore re-makes the last one."""
         return self.book.position_at(last_index)
 
     def _checkpoint(self, *, optional: bool = False) -> None:
@@ -261,11 +258,8 @@ class Runner:
 
     def next_pair(self, *, snapshot_ends: bool = True) -> tuple[int, Any] | None:
         """The round-robin's next ``(slot position, (key, sample))``; None when every partition has
-        ended its epoch (one found ended is marked and, with ``snapshot_ends``, snapshotted).
-
-        The partition's context is current around its next() only: a ContextVar token held across
-        yields would be reset when an abandoned generator is collected.
-        """
+        ended its epoch. The partition's context is current around its next() only: a ContextVar
+        token held across yields would be reset when an abandoned generator is collected."""
         slots = self.slots
         count = len(slots)
         while self.live:

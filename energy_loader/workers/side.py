@@ -28,12 +28,8 @@ __all__ = ["WorkerSideDataset"]
 
 
 class WorkerSideDataset(IterableDataset[Any]):
-    """What torch's DataLoader iterates: the pipeline plus the worker protocol around it.
-
-    With ``savable=False`` (``BasicDataLoader``) items are plain samples and no checkpoints
-    are kept. Under spawn/forkserver the pipeline travels to the workers serialized with dill
-    (a recipe, never a state), so lambdas and closures work.
-    """
+    """What torch's DataLoader iterates: the pipeline plus the worker protocol around it. Under
+    spawn/forkserver the pipeline (a recipe) travels with dill, so lambdas and closures work."""
 
     def __init__(
         self,

@@ -79,9 +79,8 @@ def _python_bytes(state: Any) -> bytes:
 
 
 def encode_global_state(name: str, state: Any) -> str:
-    """The state of global RNG ``name`` (``"python"``: ``random.getstate()``; ``"numpy"``:
-    ``np.random.get_state()``'s legacy tuple; ``"torch"``: the generator's byte tensor) as
-    base64."""
+    """The state of global RNG ``name`` (``"python"``, ``"numpy"``'s legacy tuple, ``"torch"``'s
+    byte tensor) as base64."""
     if name == "python":
         raw = _python_bytes(state)
     elif name == "torch":

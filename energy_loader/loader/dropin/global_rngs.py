@@ -464,10 +464,8 @@ def pinned_stream(
     *,
     base_from_global: bool,
 ) -> PrivateGlobal | None:
-    """The first epoch of a job whose start a save pinned (:mod:`.pin`): where the generators moved,
-    set them to the pinned ``states`` and return the stream a sampler drawing from the global
-    generator draws from (taking the base-seed draw with ``base_from_global``); None: the epoch
-    draws as it stands."""
+    """The first epoch of a pinned job (:mod:`.pin`): set moved generators to the pinned ``states``
+    and return the stream a global-generator sampler draws from; None: draw as it stands."""
     if states is None or not moved:
         return None
     rng.put_own(states)

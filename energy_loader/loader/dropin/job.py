@@ -37,9 +37,8 @@ def new_job_id() -> int:
 
 
 def _group_of(config: WorkerConfig) -> tuple[Any] | None:
-    """``(the loader's data-parallel group,)`` (``(None,)``: the default group) when this rank
-    is one of several in an initialised process group that matches its layout; None when
-    there is nothing to agree with."""
+    """``(the loader's data-parallel group,)`` (``(None,)``: the default group) when this rank is
+    one of several in a matching initialised process group; None: nothing to agree with."""
     if config.world_size <= 1 or not process_group_initialized():
         return None
     group, rank, size = data_parallel_layout(config.data_parallel_group)

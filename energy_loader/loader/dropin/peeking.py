@@ -21,10 +21,8 @@ __all__ = ["make_units", "peek_units"]
 
 
 def peek_units(engine: MapEngine, count: int, saved: MapState | None = None) -> list[Any]:
-    """The units (a batch's indices, or an index) of the next ``count`` batches of the
-    current epoch -- or of the epoch ``saved`` stands in -- (fewer if it ends first),
-    changing nothing: the sampler is re-run from the epoch's recorded start in this
-    process, every generator put back after."""
+    """The units of the next ``count`` batches of the current epoch, or of ``saved``'s (fewer if it
+    ends first), re-run from the epoch's recorded start here; every generator is put back."""
     if engine.stateful is not None:
         raise TypeError(
             "peek_keys cannot re-run a sampler with state_dict()/load_state_dict() without "
@@ -53,9 +51,8 @@ def peek_units(engine: MapEngine, count: int, saved: MapState | None = None) -> 
 
 
 def make_units(engine: MapEngine, units: list[Any], saved: MapState) -> list[Any]:
-    """The batches of ``units`` (from :func:`peek_units` of ``saved``) made in this process
-    as the workers made them in ``saved``'s epoch: by the loader's own fetcher, with the
-    epoch's per-sample seeds and the ``collate_fn`` (the global RNGs put back after)."""
+    """The batches of ``units`` (:func:`peek_units` of ``saved``) made here by the loader's own
+    fetcher, as the workers made them (same seeds and ``collate_fn``; global RNGs put back)."""
     if not saved.started:
         raise ValueError("nothing was made before the first iter(): no batches to make")
     task = FetchTask(saved.used, tuple(units), epoch_seed(saved.job.seed, saved.epoch))

@@ -45,11 +45,9 @@ NOT_REPLAYED: Any = _NONE
 
 
 class Units:
-    """A sampler iterator, counted, under the epoch-end rule (see the module docstring).
-
-    ``pulled``: units taken before it (a restored epoch); ``total``: the epoch's units or None.
-    ``ended`` turns true when the pull past the last unit finds nothing.
-    """
+    """A sampler iterator, counted, under the epoch-end rule (see the module docstring): ``pulled``
+    units taken before it, ``total`` the epoch's (or None); ``ended`` once the pull past the last
+    unit finds nothing."""
 
     __slots__ = ("_ahead", "_iterator", "_peeked", "ended", "pulled", "total")
 
@@ -188,9 +186,8 @@ def positioned_iterator(
 
 
 def verify_replay(state: MapState, replayed: Replayed, rng: SamplerRng, chain: str) -> None:
-    """Raise ``StateMismatchError`` when the re-run stream is not the saving loader's: its
-    last unit handed out, or, at an epoch's end, its generators, differ from the state's
-    proof. ``chain`` names the sampler (``describe_chain``)."""
+    """Raise ``StateMismatchError`` when the re-run stream's last unit (or, at an epoch's end, its
+    generators) differs from the state's proof; ``chain`` names the sampler."""
     proof = state.proof
     if proof.last and replayed.last is not _NONE and unit_digest(replayed.last) != proof.last:
         raise StateMismatchError(

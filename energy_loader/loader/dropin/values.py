@@ -30,9 +30,8 @@ __all__ = ["ValuesCheck"]
 
 
 class ValuesCheck:
-    """The engine's check of a restored state's last batch (see the module docstring);
-    :class:`~energy_loader.loader.dropin.stream.IndexStream` calls it with the state and the
-    saving loader's last unit once the re-run proved the indices."""
+    """The engine's check of a restored state's last batch (see the module docstring), called by the
+    index stream once the re-run proved the indices."""
 
     def __init__(self, fetcher: BatchFetcher, loader: DataLoader[Any], seed_per_sample: bool):
         self.fetcher = fetcher
