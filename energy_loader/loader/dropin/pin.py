@@ -33,6 +33,7 @@ Not here: a started epoch's position (:mod:`.stream`), the state's layout (:mod:
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import attrs
 import torch
@@ -83,7 +84,9 @@ class Pin:
             return None
         return cls(state.job, state.start, dict(state.global_rngs_at_save or {}))
 
-    def state(self, rank: int, world_size: int, config: dict[str, object]) -> MapState:
+    def state(
+        self, rank: int, world_size: int, config: dict[str, Any], code: dict[str, Any]
+    ) -> MapState:
         """The state a save before the first ``iter()`` writes."""
         return MapState(
             rank=rank,
@@ -95,6 +98,7 @@ class Pin:
             job=self.job,
             start=self.start,
             global_rngs_at_save=self.at_save,
+            code=code,
         )
 
     def job_for(

@@ -21,13 +21,17 @@ Layout (format version 1)::
       "global_rngs": {"python": {"at_iter": null, "start": "<base64>"}} | null,
       "distributed": {"epoch": 2, "offset": 0, "end": 1000, "world": 4, "units": 8,
                       "rank": 1} | null,
-      "digest": "<hex>",          # of every field above but format, version, kind and config
+      "code": {"dataset": "2:...", "collate_fn": "2:...", "worker_init_fn": null},  # optional
+      "digest": "<hex>",          # of every field above but format, version, kind, config, code
       # iterable:
       "pipeline": {...},          # the rank state of the pipeline it runs (rank_state format)
       "generator": "<base64>" | null, "persistent": false
     }
 
-Every field is required (null where the layout says so).
+Every field is required (null where the layout says so) but ``code``: the fingerprints
+(:mod:`energy_loader.state.code_fingerprint`) of the dataset's class and the loader's
+``collate_fn`` and ``worker_init_fn``, which a restore compares (``on_code_change``); a state
+without it compares none.
 
 ``job`` holds what every epoch of the job derives from, fixed at the job's first ``iter()``
 (:mod:`energy_loader.loader.dropin.job`): ``seed`` (a hash of the generator that drives the
@@ -69,7 +73,7 @@ sampler's own generators after the epoch's last pull; "" where there is nothing 
 
 ``digest`` covers every field a reader cannot check by its shape (a flipped byte in a
 generator state is another valid state; so is a flipped digit in ``epoch`` or ``used``), all
-of them but ``config`` (which a restore compares with its own loader, naming what differs): a
+of them but ``config`` and ``code`` (which a restore compares with its own loader): a
 state edited or damaged after it was saved is a ``StateFormatError`` at load. It is one digest
 of the fields as canonical JSON (keys sorted), the fields fixed for an epoch hashed once an
 epoch. A torch ``Generator`` state is a 5 KB byte tensor, stored as a base64 string built once
@@ -92,7 +96,9 @@ import attrs
 import torch
 
 from ...errors import StateFormatError, StateMismatchError
+from ...state.code_fingerprint import PREFIX, code_fingerprint
 from ...state.digests import digest
+from ...state.fingerprint import CODE_SUFFIX
 from ...state.plain import StateReader
 from ...state.rank_state import is_partition_entries
 from .encoding import decode_generator_states, encode_generator_states
@@ -106,6 +112,8 @@ __all__ = [
     "MapState",
     "Proof",
     "check_config",
+    "code_config",
+    "code_fingerprints",
     "decode_generator_states",
     "describe_dropin_state",
     "encode_generator_states",
@@ -174,6 +182,25 @@ def check_config(saved: Any, now: dict[str, Any]) -> None:
             + "; ".join(differences)
             + ". Build the loader with the dataset, sampler and batching that saved the state"
         )
+
+
+def code_fingerprints(dataset: Any, collate_fn: Any, worker_init_fn: Any) -> dict[str, Any]:
+    """``state.code``: the fingerprints of the dataset's class (its methods: ``__getitem__``,
+    ``__len__``...), the loader's ``collate_fn`` and ``worker_init_fn`` (None without one)."""
+    functions = {
+        "dataset": type(dataset),
+        "collate_fn": collate_fn,
+        "worker_init_fn": worker_init_fn,
+    }
+    return {name: None if f is None else code_fingerprint(f) for name, f in functions.items()}
+
+
+def code_config(code: dict[str, Any]) -> dict[str, Any]:
+    """``state.code`` as a config whose ``*_code`` fields a restore compares
+    (:func:`~energy_loader.loader.checks.report_code_changes` names ``DataLoader.collate_fn``);
+    an absent function as the fingerprint of nothing, so that one added or removed is named."""
+    fields = {name + CODE_SUFFIX: fp or PREFIX for name, fp in code.items()}
+    return {"type": "DataLoader", **fields}
 
 
 @attrs.frozen
@@ -251,9 +278,12 @@ class MapState:
     proof: Proof = attrs.field(factory=Proof)
     # Digests of the global RNGs the sampler drew from (global_rngs.py) at the save.
     global_rngs_at_save: dict[str, str] | None = None
+    # The user code's fingerprints ({"dataset", "collate_fn", "worker_init_fn"}), fixed for
+    # the loader's life; None in a state saved without them.
+    code: dict[str, Any] | None = None
 
     def digest(self) -> str:
-        """``state.digest``: of every field but format, version, kind and config."""
+        """``state.digest``: of every field but format, version, kind, config and code."""
         moving = {field.name: field.value(self) for field in _MOVING}
         return _record_digest(_epoch_part(self)[1], _canonical(moving))
 
@@ -311,6 +341,7 @@ class MapState:
             global_rngs_at_save=read_digests(
                 reader.raw("global_rngs_at_save"), "state.global_rngs_at_save"
             ),
+            code=_code(reader),
         )
         if decoded.digest() != reader.str("digest"):
             raise StateFormatError(
@@ -349,6 +380,7 @@ _FIELDS = (
     _Field("rng_at_iter", lambda s: s.start.encoded()[1], per_epoch=True),
     _Field("global_rngs", lambda s: s.start.global_plain(), per_epoch=True),
     _Field("distributed", lambda s: s.distributed, per_epoch=True),
+    _Field("code", lambda s: s.code, per_epoch=True, digested=False),
 )
 _MOVING = tuple(field for field in _FIELDS if not field.per_epoch)
 _PER_EPOCH = tuple(field for field in _FIELDS if field.per_epoch)
@@ -363,7 +395,7 @@ def _epoch_part(state: MapState) -> tuple[str, str]:
     """The per-epoch fields of ``state`` as JSON without its braces, and their digest:
     computed once an epoch (the generator states alone are ~7 KB of base64)."""
     start = state.start
-    key = (state.config, state.job, start, start.global_start, state.distributed)
+    key = (state.config, state.job, start, start.global_start, state.distributed, state.code)
     cached = _EPOCH_PARTS.get(id(state.config))
     if cached is not None and all(a is b for a, b in zip(cached[0], key)):
         return cached[1], cached[2]
@@ -423,6 +455,15 @@ def _proof(reader: StateReader) -> Proof:
             'or "" (an edited or damaged state: restore from an intact copy)'
         )
     return Proof(reader.str("last"), reader.str("end"), made)
+
+
+def _code(reader: StateReader) -> dict[str, Any] | None:
+    code = reader.raw("code") if reader.has("code") else None
+    if code is not None and not (
+        isinstance(code, dict) and all(v is None or isinstance(v, str) for v in code.values())
+    ):
+        raise StateFormatError("state.code must be a dict of fingerprints (strings or null)")
+    return code
 
 
 def _distributed(reader: StateReader) -> dict[str, int] | None:

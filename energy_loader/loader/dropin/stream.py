@@ -144,8 +144,9 @@ class IndexStream:
     how a saved position is re-derived (one per loader, owned by the engine).
 
     ``length`` is the sampler's ``len()`` (None without one); ``config`` what a state must
-    agree with; ``unit_size`` and ``drop_last`` how a dealt rank's indices are batched;
-    ``verify`` whether a restore checks itself (:func:`~.position.verify_replay`).
+    agree with; ``code`` the user code's fingerprints a state records; ``unit_size`` and
+    ``drop_last`` how a dealt rank's indices are batched; ``verify``
+    whether a restore checks itself (:func:`~.position.verify_replay`).
     """
 
     def __init__(
@@ -155,6 +156,7 @@ class IndexStream:
         *,
         length: int | None,
         config: dict[str, Any],
+        code: dict[str, Any],
         unit_size: int,
         drop_last: bool,
         verify: bool,
@@ -166,6 +168,7 @@ class IndexStream:
         self.rng = rng
         self.length = length
         self.config = config
+        self.code = code  # the user code's fingerprints (state.code)
         self.unit_size = unit_size
         self.drop_last = drop_last
         self.verify = verify
@@ -288,6 +291,7 @@ class IndexStream:
             distributed=self.dealing_record(epoch),
             proof=self.proof_at(epoch, used),
             global_rngs_at_save=None if drawn is None else global_rngs.digests_now(drawn.names),
+            code=self.code,
         )
 
     # -- a restored epoch ----------------------------------------------------------------------
