@@ -8,6 +8,7 @@ a fresh process (another hash seed), and after the interpreter specialised its b
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import subprocess
@@ -164,6 +165,7 @@ def test_the_value_holds_in_a_fresh_process_and_after_specialisation(tmp_path) -
     module = sys.modules["userfns"]
     for _ in range(200):  # the interpreter specialises hot bytecode in place
         module.fn("p")
+    copy.copy(module.fn)  # (copyreg caches __slotnames__ on the class)
     assert code_fingerprint(module.fn) == here
     _module(tmp_path / "b", SAME)
     # The module alone (it imports nothing of the package): a fresh process in ~50 ms.

@@ -37,19 +37,10 @@ _MAX_OBJECTS = 200  # objects walked per fingerprint
 _MAX_PARTS = 24  # parts named in the fingerprint (the rest share one digest)
 _DATA_BUDGET = 4096  # items (and 64-character chunks of strings) of one plain value
 _SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
-_SKIPPED = frozenset(
-    ("__annotations__", "__dict__", "__doc__", "__module__", "__orig_bases__", "__parameters__")
-)
-_SKIPPED |= {"__qualname__", "__weakref__"}
-_LIBRARY_ROOTS = tuple(
-    os.path.join(os.path.realpath(p), "")
-    for p in {
-        sys.prefix,
-        sys.base_prefix,
-        sys.exec_prefix,
-        *(sysconfig.get_paths().get(k) or sys.prefix for k in ("stdlib", "purelib", "platlib")),
-    }
-)
+_SKIPPED = {"__annotations__", "__dict__", "__doc__", "__module__", "__orig_bases__"}
+_SKIPPED |= {"__parameters__", "__qualname__", "__slotnames__", "__weakref__"}  # (copyreg's)
+_ROOTS = {sys.prefix, sys.base_prefix, sys.exec_prefix, *sysconfig.get_paths().values()}
+_LIBRARY_ROOTS = tuple(os.path.join(os.path.realpath(p), "") for p in sorted(_ROOTS))
 
 
 def code_fingerprint(fn: Callable[..., Any]) -> str:
@@ -69,13 +60,8 @@ def comparable(fingerprint: Any) -> bool:
 
 def changed_parts(saved: str, now: str) -> list[str]:
     """The labels whose digests differ between two fingerprints (or are in one only)."""
-    old, new = _parse(saved), _parse(now)
+    old, new = (dict(p.rpartition("=")[::2] for p in f[2:].split(";") if p) for f in (saved, now))
     return [label for label in {**old, **new} if old.get(label) != new.get(label)]
-
-
-def _parse(fingerprint: str) -> dict[str, str]:
-    pairs = (part.rpartition("=") for part in fingerprint[len(PREFIX) :].split(";") if part)
-    return {label: value for label, _, value in pairs}
 
 
 def _digest(content: Any) -> str:
@@ -105,10 +91,9 @@ def _is_user(obj: Any) -> bool:
     globals_ = getattr(obj, "__globals__", None)
     if isinstance(globals_, dict):
         return not _is_library(globals_.get("__name__"), globals_.get("__file__"))
-    module = sys.modules.get(getattr(obj, "__module__", None) or "")
-    if module is None:  # a class of a module not registered: walked, to be safe
-        return getattr(obj, "__module__", None) != "builtins"
-    return _is_user(module)
+    name = getattr(obj, "__module__", None)
+    module = sys.modules.get(name or "")
+    return _is_user(module) if module else name != "builtins"  # unregistered: walked
 
 
 class _Walk:
@@ -180,16 +165,15 @@ class _Walk:
             self.add(label + " wraps", self.follow(wrapped, depth + 1))
 
     def _class(self, cls: type, label: str, depth: int) -> None:
-        bases = [self.follow(b, depth + 1) if _is_user(b) else _name(b) for b in cls.__bases__]
+        bases = [self.describe(b, depth) for b in cls.__bases__]
         members = []
         for name, value in sorted(vars(cls).items()):
-            if name in _SKIPPED:
-                continue
             if isinstance(value, (staticmethod, classmethod)):
                 value = value.__func__
             if isinstance(value, property):
-                value = (value.fget, value.fset, value.fdel)
-            members.append((name, self.describe(value, depth)))
+                value = [value.fget, value.fset, value.fdel]
+            if name not in _SKIPPED:
+                members.append((name, self.describe(value, depth)))
         self.add(label, (bases, members))
 
     def describe(
@@ -212,13 +196,9 @@ class _Walk:
                         self.follow(member, depth + 1)
             return "module " + value.__name__
         kind = type(value)
-        if kind in (list, tuple) and len(value) <= 64:  # (of functions, a property's accessors)
-            return [self.describe(v, depth) for v in value]
-        if kind is dict and len(value) <= 64:
-            pairs = [
-                (_plain(k, [64]) or _name(type(k)), self.describe(v, depth))
-                for k, v in value.items()
-            ]
+        if kind in (list, tuple, dict) and len(value) <= 64 and depth <= _MAX_DEPTH:
+            items = value.items() if kind is dict else enumerate(value)  # (of functions...)
+            pairs = [(_plain(k, [64]), self.describe(v, depth + 1)) for k, v in items]
             return sorted(pairs, key=repr)
         if isinstance(value, functools.partial):
             return self.follow(value, depth + 1)
@@ -236,25 +216,21 @@ def _cell(cell: Any) -> Any:
         return None
 
 
-def _plain(value: Any, budget: list[int]) -> Any:
-    """``value`` as a deterministic structure if it is plain data within ``budget``, else None."""
+def _plain(value: Any, budget: list[int], nested: int = 0) -> Any:
+    """``value`` as a deterministic structure (a str, or a tuple of them) if it is plain data
+    within ``budget`` (items, and 64-character pieces of strings), else None."""
     kind = type(value)
     budget[0] -= 1 + (len(value) // 64 if kind in (str, bytes) else 0)
-    if budget[0] < 0:
+    if budget[0] < 0 or nested > 32:
         return None
     if kind in _SCALARS:
         return repr(value)
-    if kind in (list, tuple, set, frozenset):
-        items = [_plain(v, budget) for v in value]
-        if any(i is None for i in items):
-            return None
-        return (kind.__name__, sorted(items, key=repr) if kind in (set, frozenset) else items)
-    if kind is dict:
-        pairs = [(_plain(k, budget), _plain(v, budget)) for k, v in value.items()]
-        if any(k is None or v is None for k, v in pairs):
-            return None
-        return ("dict", sorted(pairs, key=repr))
-    return None
+    if kind not in (list, tuple, set, frozenset, dict):
+        return None
+    items = [_plain(v, budget, nested + 1) for v in (value.items() if kind is dict else value)]
+    if any(i is None for i in items):
+        return None
+    return (kind.__name__, items if kind in (list, tuple) else sorted(items, key=repr))
 
 
 def _code_parts(code: types.CodeType) -> tuple[Any, ...]:
