@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -32,6 +31,7 @@ from torch.utils.data import IterableDataset
 
 from .errors import StateFormatError
 from .rng import seed_globals_for_sample, stable_hash
+from .state.code_fingerprint import code_fingerprint
 from .state.digests import RESTORE_KEY
 from .state.fingerprint import CODE_SUFFIX
 from .state.plain import StateReader
@@ -118,47 +118,6 @@ def callable_name(fn: Callable[..., Any]) -> str:
     target = fn if hasattr(fn, "__qualname__") else type(fn)
     module = getattr(target, "__module__", None) or "?"
     return f"{module}.{getattr(target, '__qualname__', repr(target))}"
-
-
-def code_fingerprint(fn: Callable[..., Any]) -> str:
-    """A short digest of the code ``fn`` runs, to tell at a restore that a user function
-    changed since the save (a fixed bug) even where its name did not.
-
-    Covers the bytecode, constants (nested functions and lambdas included) and names of a
-    function, of a callable object's ``__call__`` (and its class name), and of a
-    ``functools.partial``'s function with its arguments' types. Not covered: what the code
-    reads at run time (globals, closures' values, files, other modules' functions it calls),
-    and a function without Python code (a builtin) is known by its name only. Bytecode
-    differs between Python versions: a state restored on another one reports its functions
-    as changed.
-    """
-    import hashlib
-
-    parts: list[Any] = []
-    _fingerprint_parts(fn, parts, depth=0)
-    return hashlib.blake2b(repr(parts).encode(), digest_size=6).hexdigest()
-
-
-def _fingerprint_parts(fn: Any, parts: list[Any], depth: int) -> None:
-    if depth > 4:
-        return
-    if isinstance(fn, functools.partial):
-        parts.append(("partial", [type(a).__name__ for a in fn.args], sorted(fn.keywords)))
-        _fingerprint_parts(fn.func, parts, depth + 1)
-        return
-    code = getattr(fn, "__code__", None)
-    if code is None and not isinstance(fn, type):
-        code = getattr(type(fn).__call__, "__code__", None)
-        parts.append(("object", type(fn).__qualname__))
-    if code is None:
-        parts.append(("named", callable_name(fn)))
-        return
-    parts.append(_code_parts(code))
-
-
-def _code_parts(code: Any) -> tuple[Any, ...]:
-    consts = tuple(_code_parts(c) if hasattr(c, "co_code") else repr(c) for c in code.co_consts)
-    return (code.co_code, consts, code.co_names)
 
 
 def user_fn_fields(name: str, fn: Callable[..., Any] | None) -> dict[str, Any]:

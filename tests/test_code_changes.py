@@ -74,8 +74,10 @@ def test_the_fingerprint_follows_the_code_not_the_name() -> None:
     _plus_one.__code__ = _plus_two.__code__
     assert code_fingerprint(_plus_one) != before
     assert code_fingerprint(lambda s: s) != code_fingerprint(lambda s: [s])
-    # A callable object by its class's __call__; a partial by its function and argument types.
-    assert code_fingerprint(_Scale(2)) == code_fingerprint(_Scale(3))
+    # A callable object by its class and its plain-data attributes; a partial by its function
+    # and arguments.
+    assert code_fingerprint(_Scale(2)) == code_fingerprint(_Scale(2))
+    assert code_fingerprint(_Scale(2)) != code_fingerprint(_Scale(3))
     assert code_fingerprint(functools.partial(_plus_two)) != code_fingerprint(_plus_two)
     assert code_fingerprint(len) == code_fingerprint(len)  # a builtin: its name only
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import CodeChangedWarning, StateFormatError, StateMismatchError
+from ..state.code_fingerprint import changed_parts
 from ..state.fingerprint import (
     CODE_SUFFIX,
     ConfigDifference,
@@ -170,10 +171,13 @@ def report_code_changes(saved: dict[str, Any], now: dict[str, Any], policy: str)
     changed = code_differences(saved, now)
     if not changed:
         return False
-    listed = "; ".join(f"{d.path.rsplit(CODE_SUFFIX, 1)[0]}" for d in changed)
+    listed = "; ".join(
+        f"{d.path.rsplit(CODE_SUFFIX, 1)[0]} (changed: {', '.join(changed_parts(d.saved, d.now))})"
+        for d in changed
+    )
     message = (
         f"the code of {listed} differs from the code that saved the state (the same name, "
-        "other bytecode: a fixed bug?)"
+        "other code, defaults, arguments or data it reads: a fixed bug?)"
     )
     if policy == "refuse":
         raise StateMismatchError(

@@ -164,6 +164,7 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
                 num_partitions=num_partitions,
                 seed_per_sample=seed_per_sample,
                 verify_restore=verify_restore,
+                on_code_change=on_code_change,
                 **options,
             )
             return

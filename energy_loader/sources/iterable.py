@@ -16,8 +16,10 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..dataset import EpochCursor, Key, SavableDataset, callable_name, is_stateful
+from ..dataset import EpochCursor, Key, SavableDataset, is_stateful, user_fn_fields
 from ..rng import seed_globals_for_sample
+from ..state.code_fingerprint import code_fingerprint
+from ..state.fingerprint import CODE_SUFFIX
 from ..state.plain import StateReader
 
 __all__ = ["IterableSource"]
@@ -57,9 +59,9 @@ class IterableSource(SavableDataset):
         return {
             "dataset": type(self.dataset).__name__,
             "stateful": self.stateful,
-            "worker_init_fn": None
-            if self.worker_init_fn is None
-            else callable_name(self.worker_init_fn),
+            **user_fn_fields("worker_init_fn", self.worker_init_fn),
+            # The dataset's class (its __iter__...) as user code (the drop-in runs it so).
+            "dataset" + CODE_SUFFIX: code_fingerprint(type(self.dataset)),
         }
 
     def enter_worker(self, dataset: Any = None) -> bool:

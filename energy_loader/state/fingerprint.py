@@ -13,6 +13,8 @@ from typing import Any
 
 import attrs
 
+from .code_fingerprint import comparable
+
 __all__ = [
     "CODE_SUFFIX",
     "ConfigDifference",
@@ -100,15 +102,16 @@ def config_differences(
 
 def code_differences(saved: Any, now: Any) -> list[ConfigDifference]:
     """The user functions whose code differs between two configs of one pipeline (their
-    ``*_code`` fingerprints; a config saved before fingerprints has none, and nothing is
-    reported for it). Call it where :func:`config_differences` found nothing else."""
+    ``*_code`` fingerprints; a config saved before fingerprints has none, and one saved by a
+    release before :mod:`.code_fingerprint`'s form is not comparable: nothing is reported for
+    either). Call it where :func:`config_differences` found nothing else."""
     return [
         d
         for d in config_differences(saved, now, code=True)
         if d.field
         and isinstance(d.field[-1], str)
         and d.field[-1].endswith(CODE_SUFFIX)
-        and d.saved is not _MISSING
+        and comparable(d.saved)
     ]
 
 

@@ -35,6 +35,7 @@ def dropin_engine(
     num_partitions: Any,
     seed_per_sample: Any,
     verify_restore: Any,
+    on_code_change: str,
     **options: Any,
 ) -> MapEngine | IterableEngine:
     """The engine for ``loader``'s plain dataset (``loader`` initialised by torch already);
@@ -60,6 +61,7 @@ def dropin_engine(
             config,
             seed_per_sample=seed_per_sample,
             verify_restore=verify_restore,
+            on_code_change=on_code_change,
             **options,
         )
     return MapEngine(
@@ -69,6 +71,7 @@ def dropin_engine(
         items_per_transfer=items_per_transfer,
         transport=Transport(inline, arena) if codec and num_workers else None,
         verify_restore=verify_restore,
+        on_code_change=on_code_change,
     )
 
 

@@ -115,6 +115,7 @@ class IterableEngine(DropInRestore):
     def __init__(self, loader: DataLoader[Any], config: WorkerConfig, **options: Any) -> None:
         seed_per_sample = options.pop("seed_per_sample")
         verify = options.pop("verify_restore")
+        on_code_change = options.pop("on_code_change")
         check_stream_split(loader.dataset, config)
         source = IterableSource(
             loader.dataset, worker_init_fn=loader.worker_init_fn, seed_per_epoch=seed_per_sample
@@ -147,7 +148,12 @@ class IterableEngine(DropInRestore):
             **options,
         )
         self.inner = PipelineEngine(
-            pipeline, args, adopts_partitions=True, verify=verify, dropin=True
+            pipeline,
+            args,
+            adopts_partitions=True,
+            verify=verify,
+            dropin=True,
+            on_code_change=on_code_change,
         )
         with warnings.catch_warnings():  # torch warned about num_workers once already
             warnings.simplefilter("ignore")

@@ -32,6 +32,7 @@ from ...transport import Transport
 from ...worker import WorkerConfig
 from ...workers.bundling import BUNDLE_SECONDS, bundle_bytes
 from ...workers.fetch import BatchFetcher, FetchResult, FetchTask, WorkerInit
+from ..checks import report_code_changes
 from . import global_rngs
 from .global_rngs import BaseSeedDraw, GlobalsAtSave, PrivateGlobal
 from .job import agree_on_job
@@ -39,7 +40,7 @@ from .pin import Pin
 from .position import saved_after_last_batch
 from .restore import DropInRestore
 from .sampling import SamplerRng, describe_chain, epoch_seed, job_seed
-from .state import JobStart, MapState
+from .state import JobStart, MapState, code_config, code_fingerprints
 from .stream import Epoch, IndexStream, check_restorable, distributed_config, point_at_rank
 from .values import ValuesCheck
 
@@ -75,6 +76,7 @@ class MapEngine(DropInRestore):
         items_per_transfer: int,
         transport: Transport | None,
         verify_restore: bool = True,
+        on_code_change: str = "warn",
     ) -> None:
         # No reference back to the loader (nor from the task sampler to this engine): a cycle
         # would leave the workers to the cyclic garbage collector, where torch's shutdown
@@ -82,6 +84,7 @@ class MapEngine(DropInRestore):
         self.num_workers = loader.num_workers
         self._owner = weakref.ref(loader)  # for torch's len(): no cycle
         self.persistent_workers = loader.persistent_workers
+        self.on_code_change = on_code_change
         collate = loader.collate_fn
         if collate is torch.utils.data.default_collate:
             # The same batches (tuples excepted, see default_collate), stacked straight into
@@ -105,6 +108,7 @@ class MapEngine(DropInRestore):
             rng,
             length=_length_of(loader),
             config=_config_of(loader, rng),
+            code=code_fingerprints(loader.dataset, loader.collate_fn, loader.worker_init_fn),
             unit_size=1 if loader.batch_size is None else int(loader.batch_size),
             drop_last=bool(loader.drop_last),
             verify=verify_restore,
@@ -291,7 +295,7 @@ class MapEngine(DropInRestore):
                     workers=self.num_workers > 0,
                     watched=self.stream.watched,
                 )
-            return self.pin.state(rank, world_size, self.state_config)
+            return self.pin.state(rank, world_size, self.state_config, self.stream.code)
         used = epoch.used - held_back
         if used < 0:
             raise ValueError(
@@ -312,8 +316,17 @@ class MapEngine(DropInRestore):
         check_restorable(state, self.stream)
 
     def plan_record(self, state: MapState) -> MapState:
+        """``state`` checked (:meth:`check`), the user code's changes since its save reported
+        (``on_code_change``: then its last batch's values are not checked, other code makes
+        them), and carrying this loader's code fingerprints (a save before the next ``iter()``
+        writes them)."""
         self.check(state)
-        return state
+        proof, code = state.proof, self.stream.code
+        if state.code is not None and report_code_changes(
+            code_config(state.code), code_config(code), self.on_code_change
+        ):
+            proof = attrs.evolve(proof, made="")
+        return attrs.evolve(state, proof=proof, code=code)
 
     def set_distributed_rank(self, loader: DataLoader[Any], rank: int, num_replicas: int) -> None:
         """The ``DistributedSampler`` set to ``rank`` of ``num_replicas``, and what the engine

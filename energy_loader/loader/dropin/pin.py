@@ -17,6 +17,7 @@ pinned too, so a sampler that draws its first order from one that moved is refus
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import attrs
 import torch
@@ -65,7 +66,9 @@ class Pin:
             return None
         return cls(state.job, state.start, dict(state.global_rngs_at_save or {}))
 
-    def state(self, rank: int, world_size: int, config: dict[str, object]) -> MapState:
+    def state(
+        self, rank: int, world_size: int, config: dict[str, Any], code: dict[str, Any]
+    ) -> MapState:
         """The state a save before the first ``iter()`` writes."""
         return MapState(
             rank=rank,
@@ -77,6 +80,7 @@ class Pin:
             job=self.job,
             start=self.start,
             global_rngs_at_save=self.at_save,
+            code=code,
         )
 
     def job_for(

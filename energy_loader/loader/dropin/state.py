@@ -3,8 +3,10 @@
 The layout, field by field, is in docs/state-format.md ("Drop-in loaders"). In short: where
 the epoch stands (``epoch``, ``used``), what it was dealt from (``job``, ``rng``,
 ``global_rngs``, ``distributed``), what a restore checks its own result against (``proof``),
-and one ``digest`` of every field but ``config`` (compared with the running loader instead),
-so that a state edited or damaged after saving is a ``StateFormatError`` at load.
+the optional ``code`` (fingerprints of the dataset's class, ``collate_fn`` and
+``worker_init_fn``), and one ``digest`` of every field but ``config`` and ``code`` (compared
+with the running loader instead), so that a state edited or damaged after saving is a
+``StateFormatError`` at load.
 
 :data:`_FIELDS` is the one description of a map-style state's fields: :meth:`MapState.to_plain`,
 :meth:`MapState.to_json` (the fields fixed for an epoch encoded once an epoch, the others at
@@ -22,7 +24,9 @@ import attrs
 import torch
 
 from ...errors import StateFormatError, StateMismatchError
+from ...state.code_fingerprint import PREFIX, code_fingerprint
 from ...state.digests import digest
+from ...state.fingerprint import CODE_SUFFIX
 from ...state.plain import StateReader
 from ...state.rank_state import is_partition_entries
 from .encoding import decode_generator_states, encode_generator_states
@@ -36,6 +40,8 @@ __all__ = [
     "MapState",
     "Proof",
     "check_config",
+    "code_config",
+    "code_fingerprints",
     "decode_generator_states",
     "describe_dropin_state",
     "encode_generator_states",
@@ -104,6 +110,25 @@ def check_config(saved: Any, now: dict[str, Any]) -> None:
             + "; ".join(differences)
             + ". Build the loader with the dataset, sampler and batching that saved the state"
         )
+
+
+def code_fingerprints(dataset: Any, collate_fn: Any, worker_init_fn: Any) -> dict[str, Any]:
+    """``state.code``: the fingerprints of the dataset's class (its methods: ``__getitem__``,
+    ``__len__``...), the loader's ``collate_fn`` and ``worker_init_fn`` (None without one)."""
+    functions = {
+        "dataset": type(dataset),
+        "collate_fn": collate_fn,
+        "worker_init_fn": worker_init_fn,
+    }
+    return {name: None if f is None else code_fingerprint(f) for name, f in functions.items()}
+
+
+def code_config(code: dict[str, Any]) -> dict[str, Any]:
+    """``state.code`` as a config whose ``*_code`` fields a restore compares
+    (:func:`~energy_loader.loader.checks.report_code_changes` names ``DataLoader.collate_fn``);
+    an absent function as the fingerprint of nothing, so that one added or removed is named."""
+    fields = {name + CODE_SUFFIX: fp or PREFIX for name, fp in code.items()}
+    return {"type": "DataLoader", **fields}
 
 
 @attrs.frozen
@@ -181,9 +206,12 @@ class MapState:
     proof: Proof = attrs.field(factory=Proof)
     # Digests of the global RNGs the sampler drew from (global_rngs.py) at the save.
     global_rngs_at_save: dict[str, str] | None = None
+    # The user code's fingerprints ({"dataset", "collate_fn", "worker_init_fn"}), fixed for
+    # the loader's life; None in a state saved without them.
+    code: dict[str, Any] | None = None
 
     def digest(self) -> str:
-        """``state.digest``: of every field but format, version, kind and config."""
+        """``state.digest``: of every field but format, version, kind, config and code."""
         moving = {field.name: field.value(self) for field in _MOVING}
         return _record_digest(_epoch_part(self)[1], _canonical(moving))
 
@@ -241,6 +269,7 @@ class MapState:
             global_rngs_at_save=read_digests(
                 reader.raw("global_rngs_at_save"), "state.global_rngs_at_save"
             ),
+            code=_code(reader),
         )
         if decoded.digest() != reader.str("digest"):
             raise StateFormatError(
@@ -279,6 +308,7 @@ _FIELDS = (
     _Field("rng_at_iter", lambda s: s.start.encoded()[1], per_epoch=True),
     _Field("global_rngs", lambda s: s.start.global_plain(), per_epoch=True),
     _Field("distributed", lambda s: s.distributed, per_epoch=True),
+    _Field("code", lambda s: s.code, per_epoch=True, digested=False),
 )
 _MOVING = tuple(field for field in _FIELDS if not field.per_epoch)
 _PER_EPOCH = tuple(field for field in _FIELDS if field.per_epoch)
@@ -293,7 +323,7 @@ def _epoch_part(state: MapState) -> tuple[str, str]:
     """The per-epoch fields of ``state`` as JSON without its braces, and their digest:
     computed once an epoch (the generator states alone are ~7 KB of base64)."""
     start = state.start
-    key = (state.config, state.job, start, start.global_start, state.distributed)
+    key = (state.config, state.job, start, start.global_start, state.distributed, state.code)
     cached = _EPOCH_PARTS.get(id(state.config))
     if cached is not None and all(a is b for a, b in zip(cached[0], key)):
         return cached[1], cached[2]
@@ -353,6 +383,15 @@ def _proof(reader: StateReader) -> Proof:
             'or "" (an edited or damaged state: restore from an intact copy)'
         )
     return Proof(reader.str("last"), reader.str("end"), made)
+
+
+def _code(reader: StateReader) -> dict[str, Any] | None:
+    code = reader.raw("code") if reader.has("code") else None
+    if code is not None and not (
+        isinstance(code, dict) and all(v is None or isinstance(v, str) for v in code.values())
+    ):
+        raise StateFormatError("state.code must be a dict of fingerprints (strings or null)")
+    return code
 
 
 def _distributed(reader: StateReader) -> dict[str, int] | None:

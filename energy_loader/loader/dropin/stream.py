@@ -141,7 +141,8 @@ class Epoch:
 
 class IndexStream:
     """The loader's index stream, owned by the engine: its sampler and generators, what a position
-    of it is, and how a saved one is re-derived (``length``: the sampler's ``len()`` or None)."""
+    of it is, and how a saved one is re-derived (``length``: the sampler's ``len()`` or None;
+    ``code``: the user code's fingerprints a state records)."""
 
     def __init__(
         self,
@@ -150,6 +151,7 @@ class IndexStream:
         *,
         length: int | None,
         config: dict[str, Any],
+        code: dict[str, Any],
         unit_size: int,
         drop_last: bool,
         verify: bool,
@@ -161,6 +163,7 @@ class IndexStream:
         self.rng = rng
         self.length = length
         self.config = config
+        self.code = code  # the user code's fingerprints (state.code)
         self.unit_size = unit_size
         self.drop_last = drop_last
         self.verify = verify
@@ -280,6 +283,7 @@ class IndexStream:
             distributed=self.dealing_record(epoch),
             proof=self.proof_at(epoch, used),
             global_rngs_at_save=None if drawn is None else global_rngs.digests_now(drawn.names),
+            code=self.code,
         )
 
     # -- a restored epoch ----------------------------------------------------------------------
