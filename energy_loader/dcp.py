@@ -100,14 +100,11 @@ def _collection_paused() -> Iterator[None]:
 class SavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` whose global plan takes time linear in the number of ranks.
 
-    Same constructor, same local plans, and the same global plan and metadata as torch's (the
-    tests and ``benchmarks/bench_ranks.py --coordinator`` compare them): only the merge of the
-    ranks' key mappings (``metadata.planner_data``), torch's ``dict(ChainMap(*mappings))``,
-    is done by :func:`first_map_wins`. The rest of torch's global step (dedup of keys saved by
-    several ranks, the metadata, the validation) is already linear in the ranks' items and is
-    torch's own code. With ``enable_plan_caching=True`` torch skips the global step when no
-    rank's keys changed since the last save of this process; a loader's keys change only with
-    its layout, so every save after the first skips it (the plans are still gathered).
+    Same constructor, local plans, global plan and metadata as torch's (the tests and
+    ``benchmarks/bench_ranks.py --coordinator`` compare them): only the merge of the ranks' key
+    mappings, torch's ``dict(ChainMap(*mappings))``, is :func:`first_map_wins`. With
+    ``enable_plan_caching=True`` every save after the first skips the global step (a loader's
+    keys change only with its layout).
 
     Example::
 
@@ -137,30 +134,15 @@ class SavePlanner(DefaultSavePlanner):
 class LoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` that fits each loader's template to the saved partition count.
 
-    A fresh :class:`~energy_loader.SavableDataLoader`'s ``state_dict()`` lists the slots its
-    rank runs for its own ``num_partitions`` P' (``slot_00001``, ``slot_00003``, ...); a
-    checkpoint of another count P lacks some of them (P' > P) or holds others (P' < P), and
-    torch's default planner refuses a missing key before the loader is asked. Here, before
-    torch plans, every loader template in the state dict (a dict of ``slot_`` keys, nested
-    anywhere: ``"loader"``, ``"app.loader"``) is rewritten in place to the slots its rank runs
-    of the saved P (counted from the checkpoint's metadata: every save writes slots 0..P-1;
-    rank and world size from the template's own leaves). The loader's ``load_state_dict``
-    then receives the saved leaves and decides: a loader built without ``num_partitions``
-    adopts P and continues the stream; one built with P' != P raises
-    :class:`~energy_loader.StateMismatchError` naming both counts and the fix, on every rank
-    (each rank's loader checks its own leaves after DCP's collectives have completed, so none
-    waits for another). When P does not divide among this world size the template lists slot
-    0 only, and the loader's refusal names the world sizes P runs on.
-
-    A loader stored under per-rank keys (``{rank_state_key(loader): loader}``) loads only on
-    the world size that saved it: on another one this planner raises
-    :class:`~energy_loader.StateMismatchError` naming both sizes and the recipe that resizes
-    (one key on every rank, ``{"loader": loader}``), where torch's says "Missing key".
-
-    Templates that already list the saved slots, other keys (the model, a drop-in loader's
-    ``rank_`` keys) and checkpoints without ``slot_`` keys under a template's prefix are left
-    to torch. Same constructor as ``DefaultLoadPlanner``; the extra work is one pass over the
-    metadata's keys per rank.
+    A fresh loader's ``state_dict()`` lists the slots its rank runs for its own
+    ``num_partitions`` P'; a checkpoint of another count P lacks some or holds others, and
+    torch's planner refuses a missing key before the loader is asked. Here every loader template
+    (a dict of ``slot_`` keys, nested anywhere) is first rewritten to the slots its rank runs of
+    the saved P (counted from the metadata; slot 0 alone where P does not divide among the world
+    size), so the loader judges the saved leaves: one built without ``num_partitions`` adopts P,
+    one built with P' != P raises :class:`~energy_loader.StateMismatchError` naming both counts,
+    on every rank. A loader stored under per-rank keys (``rank_state_key``) loaded on another
+    world size is refused naming both sizes and the recipe that resizes. Other keys are torch's.
 
     Example::
 
@@ -294,24 +276,14 @@ def load(state_dict: dict[str, Any], **kwargs: Any) -> None:
     """``torch.distributed.checkpoint.load(state_dict, **kwargs)``, with a loader of another
     partition count than the checkpoint's refused in the loader's words.
 
-    Same arguments, same planner (torch's ``DefaultLoadPlanner`` unless ``planner=`` is
-    given), same result. Torch's default planner looks for the slots a fresh loader lists for
-    its own ``num_partitions``; when the checkpoint holds fewer, torch refuses the first it
-    lacks during its own planning, before the loader is asked, with a ``CheckpointException``
-    (a ``BaseException``, which ``except Exception`` does not catch) saying "Missing key in
-    checkpoint state_dict: loader.slot_00001". Here that failure is a
-    :class:`~energy_loader.StateMismatchError` naming the saved and the loader's counts and
-    the two fixes (build the loader with the saved ``num_partitions``, or leave it unset and
-    load with :class:`LoadPlanner`), chained to torch's exception, on every rank (each rank
-    reads the checkpoint's ``.metadata`` again, on this failure only). A checkpoint of *more*
-    partitions than the loader's needs no help: torch loads the slots the loader lists and
-    the loader refuses them, naming both counts. Every other failure is torch's, as it was.
-
-    Looks at loaders at the top level of ``state_dict`` (``{"loader": loader}``, whose
-    ``state_dict()`` DCP fills) and at loader templates at any depth (``{"app": {"loader":
-    loader.state_dict()}}``); the ``.metadata`` is read through ``storage_reader``
-    (a :class:`SharedMetadataReader`'s wrapped reader, on each rank alone), or from the folder
-    ``checkpoint_id`` names. Example::
+    Same arguments, planner and result. Where the checkpoint holds fewer partitions than the
+    loader lists, torch refuses during its own planning with a ``CheckpointException`` (a
+    ``BaseException``) "Missing key in checkpoint state_dict: loader.slot_00001"; here that is a
+    :class:`~energy_loader.StateMismatchError` naming both counts and the two fixes (the saved
+    ``num_partitions``, or none and :class:`LoadPlanner`), chained to torch's, on every rank.
+    Every other failure is torch's. Looks at loaders at the top level of ``state_dict`` and at
+    loader templates at any depth; reads ``.metadata`` through ``storage_reader`` or from
+    ``checkpoint_id``. Example::
 
         el.dcp.load({"model": model_state, "loader": loader}, checkpoint_id=step_dir)
     """

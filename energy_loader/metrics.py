@@ -1,15 +1,9 @@
 """What the data loader is doing: cheap counters, ``loader.stats()``, and a tqdm helper.
 
-- *Main process* (:class:`LoaderMetrics`): per item the wait in ``next()`` (torch's queue plus
-  decoding), the decode alone, and the step (item to item); saves. A few additions and one
-  ``list.append`` per item; quantiles only in :meth:`LoaderMetrics.stats`.
-- *Workers* (:class:`WorkerCounters`): seconds producing items (of which checkpointing and
-  encoding), items, payload bytes; the rest is idle. Read over the command channel only when
-  ``stats()`` or the stall check asks.
-
-``stats()`` returns ``{"since_last", "total", "queue_depth"}``; :func:`flatten` and
-:func:`tqdm_postfix` reshape it. Call it from the thread that iterates the loader. Fields and
-how to read them: docs/observability.md.
+:class:`LoaderMetrics` (main process) times each item's wait in ``next()``, its decode and the
+step, and saves; :class:`WorkerCounters` (each worker) counts busy seconds, items and bytes,
+read over the command channel only when ``stats()`` or the stall check asks. Call ``stats()``
+from the iterating thread. Fields and how to read them: docs/observability.md.
 """
 
 from __future__ import annotations

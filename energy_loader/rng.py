@@ -1,11 +1,8 @@
 """Counter-based randomness for the library's own components, and per-sample seeding.
 
-The library's own choices (shuffle orders, buffer picks, blend draws) come from
-:class:`CounterRng`: a seed (salted per component) and a counter through SplitMix64, so a state
-is two integers and restores exactly. User functions draw from the global generators, which
-:func:`seed_globals_for_sample` reseeds from (pipeline seed, wrapper position, restore key):
-their draws are then a function of the sample's key on any layout and after any restore.
-See docs/concepts.md.
+:class:`CounterRng` (a salted seed and a counter through SplitMix64: a state of two integers)
+drives shuffles, buffer picks and blends; :func:`seed_globals_for_sample` reseeds the global
+generators from (pipeline seed, wrapper position, restore key) before user functions.
 """
 
 from __future__ import annotations
@@ -142,11 +139,9 @@ def sample_seed(seed: int, position: int, key: Hashable) -> int:
 def seed_globals_for_sample(seed: int, position: int, key: Hashable) -> None:
     """Seed python ``random``, numpy's global RNG and torch's default CPU generator.
 
-    The seed depends on (pipeline ``seed``, wrapper ``position``, restore ``key``) only
-    (:func:`sample_seed`). ~10 us a call, nearly all generator initialisation (python ~4.4 us,
-    numpy ~2.4, torch ~2.6; restoring saved states is no cheaper). Torch is seeded through
-    ``default_generator.manual_seed``: ``torch.manual_seed`` would also seed every CUDA device
-    (~180 us).
+    From (pipeline ``seed``, wrapper ``position``, restore ``key``) only (:func:`sample_seed`);
+    ~10 us, nearly all generator initialisation. ``default_generator.manual_seed``, not
+    ``torch.manual_seed``, which would also seed every CUDA device (~180 us).
     """
     keeping = _KEEPING.scope
     if keeping is not None and not keeping:
@@ -195,11 +190,9 @@ _KEEPING = _Keeping()
 class kept_rng_state_if_seeded:  # lower case: a context manager used as `with f():`
     """Put the global RNG states back on exit if the library seeded them per sample inside.
 
-    Without workers the pipeline runs in the training process, whose own draws (dropout) must
-    not see the per-sample seeding. States are saved at the first seeding in the scope, so an item
-    that seeds nothing costs nothing (vs ~80 us for :func:`kept_rng_state`). Unseeded user draws
-    use the training's generators, as torch's loader without workers allows. (A class, not a
-    ``contextlib`` generator: it opens once an item, and that machinery cost more than the rest.)
+    Without workers the training's own draws must not see per-sample seeding. States are saved at
+    the first seeding, so an item that seeds nothing costs nothing (a class, not a ``contextlib``
+    generator: it opens once an item, and that machinery cost more than the rest).
     """
 
     __slots__ = ("outer", "scope")

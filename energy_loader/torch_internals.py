@@ -45,13 +45,9 @@ __all__ = [
 
 
 class _CycleSafeIterator(_MultiProcessingDataLoaderIter):
-    """torch's worker iterator, whose shutdown also works when it is garbage collected in a
-    reference cycle (a loader held by a stored traceback, a closure, a notebook).
-
-    Collecting the cycle first stops each index queue's feeder thread, so torch's
-    ``_shutdown_workers()`` cannot reach the workers and joins each with a 5 s timeout. Workers
-    whose queue can no longer reach them are terminated at once instead (what torch does after
-    the timeout), before torch's own orderly shutdown.
+    """torch's worker iterator, whose shutdown also works when collected in a reference cycle:
+    the cycle's collection stops the index queues' feeders first, so workers that can no longer
+    be reached are terminated at once instead of each joined with torch's 5 s timeout.
     """
 
     def _shutdown_workers(self) -> None:

@@ -79,14 +79,11 @@ def _torchrun_layout(environ: Mapping[str, str]) -> tuple[int, int] | None:
 class WorkerConfig:
     """The data-parallel layout of one rank: rank, world size, workers, seed.
 
-    ``rank`` and ``world_size`` are the *data-parallel* rank and size, by which sources shard: the
-    tensor- or pipeline-parallel peers of one replica share a rank and see identical samples.
-    ``data_parallel_group`` is the process group over which
-    :func:`~energy_loader.distributed.save_state_global` gathers and
-    :func:`~energy_loader.distributed.restore_state_global` scatters (one rank per replica, e.g.
-    Megatron's ``get_data_parallel_group()`` or ``mesh["dp"].get_group()``); ``None`` means the
-    default group. When given, ``rank``/``world_size`` must be this process's rank in it and its
-    size. The group never travels to workers and takes no part in equality. Build it from the job::
+    ``rank``/``world_size`` are the *data-parallel* rank and size sources shard by (a replica's
+    tensor- or pipeline-parallel peers share one). ``data_parallel_group`` (one rank per replica,
+    e.g. ``mesh["dp"].get_group()``; ``None``: the default group) is where
+    :func:`~energy_loader.distributed.save_state_global` gathers; ``rank``/``world_size`` must then
+    be this process's in it. It never travels to workers nor counts in equality::
 
         WorkerConfig.from_process_group(num_workers=2, seed=1234)      # every rank a replica
         WorkerConfig.from_process_group(num_workers=2, data_parallel_group=mesh["dp"])
@@ -119,14 +116,11 @@ class WorkerConfig:
     ) -> WorkerConfig:
         """The layout of this process in an initialised ``torch.distributed`` job.
 
-        With ``data_parallel_group=None`` every rank of the default group is its own replica. With
-        model parallelism pass the data-parallel group (a ``ProcessGroup`` or a one-dimensional
-        ``DeviceMesh`` such as ``mesh["dp"]``): ``rank``/``world_size`` become this process's rank
-        in it and its size, so a replica's tensor-parallel peers read identical samples. Raises
-        ``ValueError`` without a process group or when this process is not in the group,
-        ``TypeError`` for something that is not a group. Example::
+        ``data_parallel_group=None``: every rank of the default group is a replica. With model
+        parallelism pass the data-parallel group (a ``ProcessGroup`` or a 1-D ``DeviceMesh`` such as
+        ``mesh["dp"]``): ``rank``/``world_size`` become this process's rank in it and its size.
+        ``ValueError`` without a process group or outside the group, ``TypeError`` for a non-group::
 
-            mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
             config = WorkerConfig.from_process_group(num_workers=2, data_parallel_group=mesh["dp"])
         """
         from .process_groups import data_parallel_layout
@@ -194,11 +188,9 @@ class WorkerConfig:
 class WorkerContext:
     """Where one copy of the pipeline runs: plain numbers, cheap to send to a worker.
 
-    A copy is logical partition ``partition`` of ``num_partitions``
-    (:mod:`energy_loader.loader.partitions`): sources shard and random components seed by it, so
-    what it yields does not depend on who runs it. ``rank``, ``world_size``, ``worker_id`` and
-    ``num_workers`` (at least 1: the main process alone is worker 0 of 1) say who runs it now, for
-    logs and messages only; they may differ after a restore onto another layout.
+    Sources shard and random components seed by ``partition`` of ``num_partitions``, so a copy's
+    items do not depend on who runs it; ``rank``, ``world_size``, ``worker_id`` and ``num_workers``
+    (at least 1) say who runs it now, for logs only, and may change after a restore.
     """
 
     rank: int = 0

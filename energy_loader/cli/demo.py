@@ -1,10 +1,8 @@
 """``python -m energy_loader demo``: kill a training run, resume it, prove nothing changed.
 
-Over a pipeline of its own (memory-mapped tokens -> random augmentation -> shuffle buffer ->
-batch, 2 workers) it runs, each in its own process: an *interrupted* loop that checkpoints
-every ``save_every`` steps and SIGKILLs itself, a *resumed* one from the newest intact
-checkpoint, and an uninterrupted *reference*. Each logs every step's indices and a checksum of
-its tokens; the verdict compares interrupted-then-resumed with the reference, step by step.
+Runs, each in its own process, an interrupted loop that checkpoints and SIGKILLs itself, a
+resumed one from its newest intact checkpoint, and an uninterrupted reference, then compares
+their steps' sample indices and token checksums one by one.
 """
 
 from __future__ import annotations

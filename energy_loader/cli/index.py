@@ -1,9 +1,6 @@
-"""``python -m energy_loader index PATH``: build the member indexes of WebDataset tar shards.
-
-Each shard gets ``<shard>.idx.json`` beside it (local or fsspec URL), built in parallel threads
-with a progress bar. Remote locations take fsspec ``storage_options`` built from
-``--storage-options`` / ``--endpoint-url`` / ``--profile``; a failure is one line on stderr and
-exit code 1.
+"""``python -m energy_loader index PATH``: build the member indexes of WebDataset tar shards
+(``<shard>.idx.json``), in parallel threads; remote locations take fsspec options from
+``--storage-options`` / ``--endpoint-url`` / ``--profile``. A failure is one line, exit 1.
 """
 
 from __future__ import annotations

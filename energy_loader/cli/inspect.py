@@ -1,10 +1,7 @@
 """``python -m energy_loader inspect PATH``: print a saved loader state as a readable tree.
 
-Reads a checkpoint file or directory, a ``torch.save`` or JSON file, a folder of per-rank
-files (:func:`energy_loader.save_state_rank_file`) or a ``torch.distributed.checkpoint``
-folder (without a process group), and prints every loader state inside: format version,
-layout, epoch and position, each partition's position, the pipeline config. Anything
-unreadable is a one-line error naming the path, exit code 2.
+Reads checkpoint, ``torch.save`` or JSON files, folders of per-rank files and DCP folders;
+prints version, layout, epoch, positions and config. An unreadable path is one line, exit 2.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """``python -m energy_loader replay``: the restore keys (or samples) of any steps of a saved job.
 
-Imports the user's build function, builds a loader with the saved layout for the chosen rank,
-reads the states that rank needs (state files, a DCP folder or per-rank files) and runs
-:func:`energy_loader.loader.peek.future_items` from them: no workers, only the replayed and
-requested items are made. Step 0 is the first item after the saved position; steps run on
-across epoch ends. A drop-in loader's batches come from
-:meth:`~energy_loader.SavableDataLoader.peek_batches`.
+Builds the user's loader with the saved layout for one rank, reads the states it needs, and
+runs :func:`energy_loader.loader.peek.future_items` from them (no workers; only the replayed
+and requested items are made). Step 0 is the first item after the saved position.
 """
 
 from __future__ import annotations

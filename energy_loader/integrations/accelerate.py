@@ -1,11 +1,8 @@
 """Hugging Face Accelerate: a SavableDataLoader on the accelerator's device, saved with it.
 
-``accelerator.prepare(loader)`` would rebuild a plain DataLoader that saves no position, so it
-raises a ``TypeError`` naming :func:`prepare_loader` (through the loader's
-``_is_accelerate_prepared``). :func:`prepare_loader` returns an :class:`AcceleratedLoader`
-whose hooks make ``save_state``/``load_state`` write and read one state file per data-parallel
-rank (no collective, unlike ``register_for_checkpointing``). The loader keeps sharding by
-rank itself. Example, resizing and limits: docs/integrations.md, "Hugging Face Accelerate".
+``accelerator.prepare(loader)`` raises a ``TypeError`` naming :func:`prepare_loader`, whose
+:class:`AcceleratedLoader` makes ``save_state``/``load_state`` write and read one state file
+per data-parallel rank (no collective). See docs/integrations.md, "Hugging Face Accelerate".
 """
 
 from __future__ import annotations
@@ -37,12 +34,9 @@ _PREFIXES: weakref.WeakKeyDictionary[Accelerator, set[str]] = weakref.WeakKeyDic
 
 
 class AcceleratedLoader:
-    """A :class:`SavableDataLoader` whose batches arrive on ``accelerator.device``.
-
-    Made by :func:`prepare_loader`: iterating moves every tensor of a batch to the device (restore
-    keys and plain values stay). ``accelerator.save_state``/``load_state`` save and restore its
-    position (one file per rank, named by ``state_prefix``); the loader itself is ``.loader``. It
-    has no ``state_dict()`` and ``accelerator.prepare`` returns it unchanged. Not thread-safe.
+    """A :class:`SavableDataLoader` whose batches arrive on ``accelerator.device`` (restore keys and
+    plain values stay), made by :func:`prepare_loader`; ``save_state``/``load_state`` carry its
+    position, ``.loader`` is the loader. No ``state_dict()``; not thread-safe.
     """
 
     def __init__(
@@ -100,14 +94,12 @@ def prepare_loader(
 ) -> AcceleratedLoader:
     """Use ``loader`` with ``accelerator``: call this instead of ``accelerator.prepare(loader)``.
 
-    Returns an :class:`AcceleratedLoader` yielding the loader's batches on ``accelerator.device``.
-    With ``register_for_checkpointing=True`` ``accelerator.save_state(dir)`` also writes each
-    rank's position (``<state_prefix>_rank_00001_of_00004.pt``) and ``load_state(dir)`` restores it
-    exactly; a second loader on one accelerator needs its own ``state_prefix`` (``ValueError``).
-    ``non_blocking`` defaults to the accelerator's ``DataLoaderConfiguration.non_blocking``.
-    Build the ``Accelerator`` first (the loader needs torch.distributed to know its rank); the
-    loader shards by rank itself, so ``split_batches``/``dispatch_batches``/``even_batches`` do
-    not apply. Example::
+    Returns an :class:`AcceleratedLoader` yielding batches on ``accelerator.device``. With
+    ``register_for_checkpointing=True`` ``save_state(dir)``/``load_state(dir)`` also save and
+    restore each rank's position (``<state_prefix>_rank_00001_of_00004.pt``); a second loader on
+    one accelerator needs its own ``state_prefix``. ``non_blocking`` defaults to the
+    accelerator's. Build the ``Accelerator`` first; Accelerate's batch-splitting settings do not
+    apply (the loader shards by rank). Example::
 
         loader = prepare_loader(accelerator, el.SavableDataLoader(pipeline, num_workers=2))
     """

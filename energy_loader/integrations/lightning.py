@@ -1,11 +1,8 @@
 """Lightning integration: save the loader's position as of the batch Lightning last trained on.
 
-Lightning's fetcher reads one batch ahead for a loader without ``len()``, so a checkpoint
-would skip a batch handed out but not trained on. :class:`SavableLoaderCallback` tells each
-:class:`~energy_loader.SavableDataLoader` of the fit loop how many batches the trainer holds
-untrained at the moment it saves (read on the trainer's thread); on several ranks it gathers
-every rank's state into the one checkpoint file. It also refuses a resume whose loader state
-Lightning never loaded. Why, examples, DDP and workarounds: docs/integrations-lightning.md.
+:class:`SavableLoaderCallback` tells each loader how many batches Lightning fetched ahead when
+it saves, gathers all ranks' states into the checkpoint, and refuses a resume whose loader
+state Lightning never loaded. See docs/integrations-lightning.md.
 """
 
 from __future__ import annotations
@@ -56,12 +53,9 @@ def _runs_on_several_ranks(loader: Any) -> bool:
 
 
 def _count_the_resumed_epoch_as_the_loader_deals_it(trainer: Trainer) -> None:
-    """Make Lightning's batch count of a resumed epoch end where the loader's batches end.
-
-    A drop-in loader resumed on another layout deals the rest of the epoch anew, so Lightning's
-    ``len(loader) - ready`` is wrong; at ``on_train_start`` this sets the epoch's counters to
-    ``len(loader) - batches left`` (no change on the same layout). Why and when:
-    docs/integrations-lightning.md, "Several ranks".
+    """Make Lightning's batch count of a resumed epoch end where the loader's batches end: a
+    drop-in resumed on another layout deals the rest anew, so the counters become ``len(loader) -
+    batches left`` (docs/integrations-lightning.md, "Several ranks").
     """
     combined = getattr(trainer.fit_loop, "_combined_loader", None)
     loaders = [] if combined is None else list(combined.flattened)

@@ -1,11 +1,8 @@
 """Hugging Face ``Trainer``: train from a SavableDataLoader and resume it exactly.
 
-:class:`SavableLoaderTrainer` takes the loader instead of ``train_dataset`` (Trainer's own
-resume replays the trained batches, which cannot work on a savable loader). Every checkpoint
-folder also gets this rank's loader state (``save_state_rank_file``, no collective); a resume
-restores it, sets ``args.ignore_data_skip`` and continues Trainer's epoch bookkeeping from the
-loader's position. :class:`TrainerLoader` passes ``set_epoch`` on to a drop-in's samplers.
-Several processes, resizing and limits: docs/integrations.md, "Hugging Face Trainer".
+:class:`SavableLoaderTrainer` takes the loader, saves each rank's state into every checkpoint
+folder, and on resume restores it and continues Trainer's epoch bookkeeping from the loader's
+position. See docs/integrations.md, "Hugging Face Trainer".
 """
 
 from __future__ import annotations
@@ -72,10 +69,9 @@ def _sampler_chain(loader: SavableDataLoader) -> list[Any]:
 class TrainerLoader:
     """What ``SavableLoaderTrainer.get_train_dataloader`` returns: the loader, keys stripped.
 
-    Iterates the loader (one epoch), dropping ``__restore_key__`` from dict batches (Trainer
-    passes every entry to ``model(**batch)``); ``len()`` is the loader's. An epoch whose batches
-    were all taken counts as over, so the next ``iter()`` starts the next one. ``set_epoch``
-    reaches the drop-in's samplers that have one.
+    Drops ``__restore_key__`` from dict batches (Trainer passes every entry to ``model(**batch)``);
+    an epoch whose batches were all taken counts as over; ``set_epoch`` reaches the drop-in's
+    samplers that have one.
     """
 
     def __init__(self, loader: SavableDataLoader) -> None:

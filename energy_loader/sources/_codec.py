@@ -1,10 +1,7 @@
-"""A safe binary encoding of one sample: a JSON tree plus raw tensor and array buffers.
-
-Shards are never unpickled (a remote need not be trusted). Plain values, lists, ``str``-keyed
-dicts and tagged tuples go into a JSON header; tensors (any dtype, dense, CPU), non-object numpy
-arrays and scalars, and ``bytes`` go into raw buffers after it, 16-byte aligned. Record layout:
-``uint32 header_len | header (UTF-8 JSON) | padding | buffers``; decoding builds tensors and
-arrays over the record's own ``bytearray`` (no copy).
+"""A safe binary encoding of one sample, never unpickled: ``uint32 header_len | header (UTF-8
+JSON: plain values, lists, str-keyed dicts, tagged tuples) | padding | buffers`` (tensors,
+numpy arrays and scalars, ``bytes``, 16-byte aligned), decoded over the record's own
+``bytearray`` without a copy.
 """
 
 from __future__ import annotations

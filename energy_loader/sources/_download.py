@@ -1,10 +1,6 @@
-"""The local shard cache of ShardedSource: node-wide locks, validated downloads, eviction, and
-the background thread that downloads ahead of the reader.
-
-A shard is downloaded by the first process needing it under ``local/.locks/<shard>.lock``
-(``fcntl.flock``), into a temporary file checked (sha256, or sizes for formats without one),
-decompressed, checked again and renamed. A :class:`ShardCache` serves one reader thread and its
-prefetch thread; its eviction list is under a lock. Details: docs/sources/sharded.md.
+"""The local shard cache of ShardedSource: node-wide locks (``local/.locks/<shard>.lock``),
+validated downloads (temporary file, hashes or sizes, rename), eviction under
+``cache_limit``, and the thread that downloads ahead. See docs/sources/sharded.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""The common reader of the peers' shard formats whose files start with an offset table: MDS
-and litdata's chunks (:class:`~energy_loader.MDSSource` and :class:`~energy_loader.LitDataSource`
-subclass it with their index parsing and decoding).
-
-A shard file is ``uint32 count | uint32 offsets[count + 1] | samples``. Order and resume are
-:class:`~energy_loader.ShardedSource`'s (:mod:`energy_loader.sources._order`); local
-uncompressed shards are read in place, others through its download cache
-(:mod:`energy_loader.sources._download`). State: ``{"phase", "epoch", "position"}``; restore
-key ``(shard, row)``.
+"""The common reader of the shard formats whose files start with an offset table (``uint32
+count | uint32 offsets[count + 1] | samples``): MDS and litdata subclass it with their index
+parsing and decoding. Order and resume are ShardedSource's, downloads its cache's. State:
+``{"phase", "epoch", "position"}``; restore key ``(shard, row)``.
 """
 
 from __future__ import annotations

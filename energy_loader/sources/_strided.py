@@ -1,9 +1,6 @@
-"""Strided reading, shared by the sources that deal one global order out to their readers.
-
-Reader ``s`` of ``S`` reads global positions ``s, s + S, ...`` of each epoch's order.
-:class:`StridedCursor` keeps that position (state ``{"phase", "epoch", "position"}``);
-:class:`PrefetchingCursor` downloads shards ahead of it; :class:`OpenShards` and
-:class:`RestoreShard` keep shards open; :class:`StridedSource` holds the order settings.
+"""Strided reading, shared by the sources that deal one global order out to their readers:
+reader ``s`` of ``S`` reads global positions ``s, s + S, ...`` (:class:`StridedCursor`, state
+``{"phase", "epoch", "position"}``), with shards downloaded ahead and kept open.
 """
 
 from __future__ import annotations

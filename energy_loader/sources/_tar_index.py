@@ -1,11 +1,8 @@
 """The member index of a WebDataset tar shard: which bytes of the tar hold which sample.
 
-Per sample in tar order: its key (the member path up to the first dot of its file name) and
-per member ``[extension, header offset, data offset, size]``; plus the shard's size and sha256.
-Built in one pass with ``tarfile`` over any file object, stored as ``<shard>.idx.json``. Damage
-is named, never skipped: a truncated tar or non-zero blocks after the last member fail
-indexing, and each member's header (checksum, name) is checked at read time. See
-docs/sources/webdataset.md.
+Per sample its key and per member ``[extension, header offset, data offset, size]``, plus the
+shard's size and sha256, as ``<shard>.idx.json``. Damage fails indexing, and each member's
+header is checked again at read time. See docs/sources/webdataset.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """ChunkedFolderSource: a folder of pre-processed chunk files plus ``metadata.json``.
 
-Chunk files (``.pt`` read with ``weights_only=True``, ``.npz``, ``.npy``) hold one row per
-sample; a sample is copied out of its chunk. Every epoch has one order of the N samples, cut
-into the loader's P partitions as contiguous ranges; a partition loads the files it crosses
-one at a time (one chunk in memory per partition), and depends only on (seed, epoch, P), so
-a state restores onto any layout of the same P. ``balance`` keeps ranks level.
-:func:`write_chunked_folder` makes such a folder. Format, balance, state: docs/sources/chunked.md.
+Each epoch's order is cut into the loader's P partitions as contiguous ranges, read one chunk
+at a time and depending only on (seed, epoch, P); ``balance`` keeps ranks level.
+:func:`write_chunked_folder` makes such a folder. See docs/sources/chunked.md.
 """
 
 from __future__ import annotations
@@ -256,18 +253,14 @@ class ChunkedFolderSource(SavableDataset):
     """Stream a folder of chunk files in ranges over the loader's partitions, one file in memory
     per partition at a time.
 
-    ``shuffle`` permutes files and rows per epoch (keyed by ``seed``). ``balance`` keeps ranks
-    level: ``"exact"`` (each partition its own range; ranks must get equal counts),
-    ``"oversample"`` (``ceil(N / P)`` each, repeating a few) or ``"undersample"`` (``N // P``
-    each, leaving a few out). ``seq_len`` cuts every tensor or array of a sample with at least one
-    dimension to its last ``seq_len`` positions. Raises ``FileNotFoundError`` for a missing folder,
-    metadata or chunk file and ``SourceDataError`` for inconsistent metadata (both naming the file)
-    or for ``"exact"`` on ranks that would get different counts. Folder layout, order and state:
-    docs/sources/chunked.md. Example::
+    ``shuffle`` permutes files and rows per epoch (``seed``). ``balance``: ``"exact"`` (ranks must
+    get equal counts), ``"oversample"`` or ``"undersample"`` (docs/sources/chunked.md).
+    ``seq_len`` cuts tensors and arrays to their last ``seq_len`` positions. Raises
+    ``FileNotFoundError`` for a missing folder, metadata or chunk and ``SourceDataError`` for
+    inconsistent metadata or unequal ``"exact"`` ranks, naming the file. Example::
 
         write_chunked_folder("data/", samples, samples_per_file=1000)
         source = ChunkedFolderSource("data/", shuffle=True, seed=1234, balance="oversample")
-        pipeline = BatchDataset(source, batch_size=32)
     """
 
     def __init__(
@@ -427,18 +420,12 @@ def write_chunked_folder(
 ) -> dict[str, Any]:
     """Write ``samples`` as a chunked folder readable by :class:`ChunkedFolderSource`.
 
-    Every ``samples_per_file`` samples become one file, written atomically; ``metadata.json`` is
-    written last, so a folder with metadata is complete. Formats:
-
-    - ``"pt"``: dict samples with one tensor shape per key as columns, anything else as a list
-      (what ``torch.load(weights_only=True)`` reads back). Numeric and bool numpy arrays and
-      scalars are stored as tensors of the same dtype (the safe loader reads no numpy objects),
-      numpy strings as ``str``; ragged arrays are fine;
-    - ``"npz"``: dict samples of arrays (or tensors, numbers), one shape per key, as columns;
-    - ``"npy"``: samples that are arrays (or tensors) of one shape, as one array.
-
-    Raises ``FileExistsError`` if the folder already holds a ``metadata.json``. Returns the
-    metadata written.
+    Every ``samples_per_file`` samples become one file, written atomically, ``metadata.json``
+    last. ``file_format``: ``"pt"`` (dict samples with one tensor shape per key as columns, else
+    a list; numeric numpy arrays and scalars stored as tensors, numpy strings as ``str``),
+    ``"npz"`` (dict samples of arrays, one shape per key, as columns) or ``"npy"`` (arrays of one
+    shape, as one array). ``FileExistsError`` if the folder already holds a ``metadata.json``.
+    Returns the metadata written.
     """
     require_int(samples_per_file, "samples_per_file", minimum=1)
     if file_format not in ("pt", "npz", "npy"):

@@ -1,12 +1,9 @@
 """HuggingFaceIterableSource: a Hugging Face ``datasets.IterableDataset`` as a savable source.
 
-(A map-style ``datasets.Dataset`` goes through ``IndexedSource``.) The stream keeps its own
-position (``state_dict()``); this source stores it as plain data with the number of examples
-the copy yielded in the epoch. Copy ``p`` of ``P`` reads ``split_dataset_by_node(dataset,
-rank=p, world_size=P)`` through ``dataset.iter(batch_size=1)``, which (unlike ``iter()``) does
-not split again by torch's worker info. As exact as the dataset's own ``state_dict()``; no
-``restore_sample``. State: ``{"phase", "epoch", "count", "hf"}``; restore key
-``(epoch, count)``. Exactness and its gaps: docs/sources/huggingface.md.
+Saves the stream's own ``state_dict()`` as plain data; copy ``p`` of ``P`` reads
+``split_dataset_by_node(dataset, rank=p, world_size=P)`` through ``dataset.iter(batch_size=1)``
+(which does not split again by worker). State: ``{"phase", "epoch", "count", "hf"}``; restore
+key ``(epoch, count)``. See docs/sources/huggingface.md.
 """
 
 from __future__ import annotations
@@ -100,12 +97,10 @@ class _HuggingFaceCursor(EpochCursor):
 class HuggingFaceIterableSource(SavableDataset):
     """Read a Hugging Face ``datasets.IterableDataset``, saving its own state as plain data.
 
-    Each copy of the pipeline reads its part (``split_dataset_by_node`` by the copy's shard index
-    and count); ``set_epoch(epoch)`` is called every epoch, so ``.shuffle(seed=...)`` reshuffles
-    per epoch. A ``shuffle`` buffer's examples are lost at a restore; ``buffer_size=1`` resumes
-    exactly (docs/sources/huggingface.md). Example::
+    Each pipeline copy reads its ``split_dataset_by_node`` part; ``set_epoch`` runs every epoch.
+    A ``shuffle`` buffer's examples are lost at a restore; ``buffer_size=1`` resumes exactly
+    (docs/sources/huggingface.md). Example::
 
-        from datasets import load_dataset
         stream = load_dataset("allenai/c4", "en", split="train", streaming=True)
         source = HuggingFaceIterableSource(stream.shuffle(seed=1, buffer_size=1))
     """

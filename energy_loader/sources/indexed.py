@@ -1,11 +1,8 @@
 """IndexedSource: any map-style dataset, or ``(length, fn)``, as a savable sharded source.
 
-Epoch ``e`` visits a global order (identity, or a Feistel permutation keyed by seed, this
-source's ordinal and ``e``: O(1) memory); shard ``s`` of ``S`` reads positions ``s, s + S, ...``.
-State: ``{"phase", "epoch", "position"}``, ``position`` being the global position of the shard's
-next sample. Restore key: ``(index,)``. With ``seed_per_sample`` each read runs under the
-sample's seed (a map or filter built right on the source shares that seeding, see
-:meth:`~energy_loader.SavableDataset.share_sample_seeding`). Details: docs/api.md, "IndexedSource".
+Shard ``s`` of ``S`` reads positions ``s, s + S, ...`` of each epoch's (Feistel-permuted)
+order; ``position`` in the state is global. Restore key ``(index,)``. Per-sample seeding of
+reads, shared with a map or filter right on top: docs/api.md, "IndexedSource".
 """
 
 from __future__ import annotations
@@ -60,12 +57,11 @@ class _IndexedCursor(StridedCursor):
 class IndexedSource(SavableDataset):
     """A savable, sharded, optionally shuffled source over indexable data.
 
-    ``data`` is anything with ``__len__`` and ``__getitem__(int)`` (a torch map-style dataset, a
-    list, a numpy array...). With ``shuffle=True`` every epoch has its own order, fixed by ``seed``.
-    ``seed_per_sample`` (default: True for a dataset object, False for a list, tuple, range, numpy
-    array or tensor and for ``from_fn``) seeds python, numpy and torch from (pipeline seed, salt,
-    restore key) before each read (~11 us), so a ``__getitem__`` or ``set_transform`` that draws
-    random numbers draws the same after a restore and on any layout. Example::
+    ``data`` has ``__len__`` and ``__getitem__(int)`` (a torch map-style dataset, a list, an
+    array...). ``shuffle=True`` gives every epoch its own order, fixed by ``seed``.
+    ``seed_per_sample`` (default: True for a dataset object, False for plain containers and
+    ``from_fn``) seeds the global RNGs per sample before each read (~11 us), so a random
+    ``__getitem__`` or ``set_transform`` draws the same after a restore. Example::
 
         source = IndexedSource(my_dataset, shuffle=True, seed=1234)
         source = IndexedSource.from_fn(length=10**10, fn=make_sample, shuffle=True)

@@ -1,12 +1,9 @@
 """IterableSource: a user's ``torch.utils.data.IterableDataset`` as a savable source.
 
-The drop-in loader (:mod:`energy_loader.loader.dropin`) runs one copy per worker, as torch
-does. A state holds a ``Stateful`` dataset's own ``state_dict()`` (loaded into a shallow copy
-that runs the resumed epoch only), or else the number of items the copy yielded, which a
-restore skips by iterating again. Inside a worker ``get_worker_info()`` reports the worker
-whose stream the copy continues; global RNGs are seeded per (seed, worker, epoch) when
-``seed_per_epoch`` is set. Restore keys ``(epoch, item number)`` rebuild nothing.
-Details: docs/dropin.md, "Iterable datasets".
+The drop-in loader runs one copy per worker. A state holds a ``Stateful`` dataset's own
+``state_dict()`` (loaded into a shallow copy for the resumed epoch only) or else an item count
+that a restore skips. Restore keys ``(epoch, item number)`` rebuild nothing. See docs/dropin.md,
+"Iterable datasets".
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """LitDataSource: litdata's optimized chunks read where they lie, as a savable, elastic source.
 
-Reads ``index.json`` and the ``chunk-*.bin`` files ``litdata.optimize(...)`` writes (default
-``PyTreeLoader``), decodes leaves as litdata's serializers do and rebuilds each item with
-torch's pytree; ``pickle`` only with ``allow_unsafe_types=True``. ``jpeg``, binary ``json``,
-media leaves, compressed or encrypted chunks and ``TokensLoader`` are refused by name. Order,
-downloads and state: :mod:`energy_loader.sources._offset_shards`. Restore key: ``(chunk, row)``.
-Format: docs/sources/litdata.md.
+Leaves are decoded as litdata's serializers do and items rebuilt with torch's pytree; order,
+downloads and state are :mod:`energy_loader.sources._offset_shards`'. Restore key
+``(chunk, row)``. Format, leaves and refusals: docs/sources/litdata.md.
 """
 
 from __future__ import annotations
@@ -190,21 +187,14 @@ class LitDataSource(OffsetShardSource):
     ``litdata.StreamingDataset`` returns, with a local shuffle, canonical partitions and exact,
     elastic resume.
 
-    ``dir_or_url``: the directory ``litdata.optimize`` wrote (``index.json`` plus
-    ``chunk-*.bin``). Local chunks are read in place; remote ones are downloaded into
-    ``cache_dir`` (default ``~/.cache/energy_loader/litdata/<hash of the location>``) by a
-    background thread ``predownload`` items ahead, with ``download_retries`` and
-    ``download_timeout`` per attempt and sizes checked; ``cache_limit`` bounds the cache in
-    bytes. ``storage_options`` go to fsspec. What is decoded and refused:
-    docs/sources/litdata.md.
+    ``dir_or_url``: the directory ``litdata.optimize`` wrote. Local chunks are read in place;
+    remote ones are downloaded ahead into ``cache_dir`` (default
+    ``~/.cache/energy_loader/litdata/<hash>``), sizes checked, with ShardedSource's
+    ``predownload``, ``cache_limit``, ``download_retries``, ``download_timeout`` and
+    ``storage_options``. A damaged chunk raises :class:`~energy_loader.SourceDataError` naming
+    chunk and item. Decoded and refused leaves: docs/sources/litdata.md. Example::
 
-    A damaged chunk (truncated, a count that does not match the index, a leaf that does not
-    decode) raises :class:`~energy_loader.SourceDataError` naming the chunk and item. Example::
-
-        source = LitDataSource("s3://bucket/optimized", shuffle=True, seed=3,
-                               cache_dir="/tmp/litdata")
-        for item in source:
-            ...
+        source = LitDataSource("s3://bucket/optimized", shuffle=True, seed=3, cache_dir="/tmp/ld")
     """
 
     format_name = "litdata"

@@ -1,10 +1,8 @@
 """MDSSource: MosaicML Streaming's MDS shards read where they lie, as a savable, elastic source.
 
-Reads ``index.json`` and the shards ``streaming.MDSWriter`` writes (compressed with zstd, gz or
-bz2, or not; ``br`` and ``snappy`` refused), decoding columns as Mosaic's ``mds_decode`` does;
-``pkl`` only with ``allow_unsafe_types=True``. Order, downloads and state:
-:mod:`energy_loader.sources._offset_shards`. Restore key: ``(shard, row)``. Format and
-encodings: docs/sources/mds.md.
+Columns are decoded as Mosaic's ``mds_decode`` does; order, downloads and state are
+:mod:`energy_loader.sources._offset_shards`'. Restore key ``(shard, row)``. Format, encodings
+and compressions: docs/sources/mds.md.
 """
 
 from __future__ import annotations
@@ -210,22 +208,16 @@ class MDSSource(OffsetShardSource):
     """Read MosaicML Streaming's MDS shards (local or any fsspec URL) as dict samples, with a
     local shuffle, canonical partitions and exact, elastic resume.
 
-    ``dir_or_url``: the directory holding ``index.json`` (Mosaic's ``local`` or ``remote``).
-    Each sample is a dict of its columns decoded as Mosaic decodes them (docs/sources/mds.md);
-    ``columns`` keeps only those (default: all). Local uncompressed shards are
-    read in place; remote or compressed ones are downloaded and decompressed into
-    ``cache_dir`` (default ``~/.cache/energy_loader/mds/<hash of the location>``), by a
-    background thread ``predownload`` samples ahead, with ``download_retries`` and
-    ``download_timeout`` per attempt, sizes checked (and sha256 where the index has one);
-    ``cache_limit`` bounds the cache in bytes. ``storage_options`` go to fsspec.
-
-    A damaged shard (truncated, a count that does not match the index, a value that does not
-    decode) raises :class:`~energy_loader.SourceDataError` naming the shard and sample.
-    Example::
+    ``dir_or_url``: the directory holding ``index.json`` (Mosaic's ``local`` or ``remote``). A
+    sample is a dict of its columns decoded as Mosaic decodes them (docs/sources/mds.md);
+    ``columns`` keeps only those (default: all). Local uncompressed shards are read in place;
+    remote or compressed ones are downloaded ahead and decompressed into ``cache_dir`` (default
+    ``~/.cache/energy_loader/mds/<hash>``), sizes (and sha256 where listed) checked, with
+    ShardedSource's ``predownload``, ``cache_limit``, ``download_retries``, ``download_timeout``
+    and ``storage_options``. A damaged shard raises :class:`~energy_loader.SourceDataError`
+    naming shard and sample. Example::
 
         source = MDSSource("s3://bucket/mds/train", shuffle=True, seed=17, cache_dir="/tmp/mds")
-        for sample in source:
-            tokens = sample["tokens"]
     """
 
     format_name = "MDS"

@@ -1,12 +1,9 @@
 """MegatronIndexedSource: Megatron's indexed datasets (``.bin`` + ``.idx``) read where they lie,
 one document a sample, with a local shuffle and exact, elastic resume.
 
-A sample is what megatron-core's ``IndexedDataset[i]`` returns for sequence ``i``:
-``{"tokens": <1-D array of the file's dtype>, "index": i}``. Blocks of ``block_documents``
-documents are permuted, and documents within them, then cut into canonical spans as for
-:class:`~energy_loader.ShardedSource` (:mod:`energy_loader.sources._order`). Local prefixes are
-memory-mapped; remote ones go through ``cache_dir``. State: ``{"phase", "epoch", "position"}``;
-restore key ``(document,)``. File format and details: docs/sources/megatron.md.
+Blocks of documents are permuted and cut into canonical spans as for
+:class:`~energy_loader.ShardedSource`. Local prefixes are memory-mapped. State:
+``{"phase", "epoch", "position"}``; restore key ``(document,)``. Format: docs/sources/megatron.md.
 """
 
 from __future__ import annotations
@@ -132,18 +129,15 @@ class MegatronIndexedSource(StridedSource):
     sample: ``{"tokens": <1-D numpy array of the file's dtype>, "index": <its number>}``.
 
     ``path_prefix``: the path without ``.bin``/``.idx`` (either suffix accepted), local or an
-    fsspec URL (with ``storage_options``). The ``.idx`` is read when the source is built and
-    checked against the ``.bin``'s size (a truncated file is a
-    :class:`~energy_loader.SourceDataError` naming it). ``block_documents``: consecutive documents
-    permuted as a whole and within (larger mixes more, smaller reads more locally). A remote
-    ``.bin`` is downloaded whole into ``cache_dir`` (default
-    ``~/.cache/energy_loader/megatron/<hash>``) with ``download_retries`` and ``download_timeout``
-    per attempt; ``cache_limit`` must hold it. For fixed-length GPT samples pack the documents
-    with ``PackingDataset`` (docs/sources/megatron.md). Example::
+    fsspec URL. The ``.idx`` is read with the source and checked against the ``.bin``'s size (a
+    truncated file is a :class:`~energy_loader.SourceDataError`). ``block_documents``:
+    consecutive documents permuted as a whole and within (larger mixes more, smaller reads more
+    locally). A remote ``.bin`` is downloaded whole into ``cache_dir`` (default
+    ``~/.cache/energy_loader/megatron/<hash>``; ``cache_limit`` must hold it), with ShardedSource's
+    download settings. For fixed-length GPT samples pack the documents (docs/sources/megatron.md).
+    Example::
 
         source = MegatronIndexedSource("/data/pile/pile_text_document", shuffle=True, seed=1)
-        for sample in source:
-            tokens = sample["tokens"]
     """
 
     def __init__(

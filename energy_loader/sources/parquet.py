@@ -1,12 +1,10 @@
 """ParquetSource: rows of Parquet files (local or any fsspec URL) as dict samples, through
 pyarrow, with random access by row group, a local shuffle and exact resume.
 
-Per epoch the row groups of all files are permuted, rows are permuted within windows of
-``shuffle_window`` row groups, and the order is cut into canonical spans
-(:mod:`energy_loader.sources._order`). A reader decodes a window's row groups into one Arrow
-table kept in a small LRU, and makes dicts a block of rows at a time. State:
-``{"phase", "epoch", "position"}``; restore key ``(file, row_group, row)``.
-Details and measurements: docs/sources/parquet.md.
+Row groups are permuted per epoch and rows within windows of ``shuffle_window`` of them, cut
+into canonical spans (:mod:`energy_loader.sources._order`); a reader keeps decoded windows in a
+small LRU. State: ``{"phase", "epoch", "position"}``; restore key ``(file, row_group, row)``.
+See docs/sources/parquet.md.
 """
 
 from __future__ import annotations
@@ -185,16 +183,13 @@ class _ParquetCursor(StridedCursor):
 class ParquetSource(StridedSource):
     """Read the rows of Parquet files as dict samples, shuffled locally, resumed exactly.
 
-    ``paths_or_dir``: a directory (its ``*.parquet``/``*.pq`` files, sorted), one file or a list;
-    local paths or fsspec URLs (with ``storage_options``). ``columns`` selects columns (default:
-    all). Footers are read when the source is built, row groups when first needed; a remote file
-    gets ``read_retries`` extra attempts on I/O errors before a
-    :class:`~energy_loader.DownloadError` naming file and row group. Shuffle permutes row groups,
-    and rows within windows of ``shuffle_window`` row groups: larger windows mix more and cache
-    more decoded row groups (``max_cached_row_groups``, default: what the window needs). A damaged
-    file (corrupt footer or page; locally, any read error) is a
+    ``paths_or_dir``: a directory (its sorted ``*.parquet``/``*.pq``), one file or a list; local
+    or fsspec URLs (``storage_options``). ``columns``: default all. A remote file gets
+    ``read_retries`` extra attempts on I/O errors before a :class:`~energy_loader.DownloadError`.
+    Rows are permuted within windows of ``shuffle_window`` row groups (larger mixes more and
+    caches more: ``max_cached_row_groups``). A damaged file is a
     :class:`~energy_loader.SourceDataError` naming file and row group, raised after the rows
-    before it were delivered. Example::
+    before it. Example::
 
         source = ParquetSource("/data/train", columns=["text", "label"], shuffle=True, seed=7)
     """

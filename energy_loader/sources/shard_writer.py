@@ -1,9 +1,6 @@
 """ShardWriter: samples into size-bounded shard files plus an ``index.json``, for ShardedSource.
-
-A shard file (``shard-00000.els``, before optional compression) is
-``b"ELSHARD1" | uint64 count | uint64 offsets[count + 1] | records``, one sample a record in
-the safe codec of :mod:`energy_loader.sources._codec`. ``index.json`` lists every shard with its
-stored name, count, bytes and sha256, and the uncompressed file's name, bytes and sha256.
+A shard is ``b"ELSHARD1" | uint64 count | uint64 offsets[count + 1] | records``, one sample a
+record in :mod:`energy_loader.sources._codec`. See docs/sources/sharded.md.
 """
 
 from __future__ import annotations
@@ -87,13 +84,11 @@ def zstd_module() -> Any:
 class ShardWriter:
     """Write samples into shards of at most ``max_shard_bytes`` (uncompressed) each.
 
-    ``path`` is a local directory or an fsspec URL (``s3://bucket/data``, ``memory://x``); it
-    must not already hold an ``index.json``. A context manager: the index is written when the
-    ``with`` block ends without an exception (or at :meth:`close`), so a dataset with an index
-    is complete; after an exception the shards written so far are left without an index.
-    A single sample larger than ``max_shard_bytes`` gets a shard of its own. Samples are dicts
-    (or lists, tuples, single values) of tensors, numpy arrays, numbers, strings and bytes.
-    Example::
+    ``path``: a local directory or an fsspec URL, without an ``index.json`` yet. A context
+    manager: the index is written when the ``with`` block ends without an exception (or at
+    :meth:`close`), so a dataset with an index is complete. A sample larger than
+    ``max_shard_bytes`` gets a shard of its own. Samples are dicts (or lists, tuples, single
+    values) of tensors, numpy arrays, numbers, strings and bytes. Example::
 
         with ShardWriter("data/", max_shard_bytes=1 << 26, compression="zstd") as writer:
             for sample in samples:

@@ -1,13 +1,10 @@
 """ShardedSource: shards on a remote (any fsspec URL or a local directory), read through a
 local cache that a background thread fills ahead of the reader.
 
-Epoch ``e``'s global order depends only on (``seed``, ``e``, ``num_canonical_partitions`` P,
-this source's position in the pipeline), never on ranks or workers: see
-:mod:`energy_loader.sources._order`. Shards are listed in the remote's ``index.json``
-(:class:`ShardWriter`); ``local`` is a cache shared by a node's processes, filled by a thread
-started lazily in each reader (:mod:`energy_loader.sources._download`). State:
-``{"phase", "epoch", "position"}`` (the reader's next global position); restore key
-``(shard, row)``. Details: docs/sources/sharded.md.
+The order is :mod:`energy_loader.sources._order`'s; shards are listed in the remote's
+``index.json`` (:class:`ShardWriter`); downloads: :mod:`energy_loader.sources._download`.
+State: ``{"phase", "epoch", "position"}``; restore key ``(shard, row)``. See
+docs/sources/sharded.md.
 """
 
 from __future__ import annotations
@@ -159,22 +156,15 @@ class _ShardedCursor(PrefetchingCursor):
 class ShardedSource(StridedSource):
     """Read ShardWriter shards from a remote through a local cache, downloading ahead.
 
-    ``remote`` is an fsspec URL (``s3://bucket/data``, ``memory://data``) or a local directory
-    standing in for one; ``local`` is this node's cache directory (created if missing; it must not
-    hold the cache of another index). ``index.json`` is read when the source is built. Reader
-    ``s`` of ``S`` reads global positions ``s, s + S, ...``; choose ``num_canonical_partitions``
-    as a multiple of the reader counts you expect.
-
-    - ``predownload``: how many of the reader's next samples the background thread keeps
-      downloaded (0: no thread; the reader downloads each shard when it reaches it);
-    - ``cache_limit``: bytes of uncompressed shards to keep in ``local`` (``None``: no bound);
-      shards the reader has finished are evicted first;
-    - ``download_retries`` / ``download_timeout``: extra attempts per shard after a failure or a
-      hash mismatch, and seconds per attempt;
-    - ``storage_options``: fsspec options for the remote, plain data.
-
-    Errors: ``FileNotFoundError`` (index or shard missing on the remote), ``SourceDataError``
-    (bad index, a shard corrupt after every retry, a cache holding another index),
+    ``remote``: an fsspec URL (``s3://bucket/data``, ``memory://data``) or a local directory;
+    ``local``: this node's cache directory (created if missing; never another index's cache).
+    Reader ``s`` of ``S`` reads positions ``s, s + S, ...``: choose ``num_canonical_partitions``
+    as a multiple of the reader counts you expect. ``predownload``: samples the background thread
+    keeps downloaded ahead (0: no thread); ``cache_limit``: bytes of uncompressed shards kept in
+    ``local`` (finished shards evicted first; ``None``: no bound); ``download_retries`` /
+    ``download_timeout``: extra attempts per shard and seconds per attempt; ``storage_options``:
+    fsspec options, plain data. Raises ``FileNotFoundError`` (missing on the remote),
+    ``SourceDataError`` (bad index, shard corrupt after every retry, a cache of another index),
     ``DownloadError`` (I/O failures or timeouts after every retry). Example::
 
         with ShardWriter("s3://bucket/data", compression="zstd") as writer:

@@ -1,10 +1,8 @@
 """StreamSource: batches pulled from a producer the library does not own, by consumer cursor.
 
-A user ``fetch_fn(cursor) -> batch | None`` reaches the producer; the same cursor must always
-give the same batch, so the state is just the cursor and a restore fetches from it again.
-Reader ``s`` of ``S`` fetches cursors ``s, s + S, ...``; an epoch continues from where the last
-one ended; no shuffle. State: ``{"phase", "epoch", "cursor"}`` (-1 before the first fetch);
-restore key ``(cursor,)``. Contract and examples: docs/sources/stream.md.
+The same cursor always gives the same batch, so the state is the cursor (``{"phase", "epoch",
+"cursor"}``, -1 before the first fetch); reader ``s`` of ``S`` fetches ``s, s + S, ...``.
+Restore key ``(cursor,)``. See docs/sources/stream.md.
 """
 
 from __future__ import annotations
@@ -77,13 +75,11 @@ class _StreamCursor(EpochCursor):
 class StreamSource(SavableDataset):
     """Pull batches from an outside producer with ``fetch_fn(cursor)``; save the cursor.
 
-    ``fetch_fn`` returns batch ``cursor`` of the producer's stream, or ``None`` if it is not there
-    yet; the same cursor must always give the same batch. On ``None`` the source asks
-    ``is_exhausted(cursor)`` (``True`` ends the epoch; without it the stream is endless), else
-    sleeps ``poll_interval`` seconds and asks again. ``fetch_timeout`` (seconds, or ``None`` to
-    wait forever) bounds the wait for one batch. Errors of ``fetch_fn`` or ``is_exhausted`` come
-    out as :class:`StreamError` naming the function and the cursor (original as ``__cause__``).
-    Each batch is one item (split it with ``UnbatchDataset``). Example::
+    ``fetch_fn`` returns batch ``cursor`` of the stream (always the same one), or ``None`` if not
+    there yet; then ``is_exhausted(cursor)`` (if given) ends the epoch, or the source sleeps
+    ``poll_interval`` seconds and asks again. ``fetch_timeout`` (seconds, ``None``: forever)
+    bounds one wait. Errors of either function come out as :class:`StreamError` naming it and the
+    cursor. Each batch is one item (split it with ``UnbatchDataset``). Example::
 
         client = MyLogClient("broker:9092", topic="rollouts")
         source = StreamSource(client.fetch, is_exhausted=client.is_closed, poll_interval=0.5)

@@ -1,12 +1,9 @@
 """WebDatasetSource: WebDataset tar shards, local or through fsspec, with random access.
 
-Consecutive tar members sharing a key prefix form one sample. A per-shard member index
-(:mod:`energy_loader.sources._tar_index`) maps each sample to its byte range, so the per-epoch
-order, canonical partitions, exact resume and ``restore_sample`` work as for
-:class:`~energy_loader.ShardedSource` (order: :mod:`energy_loader.sources._order`). Remote
-shards are downloaded whole into ``cache_dir`` by ShardedSource's downloader.
-State: ``{"phase", "epoch", "position", "skipped"}``; restore key ``(shard, row)``.
-Details: docs/sources/webdataset.md.
+A per-shard member index (:mod:`energy_loader.sources._tar_index`) maps each sample to its
+bytes, so order, partitions, resume and ``restore_sample`` work as for
+:class:`~energy_loader.ShardedSource`. State: ``{"phase", "epoch", "position", "skipped"}``;
+restore key ``(shard, row)``. See docs/sources/webdataset.md.
 """
 
 from __future__ import annotations
@@ -226,24 +223,20 @@ class WebDatasetSource(ShardRowSource):
     """Read WebDataset tar shards (local or any fsspec URL) with shuffle and exact resume.
 
     ``urls_or_dir``: a directory of ``*.tar`` shards, one shard, a brace pattern
-    (``"s3://bucket/train/shard-{000..099}.tar"``) or a list; local paths or fsspec URLs (one
-    protocol for all). A sample is ``{"__key__": key, extension: value}``; ``decode``:
+    (``"s3://bucket/train/shard-{000..099}.tar"``) or a list (one protocol for all). A sample is
+    ``{"__key__": key, extension: value}``; ``decode``: ``True`` decodes by the extension's last
+    part with :data:`DEFAULT_DECODERS` (json, txt, cls/int, npy without pickle, pt/pth with
+    ``weights_only=True``, images as PIL with Pillow; others stay ``bytes``); ``False`` keeps
+    ``bytes``; a mapping ``{extension: fn(bytes)}`` adds to (``None``: removes from) the defaults;
+    a callable ``fn(raw_sample) -> sample`` gets the dict of bytes.
 
-    - ``True``: :data:`DEFAULT_DECODERS` by the extension's last part (json, txt, cls/int, npy
-      without pickle, pt/pth with ``weights_only=True``, images as PIL when Pillow is installed);
-      other members stay ``bytes``;
-    - ``False``: every member stays ``bytes``;
-    - a mapping ``{extension: fn(bytes) -> value}`` added to (``None``: removed from) the defaults;
-    - a callable ``fn(raw_sample) -> sample`` given the dict of bytes.
-
-    A missing member index (``<shard>.idx.json``) is built when the source is built and stored
-    beside the shard, or in ``cache_dir`` when that is read-only or remote (``python -m
-    energy_loader index PATH`` builds them ahead). Remote shards go into ``cache_dir`` (default
-    ``~/.cache/energy_loader/webdataset/<hash>``), ``predownload`` samples ahead, checked against
-    the index, with ``download_retries`` and ``download_timeout`` per attempt; ``cache_limit``
-    bounds the cache in bytes; ``storage_options`` go to fsspec. Damaged data raises
-    :class:`~energy_loader.SourceDataError` naming shard and sample; ``on_error="skip"`` skips,
-    logs and counts such samples (state's ``skipped``). Example::
+    A missing member index (``<shard>.idx.json``) is built with the source, beside the shard or in
+    ``cache_dir`` (read-only or remote; ``python -m energy_loader index`` builds them ahead). Remote
+    shards are downloaded ahead into ``cache_dir`` (default
+    ``~/.cache/energy_loader/webdataset/<hash>``), checked against the index, with ShardedSource's
+    ``predownload``, ``cache_limit``, ``download_retries``, ``download_timeout`` and
+    ``storage_options``. Damaged data raises :class:`~energy_loader.SourceDataError` naming shard
+    and sample; ``on_error="skip"`` skips, logs and counts it (state's ``skipped``). Example::
 
         source = WebDatasetSource("/data/train", shuffle=True, seed=1234)
         for sample in source:

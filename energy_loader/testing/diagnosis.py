@@ -1,10 +1,6 @@
 """Why a restored run differs from the uninterrupted one: the first batch that differs, and
-whose fault it is.
-
-Three causes, told apart by running again: the uninterrupted run is not reproducible (other
-indices: an unseeded sampler; same indices: ``__getitem__`` or ``collate_fn`` is not a function
-of the index and the seeded RNGs), the restored loop is in another epoch, or the restore went
-elsewhere (other indices, or the same indices with other samples). See docs/dropin.md.
+whose fault it is (the uninterrupted run is not reproducible, the restored loop is in another
+epoch, or the restore went elsewhere), told apart by running again. See docs/dropin.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """check_resume and check_loader_resume: prove that save -> fresh loader -> restore ->
 continue is exact, for a pipeline or for any loader setup of yours.
 
-Both run the loop of :mod:`.runs` uninterrupted, then killed and restarted at stop points, and
-compare every batch and its epoch. Stop point ``k``: the loop consumed the first ``k`` events
-(samples or batches, and an end after each ``for`` loop), then saved. A tuple of stop points
-is a chain of restarts; :mod:`.diagnosis` explains a difference. :func:`record_events` and
-:func:`compare_events` serve other harnesses (real process groups).
+Both run :mod:`.runs`' loop uninterrupted and restarted at stop points (chains of them) and
+compare every batch with its epoch; :mod:`.diagnosis` explains a difference.
+:func:`record_events` and :func:`compare_events` serve other harnesses.
 """
 
 from __future__ import annotations
@@ -135,15 +133,12 @@ def check_resume(
     """Check that a pipeline resumes exactly; raise :class:`ResumeMismatch` if not.
 
     ``build_fn()`` returns a fresh pipeline (run in ``SavableDataLoader(num_workers=...,
-    **loader_kwargs)``) or a fresh loader. The loop is :mod:`energy_loader.testing.runs`'s. Stop
-    point ``k``: the loop consumed the first ``k`` events of the uninterrupted run (its samples,
-    and an end after each ``for`` loop), then saved; a tuple of stop points is a chain of restarts
-    (two equal points: a save right after a load). States go through ``json`` and
-    ``torch.save``/``torch.load(weights_only=True)`` in turn. Every restored run must equal the
-    uninterrupted one, epochs included; every other chain puts back the saved global RNG states
-    (the docs' recipe) and must also leave the global generators where the uninterrupted run had
-    them after every batch. Default stop points: the start, the first sample, mid-epoch, right
-    before and after the first epoch end, the last sample, and a chain through that end::
+    **loader_kwargs)``) or loader. Stop point ``k``: the loop consumed the first ``k`` events of
+    the uninterrupted run (samples, and an end after each ``for`` loop), then saved; a tuple is a
+    chain of restarts. States go through ``json`` and ``torch.save`` in turn; every restored run
+    must equal the uninterrupted one, epochs and (where the chain puts the saved RNG states back)
+    global generators included. Default stop points: the start, the first sample, mid-epoch,
+    around the first epoch end, the last sample, and a chain through that end::
 
         def test_my_pipeline_resumes():
             check_resume(lambda: build_my_pipeline(small=True), num_workers=2)
@@ -192,17 +187,14 @@ def check_loader_resume(
 ) -> ResumeReport:
     """Check that your own loader setup resumes exactly; raise :class:`ResumeMismatch` if not.
 
-    ``make_loader(num_workers)`` builds your loader as your training script does (your dataset,
-    map-style or iterable, sampler, ``collate_fn``, ``batch_size``...) in a ``SavableDataLoader``
-    with that many workers. The check runs your training loop (global RNGs seeded at start,
-    ``while loader.epoch < epochs``, ``sampler.set_epoch`` where there is one, every step drawing
-    from the global RNGs) uninterrupted, then killed and restarted at :func:`check_resume`'s
-    default save points plus ``draws`` chains drawn from ``seed``. Restarts run on the worker
-    counts of ``restore_workers`` in turn (default: ``num_workers`` and one other; ``num_workers``
-    alone for an iterable dataset). Every other chain puts back the RNG states saved with the
-    checkpoint and must then draw as the uninterrupted run did. On the first differing batch the
-    error says which, how the chain got there, and why (the uninterrupted run is not
-    reproducible, the restore went elsewhere, or the loop is in another epoch). Example::
+    ``make_loader(num_workers)`` builds your loader as your training script does, in a
+    ``SavableDataLoader`` with that many workers. Your training loop (seeded globals,
+    ``while loader.epoch < epochs``, ``sampler.set_epoch``, steps drawing from the global RNGs)
+    runs uninterrupted, then restarted at :func:`check_resume`'s default save points plus
+    ``draws`` chains drawn from ``seed``, on the worker counts of ``restore_workers`` in turn
+    (default: ``num_workers`` and one other; alone for an iterable dataset). The error names the
+    first differing batch, the chain, and why (the run is not reproducible, the restore went
+    elsewhere, or the loop is in another epoch). Example::
 
         def test_my_loader_resumes():
             check_loader_resume(

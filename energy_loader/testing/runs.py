@@ -1,11 +1,9 @@
 """The training program the resume checks run: the loop people write, killed and restarted.
 
-A *program* seeds the global RNGs, builds a loader, optionally restores a state, and runs
-``while loader.epoch < epochs: (sampler.set_epoch(loader.epoch);) for batch in loader: ...``.
-A *save point* stops after ``batches`` batches in all, inside the ``for`` loop or, with
-``after_loop``, right after it (they differ only at an epoch's last batch). A *chain* of save
-points restarts at each in turn (two equal points in a row: a save right after a load); the
-last program runs to the end. Every batch is recorded with the epoch the loop was in.
+A *program* seeds the global RNGs, builds a loader, maybe restores, and runs ``while
+loader.epoch < epochs: for batch in loader``. A *save point* stops after ``batches`` batches,
+inside the loop or (``after_loop``) right after it; a *chain* restarts at each save point in
+turn. Every batch is recorded with the epoch the loop was in.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Storage that counts its bytes: what a checkpoint costs each rank, measured, not estimated.
 
-:class:`CountingReader` and :class:`CountingWriter` are ``torch.distributed.checkpoint``'s
-file-system reader and writer with byte counters (data files and ``.metadata``), for
-``benchmarks/bench_ranks.py`` and the tests that bound a rank's reads. Example::
-
-    reader = CountingReader(step_dir)
-    dcp.load({"loader": loader}, storage_reader=reader)
-    print(reader.bytes_read)  # this rank's bytes: .metadata + the leaves it asked for
+:class:`CountingReader` and :class:`CountingWriter` are DCP's file-system reader and writer
+with byte counters, for ``benchmarks/bench_ranks.py`` and the tests that bound a rank's reads.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Hypothesis strategies for random pipelines and stop points.
-
-:func:`pipelines` draws a :class:`PipelineSpec`: plain data describing an IndexedSource and a
-stack of any wrappers in an order that makes sense for the samples (items, packs, batches);
-``spec.build()`` makes a fresh pipeline from it as often as needed. User functions are
-module-level (picklable) and draw from the global RNGs, so per-sample seeding is exercised.
+"""Hypothesis strategies for random pipelines and stop points: :func:`pipelines` draws a
+:class:`PipelineSpec` (plain data; ``spec.build()`` makes a fresh pipeline) whose module-level
+user functions draw from the global RNGs, so per-sample seeding is exercised.
 """
 
 from __future__ import annotations

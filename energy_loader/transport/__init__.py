@@ -1,15 +1,10 @@
 """How items cross from a worker process to the main process: a batch codec and arenas.
 
-Torch's queue moves each tensor through its own shared-memory segment; instead the worker's
-:class:`Encoder` pickles an item (protocol 5) into one payload, with tensors and arrays as
-out-of-band buffers. Small payloads travel inline through torch's result queue; large ones go
-into the worker's :class:`Arena` (a ring in an anonymous memory file) and only their position
-travels. The main process's :func:`decode` rebuilds the item as views of the payload.
-
-Modules: ``_payload`` (payload format, pickler), ``_arena`` (rings), ``_codec`` (packets,
-encoder, :func:`decode`), ``_reserved`` (:func:`batch_tensor`, tensors sent by reference); this
-one: the loader's settings and the arenas' lifecycle (:class:`Transport` in the main process,
-:class:`WorkerTransport` in the workers). Format, copies per path and limits: docs/transport.md.
+The worker pickles an item (protocol 5) into one payload with tensors out of band; small
+payloads travel inline through torch's queue, large ones through the worker's shared-memory
+:class:`Arena`, and :func:`decode` rebuilds them as views. This module: the loader's settings
+and the arenas' lifecycle (:class:`Transport` main side, :class:`WorkerTransport` worker
+side); ``_payload``, ``_arena``, ``_codec``, ``_reserved`` the rest. See docs/transport.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Per-worker rings of shared memory in anonymous memory files (``os.memfd_create``).
-
-Nothing is ever created in ``/dev/shm``; the kernel frees an arena once the last process that
-maps it closes it or exits, so a killed worker leaves nothing behind. The main process creates
-one arena per worker; a worker inherits it under fork, or receives its file descriptor with
-the dataset under spawn/forkserver (``multiprocessing.reduction.DupFd``, the way the worker's
-command pipe travels too).
+"""Per-worker rings of shared memory in anonymous memory files (``os.memfd_create``): nothing
+in ``/dev/shm``, freed by the kernel when the last process closes them. A worker inherits its
+arena under fork or receives its descriptor with the dataset (``reduction.DupFd``) under
+spawn/forkserver.
 """
 
 from __future__ import annotations
@@ -51,14 +48,11 @@ _ARENA_IDS = itertools.count()
 class Arena:
     """One worker's ring of shared memory: the worker writes payloads, the main process reads.
 
-    Layout: one header page of :data:`_SLOTS` int64 slots (the main process writes payload ``n``
-    into slot ``n % _SLOTS`` to hand its space back), then ``size`` bytes of ring. Each payload
-    goes into the first gap from the front that fits and never wraps; one producer, one consumer.
-    The main process copies a payload out (:meth:`take`) or reads it in place (:meth:`view`, while
-    under half the ring is held so); a full ring sends inline, never waits. :meth:`reserve_tensor`
-    lends the worker a region to collate into, freed once the worker drops it and the main process
-    has handed it back; finalizers only queue such frees for the reserving thread. See
-    docs/transport.md, "The arena".
+    A header page of :data:`_SLOTS` int64 slots (the main process hands payload ``n`` back in slot
+    ``n % _SLOTS``), then ``size`` bytes of ring filled first-fit from the front, never wrapping.
+    One producer, one consumer; the main process copies a payload out (:meth:`take`) or reads it
+    in place (:meth:`view`); :meth:`reserve_tensor` lends the worker a region to collate into.
+    See docs/transport.md, "The arena".
     """
 
     def __init__(self, size: int, *, fd: int | None = None, ident: int | None = None) -> None:

@@ -1,10 +1,8 @@
 """The two ends of the codec: :class:`Encoder` in the worker, :func:`decode` in the main process.
 
-An encoded item is a :class:`Packet`: the payload itself (inline, a writable ``bytearray``)
-or where it waits in the worker's arena; an item whose tensors were collated into the arena
-(:func:`~energy_loader.transport.batch_tensor`) refers to them by position, and its packet
-lists them. Torch's result queue carries packets like any other item; torch's pin-memory
-thread calls their :meth:`Packet.pin_memory`.
+A :class:`Packet` holds the payload inline or its place in the worker's arena, plus any
+tensors collated into the arena by reference; torch's pin-memory thread calls its
+:meth:`Packet.pin_memory`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The payload format: one pickle protocol-5 stream plus its out-of-band buffers.
-
-A payload is the stream followed by every out-of-band buffer, each 64-byte aligned; ``sizes``
-(stream length, then each buffer's) describes it. :class:`Pickler` sends plain dense CPU
-tensors and numpy arrays out of band and pickles the rest with torch's queue reductions
-(``ForkingPickler``'s table), so sparse, quantized, grad-requiring tensors and subclasses keep
-torch's path. :func:`unpack` rebuilds an item as views of the payload.
+"""The payload format: one pickle protocol-5 stream plus its out-of-band buffers, each 64-byte
+aligned (``sizes``: the stream's length, then each buffer's). :class:`Pickler` sends dense CPU
+tensors and numpy arrays out of band, the rest through torch's queue reductions;
+:func:`unpack` rebuilds an item as views of the payload.
 """
 
 from __future__ import annotations

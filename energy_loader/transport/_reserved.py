@@ -1,11 +1,7 @@
-"""Collating straight into a worker's arena, and sending such tensors by reference.
-
-:func:`batch_tensor` gives a collate function a tensor in the worker's ring, saving the copy
-from the heap (and glibc's heap growth, docs/transport.md "Memory"). Worker side:
-:class:`ReferenceReducer` turns a tensor that exactly covers an unsent reservation into
-``(arena, offset, number, nbytes, dtype, shape)``; anything else is copied. Main side:
-:class:`Adoption` decodes one packet's references as views of the ring (or copies, while half
-the ring is held or into pinned memory); two references to one region share one view.
+"""Collating straight into a worker's arena (:func:`batch_tensor`), and sending such tensors by
+reference: :class:`ReferenceReducer` in the worker turns a tensor that covers an unsent
+reservation into its position; :class:`Adoption` in the main process decodes those as views
+of the ring (or copies). See docs/transport.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """BatchDataset: group consecutive samples into batches.
 
-State: ``{"phase", "epoch", "inner_done", "inner"}``. A batch is yielded only when complete, so
-between yields the inner state says where the next batch begins (``inner_done``: the inner
-epoch ended before the last partial batch was consumed). Holding no batch-size position, a
-state restores under a smaller batch size that divides the saved one. Restore key: the tuple
-of the samples' keys.
+State: ``{"phase", "epoch", "inner_done", "inner"}``: a batch is yielded only when complete, so
+the inner state says where the next begins, and a state restores under a smaller batch size
+that divides the saved one. Restore key: the tuple of the samples' keys.
 """
 
 from __future__ import annotations
@@ -51,10 +49,9 @@ class BatchDataset(BaseWrapperDataset):
     """Group ``batch_size`` consecutive samples into one batch.
 
     ``collate_fn(list_of_samples)`` builds the batch; the default
-    (:func:`~energy_loader.wrappers.collate.collate_keeping_tuples`) makes torch's
-    ``default_collate`` batches but keeps ragged data as lists and tuple samples' columns in a
-    tuple (for :class:`UnbatchDataset`). The last batch of an epoch may be smaller unless
-    ``drop_last=True``. Example::
+    (:func:`~energy_loader.wrappers.collate.collate_keeping_tuples`) makes torch's batches but
+    keeps ragged data as lists and tuple samples' columns in a tuple. The last batch of an epoch
+    may be smaller unless ``drop_last=True``. Example::
 
         BatchDataset(ShuffleBufferDataset(source, size=1000), batch_size=32)
     """

@@ -1,11 +1,8 @@
 """BlendDataset: weighted random mixing of several inner datasets.
 
-Before each sample it draws a running inner dataset with probability proportional to its
-weight (one :class:`~energy_loader.rng.CounterRng` draw, seeded from the worker seed and this
-blend's ordinal; the counter runs on across epochs). ``on_exhausted`` decides what an ended
-inner dataset does: ``"end"`` ends the blend's epoch (and the others'), ``"drop"`` leaves it
-out. State: ``{"phase", "epoch", "counter", "done", "inners"}``; nothing is buffered. Restore
-key ``(i, inner_key)``. Details: docs/wrappers.md, "BlendDataset".
+One :class:`~energy_loader.rng.CounterRng` draw a sample picks a running inner dataset by
+weight; ``on_exhausted`` says what an ended one does. State: ``{"phase", "epoch", "counter",
+"done", "inners"}``; restore key ``(i, inner_key)``. See docs/wrappers.md, "BlendDataset".
 """
 
 from __future__ import annotations

@@ -41,26 +41,17 @@ _TORCH_DTYPES = _torch_dtypes_of_numpy()
 def default_collate(samples: Sequence[Any]) -> Any:
     """Combine a list of samples into one batch, as ``torch.utils.data.default_collate`` does.
 
-    - tensors of equal shape are stacked (``torch.stack``) along a new first dimension;
-    - numpy arrays of equal shape and numeric dtype become one stacked tensor; numpy scalars
-      become a tensor of their dtype;
-    - python ``int``/``bool`` become an ``int64``/``bool`` tensor, ``float`` a ``float64``
-      tensor;
-    - ``str`` and ``bytes`` stay a list;
-    - dicts (and other mappings) are collated per key, keeping the mapping's type; a
-      ``__restore_key__`` entry is dropped, because the batch carries its own key (the tuple
-      of its samples' keys);
-    - named tuples keep their type, collated per field; lists, tuples (and other sequences)
-      of equal length become a list of collated columns, as torch gives them (a column of
-      strings of tuple samples stays the tuple torch leaves it). :class:`BatchDataset` and
-      :class:`GroupBatchDataset` collate with :func:`collate_keeping_tuples` instead, which
-      keeps tuple samples' columns in a tuple, apart from a list of items: that is how
-      :class:`UnbatchDataset` splits them.
+    - tensors, and numeric numpy arrays, of equal shape are stacked along a new first dimension;
+      numpy scalars become a tensor of their dtype; ``int``/``bool``/``float`` an
+      ``int64``/``bool``/``float64`` tensor; ``str`` and ``bytes`` stay a list;
+    - mappings are collated per key, keeping their type, without a ``__restore_key__`` entry (the
+      batch carries its own key); named tuples keep their type, collated per field; other
+      sequences of equal length become a list of collated columns, as torch gives them
+      (:func:`collate_keeping_tuples`, the wrappers' default, keeps tuple samples' columns in a
+      tuple).
 
-    Where torch raises, the samples are kept as a list instead: tensors or arrays of
-    different shapes (ragged), nested or sparse tensors, sequences of different lengths,
-    numbers that do not fit one tensor, string/object arrays and objects of other types.
-    Example::
+    Where torch raises the samples stay a list: ragged tensors or arrays, nested or sparse
+    tensors, sequences of different lengths, numbers that fit no tensor, other objects. Example::
 
         default_collate([{"x": torch.ones(2), "y": 1}, {"x": torch.zeros(2), "y": 0}])
         # {"x": tensor([[1., 1.], [0., 0.]]), "y": tensor([1, 0])}

@@ -1,9 +1,7 @@
 """ConcatDataset: the inner datasets' epochs one after another.
 
-Epoch ``e`` is the rest of each inner dataset's current epoch, in order; each copy of the
-pipeline reads its own shard of every inner dataset. State: ``{"phase", "epoch", "current",
-"inners"}`` (``current`` is ``len(datasets)`` once all ended); nothing is buffered. Ending
-early ends the current inner epoch. Restore key ``(i, inner_key)``.
+State: ``{"phase", "epoch", "current", "inners"}``; nothing is buffered. Restore key
+``(i, inner_key)``. See docs/wrappers.md, "ConcatDataset".
 """
 
 from __future__ import annotations

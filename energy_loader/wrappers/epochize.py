@@ -1,10 +1,8 @@
-"""EpochizeDataset: cut a long or endless stream into epochs of ``length`` samples.
+"""EpochizeDataset: cut a long or endless stream into epochs of ``length`` samples of the job.
 
-The next epoch continues the stream where the last one stopped (unlike
-:class:`~energy_loader.wrappers.limit.LimitDataset`); a finite inner dataset rolls over into
-its next epoch, and an inner epoch that yields nothing raises. ``length`` counts the whole job:
-each of the ``P`` partitions yields ``length // P`` or one more. State:
-``{"phase", "epoch", "count", "pass_count", "inner"}``; restore keys pass through.
+Each epoch continues the stream where the last stopped (unlike ``LimitDataset``), rolling the
+inner dataset over into its next epoch. State: ``{"phase", "epoch", "count", "pass_count",
+"inner"}``. See docs/wrappers.md, "EpochizeDataset".
 """
 
 from __future__ import annotations

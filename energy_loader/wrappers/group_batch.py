@@ -1,10 +1,8 @@
 """GroupBatchDataset: batches of samples that share a group key (bucketing).
 
-A sample joins the bucket of ``key_fn(sample)`` (plain values: they are saved); a full bucket
-is collated and yielded, partial ones at the end of the inner epoch (``leftovers``). ``key_fn``
-runs under :class:`MapDataset`'s per-sample seeding. State: the partial buckets as
-``[group, [restore keys]]``, oldest first; samples are rebuilt lazily. Restore key: the batch's
-samples' keys. Details: docs/wrappers.md, "GroupBatchDataset".
+A full bucket of ``key_fn(sample)`` is collated and yielded; partial ones at the inner epoch's
+end (``leftovers``). State: the partial buckets as ``[group, [restore keys]]``, oldest first.
+See docs/wrappers.md, "GroupBatchDataset".
 """
 
 from __future__ import annotations
@@ -117,8 +115,7 @@ def _to_plain(group: Hashable) -> Any:
 class GroupBatchDataset(BaseWrapperDataset):
     """Batch samples whose ``key_fn`` agrees, ``batch_size`` (or ``batch_sizes[key]``) at a time.
 
-    ``collate_fn`` builds each batch (default :func:`default_collate`). ``len()`` is unknown.
-    Example::
+    ``collate_fn`` builds each batch (default :func:`default_collate`); ``len()`` is unknown::
 
         GroupBatchDataset(source, lambda s: len(s["tokens"]) // 128, 32,
                           batch_sizes={0: 128, 1: 64}, leftovers="drop")

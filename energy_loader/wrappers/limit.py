@@ -1,10 +1,8 @@
 """LimitDataset: at most ``length`` samples per epoch, counted over the whole job.
 
-Each of the loader's ``P`` logical partitions takes ``length // P`` or one more, so the shares
-add up to ``length`` on any layout and stay put when partitions move (outside a loader: all of
-``length``). An epoch ends the inner epoch too, so the next starts a fresh one
-(``EpochizeDataset`` continues instead). State: ``{"phase", "epoch", "inner_done", "inner",
-"count"}``.
+Each of the ``P`` partitions takes ``length // P`` or one more, on any layout; an epoch ends
+the inner epoch too. State: ``{"phase", "epoch", "inner_done", "inner", "count"}``. See
+docs/wrappers.md, "LimitDataset".
 """
 
 from __future__ import annotations

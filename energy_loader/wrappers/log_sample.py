@@ -1,10 +1,8 @@
 """LogSampleDataset: a JSON-lines audit trail of which samples each worker produced.
 
-One line a sample, ``{"rank", "worker", "partition", "index", "epoch", "key"}``, to
-``log_dir/partition00002-of-00004.jsonl`` or the ``energy_loader.samples`` logger. ``index``
-is saved, so it continues after a restore; replayed samples appear again with their first
-``index`` (docs/wrappers.md says how to deduplicate). State:
-``{"phase", "epoch", "inner_done", "inner", "count"}``.
+One line a sample to ``log_dir/partitionPPPPP-of-NNNNN.jsonl`` or the ``energy_loader.samples``
+logger; ``index`` is saved and continues after a restore. State: ``{"phase", "epoch",
+"inner_done", "inner", "count"}``. See docs/wrappers.md, "LogSampleDataset".
 """
 
 from __future__ import annotations

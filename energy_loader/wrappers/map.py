@@ -26,11 +26,10 @@ class MapDataset(BaseWrapperDataset):
     """Apply ``fn`` to every sample.
 
     With ``seed_per_sample=True`` (the default) python ``random``, numpy's global RNG and torch's
-    default CPU generator are seeded from (pipeline seed, this map's position, the sample's
-    restore key) before each call (~11 us; done once before the read when the source seeds its
-    reads, :meth:`~energy_loader.SavableDataset.share_sample_seeding`), so random augmentations
-    are reproduced after a restore and by ``restore_sample`` on any worker. Pass ``False`` for
-    functions that draw nothing. Example::
+    default CPU generator are seeded from (pipeline seed, this map's position, restore key) before
+    each call (~11 us; once before the read when the source seeds its reads), so random
+    augmentations are reproduced after a restore and by ``restore_sample`` on any worker. Pass
+    ``False`` for functions that draw nothing. Example::
 
         MapDataset(source, lambda s: {**s, "tokens": tokenize(s["text"])})
     """

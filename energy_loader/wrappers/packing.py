@@ -1,10 +1,8 @@
 """PackingDataset: pack variable-length token sequences into buffers of at most ``max_len``.
 
-First fit over a look-ahead buffer: one pack is open; a piece that does not fit waits; the pack
-is emitted when exactly full or when ``buffer_size`` pieces wait, and the next takes the waiting
-pieces that fit, in arrival order. Deterministic given the inner order. A pack is
-``{"tokens", "cu_seqlens"}``. State saves pieces as ``[inner_key, start, stop]``, never tokens;
-they are rebuilt lazily after a restore. Details: docs/wrappers.md, "PackingDataset".
+First fit over a look-ahead buffer, deterministic given the inner order; a pack is
+``{"tokens", "cu_seqlens"}``. State saves pieces as ``[inner_key, start, stop]``, rebuilt
+lazily after a restore. See docs/wrappers.md, "PackingDataset".
 """
 
 from __future__ import annotations
@@ -149,9 +147,8 @@ def _read_pieces(reader: StateReader, name: str, packing: PackingDataset) -> lis
 class PackingDataset(BaseWrapperDataset):
     """Pack token sequences into buffers of at most ``max_len`` tokens (sequence packing).
 
-    ``buffer_size`` pieces of look-ahead trade pack fill against memory and latency.
-    ``encode_fn`` runs after the same per-sample seeding as :class:`MapDataset` (turn it off
-    with ``seed_per_sample=False``). ``len()`` is unknown. Example::
+    ``buffer_size`` pieces of look-ahead trade pack fill against memory and latency; ``encode_fn``
+    runs under :class:`MapDataset`'s per-sample seeding. ``len()`` is unknown. Example::
 
         PackingDataset(source, 4096, encode_fn=lambda s: tokenizer(s["text"]), buffer_size=64)
     """

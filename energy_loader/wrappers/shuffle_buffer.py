@@ -1,9 +1,7 @@
 """ShuffleBufferDataset: reservoir-style shuffling through a buffer of ``size`` samples.
 
-State: ``{"phase", "epoch", "inner_done", "inner", "counter", "indices" | "keys"}``: the random
-stream's counter (a :class:`~energy_loader.rng.CounterRng` seeded from the worker seed and this
-buffer's ordinal) and the buffered samples' restore keys, never samples: they are rebuilt
-lazily with the inner ``restore_sample`` when picked.
+State: the :class:`~energy_loader.rng.CounterRng` counter and the buffered samples' restore
+keys (``indices`` or ``keys``), never samples: they are rebuilt lazily when picked.
 """
 
 from __future__ import annotations
@@ -87,9 +85,8 @@ class _ShuffleBufferCursor(WrapperCursor):
 class ShuffleBufferDataset(BaseWrapperDataset):
     """Shuffle within a sliding buffer of ``size`` samples.
 
-    Once the buffer is full each new sample replaces a random buffered one, which is yielded; at
-    the inner epoch's end the buffer drains in random order. Needs an inner pipeline that can
-    ``restore_sample`` (every built-in one can). Example::
+    Each new sample replaces a random buffered one, which is yielded; at the inner epoch's end
+    the buffer drains in random order. Needs an inner ``restore_sample`` (every built-in has one)::
 
         ShuffleBufferDataset(MapDataset(source, tokenize), size=1000)
     """

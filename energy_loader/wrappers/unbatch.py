@@ -1,10 +1,8 @@
 """UnbatchDataset: split batches into single samples or into micro-batches of ``m``.
 
-Splits along the first dimension (tensors and arrays by rows, copied; nested tensors; lists;
-dicts and tuples per entry; ``TensorDict``). State: the restore key of the batch being split
-and its first row not yet yielded; the batch is rebuilt with the inner ``restore_sample``, or,
-when the inner pipeline cannot restore samples, ``inner`` holds its state from before the batch
-and the batch is pulled again and its key checked. Details: docs/wrappers.md, "UnbatchDataset".
+State: the batch being split (its restore key) and its first row not yet yielded; without an
+inner ``restore_sample``, ``inner`` holds the state from before the batch, which is pulled
+again. See docs/wrappers.md, "UnbatchDataset".
 """
 
 from __future__ import annotations
