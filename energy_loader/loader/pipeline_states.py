@@ -54,14 +54,19 @@ class StatesReader(Protocol):
     def saved_ranks_needed(self, first: RankState, rank: int) -> list[int]: ...
 
 
-def plan(planner: Planner, records: list[RankState], on_code_change: str) -> RestorePlan:
+def plan(
+    planner: Planner, records: list[RankState], on_code_change: str, on_data_change: str
+) -> RestorePlan:
     """Check that ``records`` fit ``planner``'s pipeline and plan the restore (:mod:`.checks`,
     then :meth:`~energy_loader.loader.planner.Planner.plan`); a user function whose code
-    changed since the save warns or refuses (``on_code_change``), and a restore that continues
-    with the new code checks only the keys of the items it re-makes, not their values."""
+    changed since the save warns or refuses (``on_code_change``), and so do data files
+    rewritten in place (``on_data_change``); a restore that continues with the new code or
+    data checks only the keys of the items it re-makes, not their values."""
     restore = planner.plan(records, scale=checks.check_fits(planner, records))
     checks.check_checkpoints(planner, restore.restores)
-    if checks.report_code_changes(records[0].config, planner.pipeline_config, on_code_change):
+    saved = records[0].config
+    code = checks.report_code_changes(saved, planner.pipeline_config, on_code_change)
+    if checks.report_data_changes(planner, saved, on_data_change) or code:
         restore = restore.keys_only()
     return restore
 

@@ -27,7 +27,7 @@ from ..validation import require_bool, require_int
 from ..worker import WorkerConfig
 from ..workers.bundling import DEFAULT_ITEMS_PER_TRANSFER
 from ..workers.protocol import CheckpointSettings
-from .arguments import resolve_arguments
+from .arguments import require_change_policy, resolve_arguments
 from .dropin.build import dropin_engine
 from .dropin.map_style import MapEngine
 from .dropin.peeking import make_units, peek_units
@@ -76,6 +76,9 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
     what a restore does when a user function's code differs from the code that saved the
     state (its name unchanged, a fixed bug): ``"warn"`` continues with a
     ``CodeChangedWarning`` naming it, ``"refuse"`` raises ``StateMismatchError``.
+    ``on_data_change`` (a pipeline): likewise when a source's data files were rewritten in
+    place since the save (other content, the same layout): ``"warn"`` continues with a
+    ``DataChangedWarning`` naming the source and the file, ``"refuse"`` raises.
     ``stats()``, ``peek_keys(n)`` and ``stall_warning``: :mod:`energy_loader.metrics`. Every
     option: docs/loader.md.
 
@@ -123,6 +126,7 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
         seed_per_sample: bool = True,
         verify_restore: bool = True,
         on_code_change: str = "warn",
+        on_data_change: str = "warn",
     ) -> None:
         # Set by a load_state_dict() from Lightning: the saved epoch's batches used.
         self._lightning_restored: int | None = None
@@ -145,11 +149,8 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
             "items_per_transfer": items_per_transfer,
             "stall_warning": stall_warning,
         }
-        if on_code_change not in ("warn", "refuse"):
-            raise ValueError(
-                "`on_code_change` must be 'warn' (continue a restore whose user functions "
-                f"changed, with a CodeChangedWarning) or 'refuse' (got {on_code_change!r})"
-            )
+        require_change_policy(on_code_change, "on_code_change", "user functions changed")
+        require_change_policy(on_data_change, "on_data_change", "data files changed in place")
         if not isinstance(dataset, SavableDataset):
             if not type(self).saves_state:
                 raise TypeError(
@@ -217,6 +218,7 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
             verify=verify_restore,
             savable=self.saves_state,
             on_code_change=on_code_change,
+            on_data_change=on_data_change,
         )
         DataLoader.__init__(
             self,
