@@ -19,6 +19,7 @@ from .distributed import (
 )
 from .errors import (
     CodeChangedWarning,
+    DataChangedWarning,
     DownloadError,
     EnergyLoaderError,
     SourceDataError,
@@ -71,6 +72,7 @@ __all__ = [
     "ChunkedFolderSource",
     "CodeChangedWarning",
     "ConcatDataset",
+    "DataChangedWarning",
     "DownloadError",
     "EnergyLoaderError",
     "EpochCursor",

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CodeChangedWarning",
+    "DataChangedWarning",
     "DownloadError",
     "EnergyLoaderError",
     "SourceDataError",
@@ -114,6 +115,16 @@ class CodeChangedWarning(UserWarning):
     often. The loader continues (``on_code_change="warn"``, the default) and says which
     function changed; items made from here on may differ from what the saving run would have
     made. ``on_code_change="refuse"`` raises a :class:`StateMismatchError` instead."""
+
+
+class DataChangedWarning(UserWarning):
+    """A restore continues over data files that differ from those that saved the state: a
+    file rewritten in place with other values, its layout (sample counts, sizes in the index)
+    unchanged. The loader continues at the saved position in the new data
+    (``on_data_change="warn"``, the default) and names the source and the file; items from
+    here on may differ from what the saving run would have made. ``on_data_change="refuse"``
+    raises a :class:`StateMismatchError` instead. Data whose layout changed cannot continue
+    and is refused either way."""
 
 
 def missing_slots_error(

@@ -25,6 +25,7 @@ from .progress import MAX_HELD_BACK
 __all__ = [
     "LoaderArguments",
     "check_serializable",
+    "require_change_policy",
     "checkpoint_settings",
     "require_seconds",
     "resolve_arguments",
@@ -54,6 +55,16 @@ def resolve_worker_config(
             f"{worker_config.num_workers}; pass one of them"
         )
     return worker_config
+
+
+def require_change_policy(value: Any, name: str, changed: str) -> None:
+    """``ValueError`` unless ``value`` says what a restore whose ``changed`` since the save
+    does: ``"warn"`` (continue, with a warning naming them) or ``"refuse"``."""
+    if value not in ("warn", "refuse"):
+        raise ValueError(
+            f"`{name}` must be 'warn' (continue a restore whose {changed}, with a warning "
+            f"naming them) or 'refuse' (got {value!r})"
+        )
 
 
 def require_seconds(value: Any, name: str) -> float:

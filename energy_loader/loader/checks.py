@@ -11,7 +11,9 @@ and digests), then runs these, each once, before it plans (:mod:`.planner`, pure
   a batch size that shrank by a whole factor);
 - :func:`check_checkpoints`: every partition's checkpoint restores into the pipeline (in this
   process, before any worker starts);
-- :func:`report_code_changes`: a user function whose code changed warns or refuses.
+- :func:`report_code_changes`: a user function whose code changed warns or refuses;
+- :func:`report_data_changes`: a source whose data files changed in place warns or refuses
+  (a change of their layout, :func:`check_fits` refuses, naming the source and the file).
 
 The proof (the last item re-made and compared) runs where the items are re-made, in
 :mod:`energy_loader.workers`.
@@ -23,8 +25,9 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import CodeChangedWarning, StateFormatError, StateMismatchError
+from ..errors import CodeChangedWarning, DataChangedWarning, StateFormatError, StateMismatchError
 from ..state.code_fingerprint import changed_parts
+from ..state.data_fingerprint import data_changes
 from ..state.fingerprint import (
     CODE_SUFFIX,
     ConfigDifference,
@@ -43,9 +46,13 @@ __all__ = [
     "check_partition_count",
     "check_states_of_one_save",
     "report_code_changes",
+    "report_data_changes",
 ]
 
 _PASS_THROUGH_TYPES = ("MapDataset", "FilterDataset", "GcDataset")
+# A source's config fields that describe its data files' layout (a digest of its index or
+# listing): a difference there is data that changed, not another pipeline.
+_LAYOUT_FIELDS = ("fingerprint", "listing", "index")
 
 
 def check_states_of_one_save(states: Sequence[RankState], *, across: bool = True) -> None:
@@ -137,15 +144,31 @@ def check_fits(planner: Planner, states: Sequence[RankState]) -> int:
         differences = config_differences(state.config, planner.pipeline_config)
         found = _batch_size_scale(differences, planner.pipeline_config)
         if found is None:
-            raise StateMismatchError(
-                "the state belongs to a different pipeline: "
-                + describe_differences(differences)
-                + ". Restore it into the pipeline that saved it (`python -m energy_loader "
-                "inspect` shows a state's config); a batch_size may only shrink by a whole "
-                "factor"
-            )
+            raise StateMismatchError(_refusal(planner, state.config, differences))
         scale = found
     return scale
+
+
+def _refusal(planner: Planner, saved: dict[str, Any], differences: list[ConfigDifference]) -> str:
+    """Why a state whose config differs cannot restore: its data files' layout changed
+    (naming the source, and the file where the fingerprints tell), or another pipeline."""
+    listed = describe_differences(differences)
+    changed = data_changes(saved, planner.pipeline_config, planner.pipeline.walk())
+    sources = [
+        d.path.rsplit(".", 1)[0] for d in differences if d.field and d.field[-1] in _LAYOUT_FIELDS
+    ]
+    if not changed and not sources:
+        return (
+            f"the state belongs to a different pipeline: {listed}. Restore it into the "
+            "pipeline that saved it (`python -m energy_loader inspect` shows a state's "
+            "config); a batch_size may only shrink by a whole factor"
+        )
+    named = "; ".join(changed) or f"the data files of {', '.join(dict.fromkeys(sources))} differ"
+    return (
+        f"the data files changed since the save, their layout too ({named}), so the saved "
+        f"position does not exist in them: {listed}. Restore with the data files that saved "
+        "the state (a copy of them elsewhere will do)"
+    )
 
 
 def check_checkpoints(planner: Planner, restores: dict[int, PartitionState]) -> None:
@@ -189,6 +212,29 @@ def report_code_changes(saved: dict[str, Any], now: dict[str, Any], policy: str)
         "may differ from those the saving run would have made (on_code_change='refuse' "
         "refuses instead)",
         CodeChangedWarning,
+        stacklevel=4,
+    )
+    return True
+
+
+def report_data_changes(planner: Planner, saved: dict[str, Any], policy: str) -> bool:
+    """Warn (``DataChangedWarning``) or refuse (``StateMismatchError``) when a source's data
+    files differ from those that saved the state, their layout unchanged (a file rewritten in
+    place): never silent. True when it warned."""
+    changed = data_changes(saved, planner.pipeline_config, planner.pipeline.walk())
+    if not changed:
+        return False
+    message = f"the data files changed since the save: {'; '.join(changed)}"
+    if policy == "refuse":
+        raise StateMismatchError(
+            f"{message}. Restore with the original data files, or build the loader with "
+            "on_data_change='warn' to continue with the new data"
+        )
+    warnings.warn(
+        f"{message}. The restore continues at the saved position in the new data, so the "
+        "items from here on may differ from those the saving run would have made (restore "
+        "with the original data files for those; on_data_change='refuse' refuses instead)",
+        DataChangedWarning,
         stacklevel=4,
     )
     return True

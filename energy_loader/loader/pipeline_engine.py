@@ -129,6 +129,7 @@ class PipelineEngine:
         verify: bool = True,
         savable: bool = True,
         on_code_change: str = "warn",
+        on_data_change: str = "warn",
         dropin: bool = False,
     ) -> None:
         config = args.config
@@ -138,6 +139,7 @@ class PipelineEngine:
         self.adopts_partitions = adopts_partitions
         self.verify = verify
         self.on_code_change = on_code_change
+        self.on_data_change = on_data_change
         _warn_if_idle(args.num_partitions, config)
         self.planner = planner = Planner(pipeline, config, args.num_partitions)
         self.side = WorkerSideDataset(
@@ -431,7 +433,8 @@ class PipelineEngine:
 
     def plan(self, records: list[RankState]) -> PipelinePlan:
         planner = self.planner_for(records)
-        return PipelinePlan(planner, pipeline_states.plan(planner, records, self.on_code_change))
+        policies = (self.on_code_change, self.on_data_change)
+        return PipelinePlan(planner, pipeline_states.plan(planner, records, *policies))
 
     def apply(self, plan: PipelinePlan) -> None:
         if plan.planner is not self.planner:

@@ -54,12 +54,17 @@ class StatesReader(Protocol):
     def saved_ranks_needed(self, first: RankState, rank: int) -> list[int]: ...
 
 
-def plan(planner: Planner, records: list[RankState], on_code_change: str) -> RestorePlan:
-    """Check that ``records`` fit ``planner``'s pipeline and plan the restore; a function whose code
-    changed warns or refuses (``on_code_change``), continuing with its keys checked only."""
+def plan(
+    planner: Planner, records: list[RankState], on_code_change: str, on_data_change: str
+) -> RestorePlan:
+    """Check that ``records`` fit ``planner``'s pipeline and plan the restore; user code that
+    changed (``on_code_change``) or data files rewritten in place (``on_data_change``) warn or
+    refuse, and a restore that continues checks only the keys of the items it re-makes."""
     restore = planner.plan(records, scale=checks.check_fits(planner, records))
     checks.check_checkpoints(planner, restore.restores)
-    if checks.report_code_changes(records[0].config, planner.pipeline_config, on_code_change):
+    saved = records[0].config
+    code = checks.report_code_changes(saved, planner.pipeline_config, on_code_change)
+    if checks.report_data_changes(planner, saved, on_data_change) or code:
         restore = restore.keys_only()
     return restore
 

@@ -27,7 +27,7 @@ from ..validation import require_bool, require_int
 from ..worker import WorkerConfig
 from ..workers.bundling import DEFAULT_ITEMS_PER_TRANSFER
 from ..workers.protocol import CheckpointSettings
-from .arguments import resolve_arguments
+from .arguments import require_change_policy, resolve_arguments
 from .dropin.build import dropin_engine
 from .dropin.map_style import MapEngine
 from .dropin.peeking import make_units, peek_units
@@ -59,7 +59,7 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
     dataset it is a drop-in for torch's DataLoader (docs/dropin.md). A restore replays fewer than
     ``checkpoint_every_n_samples`` items (or about ``checkpoint_every_sec`` of work) per worker;
     ``iter(loader)`` continues an unfinished epoch (also after a ``break``). Every option, and what
-    ``verify_restore`` and ``on_code_change`` do: docs/loader.md.
+    ``verify_restore``, ``on_code_change`` and ``on_data_change`` do: docs/loader.md.
 
     Thread-safety: one thread iterates and saves.
     """
@@ -105,6 +105,7 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
         seed_per_sample: bool = True,
         verify_restore: bool = True,
         on_code_change: str = "warn",
+        on_data_change: str = "warn",
     ) -> None:
         # Set by a load_state_dict() from Lightning: the saved epoch's batches used.
         self._lightning_restored: int | None = None
@@ -127,11 +128,8 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
             "items_per_transfer": items_per_transfer,
             "stall_warning": stall_warning,
         }
-        if on_code_change not in ("warn", "refuse"):
-            raise ValueError(
-                "`on_code_change` must be 'warn' (continue a restore whose user functions "
-                f"changed, with a CodeChangedWarning) or 'refuse' (got {on_code_change!r})"
-            )
+        require_change_policy(on_code_change, "on_code_change", "user functions changed")
+        require_change_policy(on_data_change, "on_data_change", "data files changed in place")
         if not isinstance(dataset, SavableDataset):
             if not type(self).saves_state:
                 raise TypeError(
@@ -200,6 +198,7 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
             verify=verify_restore,
             savable=self.saves_state,
             on_code_change=on_code_change,
+            on_data_change=on_data_change,
         )
         DataLoader.__init__(
             self,

@@ -18,6 +18,7 @@ import numpy as np
 from ..dataset import EpochCursor, Key
 from ..errors import DownloadError, SourceDataError
 from ..rng import stable_hash
+from ..state.data_fingerprint import DataFiles, content_entry
 from ._download import Remote, ShardCache, download_settings, fetch_bytes, resolve_cache_dir
 from ._strided import OpenShards, PrefetchingCursor, RestoreShard, ShardRowSource
 from .shard_writer import ShardInfo
@@ -154,6 +155,8 @@ class OffsetShardSource(ShardRowSource):
         self._fingerprint = stable_hash(
             *((info.name, info.samples, info.bytes) for info in self.shards)
         )
+        self._index_entry = content_entry("index.json", data)
+        self._data_files: DataFiles | None = None
         self._cache: ShardCache | None = None
         self._cache_pid = -1
         self._restore: RestoreShard[OffsetShardFile] = RestoreShard()
@@ -206,6 +209,18 @@ class OffsetShardSource(ShardRowSource):
         if local is None:
             raise DownloadError(f"shard {self.where(shard)} could not be downloaded")
         return OffsetShardFile(str(local), info, f"{self.where(shard)} (cached as {local})")
+
+    def data_files(self) -> DataFiles:
+        """The shards and index.json: local shards sampled, remote ones by index.json's
+        sizes (and sha256 where it has one)."""
+        if self._data_files is None:
+            if self.is_local:
+                names = (info.name for info in self.shards)
+                self._data_files = DataFiles.local(self.location, names, self._index_entry)
+            else:
+                listed = ((info.name, info.bytes, info.sha256) for info in self.shards)
+                self._data_files = DataFiles.listed(listed, self._index_entry)
+        return self._data_files
 
     def release(self, shard: int) -> None:
         """The reader is done with ``shard`` for now (a cached one may be evicted)."""

@@ -13,6 +13,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from ..dataset import EpochCursor, Key, SavableDataset
 from ..errors import SourceDataError, StateFormatError
 from ..rng import stable_hash
+from ..state.data_fingerprint import DATA_FIELD, DataFiles
 from ..state.plain import StateReader
 from ..validation import require_bool, require_int
 from ._download import Prefetcher, ReaderProgress, ShardCache
@@ -257,7 +258,8 @@ def is_shard_row(key: Key, shards: Sequence[ShardInfo]) -> bool:
 class ShardRowSource(StridedSource):
     """A strided source over shards whose samples are ``(shard, row)`` (WebDataset, MDS, litdata):
     the key check, ``restore_sample`` through one open shard, shared config fields. A subclass
-    sets ``shards``, ``_fingerprint`` and ``_restore`` and defines ``open_shard`` and ``read_row``.
+    sets ``shards``, ``_fingerprint`` and ``_restore`` and defines ``open_shard``, ``read_row`` and
+    ``data_files``.
     """
 
     shards: tuple[ShardInfo, ...]
@@ -271,6 +273,11 @@ class ShardRowSource(StridedSource):
     @abstractmethod
     def read_row(self, file: Any, shard: int, row: int) -> Any:
         """Row ``row`` of the open ``file`` of ``shard``, decoded into a sample."""
+
+    @abstractmethod
+    def data_files(self) -> DataFiles:
+        """The files this source reads, fingerprinted once, on first use
+        (:mod:`energy_loader.state.data_fingerprint`)."""
 
     def epoch_order(self, epoch: int, partitions: int | None = None) -> EpochOrder:
         """The global order of ``epoch``: the shards' rows, shuffled per epoch from (seed,
@@ -316,6 +323,7 @@ class ShardRowSource(StridedSource):
             "shards": len(self.shards),
             "total_samples": self.total,
             "fingerprint": self._fingerprint,
+            DATA_FIELD: self.data_files().plain,
             "shuffle": self.shuffle,
             "seed": self.seed,
             "num_canonical_partitions": self.num_canonical_partitions,

@@ -23,6 +23,7 @@ from ..dataset import EpochCursor, Key, SavableDataset
 from ..errors import SourceDataError, StateFormatError
 from ..rng import stable_hash
 from ..state.atomic import write_atomically
+from ..state.data_fingerprint import DATA_FIELD, DataFiles
 from ..state.plain import StateReader
 from ..validation import require_bool, require_int
 from ..worker import WorkerContext
@@ -287,6 +288,7 @@ class ChunkedFolderSource(SavableDataset):
         self.total = sum(self.counts)
         listing = json.dumps([list(self.files), list(self.counts)]).encode()
         self._fingerprint = hashlib.sha256(listing).hexdigest()[:16]
+        self._data_files: DataFiles | None = None
         self._restore_chunk: _Chunk | None = None
 
     # -- layout and order --------------------------------------------------------------------
@@ -358,6 +360,13 @@ class ChunkedFolderSource(SavableDataset):
             row_arrays=1,  # a range reads each file once: keep only its row order
         )
 
+    def data_files(self) -> DataFiles:
+        """The chunk files and metadata.json, sampled, fingerprinted on first use
+        (:mod:`energy_loader.state.data_fingerprint`)."""
+        if self._data_files is None:
+            self._data_files = DataFiles.local(self.path, (*self.files, METADATA))
+        return self._data_files
+
     def load_chunk(self, file_index: int) -> _Chunk:
         """Load one chunk file (validated against the metadata)."""
         return _Chunk(self.path / self.files[file_index], file_index, self.counts[file_index])
@@ -392,6 +401,7 @@ class ChunkedFolderSource(SavableDataset):
             "files": len(self.files),
             "total_samples": self.total,
             "listing": self._fingerprint,
+            DATA_FIELD: self.data_files().plain,
             "shuffle": self.shuffle,
             "seed": self.seed,
             "balance": self.balance,

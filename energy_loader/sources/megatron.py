@@ -19,6 +19,7 @@ import numpy as np
 from ..dataset import EpochCursor, Key
 from ..errors import DownloadError, SourceDataError
 from ..rng import stable_hash
+from ..state.data_fingerprint import DATA_FIELD, DataFiles, content_entry
 from ..validation import require_int
 from ._download import Remote, ShardCache, download_settings, fetch_bytes, resolve_cache_dir
 from ._order import EpochOrder
@@ -183,7 +184,10 @@ class MegatronIndexedSource(StridedSource):
         self.cache_dir = resolve_cache_dir(cache_dir, "megatron", self.prefix)
         self.idx_where = self.prefix + ".idx"
         self.bin_where = self.prefix + ".bin"
-        index = read_megatron_index(self._index_bytes(), self.idx_where)
+        index_bytes = self._index_bytes()
+        index = read_megatron_index(index_bytes, self.idx_where)
+        self._idx_entry = content_entry(self._name + ".idx", index_bytes)
+        self._data_files: DataFiles | None = None
         self.dtype = index.dtype
         self.lengths = index.lengths
         self.pointers = index.pointers
@@ -238,6 +242,19 @@ class MegatronIndexedSource(StridedSource):
                 raise SourceDataError(self._truncated(size))
         name = self._name + ".bin"
         return ShardInfo(name, self.total, size, "", name, size, "")
+
+    def data_files(self) -> DataFiles:
+        """The ``.idx`` and the ``.bin``: sampled where local, the remote ``.bin`` by size."""
+        if self._data_files is None:
+            if self.remote is None:
+                bin_name = self._name + ".bin"
+                self._data_files = DataFiles.local(
+                    Path(self.prefix).parent, [bin_name], self._idx_entry
+                )
+            else:
+                listed = [(self._shard.name, self._shard.bytes, "")]
+                self._data_files = DataFiles.listed(listed, self._idx_entry)
+        return self._data_files
 
     def _truncated(self, size: int) -> str:
         return (
@@ -345,6 +362,7 @@ class MegatronIndexedSource(StridedSource):
             "documents": self.total,
             "dtype": str(self.dtype),
             "fingerprint": self._fingerprint,
+            DATA_FIELD: self.data_files().plain,
             "shuffle": self.shuffle,
             "seed": self.seed,
             "block_documents": self.block_documents,

@@ -24,6 +24,7 @@ import torch.utils.data
 from ..dataset import EpochCursor, Key
 from ..errors import DownloadError, SourceDataError
 from ..rng import stable_hash
+from ..state.data_fingerprint import DATA_FIELD, DataFiles, relative_names
 from ..validation import require_int
 from ._order import EpochOrder
 from ._strided import StridedCursor, StridedSource
@@ -252,6 +253,7 @@ class ParquetSource(StridedSource):
         # Decoded windows (or single row groups), keyed by the row groups they hold.
         self._cache: collections.OrderedDict[tuple[int, ...], _Window] = collections.OrderedDict()
         self._cache_bound = self.max_cached_row_groups or self.shuffle_window
+        self._data_files: DataFiles | None = None
 
     # -- construction helpers ----------------------------------------------------------------
 
@@ -489,6 +491,13 @@ class ParquetSource(StridedSource):
     def _new_cursor(self) -> EpochCursor:
         return _ParquetCursor(self)
 
+    def data_files(self) -> DataFiles | None:
+        """The local files, sampled, fingerprinted on first use
+        (:mod:`energy_loader.state.data_fingerprint`); remote ones have none."""
+        if self._data_files is None and not _is_url(self.paths[0]):
+            self._data_files = DataFiles.local(*relative_names(self.paths))
+        return self._data_files
+
     def validate_key(self, key: Key) -> None:
         if (
             isinstance(key, tuple)
@@ -516,10 +525,12 @@ class ParquetSource(StridedSource):
         return True
 
     def _config_fields(self) -> dict[str, Any]:
+        files = self.data_files()
         return {
             "files": len(self.paths),
             "row_groups": len(self.row_groups),
             "total_samples": self.total,
+            **({} if files is None else {DATA_FIELD: files.plain}),
             "columns": self.columns,
             "shuffle": self.shuffle,
             "seed": self.seed,

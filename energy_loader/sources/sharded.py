@@ -23,6 +23,7 @@ import numpy as np
 from ..dataset import EpochCursor, Key
 from ..errors import DownloadError, SourceDataError
 from ..rng import stable_hash
+from ..state.data_fingerprint import DATA_FIELD, DataFiles
 from ._codec import decode_sample
 from ._download import LOCKS, Remote, ShardCache, download_settings, fetch_bytes, node_lock
 from ._order import EpochOrder
@@ -215,6 +216,9 @@ class ShardedSource(StridedSource):
         self._cache_pid = -1
         self._restore_file: _ShardFile | None = None
         self._restore_shard = -1
+        # The shards as index.json lists them (a download checks its size and sha256).
+        listed = ((info.name, info.bytes, info.sha256) for info in self.shards)
+        self._data_files = DataFiles.listed(listed)
 
     def _load_index(self) -> tuple[str | None, tuple[ShardInfo, ...]]:
         where = self.remote.where(INDEX)
@@ -307,12 +311,17 @@ class ShardedSource(StridedSource):
             self._restore_file = None
             raise
 
+    def data_files(self) -> DataFiles:
+        """The shards as index.json lists them (:mod:`energy_loader.state.data_fingerprint`)."""
+        return self._data_files
+
     def can_restore_sample(self) -> bool:
         return True
 
     def _config_fields(self) -> dict[str, Any]:
         return {
             "index": self._index_sha,
+            DATA_FIELD: self._data_files.plain,
             "shards": len(self.shards),
             "total_samples": self.total,
             "shuffle": self.shuffle,

@@ -22,6 +22,7 @@ from ..dataset import EpochCursor, Key, callable_name
 from ..errors import DownloadError, SourceDataError
 from ..rng import stable_hash
 from ..state.atomic import write_atomically
+from ..state.data_fingerprint import DataFiles, relative_names
 from ..state.plain import StateReader
 from ._download import Remote, ShardCache, download_settings, fetch_bytes, resolve_cache_dir
 from ._strided import OpenShards, PrefetchingCursor, RestoreShard, ShardRowSource
@@ -306,6 +307,7 @@ class WebDatasetSource(ShardRowSource):
         self.shards = tuple(infos)
         self.total = sum(info.samples for info in self.shards)
         self._fingerprint = stable_hash(*(info.sha256 for info in self.shards))
+        self._data_files: DataFiles | None = None
         self._cache: ShardCache | None = None
         self._cache_pid = -1
         self._indexes: dict[int, TarIndex] = {}
@@ -371,6 +373,16 @@ class WebDatasetSource(ShardRowSource):
         if len(set(urls)) != len(urls):
             raise ValueError("`urls_or_dir` lists a shard more than once")
         return urls
+
+    def data_files(self) -> DataFiles:
+        """The tars: local ones sampled, remote ones by their indexes' sizes and sha256."""
+        if self._data_files is None:
+            if self.remote is None:
+                self._data_files = DataFiles.local(*relative_names(self.urls))
+            else:
+                listed = ((info.name, info.bytes, info.sha256) for info in self.shards)
+                self._data_files = DataFiles.listed(listed)
+        return self._data_files
 
     def where(self, shard: int) -> str:
         """The shard's location (for messages)."""

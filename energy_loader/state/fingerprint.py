@@ -18,6 +18,7 @@ from .code_fingerprint import comparable
 __all__ = [
     "CODE_SUFFIX",
     "ConfigDifference",
+    "DATA_FIELD",
     "FROM_FN",
     "UserFunction",
     "code_differences",
@@ -31,6 +32,9 @@ __all__ = [
 # A config field that holds a user function's code fingerprint ends so (``fn_code``): it is
 # compared apart from the rest (code that changed is reported, not another pipeline).
 CODE_SUFFIX = "_code"
+# A file source's fingerprint of its data files (:mod:`.data_fingerprint`): compared apart
+# from the rest too (data rewritten in place is reported, not another pipeline).
+DATA_FIELD = "data_files"
 
 
 @attrs.frozen
@@ -65,7 +69,9 @@ def config_differences(
     code: bool = False,
 ) -> list[ConfigDifference]:
     """Every leaf where ``saved`` and ``now`` differ (lists and tuples compare alike), but
-    the user functions' code fingerprints (``*_code`` fields: :func:`code_differences`)."""
+    the user functions' code fingerprints (``*_code`` fields: :func:`code_differences`) and
+    the sources' data fingerprints (:data:`DATA_FIELD`:
+    :func:`~energy_loader.state.data_fingerprint.data_changes`)."""
     if isinstance(saved, Mapping) and isinstance(now, Mapping):
         if saved.get("type") is not None and saved.get("type") == now.get("type"):
             type_name = str(saved["type"])
@@ -76,6 +82,8 @@ def config_differences(
                 continue
             if isinstance(name, str) and name.endswith(CODE_SUFFIX) and not code:
                 continue  # code fingerprints: code_differences()
+            if name == DATA_FIELD:
+                continue  # data fingerprints: data_changes()
             child_path = path if name in ("inner", "inners") else f"{path}.{name}"
             out.extend(
                 config_differences(
