@@ -11,6 +11,7 @@ changed between the saving run and the restoring one.
 
 from __future__ import annotations
 
+import collections
 import copy
 import itertools
 import json
@@ -27,8 +28,9 @@ from energy_loader.testing.strategies import MakeSample, PipelineSpec, pipelines
 from tests.helpers import MODEL_EXAMPLES, indices, reference_pipeline, saved_at
 
 # What _shifted adds: a module global, so a test changes the function's behaviour between the
-# saving run and the restoring one without changing its code (a fingerprint cannot see it).
-_SHIFT = {"value": 0}
+# saving run and the restoring one without changing its code (a Counter, not plain data: the
+# code fingerprint takes it by its type, as it takes any value that is not plain data).
+_SHIFT = collections.Counter({"value": 0})
 # A counter every call reads on: the values depend on how many samples the process made.
 _COUNTER = itertools.count()
 
@@ -120,7 +122,10 @@ def test_a_map_that_reads_a_counter_or_an_unseeded_generator_is_refused(fn, work
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
-def test_a_parquet_file_edited_in_place_is_refused_naming_the_source(tmp_path, workers) -> None:
+def test_a_parquet_file_edited_in_place_is_named_at_the_restore(tmp_path, workers) -> None:
+    """The same rows and row groups with other values: the data fingerprint names the file
+    (a warning by default, a refusal with on_data_change='refuse'); the original file back
+    restores exactly."""
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     path = tmp_path / "rows.parquet"
@@ -136,10 +141,13 @@ def test_a_parquet_file_edited_in_place_is_refused_naming_the_source(tmp_path, w
     state, rest = saved_at(_loader(build(), workers), 11)
     assert _has_proof(state)
     write(2.0)
-    message = _refusal(_loader(build(), workers), state)
-    assert "with other values" in message
-    assert "the data the sources read (BatchDataset > ParquetSource)" in message
-    assert "a data file edited in place" in message
+    with pytest.raises(el.StateMismatchError) as caught:
+        _loader(build(), workers, on_data_change="refuse").restore_state_rank(state)
+    assert "the data files changed" in str(caught.value)
+    assert "BatchDataset > ParquetSource" in str(caught.value)
+    assert "rows.parquet" in str(caught.value)
+    with pytest.warns(el.DataChangedWarning, match="rows.parquet"):
+        _loader(build(), workers).restore_state_rank(state)
     write(1.0)
     again = _loader(build(), workers)
     again.restore_state_rank(state)
@@ -234,7 +242,7 @@ def test_verify_restore_false_saves_no_digest_of_values_and_skips_the_check(shif
 
 # -- the drawn model: a function swapped between save and restore is never silent ------------
 
-_TAG = {"value": 0}
+_TAG = collections.Counter({"value": 0})  # not plain data, as _SHIFT
 
 
 def _tagged(item):
