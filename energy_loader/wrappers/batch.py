@@ -17,6 +17,7 @@ from ..dataset import (
     Key,
     SavableDataset,
     WrapperCursor,
+    bad_state,
     user_fn_fields,
 )
 from ..state.plain import StateReader
@@ -45,7 +46,55 @@ class _BatchCursor(WrapperCursor):
         return None
 
 
-class BatchDataset(BaseWrapperDataset):
+def require_restorable(dataset: SavableDataset, saves: str) -> None:
+    """Refuse an inner dataset without ``restore_sample`` under a wrapper that ``saves`` keys."""
+    if not dataset.can_restore_sample():
+        raise ValueError(
+            f"{saves} as restore keys and needs an inner dataset that can restore samples; "
+            f"{type(dataset).__name__} cannot"
+        )
+
+
+def check_inner_key(dataset: SavableDataset, key: Key, path: str) -> None:
+    """Raise a state error at ``path`` when ``dataset`` refuses the saved ``key``."""
+    try:
+        dataset.validate_key(key)
+    except ValueError as error:
+        raise bad_state(path, f"holds an invalid key: {error}") from None
+
+
+class CollatingDataset(BaseWrapperDataset):
+    """A wrapper whose items are ``collate_fn``-made batches keyed by their samples' keys."""
+
+    collate_fn: Callable[[Sequence[Any]], Any] | None
+
+    def largest_batch(self) -> int:
+        raise NotImplementedError
+
+    def collate(self, samples: Sequence[Any]) -> Any:
+        """Collate with the user's function or :func:`collate_keeping_tuples`."""
+        return (self.collate_fn or collate_keeping_tuples)(samples)
+
+    def restore_sample(self, key: Key) -> Any:
+        return self.collate([self.dataset.restore_sample(k) for k in key])
+
+    def validate_key(self, key: Key) -> None:
+        largest = self.largest_batch()
+        if not key or len(key) > largest or not all(type(k) is tuple for k in key):
+            raise ValueError(
+                f"{type(self).__name__} restore keys are tuples of 1..{largest} sample keys; "
+                f"got {key!r}"
+            )
+        for sample_key in key:
+            self.dataset.validate_key(sample_key)
+
+    def collate_fields(self) -> dict[str, Any]:
+        if self.collate_fn:
+            return user_fn_fields("collate_fn", self.collate_fn)
+        return {"collate_fn": "default_collate"}
+
+
+class BatchDataset(CollatingDataset):
     """Group ``batch_size`` consecutive samples into one batch.
 
     ``collate_fn(list_of_samples)`` builds the batch; the default
@@ -72,35 +121,14 @@ class BatchDataset(BaseWrapperDataset):
         self.collate_fn = collate_fn
         self.drop_last = drop_last
 
-    def collate(self, samples: Sequence[Any]) -> Any:
-        """Collate with the user's function or :func:`collate_keeping_tuples`."""
-        return (self.collate_fn or collate_keeping_tuples)(samples)
+    def largest_batch(self) -> int:
+        return self.batch_size
 
     def _new_cursor(self) -> EpochCursor:
         return _BatchCursor(self)
 
-    def restore_sample(self, key: Key) -> Any:
-        return self.collate([self.dataset.restore_sample(k) for k in key])
-
-    def validate_key(self, key: Key) -> None:
-        if not key or len(key) > self.batch_size or not all(type(k) is tuple for k in key):
-            raise ValueError(
-                f"BatchDataset restore keys are tuples of 1..{self.batch_size} sample keys; "
-                f"got {key!r}"
-            )
-        for sample_key in key:
-            self.dataset.validate_key(sample_key)
-
     def _config_fields(self) -> dict[str, Any]:
-        return {
-            "batch_size": self.batch_size,
-            **(
-                user_fn_fields("collate_fn", self.collate_fn)
-                if self.collate_fn
-                else {"collate_fn": "default_collate"}
-            ),
-            "drop_last": self.drop_last,
-        }
+        return {"batch_size": self.batch_size, **self.collate_fields(), "drop_last": self.drop_last}
 
     def __len__(self) -> int:
         inner = len(self.dataset)  # type: ignore[arg-type]

@@ -12,7 +12,6 @@ from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ..dataset import (
-    BaseWrapperDataset,
     EpochCursor,
     Key,
     SavableDataset,
@@ -25,7 +24,7 @@ from ..dataset import (
 from ..errors import StateFormatError
 from ..state.plain import StateReader, to_key
 from ..validation import require_bool, require_callable, require_int
-from .collate import collate_keeping_tuples
+from .batch import CollatingDataset, check_inner_key, require_restorable
 
 __all__ = ["GroupBatchDataset"]
 
@@ -101,10 +100,7 @@ class _GroupBatchCursor(WrapperCursor):
                     f"{self.dataset.size_of(group) - 1}",
                 )
             for key in keys:
-                try:
-                    self.dataset.dataset.validate_key(key)
-                except ValueError as error:
-                    raise bad_state(path, f"holds an invalid key: {error}") from None
+                check_inner_key(self.dataset.dataset, key, path)
             self.buckets[group] = [(key, _MISSING) for key in keys]
 
 
@@ -112,7 +108,7 @@ def _to_plain(group: Hashable) -> Any:
     return [_to_plain(part) for part in group] if isinstance(group, tuple) else group
 
 
-class GroupBatchDataset(BaseWrapperDataset):
+class GroupBatchDataset(CollatingDataset):
     """Batch samples whose ``key_fn`` agrees, ``batch_size`` (or ``batch_sizes[key]``) at a time.
 
     ``collate_fn`` builds each batch (default :func:`default_collate`); ``len()`` is unknown::
@@ -157,11 +153,7 @@ class GroupBatchDataset(BaseWrapperDataset):
         if collate_fn is not None:
             require_callable(collate_fn, "collate_fn")
         require_bool(seed_per_sample, "seed_per_sample")
-        if not dataset.can_restore_sample():
-            raise ValueError(
-                "GroupBatchDataset saves its buckets as restore keys and needs an inner "
-                f"dataset that can restore samples; {type(dataset).__name__} cannot"
-            )
+        require_restorable(dataset, "GroupBatchDataset saves its buckets")
         self.key_fn = key_fn
         self.batch_sizes = sizes
         self.leftovers = leftovers
@@ -183,28 +175,14 @@ class GroupBatchDataset(BaseWrapperDataset):
         """The batch size of one group."""
         return self.batch_sizes.get(group, self.batch_size)
 
-    def collate(self, samples: Sequence[Any]) -> Any:
-        """Collate with the user's function or :func:`collate_keeping_tuples`."""
-        return (self.collate_fn or collate_keeping_tuples)(samples)
-
     def make_batch(self, bucket: list[tuple[Key, Any]]) -> tuple[Key, Any]:
         """``(restore key, batch)`` of a bucket, rebuilding samples restored as keys."""
         restore = self.dataset.restore_sample
         samples = [restore(key) if sample is _MISSING else sample for key, sample in bucket]
         return tuple(key for key, _ in bucket), self.collate(samples)
 
-    def restore_sample(self, key: Key) -> Any:
-        return self.collate([self.dataset.restore_sample(k) for k in key])
-
-    def validate_key(self, key: Key) -> None:
-        largest = max([self.batch_size, *self.batch_sizes.values()])
-        if not key or len(key) > largest or not all(type(k) is tuple for k in key):
-            raise ValueError(
-                f"GroupBatchDataset restore keys are tuples of 1..{largest} sample keys; "
-                f"got {key!r}"
-            )
-        for sample_key in key:
-            self.dataset.validate_key(sample_key)
+    def largest_batch(self) -> int:
+        return max([self.batch_size, *self.batch_sizes.values()])
 
     def _new_cursor(self) -> EpochCursor:
         return _GroupBatchCursor(self)
@@ -215,10 +193,6 @@ class GroupBatchDataset(BaseWrapperDataset):
             "batch_size": self.batch_size,
             "batch_sizes": [[_to_plain(g), s] for g, s in self.batch_sizes.items()],
             "leftovers": self.leftovers,
-            **(
-                user_fn_fields("collate_fn", self.collate_fn)
-                if self.collate_fn
-                else {"collate_fn": "default_collate"}
-            ),
+            **self.collate_fields(),
             "seed_per_sample": self.seed_per_sample,
         }

@@ -22,7 +22,27 @@ from ..validation import require_bool, require_callable
 __all__ = ["MapDataset"]
 
 
-class MapDataset(BaseWrapperDataset):
+class SeededFnDataset(BaseWrapperDataset):
+    """A wrapper that runs one user function (attribute ``fn_name``) per sample, seeded."""
+
+    passes_state_through = True
+    fn_name = "fn"
+
+    def __init__(self, dataset: SavableDataset, fn: Any, seed_per_sample: bool) -> None:
+        super().__init__(dataset)
+        require_callable(fn, self.fn_name)
+        require_bool(seed_per_sample, "seed_per_sample")
+        setattr(self, self.fn_name, fn)
+        self.seed_per_sample = seed_per_sample
+        # False where the inner source reads under this wrapper's seeding, which covers fn too.
+        self.seeded = seed_per_sample and not dataset.share_sample_seeding(self)
+
+    def _config_fields(self) -> dict[str, Any]:
+        fn = getattr(self, self.fn_name)
+        return {**user_fn_fields(self.fn_name, fn), "seed_per_sample": self.seed_per_sample}
+
+
+class MapDataset(SeededFnDataset):
     """Apply ``fn`` to every sample.
 
     With ``seed_per_sample=True`` (the default) python ``random``, numpy's global RNG and torch's
@@ -34,35 +54,21 @@ class MapDataset(BaseWrapperDataset):
         MapDataset(source, lambda s: {**s, "tokens": tokenize(s["text"])})
     """
 
-    passes_state_through = True
+    fn: Callable[[Any], Any]
 
     def __init__(
-        self,
-        dataset: SavableDataset,
-        fn: Callable[[Any], Any],
-        *,
-        seed_per_sample: bool = True,
+        self, dataset: SavableDataset, fn: Callable[[Any], Any], *, seed_per_sample: bool = True
     ) -> None:
-        super().__init__(dataset)
-        require_callable(fn, "fn")
-        require_bool(seed_per_sample, "seed_per_sample")
-        self.fn = fn
-        self.seed_per_sample = seed_per_sample
-        # Whether the inner source reads under this map's seeding, which then covers fn too.
-        self._seeded_with_read = seed_per_sample and dataset.share_sample_seeding(self)
+        super().__init__(dataset, fn, seed_per_sample)
 
     def iter_keyed(self) -> Iterator[tuple[Key, Any]]:
-        fn, seeded = self.fn, self.seed_per_sample and not self._seeded_with_read
+        fn, seeded = self.fn, self.seeded
         for key, sample in self.dataset.iter_keyed():
             yield key, apply_user_fn(fn, sample, key, owner=self, seeded=seeded)
 
     def restore_sample(self, key: Key) -> Any:
         sample = self.dataset.restore_sample(key)
-        seeded = self.seed_per_sample and not self._seeded_with_read
-        return apply_user_fn(self.fn, sample, key, owner=self, seeded=seeded)
-
-    def _config_fields(self) -> dict[str, Any]:
-        return {**user_fn_fields("fn", self.fn), "seed_per_sample": self.seed_per_sample}
+        return apply_user_fn(self.fn, sample, key, owner=self, seeded=self.seeded)
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]

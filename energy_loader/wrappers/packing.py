@@ -25,6 +25,7 @@ from ..dataset import (
 )
 from ..state.plain import StateReader, to_key
 from ..validation import require_bool, require_callable, require_int
+from .batch import check_inner_key, require_restorable
 
 __all__ = ["PackingDataset"]
 
@@ -136,10 +137,7 @@ def _read_pieces(reader: StateReader, name: str, packing: PackingDataset) -> lis
         valid = type(start) is int and type(stop) is int and 0 <= start < stop
         if not valid or stop - start > packing.max_len:
             raise bad_state(path, f"has an invalid token range [{start!r}, {stop!r})")
-        try:
-            packing.dataset.validate_key(key)
-        except ValueError as error:
-            raise bad_state(path, f"holds an invalid key: {error}") from None
+        check_inner_key(packing.dataset, key, path)
         pieces.append((key, start, stop, None))
     return pieces
 
@@ -177,11 +175,7 @@ class PackingDataset(BaseWrapperDataset):
         if pad_id is not None:
             require_int(pad_id, "pad_id", minimum=0)
         require_bool(seed_per_sample, "seed_per_sample")
-        if not dataset.can_restore_sample():
-            raise ValueError(
-                "PackingDataset saves its buffer as restore keys and needs an inner dataset "
-                f"that can restore samples; {type(dataset).__name__} cannot"
-            )
+        require_restorable(dataset, "PackingDataset saves its buffer")
         self.too_long = too_long
         self.encode_fn = encode_fn
         self.pad_id = pad_id

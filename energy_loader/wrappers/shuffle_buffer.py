@@ -20,6 +20,7 @@ from ..dataset import (
 from ..rng import CounterRng, stable_hash
 from ..state.plain import StateReader, pack_keys, unpack_keys
 from ..validation import require_int
+from .batch import require_restorable
 
 __all__ = ["ShuffleBufferDataset"]
 
@@ -94,11 +95,7 @@ class ShuffleBufferDataset(BaseWrapperDataset):
     def __init__(self, dataset: SavableDataset, size: int) -> None:
         super().__init__(dataset)
         self.size = require_int(size, "size", minimum=1)
-        if not dataset.can_restore_sample():
-            raise ValueError(
-                "ShuffleBufferDataset saves its buffer as restore keys and needs an inner "
-                f"dataset that can restore samples; {type(dataset).__name__} cannot"
-            )
+        require_restorable(dataset, "ShuffleBufferDataset saves its buffer")
 
     def stream_seed(self) -> int:
         """The seed of this buffer's random stream in the current worker."""
