@@ -36,6 +36,9 @@ _PER_OCTAVE = 4
 _QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
 
 
+WORKER_FIELDS = ("wall_s", "produce_s", "checkpoint_s", "encode_s", "items", "bytes")
+
+
 class WorkerCounters:
     """Counters kept by one worker's iterating thread, read by its command thread: plain
     attributes, each read whole under the GIL (a reading may be one item behind).
@@ -45,36 +48,23 @@ class WorkerCounters:
 
     def __init__(self) -> None:
         self.started = clock()
-        self.produce_s = 0.0
-        self.checkpoint_s = 0.0
-        self.encode_s = 0.0
-        self.items = 0
-        self.bytes = 0
+        self.produce_s = self.checkpoint_s = self.encode_s = 0.0
+        self.items = self.bytes = 0
 
     def read(self) -> dict[str, float]:
         """The counters and the seconds since this worker started, as plain data."""
-        return {
-            "wall_s": clock() - self.started,
-            "produce_s": self.produce_s,
-            "checkpoint_s": self.checkpoint_s,
-            "encode_s": self.encode_s,
-            "items": self.items,
-            "bytes": self.bytes,
-        }
-
-
-WORKER_FIELDS = ("wall_s", "produce_s", "checkpoint_s", "encode_s", "items", "bytes")
+        counters = {name: getattr(self, name) for name in WORKER_FIELDS[1:]}
+        return {"wall_s": clock() - self.started, **counters}
 
 
 @attrs.frozen
 class StallPolicy:
     """When the loader warns that the training loop is waiting for data.
 
-    The loader warns (logger ``energy_loader``, level WARNING) when, over a window of at least
-    ``window_seconds`` and ``min_steps`` items, ``next()`` waited for more than ``threshold``
-    of the step time. After a warning the next one needs twice as many windows (1, 2, 4, ...
-    up to 64), so a job that stays data-bound logs a handful of lines, not one per window.
-    The first item after ``iter()`` is left out: it includes starting the workers.
+    It warns (logger ``energy_loader``) when, over a window of at least ``window_seconds`` and
+    ``min_steps`` items, ``next()`` waited for more than ``threshold`` of the step time; each
+    warning doubles the windows the next needs (up to 64). The first item after ``iter()``
+    (worker start-up) is left out.
     """
 
     threshold: float = 0.3
@@ -131,17 +121,11 @@ class _Totals:
     )
 
     def __init__(self, workers: int) -> None:
-        self.items = 0
-        self.wait_s = 0.0
-        self.wait_s_max = 0.0
-        self.decode_s = 0.0
-        self.saves = 0
-        self.save_s = 0.0
-        self.save_s_max = 0.0
+        self.items = self.saves = 0
+        self.wait_s = self.wait_s_max = self.decode_s = self.save_s = self.save_s_max = 0.0
         # Sums over items whose step time is known (not the first after iter()).
         self.stall_items = 0
-        self.stall_wait_s = 0.0
-        self.stall_step_s = 0.0
+        self.stall_wait_s = self.stall_step_s = 0.0
         self.workers = [dict.fromkeys(WORKER_FIELDS, 0.0) for _ in range(workers)]
 
     def copy(self) -> _Totals:
@@ -154,10 +138,9 @@ class _Totals:
 
 def _quantile_fields(sorted_waits: list[float]) -> dict[str, float]:
     count = len(sorted_waits)
-    if not count:
-        return {f"wait_s_{name}": 0.0 for name, _ in _QUANTILES}
     return {
-        f"wait_s_{name}": sorted_waits[min(count - 1, int(q * count))] for name, q in _QUANTILES
+        f"wait_s_{name}": sorted_waits[min(count - 1, int(q * count))] if count else 0.0
+        for name, q in _QUANTILES
     }
 
 
@@ -222,8 +205,6 @@ class LoaderMetrics:
         self._stall_time = self._born
         self._check_at = math.inf if stall is None else self._born + stall.window_seconds
 
-    # -- hot path ----------------------------------------------------------------------------
-
     def new_iterator(self) -> None:
         """A new ``iter()``: the next item's wait includes starting up, its step is unknown."""
         self._last_end = None
@@ -256,8 +237,6 @@ class LoaderMetrics:
         totals.saves += 1
         totals.save_s += seconds
         totals.save_s_max = max(totals.save_s_max, seconds)
-
-    # -- reading -----------------------------------------------------------------------------
 
     def _fold(self) -> None:
         histogram = self._histogram
@@ -376,14 +355,12 @@ def flatten(stats: dict[str, Any], prefix: str = "") -> dict[str, float]:
 
 
 def tqdm_postfix(stats: dict[str, Any], section: str = "since_last") -> dict[str, str]:
-    """A short summary of ``stats()`` for ``tqdm``'s ``set_postfix``.
+    """A short summary of ``stats()`` for ``tqdm``'s ``set_postfix``. Example::
 
-    Example::
-
-        bar = tqdm(loader)
-        for step, batch in enumerate(bar):
-            if step % 100 == 0:
-                bar.set_postfix(energy_loader.metrics.tqdm_postfix(loader.stats()))
+    bar = tqdm(loader)
+    for step, batch in enumerate(bar):
+        if step % 100 == 0:
+            bar.set_postfix(energy_loader.metrics.tqdm_postfix(loader.stats()))
     """
     if not isinstance(stats, dict) or section not in stats:
         raise ValueError(
