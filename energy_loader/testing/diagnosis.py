@@ -12,7 +12,7 @@ import attrs
 
 from ..state.fingerprint import FROM_FN, user_functions
 from .compare import first_difference
-from .runs import UNREPLAYABLE, Batch, Chain, ChainRun, run_chain
+from .runs import UNREPLAYABLE, Batch, Chain, ChainRun, close_loader, run_chain
 
 __all__ = ["Difference", "ResumeMismatch", "compare_runs", "diagnose", "unseeded_draws"]
 
@@ -55,9 +55,7 @@ def _words_of(make: Callable[[int], Any], workers: int) -> _Words:
     try:
         return _DROPIN_WORDS if runs_dropin(probe) else _PIPELINE_WORDS
     finally:
-        close = getattr(probe, "close", None)
-        if close is not None:
-            close()
+        close_loader(probe)
 
 
 class ResumeMismatch(AssertionError):
@@ -169,9 +167,7 @@ def diagnose(
         try:
             why += "; " + unseeded_draws(probe)
         finally:
-            close = getattr(probe, "close", None)
-            if close is not None:
-                close()
+            close_loader(probe)
     return f"{where} differs ({difference.detail}); " + why
 
 
@@ -186,9 +182,7 @@ def builder_differs(make: Callable[[int], Any], workers: int) -> str | None:
         difference = first_difference(first(), second(), "config")
     finally:
         for loader in loaders:
-            close = getattr(loader, "close", None)
-            if close is not None:
-                close()
+            close_loader(loader)
     if difference is None:
         return None
     return (

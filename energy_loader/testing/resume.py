@@ -27,7 +27,7 @@ from .diagnosis import (
     diagnose,
     unseeded_draws,
 )
-from .runs import Chain, ChainRun, RunFailed, SavePoint, run_chain
+from .runs import Chain, ChainRun, RunFailed, SavePoint, close_loader, run_chain
 
 __all__ = [
     "END",
@@ -133,12 +133,11 @@ def check_resume(
     """Check that a pipeline resumes exactly; raise :class:`ResumeMismatch` if not.
 
     ``build_fn()`` returns a fresh pipeline (run in ``SavableDataLoader(num_workers=...,
-    **loader_kwargs)``) or loader. Stop point ``k``: the loop consumed the first ``k`` events of
-    the uninterrupted run (samples, and an end after each ``for`` loop), then saved; a tuple is a
-    chain of restarts. States go through ``json`` and ``torch.save`` in turn; every restored run
-    must equal the uninterrupted one, epochs and (where the chain puts the saved RNG states back)
-    global generators included. Default stop points: the start, the first sample, mid-epoch,
-    around the first epoch end, the last sample, and a chain through that end::
+    **loader_kwargs)``) or loader. Stop point ``k``: save after the first ``k`` events (samples,
+    and an end after each ``for`` loop); a tuple chains restarts. States go through ``json`` and
+    ``torch.save`` in turn; restored runs must equal the uninterrupted one, epochs and restored
+    global RNGs included. Default: the start, first and last sample, mid-epoch, around the first
+    epoch end, and a chain through it::
 
         def test_my_pipeline_resumes():
             check_resume(lambda: build_my_pipeline(small=True), num_workers=2)
@@ -187,28 +186,21 @@ def check_loader_resume(
 ) -> ResumeReport:
     """Check that your own loader setup resumes exactly; raise :class:`ResumeMismatch` if not.
 
-    ``make_loader(num_workers)`` builds your loader as your training script does, in a
-    ``SavableDataLoader`` with that many workers. Your training loop (seeded globals,
-    ``while loader.epoch < epochs``, ``sampler.set_epoch``, steps drawing from the global RNGs)
-    runs uninterrupted, then restarted at :func:`check_resume`'s default save points plus
-    ``draws`` chains drawn from ``seed``, on the worker counts of ``restore_workers`` in turn
-    (default: ``num_workers`` and one other; alone for an iterable dataset). The error names the
-    first differing batch, the chain, and why (the run is not reproducible, the restore went
-    elsewhere, or the loop is in another epoch). Example::
+    ``make_loader(num_workers)`` builds your ``SavableDataLoader`` as your script does. A
+    training loop (seeded globals, ``sampler.set_epoch``, steps drawing from the global RNGs)
+    runs uninterrupted, then restarted at :func:`check_resume`'s save points plus ``draws``
+    chains drawn from ``seed``, on each of ``restore_workers`` (default: ``num_workers`` and one
+    other). The error names the first differing batch, the chain, and why. Example::
 
-        def test_my_loader_resumes():
-            check_loader_resume(
-                lambda n: SavableDataLoader(MyDataset(small=True), batch_size=4,
-                                            shuffle=True, num_workers=n),
-                num_workers=2,
-            )
+        check_loader_resume(lambda n: SavableDataLoader(MyDataset(), batch_size=4, shuffle=True,
+                                                        num_workers=n), num_workers=2)
     """
     require_int(num_workers, "num_workers", minimum=0)
     require_int(draws, "draws", minimum=0)
     if restore_workers is None:
         probe = make_loader(num_workers)
         iterable = isinstance(getattr(probe, "dataset", None), IterableDataset)
-        _close(probe)
+        close_loader(probe)
         restore_workers = (num_workers,) if iterable else (num_workers, 0 if num_workers else 2)
     restore_workers = tuple(restore_workers)
     if not restore_workers:
@@ -224,12 +216,6 @@ def check_loader_resume(
         draws=draws,
         seed=seed,
     )
-
-
-def _close(loader: Any) -> None:
-    close = getattr(loader, "close", None)
-    if close is not None:
-        close()
 
 
 def _events_of(run: ChainRun) -> list[SavePoint]:

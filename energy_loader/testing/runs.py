@@ -335,7 +335,12 @@ def run_chain(
                 rng_state = torch.get_rng_state()
                 every_rng_state = (random.getstate(), np.random.get_state(), rng_state)
         finally:
-            close = getattr(loader, "close", None)
-            if close is not None:
-                close()
+            close_loader(loader)
     return ChainRun(out, ends, largest, peeked)
+
+
+def close_loader(loader: Any) -> None:
+    """Close ``loader`` if it has a ``close()`` (a plain DataLoader has none)."""
+    close = getattr(loader, "close", None)
+    if close is not None:
+        close()

@@ -14,24 +14,9 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
+from .. import wrappers as w
 from ..dataset import SavableDataset
 from ..sources import IndexedSource
-from ..wrappers import (
-    BatchDataset,
-    BlendDataset,
-    ConcatDataset,
-    EpochizeDataset,
-    FilterDataset,
-    GcDataset,
-    GroupBatchDataset,
-    LimitDataset,
-    LogSampleDataset,
-    MapDataset,
-    PackingDataset,
-    RepeatDataset,
-    ShuffleBufferDataset,
-    UnbatchDataset,
-)
 
 __all__ = [
     "AddNoise",
@@ -99,12 +84,12 @@ class RandomTokens:
 def _blend(ds: SavableDataset, parameter: Any) -> SavableDataset:
     weights, specs, on_exhausted = parameter
     inners = [(spec.build(), weight) for spec, weight in zip(specs, weights[1:])]
-    return BlendDataset((ds, weights[0]), *inners, on_exhausted=on_exhausted)
+    return w.BlendDataset((ds, weights[0]), *inners, on_exhausted=on_exhausted)
 
 
 def _pack(ds: SavableDataset, parameter: Any) -> SavableDataset:
     max_len, buffer_size, too_long, pad = parameter
-    return PackingDataset(
+    return w.PackingDataset(
         ds,
         max_len,
         buffer_size=buffer_size,
@@ -116,29 +101,29 @@ def _pack(ds: SavableDataset, parameter: Any) -> SavableDataset:
 
 def _group_batch(ds: SavableDataset, parameter: Any) -> SavableDataset:
     k, size, per_key, leftovers = parameter
-    return GroupBatchDataset(ds, GroupOf(k), size, batch_sizes=dict(per_key), leftovers=leftovers)
+    return w.GroupBatchDataset(ds, GroupOf(k), size, batch_sizes=dict(per_key), leftovers=leftovers)
 
 
 def _epochize(ds: SavableDataset, parameter: Any) -> SavableDataset:
     length, endless = parameter
-    return EpochizeDataset(RepeatDataset(ds) if endless else ds, length)
+    return w.EpochizeDataset(w.RepeatDataset(ds) if endless else ds, length)
 
 
 _STAGES: dict[str, Callable[[SavableDataset, Any], SavableDataset]] = {
-    "map": lambda ds, _: MapDataset(ds, AddNoise()),
-    "filter": lambda ds, k: FilterDataset(ds, DropMultiples(k)),
-    "shuffle_buffer": lambda ds, size: ShuffleBufferDataset(ds, size),
-    "gc": lambda ds, n: GcDataset(ds, every_n_iter=n, freeze=False),
-    "log": lambda ds, _: LogSampleDataset(ds),
-    "limit": lambda ds, n: LimitDataset(ds, n),
-    "repeat": lambda ds, n: RepeatDataset(ds, n),
-    "batch": lambda ds, p: BatchDataset(ds, p[0], drop_last=p[1]),
+    "map": lambda ds, _: w.MapDataset(ds, AddNoise()),
+    "filter": lambda ds, k: w.FilterDataset(ds, DropMultiples(k)),
+    "shuffle_buffer": lambda ds, size: w.ShuffleBufferDataset(ds, size),
+    "gc": lambda ds, n: w.GcDataset(ds, every_n_iter=n, freeze=False),
+    "log": lambda ds, _: w.LogSampleDataset(ds),
+    "limit": lambda ds, n: w.LimitDataset(ds, n),
+    "repeat": lambda ds, n: w.RepeatDataset(ds, n),
+    "batch": lambda ds, p: w.BatchDataset(ds, p[0], drop_last=p[1]),
     "epochize": _epochize,
-    "concat": lambda ds, specs: ConcatDataset(ds, *(spec.build() for spec in specs)),
+    "concat": lambda ds, specs: w.ConcatDataset(ds, *(spec.build() for spec in specs)),
     "blend": _blend,
     "pack": _pack,
     "group_batch": _group_batch,
-    "unbatch": lambda ds, m: UnbatchDataset(ds, m),
+    "unbatch": lambda ds, m: w.UnbatchDataset(ds, m),
 }
 
 
