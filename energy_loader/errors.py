@@ -1,12 +1,9 @@
 """The exception hierarchy.
 
-Every error the library raises on purpose derives from :class:`EnergyLoaderError`, so a
-training script can catch "anything energy_loader refused" in one clause. Argument errors at
-construction are plain ``ValueError``/``TypeError`` (the Python convention for bad arguments);
-errors about saved states and worker processes have their own classes because callers handle
-them differently: a mismatched state means "you restored into the wrong pipeline", a format
-error means "this is not a state (any more)", and a worker error means "the data pipeline
-crashed".
+Every error the library raises on purpose derives from :class:`EnergyLoaderError` (argument
+errors also from ``ValueError``/``TypeError``); saved-state and worker errors have classes of
+their own because callers handle "wrong pipeline", "not a state" and "the pipeline crashed"
+differently.
 """
 
 from __future__ import annotations
@@ -54,11 +51,9 @@ class StateFormatError(EnergyLoaderError, ValueError):
 class StateMismatchError(EnergyLoaderError, ValueError):
     """The saved state is well formed but belongs to a different pipeline or layout.
 
-    Raised when the pipeline configuration, world size, rank or number of workers differ
-    between the run that saved the state and the one restoring it, or when the restore does
-    not re-make what the saving run handed out. The message names where (the stage, dataset
-    or sampler; the partition, rank or state file), what the state holds and what was found
-    now (a configuration difference as ``path: saved X, now Y``), and what to do.
+    Raised when configuration, world size, rank or worker count differ from the saving run's,
+    or the restore does not re-make what it handed out. The message names where, what was
+    saved and what is found now (``path: saved X, now Y``), and what to do.
     """
 
 
@@ -119,12 +114,9 @@ class CodeChangedWarning(UserWarning):
 
 class DataChangedWarning(UserWarning):
     """A restore continues over data files that differ from those that saved the state: a
-    file rewritten in place with other values, its layout (sample counts, sizes in the index)
-    unchanged. The loader continues at the saved position in the new data
-    (``on_data_change="warn"``, the default) and names the source and the file; items from
-    here on may differ from what the saving run would have made. ``on_data_change="refuse"``
-    raises a :class:`StateMismatchError` instead. Data whose layout changed cannot continue
-    and is refused either way."""
+    file rewritten in place, its layout unchanged. With ``on_data_change="warn"`` (the default)
+    the loader continues at the saved position in the new data, naming source and file;
+    ``"refuse"`` raises :class:`StateMismatchError`. A changed layout is refused either way."""
 
 
 def missing_slots_error(

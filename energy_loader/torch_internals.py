@@ -2,21 +2,15 @@
 
 Torch is pinned (constraints.txt); a torch upgrade is checked here. What and why:
 
-- ``DataLoader._iterator`` and ``._shutdown_workers()``: stop persistent workers on restore,
-  failure and close.
-- ``_MultiProcessingDataLoaderIter``, subclassed (:class:`_CycleSafeIterator`), with
-  ``._index_queues``, ``._workers_done_event`` and the worker-pid bookkeeping: prompt shutdown
-  when collected in a reference cycle.
-- ``._workers``: name a dead worker by pid, see whether one is alive.
-- ``._rcvd_idx``, ``._task_info``: tasks in flight, for the queue depth in ``loader.stats()``.
+- ``DataLoader._iterator``/``._shutdown_workers()``: stop persistent workers (restore, close).
+- ``_MultiProcessingDataLoaderIter`` subclassed (``_index_queues``, ``_workers_done_event``,
+  pids): prompt shutdown in a reference cycle; ``._workers``: name a dead worker by pid.
+- ``._rcvd_idx``, ``._task_info``: tasks in flight, for ``loader.stats()``'s queue depth.
 - ``torch._utils.ExceptionWrapper``: re-raise a worker's error as torch does.
-- ``_utils.worker._worker_info``: ``get_worker_info()`` must report the user's dataset and,
-  after a restore, the logical worker whose stream the process continues
-  (``WorkerInfo`` is frozen: ``object.__setattr__``).
-- ``_BaseDataLoaderIter.__init__``'s base-seed draw, made where torch makes it
-  (:func:`draw_base_seed`).
-- ``DistributedSampler.__iter__``'s permutation, to deal the rest of an epoch to another
-  number of ranks (:func:`distributed_permutation`).
+- ``_utils.worker._worker_info``: ``get_worker_info()`` reports the user's dataset and, after a
+  restore, the logical worker continued (``WorkerInfo`` is frozen: ``object.__setattr__``).
+- The base-seed draw (:func:`draw_base_seed`) and ``DistributedSampler``'s permutation
+  (:func:`distributed_permutation`), made as torch makes them.
 """
 
 from __future__ import annotations

@@ -79,11 +79,9 @@ def _torchrun_layout(environ: Mapping[str, str]) -> tuple[int, int] | None:
 class WorkerConfig:
     """The data-parallel layout of one rank: rank, world size, workers, seed.
 
-    ``rank``/``world_size`` are the *data-parallel* rank and size sources shard by (a replica's
-    tensor- or pipeline-parallel peers share one). ``data_parallel_group`` (one rank per replica,
-    e.g. ``mesh["dp"].get_group()``; ``None``: the default group) is where
-    :func:`~energy_loader.distributed.save_state_global` gathers; ``rank``/``world_size`` must then
-    be this process's in it. It never travels to workers nor counts in equality::
+    ``rank``/``world_size`` are the *data-parallel* ones sources shard by (model-parallel peers
+    share one). ``data_parallel_group`` (``None``: the default group) is where
+    :func:`~energy_loader.distributed.save_state_global` gathers; not sent to workers nor compared::
 
         WorkerConfig.from_process_group(num_workers=2, seed=1234)      # every rank a replica
         WorkerConfig.from_process_group(num_workers=2, data_parallel_group=mesh["dp"])
@@ -116,32 +114,24 @@ class WorkerConfig:
     ) -> WorkerConfig:
         """The layout of this process in an initialised ``torch.distributed`` job.
 
-        ``data_parallel_group=None``: every rank of the default group is a replica. With model
-        parallelism pass the data-parallel group (a ``ProcessGroup`` or a 1-D ``DeviceMesh`` such as
-        ``mesh["dp"]``): ``rank``/``world_size`` become this process's rank in it and its size.
-        ``ValueError`` without a process group or outside the group, ``TypeError`` for a non-group::
+        With model parallelism pass the data-parallel group (a ``ProcessGroup`` or 1-D
+        ``DeviceMesh``); ``None``: every rank of the default group is a replica. ``ValueError``
+        without a process group or outside the group, ``TypeError`` for a non-group::
 
             config = WorkerConfig.from_process_group(num_workers=2, data_parallel_group=mesh["dp"])
         """
         from .process_groups import data_parallel_layout
 
         group, rank, world_size = data_parallel_layout(data_parallel_group)
-        return cls(
-            rank=rank,
-            world_size=world_size,
-            num_workers=num_workers,
-            seed=seed,
-            data_parallel_group=group,
-        )
+        return cls(rank, world_size, num_workers, seed, data_parallel_group=group)
 
     @classmethod
     def from_env(cls, *, num_workers: int = 0, seed: int = 0) -> WorkerConfig:
         """The layout of this process: an initialised process group, torchrun's variables, or 1.
 
-        In that order: the default process group (:meth:`from_process_group`), then ``RANK``/
-        ``WORLD_SIZE`` as torchrun sets them (checked against ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``
-        when set), then rank 0 of 1. Every rank is its own replica; with model parallelism use
-        :meth:`from_process_group`. A half-set or malformed environment is a ``ValueError``.
+        In that order: :meth:`from_process_group`, torchrun's ``RANK``/``WORLD_SIZE`` (checked
+        against ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``), rank 0 of 1; every rank a replica. A
+        half-set or malformed environment is a ``ValueError``.
         """
         from .process_groups import process_group_initialized
 

@@ -26,7 +26,6 @@ from ..loader import SavableDataLoader
 
 __all__ = ["STATE_PREFIX", "AcceleratedLoader", "prepare_loader"]
 
-# The name the state files start with: ``energy_loader_rank_00000_of_00002.pt``.
 STATE_PREFIX = "energy_loader"
 
 # The state-file prefixes already taken on each accelerator (two loaders must not share one).
@@ -94,12 +93,10 @@ def prepare_loader(
 ) -> AcceleratedLoader:
     """Use ``loader`` with ``accelerator``: call this instead of ``accelerator.prepare(loader)``.
 
-    Returns an :class:`AcceleratedLoader` yielding batches on ``accelerator.device``. With
-    ``register_for_checkpointing=True`` ``save_state(dir)``/``load_state(dir)`` also save and
-    restore each rank's position (``<state_prefix>_rank_00001_of_00004.pt``); a second loader on
-    one accelerator needs its own ``state_prefix``. ``non_blocking`` defaults to the
-    accelerator's. Build the ``Accelerator`` first; Accelerate's batch-splitting settings do not
-    apply (the loader shards by rank). Example::
+    Returns an :class:`AcceleratedLoader` on ``accelerator.device``; with
+    ``register_for_checkpointing`` ``save_state``/``load_state`` carry each rank's position
+    (``<state_prefix>_rank_00001_of_00004.pt``; a second loader needs its own prefix).
+    ``non_blocking`` defaults to the accelerator's. Build the ``Accelerator`` first. Example::
 
         loader = prepare_loader(accelerator, el.SavableDataLoader(pipeline, num_workers=2))
     """

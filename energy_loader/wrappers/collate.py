@@ -41,17 +41,9 @@ _TORCH_DTYPES = _torch_dtypes_of_numpy()
 def default_collate(samples: Sequence[Any]) -> Any:
     """Combine a list of samples into one batch, as ``torch.utils.data.default_collate`` does.
 
-    - tensors, and numeric numpy arrays, of equal shape are stacked along a new first dimension;
-      numpy scalars become a tensor of their dtype; ``int``/``bool``/``float`` an
-      ``int64``/``bool``/``float64`` tensor; ``str`` and ``bytes`` stay a list;
-    - mappings are collated per key, keeping their type, without a ``__restore_key__`` entry (the
-      batch carries its own key); named tuples keep their type, collated per field; other
-      sequences of equal length become a list of collated columns, as torch gives them
-      (:func:`collate_keeping_tuples`, the wrappers' default, keeps tuple samples' columns in a
-      tuple).
-
-    Where torch raises the samples stay a list: ragged tensors or arrays, nested or sparse
-    tensors, sequences of different lengths, numbers that fit no tensor, other objects. Example::
+    Mappings lose their ``__restore_key__`` entry; where torch raises (ragged tensors, sequences
+    of different lengths, other objects) the samples stay a list. The full table is in
+    docs/wrappers.md, "BatchDataset". Example::
 
         default_collate([{"x": torch.ones(2), "y": 1}, {"x": torch.zeros(2), "y": 0}])
         # {"x": tensor([[1., 1.], [0., 0.]]), "y": tensor([1, 0])}
