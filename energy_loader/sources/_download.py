@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from ..errors import DownloadError, SourceDataError
 from ..validation import require_int
@@ -27,6 +27,7 @@ from .shard_writer import ShardInfo, zstd_module
 
 __all__ = [
     "DownloadSettings",
+    "Downloads",
     "Prefetcher",
     "Remote",
     "ShardCache",
@@ -198,6 +199,56 @@ def fetch_bytes(remote: Remote, name: str, *, retries: int, timeout: float) -> b
     ) from last
 
 
+class Downloads:
+    """The download side of a source whose files come from a :class:`Remote` through a
+    :class:`ShardCache`: its validated settings, small fetches, and the cache, made on first use
+    in each process (never pickled)."""
+
+    predownload: int
+    cache_limit: int | None
+    download_retries: int
+    download_timeout: float
+    _cache: ShardCache | None = None
+    _cache_pid = -1
+
+    def _set_downloads(
+        self, predownload: Any, cache_limit: Any, download_retries: Any, download_timeout: Any
+    ) -> None:
+        self.predownload, self.cache_limit, self.download_retries, self.download_timeout = (
+            download_settings(predownload, cache_limit, download_retries, download_timeout)
+        )
+
+    def fetch(self, remote: Remote, name: str) -> bytes:
+        """A small remote file (an index) in memory, with the source's retries and timeout."""
+        return fetch_bytes(
+            remote, name, retries=self.download_retries, timeout=self.download_timeout
+        )
+
+    def _shard_cache(
+        self, remote: Remote, local: Path, shards: tuple[ShardInfo, ...], **options: Any
+    ) -> ShardCache:
+        """This process's cache of ``shards`` in ``local`` (``options``: ShardCache's
+        ``compression`` and ``remedy``)."""
+        if self._cache is None or self._cache_pid != os.getpid():
+            local.mkdir(parents=True, exist_ok=True)
+            self._cache = ShardCache(
+                remote,
+                local,
+                shards,
+                retries=self.download_retries,
+                timeout=self.download_timeout,
+                cache_limit=self.cache_limit,
+                **options,
+            )
+            self._cache_pid = os.getpid()
+        return self._cache
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = cast(dict[str, Any], super().__getstate__())
+        state.update(_cache=None, _cache_pid=-1)
+        return state
+
+
 class ShardCache:
     """The shards of one index in a local directory: ensure present, release, evict.
 
@@ -240,6 +291,14 @@ class ShardCache:
     def path(self, shard: int) -> Path:
         """Where shard ``shard`` lives (uncompressed) once downloaded."""
         return self.local / self.shards[shard].raw_name
+
+    def local_path(self, shard: int, what: str) -> Path:
+        """The local path of shard ``shard``, downloaded first if needed (``what`` names it in
+        the :class:`DownloadError` of a download that gave up)."""
+        path = self.ensure(shard)
+        if path is None:
+            raise DownloadError(f"{what} could not be downloaded")
+        return path
 
     def present(self, shard: int) -> bool:
         """Whether the shard's complete file is in the cache."""

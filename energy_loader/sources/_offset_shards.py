@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import os
 from abc import abstractmethod
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 
-from ..dataset import EpochCursor, Key
-from ..errors import DownloadError, SourceDataError
+from ..errors import SourceDataError
 from ..rng import stable_hash
 from ..state.data_fingerprint import DataFiles, content_entry
-from ._download import Remote, ShardCache, download_settings, fetch_bytes, resolve_cache_dir
-from ._strided import OpenShards, PrefetchingCursor, RestoreShard, ShardRowSource
+from ._download import Remote, ShardCache, resolve_cache_dir
+from ._strided import RestoreShard, ShardRowSource
 from .shard_writer import ShardInfo
 
 __all__ = ["OffsetShardFile", "OffsetShardSource"]
@@ -73,18 +71,6 @@ class OffsetShardFile:
         self.file.close()
 
 
-class _OffsetShardCursor(PrefetchingCursor):
-    dataset: OffsetShardSource
-
-    def resume(self) -> Iterator[tuple[Key, Any]]:
-        source = self.dataset
-        files = OpenShards(source.open_shard, source.release)
-        predownload = source.predownload if source.cached else 0
-        yield from self.read_rows(
-            source.epoch_order(self.epoch), predownload, source.cache, files, source.read_row
-        )
-
-
 class OffsetShardSource(ShardRowSource):
     """A directory of offset-table shards listed in an ``index.json`` (see the module
     documentation). Subclasses implement :meth:`parse_index` and :meth:`decode`."""
@@ -113,9 +99,7 @@ class OffsetShardSource(ShardRowSource):
                 f"shards and their index.json (got {dir_or_url!r})"
             )
         self._set_order(shuffle, seed, num_canonical_partitions)
-        self.predownload, self.cache_limit, self.download_retries, self.download_timeout = (
-            download_settings(predownload, cache_limit, download_retries, download_timeout)
-        )
+        self._set_downloads(predownload, cache_limit, download_retries, download_timeout)
         self.remote = Remote(os.fspath(dir_or_url), storage_options)
         self.location = self.remote.url
         self.is_local = "://" not in self.location
@@ -126,12 +110,7 @@ class OffsetShardSource(ShardRowSource):
             )
         where = self.remote.where("index.json")
         try:
-            data = fetch_bytes(
-                self.remote,
-                "index.json",
-                retries=self.download_retries,
-                timeout=self.download_timeout,
-            )
+            data = self.fetch(self.remote, "index.json")
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"{where} does not exist: `dir_or_url` must be a {self.format_name} dataset "
@@ -157,8 +136,6 @@ class OffsetShardSource(ShardRowSource):
         )
         self._index_entry = content_entry("index.json", data)
         self._data_files: DataFiles | None = None
-        self._cache: ShardCache | None = None
-        self._cache_pid = -1
         self._restore: RestoreShard[OffsetShardFile] = RestoreShard()
 
     # -- what a format defines -------------------------------------------------------------------
@@ -182,20 +159,13 @@ class OffsetShardSource(ShardRowSource):
         """This process's view of the download cache (remote or compressed shards only)."""
         if not self.cached:
             raise RuntimeError("local uncompressed shards are read in place; there is no cache")
-        if self._cache is None or self._cache_pid != os.getpid():
-            self.cache_dir.mkdir(parents=True, exist_ok=True)
-            self._cache = ShardCache(
-                self.remote,
-                self.cache_dir,
-                self._cached_shards,
-                compression=self.compression,
-                retries=self.download_retries,
-                timeout=self.download_timeout,
-                cache_limit=self.cache_limit,
-                remedy=f"the shard does not match the {self.format_name} index.json beside it",
-            )
-            self._cache_pid = os.getpid()
-        return self._cache
+        return self._shard_cache(
+            self.remote,
+            self.cache_dir,
+            self._cached_shards,
+            compression=self.compression,
+            remedy=f"the shard does not match the {self.format_name} index.json beside it",
+        )
 
     def open_shard(self, shard: int) -> OffsetShardFile:
         """Open one shard for random access (downloading or decompressing it first if needed)."""
@@ -205,9 +175,7 @@ class OffsetShardSource(ShardRowSource):
             if not os.path.exists(path):
                 raise FileNotFoundError(f"shard {path} listed in index.json does not exist")
             return OffsetShardFile(path, info, path)
-        local = self.cache().ensure(shard)
-        if local is None:
-            raise DownloadError(f"shard {self.where(shard)} could not be downloaded")
+        local = self.cache().local_path(shard, f"shard {self.where(shard)}")
         return OffsetShardFile(str(local), info, f"{self.where(shard)} (cached as {local})")
 
     def data_files(self) -> DataFiles:
@@ -222,15 +190,7 @@ class OffsetShardSource(ShardRowSource):
                 self._data_files = DataFiles.listed(listed, self._index_entry)
         return self._data_files
 
-    def release(self, shard: int) -> None:
-        """The reader is done with ``shard`` for now (a cached one may be evicted)."""
-        if self.cached:
-            self.cache().release(shard)
-
     # -- protocol --------------------------------------------------------------------------
-
-    def _new_cursor(self) -> EpochCursor:
-        return _OffsetShardCursor(self)
 
     def read_row(self, file: OffsetShardFile, shard: int, row: int) -> Any:
         return self.decode(file.read(row), shard, row)
@@ -240,8 +200,3 @@ class OffsetShardSource(ShardRowSource):
 
     def _config_fields(self) -> dict[str, Any]:
         return self._shard_config_fields()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state.update(_cache=None, _cache_pid=-1, _restore=RestoreShard())
-        return state

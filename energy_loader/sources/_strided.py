@@ -5,6 +5,7 @@ reader ``s`` of ``S`` reads global positions ``s, s + S, ...`` (:class:`StridedC
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -16,7 +17,7 @@ from ..rng import stable_hash
 from ..state.data_fingerprint import DATA_FIELD, DataFiles
 from ..state.plain import StateReader
 from ..validation import require_bool, require_int
-from ._download import Prefetcher, ReaderProgress, ShardCache
+from ._download import Downloads, Prefetcher, ReaderProgress, ShardCache
 from ._order import EpochOrder
 from .shard_writer import ShardInfo
 
@@ -24,6 +25,7 @@ __all__ = [
     "OpenShards",
     "PrefetchingCursor",
     "RestoreShard",
+    "ShardRowCursor",
     "ShardRowSource",
     "StridedCursor",
     "StridedSource",
@@ -138,6 +140,24 @@ class PrefetchingCursor(StridedCursor):
             self._finalizer = weakref.finalize(self, prefetcher.stop_event.set)
         return progress
 
+    @contextlib.contextmanager
+    def prefetching(
+        self,
+        order: EpochOrder,
+        predownload: int,
+        cache: Callable[[], ShardCache],
+        shard_of: Callable[[int], int] | None = None,
+    ) -> Iterator[ReaderProgress]:
+        """:meth:`start_prefetch` for the body of a ``with``, stopped when it ends (unless a later
+        start replaced the thread)."""
+        progress = self.start_prefetch(order, predownload, cache, shard_of)
+        prefetcher = self._prefetcher
+        try:
+            yield progress
+        finally:
+            if self._prefetcher is prefetcher:
+                self.stop_prefetch()
+
     def read_rows(
         self,
         order: EpochOrder,
@@ -145,26 +165,32 @@ class PrefetchingCursor(StridedCursor):
         cache: Callable[[], ShardCache],
         files: OpenShards[Any],
         read: Callable[[Any, int, int], Any],
+        skip: Callable[[int, int, SourceDataError], None] | None = None,
     ) -> Iterator[tuple[Key, Any]]:
         """Every ``((shard, row), sample)`` of ``order`` this reader reads from its position,
         each made by ``read(file, shard, row)`` on the shard ``files`` keeps open, with the
-        next ``predownload`` samples' shards downloaded ahead. The download thread and the
-        files are closed when the walk ends or is abandoned."""
+        next ``predownload`` samples' shards downloaded ahead. With ``skip``, a sample whose
+        read raises :class:`SourceDataError` is passed over after ``skip(shard, row, error)``.
+        The download thread and the files are closed when the walk ends or is abandoned."""
         context = self.dataset.context
         stride, start = context.num_shards, context.shard_index
-        progress = self.start_prefetch(order, predownload, cache)
-        prefetcher = self._prefetcher
         partitions = order.partitions
         try:
-            for shard, row in order.walk(self.position, stride):
-                file = files.get(self.position % partitions, shard)
-                sample = read(file, shard, row)
-                self.position += stride
-                progress.step = (self.position - start) // stride
-                yield (shard, row), sample
+            with self.prefetching(order, predownload, cache) as progress:
+                for shard, row in order.walk(self.position, stride):
+                    try:
+                        sample = read(files.get(self.position % partitions, shard), shard, row)
+                    except SourceDataError as error:
+                        if skip is None:
+                            raise
+                        skip(shard, row, error)
+                        self.position += stride
+                        progress.step = (self.position - start) // stride
+                        continue
+                    self.position += stride
+                    progress.step = (self.position - start) // stride
+                    yield (shard, row), sample
         finally:
-            if self._prefetcher is prefetcher:
-                self.stop_prefetch()
             files.close()
 
     def stop_prefetch(self) -> None:
@@ -255,16 +281,56 @@ def is_shard_row(key: Key, shards: Sequence[ShardInfo]) -> bool:
     )
 
 
-class ShardRowSource(StridedSource):
-    """A strided source over shards whose samples are ``(shard, row)`` (WebDataset, MDS, litdata):
-    the key check, ``restore_sample`` through one open shard, shared config fields. A subclass
-    sets ``shards``, ``_fingerprint`` and ``_restore`` and defines ``open_shard``, ``read_row`` and
-    ``data_files``.
+class ShardRowCursor(PrefetchingCursor):
+    """Reads a :class:`ShardRowSource`'s rows in its epoch order, downloading ahead what comes
+    through its cache."""
+
+    dataset: ShardRowSource
+
+    def on_damage(self) -> Callable[[int, int, SourceDataError], None] | None:
+        """What is called for a sample whose read raised :class:`SourceDataError` before it is
+        skipped (``None``: the error propagates)."""
+        return None
+
+    def resume(self) -> Iterator[tuple[Key, Any]]:
+        source = self.dataset
+        files = OpenShards(source.open_shard, source.release)
+        predownload = source.predownload if source.cached else 0
+        order = source.epoch_order(self.epoch)
+        yield from self.read_rows(
+            order, predownload, source.cache, files, source.read_row, self.on_damage()
+        )
+
+
+class ShardRowSource(Downloads, StridedSource):
+    """A strided source over shards whose samples are ``(shard, row)`` (ShardWriter, WebDataset,
+    MDS, litdata): the reading cursor, the key check, ``restore_sample`` through one open shard,
+    shared config fields. A subclass sets ``shards``, ``cached``, ``_fingerprint`` and
+    ``_restore`` and defines ``open_shard``, ``read_row``, ``cache`` and ``data_files``.
     """
 
     shards: tuple[ShardInfo, ...]
+    #: Whether shards come through the download cache (``False``: read where they lie).
+    cached: bool
     _fingerprint: int
     _restore: RestoreShard[Any]
+
+    @abstractmethod
+    def cache(self) -> ShardCache:
+        """This process's view of the download cache."""
+
+    def release(self, shard: int) -> None:
+        """The reader is done with ``shard`` for now (a cached one may be evicted)."""
+        if self.cached:
+            self.cache().release(shard)
+
+    def _new_cursor(self) -> EpochCursor:
+        return ShardRowCursor(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_restore"] = RestoreShard()
+        return state
 
     @abstractmethod
     def open_shard(self, shard: int) -> Any:
@@ -299,8 +365,11 @@ class ShardRowSource(StridedSource):
         """Where the shards are, for the restore key's message (empty: not said)."""
         return ""
 
+    #: Whether a restore key must be a tuple (ShardedSource takes any sequence).
+    _tuple_keys = True
+
     def validate_key(self, key: Key) -> None:
-        if not isinstance(key, tuple) or not is_shard_row(key, self.shards):
+        if (self._tuple_keys and not isinstance(key, tuple)) or not is_shard_row(key, self.shards):
             raise ValueError(
                 f"{type(self).__name__} restore keys are (shard, row) within the "
                 f"{len(self.shards)} shards of {self._key_scope() or 'this source'}; "

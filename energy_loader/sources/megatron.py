@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 
 from ..dataset import EpochCursor, Key
-from ..errors import DownloadError, SourceDataError
+from ..errors import SourceDataError
 from ..rng import stable_hash
 from ..state.data_fingerprint import DATA_FIELD, DataFiles, content_entry
 from ..validation import require_int
-from ._download import Remote, ShardCache, download_settings, fetch_bytes, resolve_cache_dir
+from ._download import Downloads, Remote, ShardCache, resolve_cache_dir
 from ._order import EpochOrder
 from ._strided import PrefetchingCursor, StridedSource
 from .shard_writer import ShardInfo
@@ -105,10 +105,8 @@ class _MegatronCursor(PrefetchingCursor):
         stride, start = source.context.num_shards, source.context.shard_index
         order = source.epoch_order(self.epoch)
         predownload = source.predownload if source.remote is not None else 0
-        progress = self.start_prefetch(order, predownload, source.cache, lambda unit: 0)
-        prefetcher = self._prefetcher
         block = source.block_documents
-        try:
+        with self.prefetching(order, predownload, source.cache, lambda unit: 0) as progress:
             tokens = source.tokens()
             lengths, pointers, itemsize = source.lengths, source.pointers, source.dtype.itemsize
             for units, rows in order.blocks(self.position, stride):
@@ -120,12 +118,9 @@ class _MegatronCursor(PrefetchingCursor):
                     self.position += stride
                     progress.step = (self.position - start) // stride
                     yield (document,), sample
-        finally:
-            if self._prefetcher is prefetcher:
-                self.stop_prefetch()
 
 
-class MegatronIndexedSource(StridedSource):
+class MegatronIndexedSource(Downloads, StridedSource):
     """Read a Megatron indexed dataset (``<prefix>.bin`` + ``<prefix>.idx``), one document a
     sample: ``{"tokens": <1-D numpy array of the file's dtype>, "index": <its number>}``.
 
@@ -164,9 +159,7 @@ class MegatronIndexedSource(StridedSource):
             )
         self._set_order(shuffle, seed, num_canonical_partitions)
         self.block_documents = require_int(block_documents, "block_documents", minimum=1)
-        self.predownload, self.cache_limit, self.download_retries, self.download_timeout = (
-            download_settings(predownload, cache_limit, download_retries, download_timeout)
-        )
+        self._set_downloads(predownload, cache_limit, download_retries, download_timeout)
         prefix = _split_prefix(os.fspath(path_prefix))
         self.remote: Remote | None = None
         if "://" in prefix:
@@ -204,8 +197,6 @@ class MegatronIndexedSource(StridedSource):
         self._fingerprint = stable_hash(self._shard.bytes, self.total, str(self.dtype))
         self._tokens: np.ndarray | None = None
         self._tokens_pid = -1
-        self._cache: ShardCache | None = None
-        self._cache_pid = -1
 
     # -- construction helpers ------------------------------------------------------------------
 
@@ -219,12 +210,7 @@ class MegatronIndexedSource(StridedSource):
                     "dataset's files without suffix (<prefix>.bin and <prefix>.idx)"
                 ) from None
         try:
-            return fetch_bytes(
-                self.remote,
-                self._name + ".idx",
-                retries=self.download_retries,
-                timeout=self.download_timeout,
-            )
+            return self.fetch(self.remote, self._name + ".idx")
         except FileNotFoundError:
             raise FileNotFoundError(f"{self.idx_where} does not exist") from None
 
@@ -292,20 +278,13 @@ class MegatronIndexedSource(StridedSource):
         """This process's view of the download cache (remote datasets only; made lazily)."""
         if self.remote is None:
             raise RuntimeError("a local dataset is read in place; there is no download cache")
-        if self._cache is None or self._cache_pid != os.getpid():
-            self.cache_dir.mkdir(parents=True, exist_ok=True)
-            self._cache = ShardCache(
-                self.remote,
-                self.cache_dir,
-                (self._shard,),
-                compression=None,
-                retries=self.download_retries,
-                timeout=self.download_timeout,
-                cache_limit=self.cache_limit,
-                remedy="the remote .bin does not match its .idx",
-            )
-            self._cache_pid = os.getpid()
-        return self._cache
+        return self._shard_cache(
+            self.remote,
+            self.cache_dir,
+            (self._shard,),
+            compression=None,
+            remedy="the remote .bin does not match its .idx",
+        )
 
     def tokens(self) -> np.ndarray:
         """This process's memory map of the ``.bin`` as a flat array of its dtype."""
@@ -313,10 +292,7 @@ class MegatronIndexedSource(StridedSource):
             if self.remote is None:
                 path = self.bin_where
             else:
-                local = self.cache().ensure(0)
-                if local is None:
-                    raise DownloadError(f"{self.bin_where} could not be downloaded")
-                path = str(local)
+                path = str(self.cache().local_path(0, self.bin_where))
             self._check_bin_size(path)
             count = self._bin_bytes // self.dtype.itemsize
             if count:
@@ -371,5 +347,5 @@ class MegatronIndexedSource(StridedSource):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_tokens=None, _tokens_pid=-1, _cache=None, _cache_pid=-1)
+        state.update(_tokens=None, _tokens_pid=-1)
         return state

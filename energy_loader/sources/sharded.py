@@ -14,20 +14,16 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..dataset import EpochCursor, Key
-from ..errors import DownloadError, SourceDataError
-from ..rng import stable_hash
+from ..errors import SourceDataError
 from ..state.data_fingerprint import DATA_FIELD, DataFiles
 from ._codec import decode_sample
-from ._download import LOCKS, Remote, ShardCache, download_settings, fetch_bytes, node_lock
-from ._order import EpochOrder
-from ._strided import OpenShards, PrefetchingCursor, StridedSource, is_shard_row
+from ._download import LOCKS, Remote, ShardCache, node_lock
+from ._strided import RestoreShard, ShardRowSource
 from .shard_writer import COMPRESSIONS, FORMAT, INDEX, MAGIC, VERSION, ShardInfo, zstd_module
 
 __all__ = ["ShardedSource"]
@@ -120,41 +116,7 @@ def parse_index(data: bytes, where: str) -> tuple[str | None, tuple[ShardInfo, .
     return compression, tuple(shards)
 
 
-def _epoch_order(source: ShardedSource, epoch: int, partitions: int) -> EpochOrder:
-    """The global order of one epoch (see :mod:`energy_loader.sources._order`)."""
-    return EpochOrder(
-        [info.samples for info in source.shards],
-        stable_hash(source.seed, source.stream_salt(), epoch),
-        source.shuffle,
-        partitions,
-    )
-
-
-class _ShardedCursor(PrefetchingCursor):
-    dataset: ShardedSource
-
-    def __init__(self, dataset: ShardedSource) -> None:
-        super().__init__(dataset)
-        self._order: tuple[int, EpochOrder] | None = None
-
-    def order(self) -> EpochOrder:
-        if self._order is None or self._order[0] != self.epoch:
-            self._order = (
-                self.epoch,
-                _epoch_order(self.dataset, self.epoch, self.dataset.partitions()),
-            )
-        return self._order[1]
-
-    def resume(self) -> Iterator[tuple[Key, Any]]:
-        source = self.dataset
-        order = self.order()
-        files = OpenShards(source.open_shard, source.cache().release)
-        yield from self.read_rows(
-            order, source.predownload, source.cache, files, lambda file, _, row: file.read(row)
-        )
-
-
-class ShardedSource(StridedSource):
+class ShardedSource(ShardRowSource):
     """Read ShardWriter shards from a remote through a local cache, downloading ahead.
 
     ``remote``: an fsspec URL (``s3://bucket/data``, ``memory://data``) or a local directory;
@@ -173,6 +135,9 @@ class ShardedSource(StridedSource):
                 writer.write(sample)
         source = ShardedSource("s3://bucket/data", "/local/cache", shuffle=True, seed=1234)
     """
+
+    cached = True
+    _tuple_keys = False
 
     def __init__(
         self,
@@ -194,9 +159,7 @@ class ShardedSource(StridedSource):
         if not isinstance(local, (str, os.PathLike)) or "://" in os.fspath(local):
             raise TypeError(f"`local` must be a local directory path (got {local!r})")
         self._set_order(shuffle, seed, num_canonical_partitions)
-        self.predownload, self.cache_limit, self.download_retries, self.download_timeout = (
-            download_settings(predownload, cache_limit, download_retries, download_timeout)
-        )
+        self._set_downloads(predownload, cache_limit, download_retries, download_timeout)
         self.remote = Remote(os.fspath(remote), storage_options)
         self.local = Path(local).resolve()
         if "://" not in self.remote.url and Path(self.remote.url).resolve() == self.local:
@@ -212,10 +175,7 @@ class ShardedSource(StridedSource):
                     f"`cache_limit` ({self.cache_limit} bytes) must hold at least the largest "
                     f"shard ({largest} bytes uncompressed)"
                 )
-        self._cache: ShardCache | None = None
-        self._cache_pid = -1
-        self._restore_file: _ShardFile | None = None
-        self._restore_shard = -1
+        self._restore: RestoreShard[_ShardFile] = RestoreShard()
         # The shards as index.json lists them (a download checks its size and sha256).
         listed = ((info.name, info.bytes, info.sha256) for info in self.shards)
         self._data_files = DataFiles.listed(listed)
@@ -223,12 +183,7 @@ class ShardedSource(StridedSource):
     def _load_index(self) -> tuple[str | None, tuple[ShardInfo, ...]]:
         where = self.remote.where(INDEX)
         try:
-            data = fetch_bytes(
-                self.remote,
-                INDEX,
-                retries=self.download_retries,
-                timeout=self.download_timeout,
-            )
+            data = self.fetch(self.remote, INDEX)
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"{where} is missing: the remote must hold a ShardWriter dataset "
@@ -253,18 +208,7 @@ class ShardedSource(StridedSource):
 
     def cache(self) -> ShardCache:
         """This process's view of the local cache (made lazily in each process)."""
-        if self._cache is None or self._cache_pid != os.getpid():
-            self._cache = ShardCache(
-                self.remote,
-                self.local,
-                self.shards,
-                compression=self.compression,
-                retries=self.download_retries,
-                timeout=self.download_timeout,
-                cache_limit=self.cache_limit,
-            )
-            self._cache_pid = os.getpid()
-        return self._cache
+        return self._shard_cache(self.remote, self.local, self.shards, compression=self.compression)
 
     def open_shard(self, shard: int) -> _ShardFile:
         """Open one shard for reading, downloading it first if needed (again, if another process
@@ -276,47 +220,20 @@ class ShardedSource(StridedSource):
         return self._ensure_and_open(shard)
 
     def _ensure_and_open(self, shard: int) -> _ShardFile:
-        path = self.cache().ensure(shard)
-        if path is None:  # only downloads ahead of the reader (ahead=True) give up
-            raise DownloadError(f"shard {self.shards[shard].name} could not be downloaded")
+        path = self.cache().local_path(shard, f"shard {self.shards[shard].name}")
         return _ShardFile(path, self.shards[shard])
-
-    def global_order(self, epoch: int, partitions: int | None = None) -> list[tuple[int, int]]:
-        """The epoch's global order as ``(shard, row)`` keys (for tests and audits: O(N))."""
-        order = _epoch_order(self, epoch, partitions or self.partitions())
-        return [order.key(position) for position in range(self.total)]
 
     # -- protocol --------------------------------------------------------------------------
 
-    def _new_cursor(self) -> EpochCursor:
-        return _ShardedCursor(self)
+    def read_row(self, file: _ShardFile, shard: int, row: int) -> Any:
+        return file.read(row)
 
-    def restore_sample(self, key: Key) -> Any:
-        if not is_shard_row(key, self.shards):
-            raise ValueError(
-                f"ShardedSource restore keys are (shard, row) within the {len(self.shards)} "
-                f"shards of {self.remote.url}; got {key!r}"
-            )
-        shard, row = key
-        if self._restore_shard != shard or self._restore_file is None:
-            if self._restore_file is not None:
-                self._restore_file.close()
-                self._restore_file = None
-            self._restore_file = self.open_shard(shard)
-            self._restore_shard = shard
-        try:
-            return self._restore_file.read(row)
-        except (OSError, ValueError):
-            self._restore_file.close()
-            self._restore_file = None
-            raise
+    def _key_scope(self) -> str:
+        return self.remote.url
 
     def data_files(self) -> DataFiles:
         """The shards as index.json lists them (:mod:`energy_loader.state.data_fingerprint`)."""
         return self._data_files
-
-    def can_restore_sample(self) -> bool:
-        return True
 
     def _config_fields(self) -> dict[str, Any]:
         return {
@@ -328,8 +245,3 @@ class ShardedSource(StridedSource):
             "seed": self.seed,
             "num_canonical_partitions": self.num_canonical_partitions,
         }
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state.update(_cache=None, _cache_pid=-1, _restore_file=None, _restore_shard=-1)
-        return state

@@ -14,18 +14,18 @@ import logging
 import os
 import posixpath
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..dataset import EpochCursor, Key, callable_name
+from ..dataset import EpochCursor, callable_name
 from ..errors import DownloadError, SourceDataError
 from ..rng import stable_hash
 from ..state.atomic import write_atomically
 from ..state.data_fingerprint import DataFiles, relative_names
 from ..state.plain import StateReader
-from ._download import Remote, ShardCache, download_settings, fetch_bytes, resolve_cache_dir
-from ._strided import OpenShards, PrefetchingCursor, RestoreShard, ShardRowSource
+from ._download import Remote, ShardCache, resolve_cache_dir
+from ._strided import RestoreShard, ShardRowCursor, ShardRowSource
 from ._tar_index import INDEX_SUFFIX, TarIndex, build_index, check_header, parse_index
 from .shard_writer import ShardInfo
 
@@ -172,45 +172,19 @@ class _TarFile:
         self.file.close()
 
 
-class _WebDatasetCursor(PrefetchingCursor):
+class _WebDatasetCursor(ShardRowCursor):
     dataset: WebDatasetSource
 
     def __init__(self, dataset: WebDatasetSource) -> None:
         super().__init__(dataset)
         self.skipped = 0
 
-    def resume(self) -> Iterator[tuple[Key, Any]]:
-        source = self.dataset
-        stride, start = source.context.num_shards, source.context.shard_index
-        order = source.epoch_order(self.epoch)
-        predownload = source.predownload if source.remote is not None else 0
-        progress = self.start_prefetch(order, predownload, source.cache)
-        prefetcher = self._prefetcher
-        files = OpenShards(source.open_shard, source.release)
-        partitions = order.partitions
-        skip = source.on_error == "skip"
-        try:
-            for shard, row in order.walk(self.position, stride):
-                try:
-                    file = files.get(self.position % partitions, shard)
-                    sample = source.decode_sample(file.read(row), shard, row)
-                except SourceDataError as error:
-                    if not skip:
-                        raise
-                    self.skipped += 1
-                    self.position += stride
-                    progress.step = (self.position - start) // stride
-                    LOGGER.warning(
-                        "skipped sample (%d, %d) (%d so far): %s", shard, row, self.skipped, error
-                    )
-                    continue
-                self.position += stride
-                progress.step = (self.position - start) // stride
-                yield (shard, row), sample
-        finally:
-            if self._prefetcher is prefetcher:
-                self.stop_prefetch()
-            files.close()
+    def on_damage(self) -> Callable[[int, int, SourceDataError], None] | None:
+        return self._skip if self.dataset.on_error == "skip" else None
+
+    def _skip(self, shard: int, row: int, error: SourceDataError) -> None:
+        self.skipped += 1
+        LOGGER.warning("skipped sample (%d, %d) (%d so far): %s", shard, row, self.skipped, error)
 
     def fields(self) -> dict[str, Any]:
         return {**super().fields(), "skipped": self.skipped}
@@ -262,9 +236,7 @@ class WebDatasetSource(ShardRowSource):
     ) -> None:
         super().__init__()
         self._set_order(shuffle, seed, num_canonical_partitions)
-        self.predownload, self.cache_limit, self.download_retries, self.download_timeout = (
-            download_settings(predownload, cache_limit, download_retries, download_timeout)
-        )
+        self._set_downloads(predownload, cache_limit, download_retries, download_timeout)
         if on_error not in ON_ERROR:
             raise ValueError(f"`on_error` must be one of {ON_ERROR} (got {on_error!r})")
         self.on_error = on_error
@@ -285,6 +257,7 @@ class WebDatasetSource(ShardRowSource):
         else:
             names = urls
             location = os.path.commonpath(urls)
+        self.cached = self.remote is not None
         self.urls = tuple(urls)
         self.names = tuple(names)
         self.cache_dir = resolve_cache_dir(cache_dir, "webdataset", location)
@@ -308,8 +281,6 @@ class WebDatasetSource(ShardRowSource):
         self.total = sum(info.samples for info in self.shards)
         self._fingerprint = stable_hash(*(info.sha256 for info in self.shards))
         self._data_files: DataFiles | None = None
-        self._cache: ShardCache | None = None
-        self._cache_pid = -1
         self._indexes: dict[int, TarIndex] = {}
         self._restore: RestoreShard[_TarFile] = RestoreShard()
 
@@ -422,12 +393,7 @@ class WebDatasetSource(ShardRowSource):
         if cached.exists():
             return parse_index(cached.read_bytes(), str(cached)), str(cached)
         try:
-            raw = fetch_bytes(
-                remote,
-                name + INDEX_SUFFIX,
-                retries=self.download_retries,
-                timeout=self.download_timeout,
-            )
+            raw = self.fetch(remote, name + INDEX_SUFFIX)
             index = parse_index(raw, where + INDEX_SUFFIX)
         except FileNotFoundError:
             try:
@@ -448,19 +414,9 @@ class WebDatasetSource(ShardRowSource):
         """This process's view of the download cache (remote shards only; made lazily)."""
         if self.remote is None:
             raise RuntimeError("local shards are read in place; there is no download cache")
-        if self._cache is None or self._cache_pid != os.getpid():
-            self._cache = ShardCache(
-                self.remote,
-                self.cache_dir,
-                self.shards,
-                compression=None,
-                retries=self.download_retries,
-                timeout=self.download_timeout,
-                cache_limit=self.cache_limit,
-                remedy=_REMEDY,
-            )
-            self._cache_pid = os.getpid()
-        return self._cache
+        return self._shard_cache(
+            self.remote, self.cache_dir, self.shards, compression=None, remedy=_REMEDY
+        )
 
     def index(self, shard: int) -> TarIndex:
         """The member index of ``shard`` (re-read lazily in each process, a few kept)."""
@@ -480,16 +436,8 @@ class WebDatasetSource(ShardRowSource):
         if self.remote is None:
             path = self.urls[shard]
         else:
-            local = self.cache().ensure(shard)
-            if local is None:
-                raise DownloadError(f"shard {self.urls[shard]} could not be downloaded")
-            path = str(local)
+            path = str(self.cache().local_path(shard, f"shard {self.urls[shard]}"))
         return _TarFile(path, self.index(shard), self.urls[shard])
-
-    def release(self, shard: int) -> None:
-        """The reader is done with ``shard`` for now (a remote one may be evicted)."""
-        if self.remote is not None:
-            self.cache().release(shard)
 
     def decode_sample(self, raw: dict[str, Any], shard: int, row: int) -> Any:
         """Decode one raw sample; a decoder failure is a :class:`SourceDataError`."""
@@ -536,5 +484,5 @@ class WebDatasetSource(ShardRowSource):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_cache=None, _cache_pid=-1, _indexes={}, _restore=RestoreShard())
+        state["_indexes"] = {}
         return state
