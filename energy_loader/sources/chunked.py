@@ -252,15 +252,9 @@ class _ChunkedCursor(EpochCursor):
 
 class ChunkedFolderSource(SavableDataset):
     """Stream a folder of chunk files in ranges over the loader's partitions, one file in memory
-    per partition at a time.
+    per partition at a time; ``seq_len`` keeps the last positions of sequences. ``balance``
+    (``"exact"``, ``"oversample"``, ``"undersample"``) and errors: docs/sources/chunked.md::
 
-    ``shuffle`` permutes files and rows per epoch (``seed``). ``balance``: ``"exact"`` (ranks must
-    get equal counts), ``"oversample"`` or ``"undersample"`` (docs/sources/chunked.md).
-    ``seq_len`` cuts tensors and arrays to their last ``seq_len`` positions. Raises
-    ``FileNotFoundError`` for a missing folder, metadata or chunk and ``SourceDataError`` for
-    inconsistent metadata or unequal ``"exact"`` ranks, naming the file. Example::
-
-        write_chunked_folder("data/", samples, samples_per_file=1000)
         source = ChunkedFolderSource("data/", shuffle=True, seed=1234, balance="oversample")
     """
 
@@ -428,15 +422,10 @@ def write_chunked_folder(
     samples_per_file: int,
     file_format: str = "pt",
 ) -> dict[str, Any]:
-    """Write ``samples`` as a chunked folder readable by :class:`ChunkedFolderSource`.
-
-    Every ``samples_per_file`` samples become one file, written atomically, ``metadata.json``
-    last. ``file_format``: ``"pt"`` (dict samples with one tensor shape per key as columns, else
-    a list; numeric numpy arrays and scalars stored as tensors, numpy strings as ``str``),
-    ``"npz"`` (dict samples of arrays, one shape per key, as columns) or ``"npy"`` (arrays of one
-    shape, as one array). ``FileExistsError`` if the folder already holds a ``metadata.json``.
-    Returns the metadata written.
-    """
+    """Write ``samples`` as a chunked folder readable by :class:`ChunkedFolderSource`: every
+    ``samples_per_file`` samples one file (``file_format`` ``"pt"``, ``"npz"`` or ``"npy"``:
+    docs/sources/chunked.md), written atomically, ``metadata.json`` last (``FileExistsError`` if
+    there is one). Returns the metadata written."""
     require_int(samples_per_file, "samples_per_file", minimum=1)
     if file_format not in ("pt", "npz", "npy"):
         raise ValueError(f"`file_format` must be 'pt', 'npz' or 'npy' (got {file_format!r})")

@@ -184,15 +184,8 @@ def _rebuilder(spec: Any) -> Callable[[Iterator[Any]], Any] | None:
 
 class LitDataSource(OffsetShardSource):
     """Read litdata's optimized chunks (local or any fsspec URL) as the items
-    ``litdata.StreamingDataset`` returns, with a local shuffle, canonical partitions and exact,
-    elastic resume.
-
-    ``dir_or_url``: the directory ``litdata.optimize`` wrote. Local chunks are read in place;
-    remote ones are downloaded ahead into ``cache_dir`` (default
-    ``~/.cache/energy_loader/litdata/<hash>``), sizes checked, with ShardedSource's
-    ``predownload``, ``cache_limit``, ``download_retries``, ``download_timeout`` and
-    ``storage_options``. A damaged chunk raises :class:`~energy_loader.SourceDataError` naming
-    chunk and item. Decoded and refused leaves: docs/sources/litdata.md. Example::
+    ``litdata.StreamingDataset`` returns, with a local shuffle and exact, elastic resume. Decoded
+    and refused leaves, downloads: docs/sources/litdata.md. Example::
 
         source = LitDataSource("s3://bucket/optimized", shuffle=True, seed=3, cache_dir="/tmp/ld")
     """

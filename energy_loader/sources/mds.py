@@ -205,17 +205,9 @@ class _Layout:
 
 
 class MDSSource(OffsetShardSource):
-    """Read MosaicML Streaming's MDS shards (local or any fsspec URL) as dict samples, with a
-    local shuffle, canonical partitions and exact, elastic resume.
-
-    ``dir_or_url``: the directory holding ``index.json`` (Mosaic's ``local`` or ``remote``). A
-    sample is a dict of its columns decoded as Mosaic decodes them (docs/sources/mds.md);
-    ``columns`` keeps only those (default: all). Local uncompressed shards are read in place;
-    remote or compressed ones are downloaded ahead and decompressed into ``cache_dir`` (default
-    ``~/.cache/energy_loader/mds/<hash>``), sizes (and sha256 where listed) checked, with
-    ShardedSource's ``predownload``, ``cache_limit``, ``download_retries``, ``download_timeout``
-    and ``storage_options``. A damaged shard raises :class:`~energy_loader.SourceDataError`
-    naming shard and sample. Example::
+    """Read MosaicML Streaming's MDS shards (local or any fsspec URL) as dict samples of their
+    ``columns`` (default: all), decoded as Mosaic decodes them, with a local shuffle and exact,
+    elastic resume. Encodings, compressions and downloads: docs/sources/mds.md. Example::
 
         source = MDSSource("s3://bucket/mds/train", shuffle=True, seed=17, cache_dir="/tmp/mds")
     """

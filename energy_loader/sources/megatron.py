@@ -121,17 +121,10 @@ class _MegatronCursor(PrefetchingCursor):
 
 
 class MegatronIndexedSource(Downloads, StridedSource):
-    """Read a Megatron indexed dataset (``<prefix>.bin`` + ``<prefix>.idx``), one document a
-    sample: ``{"tokens": <1-D numpy array of the file's dtype>, "index": <its number>}``.
-
-    ``path_prefix``: the path without ``.bin``/``.idx`` (either suffix accepted), local or an
-    fsspec URL. The ``.idx`` is read with the source and checked against the ``.bin``'s size (a
-    truncated file is a :class:`~energy_loader.SourceDataError`). ``block_documents``:
-    consecutive documents permuted as a whole and within (larger mixes more, smaller reads more
-    locally). A remote ``.bin`` is downloaded whole into ``cache_dir`` (default
-    ``~/.cache/energy_loader/megatron/<hash>``; ``cache_limit`` must hold it), with ShardedSource's
-    download settings. For fixed-length GPT samples pack the documents (docs/sources/megatron.md).
-    Example::
+    """Read a Megatron indexed dataset (``<prefix>.bin`` + ``<prefix>.idx``, either suffix
+    accepted, local or fsspec), one document a sample: ``{"tokens": <1-D array>, "index": n}``.
+    Blocks of ``block_documents`` are permuted as a whole and within. Downloads and packing:
+    docs/sources/megatron.md. Example::
 
         source = MegatronIndexedSource("/data/pile/pile_text_document", shuffle=True, seed=1)
     """

@@ -182,15 +182,9 @@ class _ParquetCursor(StridedCursor):
 
 
 class ParquetSource(StridedSource):
-    """Read the rows of Parquet files as dict samples, shuffled locally, resumed exactly.
-
-    ``paths_or_dir``: a directory (its sorted ``*.parquet``/``*.pq``), one file or a list; local
-    or fsspec URLs (``storage_options``). ``columns``: default all. A remote file gets
-    ``read_retries`` extra attempts on I/O errors before a :class:`~energy_loader.DownloadError`.
-    Rows are permuted within windows of ``shuffle_window`` row groups (larger mixes more and
-    caches more: ``max_cached_row_groups``). A damaged file is a
-    :class:`~energy_loader.SourceDataError` naming file and row group, raised after the rows
-    before it. Example::
+    """Read the rows of Parquet files (a directory, a file or a list; local or fsspec) as dict
+    samples of ``columns``, permuted within windows of ``shuffle_window`` row groups, resumed
+    exactly. Remote retries and damaged files: docs/sources/parquet.md. Example::
 
         source = ParquetSource("/data/train", columns=["text", "label"], shuffle=True, seed=7)
     """

@@ -117,22 +117,10 @@ def parse_index(data: bytes, where: str) -> tuple[str | None, tuple[ShardInfo, .
 
 
 class ShardedSource(ShardRowSource):
-    """Read ShardWriter shards from a remote through a local cache, downloading ahead.
+    """Read ShardWriter shards from a remote (fsspec URL or directory) through the local cache
+    directory ``local``, downloading ahead; reader ``s`` of ``S`` reads positions ``s, s + S,
+    ...``. Download settings, cache bound and errors: docs/sources/sharded.md. Example::
 
-    ``remote``: an fsspec URL (``s3://bucket/data``, ``memory://data``) or a local directory;
-    ``local``: this node's cache directory (created if missing; never another index's cache).
-    Reader ``s`` of ``S`` reads positions ``s, s + S, ...``: choose ``num_canonical_partitions``
-    as a multiple of the reader counts you expect. ``predownload``: samples the background thread
-    keeps downloaded ahead (0: no thread); ``cache_limit``: bytes of uncompressed shards kept in
-    ``local`` (finished shards evicted first; ``None``: no bound); ``download_retries`` /
-    ``download_timeout``: extra attempts per shard and seconds per attempt; ``storage_options``:
-    fsspec options, plain data. Raises ``FileNotFoundError`` (missing on the remote),
-    ``SourceDataError`` (bad index, shard corrupt after every retry, a cache of another index),
-    ``DownloadError`` (I/O failures or timeouts after every retry). Example::
-
-        with ShardWriter("s3://bucket/data", compression="zstd") as writer:
-            for sample in samples:
-                writer.write(sample)
         source = ShardedSource("s3://bucket/data", "/local/cache", shuffle=True, seed=1234)
     """
 

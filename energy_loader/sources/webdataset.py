@@ -195,27 +195,12 @@ class _WebDatasetCursor(ShardRowCursor):
 
 
 class WebDatasetSource(ShardRowSource):
-    """Read WebDataset tar shards (local or any fsspec URL) with shuffle and exact resume.
-
-    ``urls_or_dir``: a directory of ``*.tar`` shards, one shard, a brace pattern
-    (``"s3://bucket/train/shard-{000..099}.tar"``) or a list (one protocol for all). A sample is
-    ``{"__key__": key, extension: value}``; ``decode``: ``True`` decodes by the extension's last
-    part with :data:`DEFAULT_DECODERS` (json, txt, cls/int, npy without pickle, pt/pth with
-    ``weights_only=True``, images as PIL with Pillow; others stay ``bytes``); ``False`` keeps
-    ``bytes``; a mapping ``{extension: fn(bytes)}`` adds to (``None``: removes from) the defaults;
-    a callable ``fn(raw_sample) -> sample`` gets the dict of bytes.
-
-    A missing member index (``<shard>.idx.json``) is built with the source, beside the shard or in
-    ``cache_dir`` (read-only or remote; ``python -m energy_loader index`` builds them ahead). Remote
-    shards are downloaded ahead into ``cache_dir`` (default
-    ``~/.cache/energy_loader/webdataset/<hash>``), checked against the index, with ShardedSource's
-    ``predownload``, ``cache_limit``, ``download_retries``, ``download_timeout`` and
-    ``storage_options``. Damaged data raises :class:`~energy_loader.SourceDataError` naming shard
-    and sample; ``on_error="skip"`` skips, logs and counts it (state's ``skipped``). Example::
+    """Read WebDataset tar shards (a directory, a shard, a brace pattern or a list; local or
+    any fsspec URL) with shuffle and exact resume, as ``{"__key__": key, extension: value}``.
+    ``decode`` (:data:`DEFAULT_DECODERS`, a mapping, a function), member indexes, downloads and
+    ``on_error="skip"``: docs/sources/webdataset.md. Example::
 
         source = WebDatasetSource("/data/train", shuffle=True, seed=1234)
-        for sample in source:
-            image, label = sample["jpg"], sample["cls"]
     """
 
     def __init__(
