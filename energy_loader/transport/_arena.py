@@ -101,8 +101,6 @@ class Arena:
     def _slots(self) -> np.ndarray:
         return np.frombuffer(self._map, dtype=np.int64, count=_SLOTS)
 
-    # worker side
-
     def reserve(self, size: int) -> tuple[int, int] | None:
         """Room for ``size`` bytes: (offset in the ring, payload number), or None if full."""
         with self._reserving:
@@ -201,8 +199,6 @@ class Arena:
         """Copy a payload's parts (at their ``starts``) into the ring at ``offset``."""
         with memoryview(self._map) as whole:
             fill(whole[_HEADER_BYTES + offset :], parts, starts)
-
-    # main side
 
     def take(self, offset: int, sequence: int, out: np.ndarray) -> None:
         """Copy the payload at ``offset`` into ``out`` and hand its space back to the worker."""

@@ -97,10 +97,9 @@ class CollatingDataset(BaseWrapperDataset):
 class BatchDataset(CollatingDataset):
     """Group ``batch_size`` consecutive samples into one batch.
 
-    ``collate_fn(list_of_samples)`` builds the batch; the default
-    (:func:`~energy_loader.wrappers.collate.collate_keeping_tuples`) makes torch's batches but
-    keeps ragged data as lists and tuple samples' columns in a tuple. The last batch of an epoch
-    may be smaller unless ``drop_last=True``. Example::
+    ``collate_fn`` defaults to :func:`~energy_loader.wrappers.collate.collate_keeping_tuples`
+    (torch's batches; ragged data as lists, tuple samples' columns in a tuple). The last batch
+    of an epoch may be smaller unless ``drop_last=True``. Example::
 
         BatchDataset(ShuffleBufferDataset(source, size=1000), batch_size=32)
     """

@@ -101,9 +101,8 @@ def _weight(value: Any, position: int) -> float:
 class BlendDataset(MultiWrapperDataset):
     """Mix inner datasets at random, each drawn with probability proportional to its weight.
 
-    Weights need not sum to 1; they must be finite, non-negative and not all zero. ``len()``
-    is known only with ``on_exhausted="drop"`` (the sum of the positive-weight inner lengths).
-    Example::
+    Weights need not sum to 1 (finite, non-negative, not all zero). ``len()`` is known only with
+    ``on_exhausted="drop"`` (the sum of the positive-weight inner lengths). Example::
 
         BlendDataset((RepeatDataset(books), 0.7), (RepeatDataset(code), 0.3))
     """

@@ -45,11 +45,9 @@ class SeededFnDataset(BaseWrapperDataset):
 class MapDataset(SeededFnDataset):
     """Apply ``fn`` to every sample.
 
-    With ``seed_per_sample=True`` (the default) python ``random``, numpy's global RNG and torch's
-    default CPU generator are seeded from (pipeline seed, this map's position, restore key) before
-    each call (~11 us; once before the read when the source seeds its reads), so random
-    augmentations are reproduced after a restore and by ``restore_sample`` on any worker. Pass
-    ``False`` for functions that draw nothing. Example::
+    ``seed_per_sample=True`` (the default) seeds python, numpy and torch's global RNGs from
+    (pipeline seed, this map's position, restore key) before each call (~11 us), so random
+    augmentations repeat after a restore and in ``restore_sample``. Example::
 
         MapDataset(source, lambda s: {**s, "tokens": tokenize(s["text"])})
     """
