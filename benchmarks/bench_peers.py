@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.harness, .peers
 
+from benchmarks.harness.bench import Contender
 from benchmarks.harness.runner import WorkloadBench
 from benchmarks.peers import peer_contenders
-from energy_loader.cli.bench import Contender
 
 
 class PeerBench(WorkloadBench):

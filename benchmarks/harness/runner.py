@@ -3,9 +3,9 @@ benchmarks/bench_loader.py`` (energy_loader and the plain torch DataLoader) and 
 benchmarks/bench_peers.py`` (the same, with other libraries' loaders added).
 
 :class:`WorkloadBench` is the package's ``python -m energy_loader bench``
-(:class:`energy_loader.cli.bench.Bench`: each measured run a fresh process, interleaved over
-rounds in rotating order, medians and paired ratios, restores at 10/50/90% of the epoch with an
-exact-resume check) with more to measure:
+(:class:`.bench.Bench`, on the functions of :mod:`energy_loader.cli.bench`: each measured run
+a fresh process, interleaved over rounds in rotating order, medians and paired ratios,
+restores at 10/50/90% of the epoch with an exact-resume check) with more to measure:
 
 - more workloads (``--workload``, :mod:`.workloads`): ``reference``, ``large`` (3 x 224 x 224
   uint8 images, buffer 64, 4.8 MB per batch), and the real ``llm`` (Parquet documents ->
@@ -31,8 +31,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from energy_loader.cli.bench import FRACTIONS, SAVE_EVERY, Bench, Contender, Meter, Variant, median
+from energy_loader.cli.bench import FRACTIONS, SAVE_EVERY, median
 
+from .bench import Bench, Contender, Meter, Variant
 from .data import DEFAULT_CACHE, data_dir, ensure_data
 from .processes import cpu_seconds, descendants, peak_rss_kib
 from .workloads import REAL_WORKLOADS, WORKLOADS, real_contenders

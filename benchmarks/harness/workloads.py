@@ -8,7 +8,7 @@ compares on them (the plain torch ``DataLoader`` and energy_loader).
   :mod:`.llm`) and ``vision`` (WebDataset JPEGs -> decode -> random resized crop + flip ->
   batches of 64, :mod:`.vision`): real pipelines over files made once into a cache folder
   (:mod:`.data`). Their contenders are built for one folder: :func:`bound_to_folder` binds a
-  :class:`~energy_loader.cli.bench.Contender`'s ``build`` to it (the ``samples`` and
+  :class:`~.bench.Contender`'s ``build`` to it (the ``samples`` and
   ``workload`` the runner passes are then only checked).
 """
 
@@ -23,9 +23,10 @@ import attrs
 import torch
 
 from energy_loader.cli.bench import WORKLOADS as REFERENCE
-from energy_loader.cli.bench import Contender, Workload, energy_loader_contender, shutdown_workers
+from energy_loader.cli.bench import Workload, shutdown_workers
 
 from . import llm, vision
+from .bench import Contender, energy_loader_contender
 
 __all__ = ["REAL_WORKLOADS", "WORKLOADS", "RealWorkload", "bound_to_folder", "real_contenders"]
 

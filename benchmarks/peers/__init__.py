@@ -3,7 +3,7 @@ torchdata's ``StatefulDataLoader`` (:mod:`.peer_torchdata`), megatron-energon's
 ``SavableDataLoader`` (:mod:`.peer_energon`), MosaicML Streaming (:mod:`.peer_streaming`) and
 Google Grain (:mod:`.peer_grain`).
 
-They are :class:`~energy_loader.cli.bench.Contender` s like the two that
+They are :class:`~benchmarks.harness.bench.Contender` s like the two that
 ``python -m energy_loader bench`` compares, kept here, beside the package rather than in it,
 so that the installed library carries no adapters of other libraries. ``benchmarks/bench_peers.py``
 runs them next to energy_loader and the plain DataLoader in one run. torchdata and
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from energy_loader.cli.bench import Contender
+from benchmarks.harness.bench import Contender
 
 from .peer_energon import energon_contender, energon_vision_contender
 from .peer_grain import grain_contender

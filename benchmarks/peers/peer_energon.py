@@ -56,8 +56,9 @@ from typing import Any
 
 import attrs
 
+from benchmarks.harness.bench import Contender
 from benchmarks.harness.workloads import WORKLOADS, bound_to_folder
-from energy_loader.cli.bench import BATCH, PREFETCH, WORKERS, Contender, collate, epoch_order
+from energy_loader.cli.bench import BATCH, PREFETCH, WORKERS, collate, epoch_order
 
 __all__ = ["energon_contender", "energon_vision_contender"]
 

@@ -34,9 +34,9 @@ import numpy as np
 import torch
 
 from benchmarks.harness import llm, vision
+from benchmarks.harness.bench import Contender
 from benchmarks.harness.data import parquet_files, tar_shards
 from benchmarks.harness.workloads import bound_to_folder
-from energy_loader.cli.bench import Contender
 
 from .venvs import peer_venv_python, venv_missing
 

@@ -35,9 +35,10 @@ from typing import Any
 import torch
 
 from benchmarks.harness import llm, vision
+from benchmarks.harness.bench import Contender
 from benchmarks.harness.data import parquet_files, tar_shards
 from benchmarks.harness.workloads import bound_to_folder
-from energy_loader.cli.bench import Contender, shutdown_workers
+from energy_loader.cli.bench import shutdown_workers
 
 from .venvs import peer_venv_python, venv_missing
 

@@ -28,12 +28,12 @@ from typing import Any
 import attrs
 
 from benchmarks.harness import llm, vision
+from benchmarks.harness.bench import Contender
 from benchmarks.harness.workloads import WORKLOADS, bound_to_folder
 from energy_loader.cli.bench import (
     BATCH,
     PREFETCH,
     WORKERS,
-    Contender,
     PlainPipeline,
     ShuffleProgress,
     Workload,
