@@ -11,6 +11,7 @@ import contextlib
 import fcntl
 import gzip
 import hashlib
+import json
 import logging
 import math
 import os
@@ -35,6 +36,7 @@ __all__ = [
     "resolve_cache_dir",
     "download_settings",
     "node_lock",
+    "parse_json",
 ]
 
 LOGGER = logging.getLogger("energy_loader.sources.sharded")
@@ -172,6 +174,14 @@ class _Corrupt(Exception):
 
 class _Stopped(Exception):
     """The download was abandoned because its thread was asked to stop."""
+
+
+def parse_json(data: bytes, where: str) -> Any:
+    """An index file's JSON; :class:`SourceDataError` naming ``where`` if it is not JSON."""
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise SourceDataError(f"{where} is not valid JSON: {error}") from None
 
 
 def fetch_bytes(remote: Remote, name: str, *, retries: int, timeout: float) -> bytes:

@@ -8,12 +8,12 @@ header is checked again at read time. See docs/sources/webdataset.md.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import tarfile
 from typing import Any, BinaryIO
 
 from ..errors import SourceDataError
+from ._download import parse_json
 
 __all__ = ["INDEX_SUFFIX", "TarIndex", "build_index", "parse_index", "split_member_name"]
 
@@ -137,10 +137,7 @@ class TarIndex:
 
 def parse_index(data: bytes, where: str) -> TarIndex:
     """Parse and validate an index file's bytes (errors name ``where``)."""
-    try:
-        index = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise SourceDataError(f"{where} is not valid JSON: {error}") from None
+    index = parse_json(data, where)
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise SourceDataError(f"{where} is not a tar member index (no format {FORMAT!r})")
     if index.get("version") != VERSION:

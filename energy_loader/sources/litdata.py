@@ -7,7 +7,6 @@ downloads and state are :mod:`energy_loader.sources._offset_shards`'. Restore ke
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import struct
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import SourceDataError
+from ._download import parse_json
 from ._offset_shards import DEFAULT_PREDOWNLOAD, OffsetShardSource
 from .mds import raw_pil_image
 from .shard_writer import ShardInfo
@@ -233,10 +233,7 @@ class LitDataSource(OffsetShardSource):
     def parse_index(self, data: bytes, where: str) -> tuple[str | None, tuple[ShardInfo, ...]]:
         from torch.utils._pytree import treespec_loads
 
-        try:
-            index = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise SourceDataError(f"{where} is not valid JSON: {error}") from None
+        index = parse_json(data, where)
         config = index.get("config") if isinstance(index, dict) else None
         chunks = index.get("chunks") if isinstance(index, dict) else None
         if not isinstance(config, dict) or not isinstance(chunks, list):

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SourceDataError
+from ._download import parse_json
 from ._offset_shards import DEFAULT_PREDOWNLOAD, OffsetShardSource
 from .shard_writer import ShardInfo
 
@@ -256,10 +257,7 @@ class MDSSource(OffsetShardSource):
         )
 
     def parse_index(self, data: bytes, where: str) -> tuple[str | None, tuple[ShardInfo, ...]]:
-        try:
-            index = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise SourceDataError(f"{where} is not valid JSON: {error}") from None
+        index = parse_json(data, where)
         entries = index.get("shards") if isinstance(index, dict) else None
         if not isinstance(entries, list) or index.get("version") != 2:
             raise SourceDataError(

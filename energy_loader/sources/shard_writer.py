@@ -82,18 +82,14 @@ def zstd_module() -> Any:
 
 
 class ShardWriter:
-    """Write samples into shards of at most ``max_shard_bytes`` (uncompressed) each.
-
-    ``path``: a local directory or an fsspec URL, without an ``index.json`` yet. A context
-    manager: the index is written when the ``with`` block ends without an exception (or at
-    :meth:`close`), so a dataset with an index is complete. A sample larger than
-    ``max_shard_bytes`` gets a shard of its own. Samples are dicts (or lists, tuples, single
-    values) of tensors, numpy arrays, numbers, strings and bytes. Example::
+    """Write samples (dicts, lists, tuples or single values of tensors, arrays, numbers, strings
+    and bytes) at ``path`` (local or fsspec) into shards of at most ``max_shard_bytes``
+    uncompressed (a larger sample gets a shard of its own); the ``index.json`` is written when
+    the ``with`` block ends without an exception, or at :meth:`close`. Example::
 
         with ShardWriter("data/", max_shard_bytes=1 << 26, compression="zstd") as writer:
             for sample in samples:
                 writer.write(sample)
-        source = ShardedSource("data/", "/tmp/cache", shuffle=True, seed=1234)
     """
 
     def __init__(

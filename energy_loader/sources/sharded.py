@@ -1,8 +1,5 @@
-"""ShardedSource: shards on a remote (any fsspec URL or a local directory), read through a
-local cache that a background thread fills ahead of the reader.
-
-The order is :mod:`energy_loader.sources._order`'s; shards are listed in the remote's
-``index.json`` (:class:`ShardWriter`); downloads: :mod:`energy_loader.sources._download`.
+"""ShardedSource: shards on a remote (any fsspec URL or a local directory), listed in its
+``index.json`` (:class:`ShardWriter`), read through a local cache filled ahead of the reader.
 State: ``{"phase", "epoch", "position"}``; restore key ``(shard, row)``. See
 docs/sources/sharded.md.
 """
@@ -11,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import struct
 from pathlib import Path
@@ -22,7 +18,7 @@ import numpy as np
 from ..errors import SourceDataError
 from ..state.data_fingerprint import DATA_FIELD, DataFiles
 from ._codec import decode_sample
-from ._download import LOCKS, Remote, ShardCache, node_lock
+from ._download import LOCKS, Remote, ShardCache, node_lock, parse_json
 from ._strided import RestoreShard, ShardRowSource
 from .shard_writer import COMPRESSIONS, FORMAT, INDEX, MAGIC, VERSION, ShardInfo, zstd_module
 
@@ -71,10 +67,7 @@ class _ShardFile:
 
 def parse_index(data: bytes, where: str) -> tuple[str | None, tuple[ShardInfo, ...]]:
     """The compression and shards of an ``index.json`` (validated; errors name ``where``)."""
-    try:
-        index = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise SourceDataError(f"{where} is not valid JSON: {error}") from None
+    index = parse_json(data, where)
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise SourceDataError(f"{where} is not a ShardWriter index (no format {FORMAT!r})")
     if index.get("version") != VERSION:
