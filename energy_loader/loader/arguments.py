@@ -22,17 +22,6 @@ from ..workers.protocol import CheckpointSettings
 from .partitions import resolve_num_partitions
 from .progress import MAX_HELD_BACK
 
-__all__ = [
-    "LoaderArguments",
-    "check_serializable",
-    "require_change_policy",
-    "checkpoint_settings",
-    "require_seconds",
-    "resolve_arguments",
-    "resolve_mp_context",
-    "resolve_worker_config",
-]
-
 
 def resolve_worker_config(
     dataset: Any, worker_config: WorkerConfig | None, num_workers: Any

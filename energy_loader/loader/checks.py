@@ -39,16 +39,6 @@ from ..state.rank_state import PartitionState, RankState
 from .partitions import world_sizes_for
 from .planner import Planner
 
-__all__ = [
-    "check_checkpoints",
-    "check_fits",
-    "check_one_position",
-    "check_partition_count",
-    "check_states_of_one_save",
-    "report_code_changes",
-    "report_data_changes",
-]
-
 _PASS_THROUGH_TYPES = ("MapDataset", "FilterDataset", "GcDataset")
 # A source's config fields that describe its data files' layout (a digest of its index or
 # listing): a difference there is data that changed, not another pipeline.

@@ -23,8 +23,6 @@ from typing import Any, Protocol
 from ..state.rank_folder import RankFolder
 from ..worker import WorkerConfig
 
-__all__ = ["Engine", "EngineOwner"]
-
 
 class Engine(Protocol):
     """The work behind one loader (see the module docstring)."""

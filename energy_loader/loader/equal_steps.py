@@ -26,17 +26,6 @@ from ..dataset import attach_restore_key, restore_key_of
 from ..wrappers.unbatch import batch_length, take_rows
 from .partitions import PartitionLayout
 
-__all__ = [
-    "Standing",
-    "Tally",
-    "consumed_by",
-    "cut_for_equal_steps",
-    "piece_bounds",
-    "pieces_for",
-    "split_item",
-    "tally",
-]
-
 
 @attrs.frozen
 class Tally:

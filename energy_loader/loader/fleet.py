@@ -41,8 +41,6 @@ from ..workers.protocol import WorkerItem
 from ..workers.side import WorkerSideDataset
 from .progress import Mark
 
-__all__ = ["WorkerFleet"]
-
 _WORKER_IN_MESSAGE = re.compile(r"worker process (\d+)")
 _PIDS_IN_MESSAGE = re.compile(r"\b(\d{2,})\b")
 

@@ -38,14 +38,6 @@ import attrs
 
 from ..state.rank_state import WorkerSlots
 
-__all__ = [
-    "PartitionLayout",
-    "idle_workers_warning",
-    "next_worker",
-    "resolve_num_partitions",
-    "world_sizes_for",
-]
-
 
 def resolve_num_partitions(num_partitions: Any, world_size: int, num_workers: int) -> int:
     """``P`` for a loader: the given number, or ``world_size * max(1, num_workers)``; it must be a

@@ -28,8 +28,6 @@ from .planner import Planner
 if TYPE_CHECKING:
     from .pipeline_engine import PipelineEngine
 
-__all__ = ["future_items", "peek_keys"]
-
 _END = object()
 
 

@@ -51,9 +51,6 @@ from .progress import Mark, Progress
 from .stall import StallWarner
 from .unbundler import Unbundler
 
-__all__ = ["PipelinePlan", "PipelineEngine"]
-
-
 _EPOCH_OVER = object()
 
 Readings = tuple[list[dict[str, float] | None], list[int]]

@@ -33,14 +33,6 @@ from ..worker import WorkerConfig
 from . import checks
 from .planner import Planner, RestorePlan
 
-__all__ = [
-    "StatesReader",
-    "check_headers_of_one_save",
-    "leaves_to_run",
-    "plan",
-    "read_rank_files",
-]
-
 
 class StatesReader(Protocol):
     """What reading a pipeline's states asks of its engine

@@ -36,8 +36,6 @@ from .equal_steps import Tally
 from .equal_steps import tally as equal_tally
 from .partitions import PartitionLayout, world_sizes_for
 
-__all__ = ["Planner", "RestorePlan"]
-
 
 class Planner:
     """Plans saves and restores of one rank's loader over ``pipeline`` (see the module doc); its

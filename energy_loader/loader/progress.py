@@ -20,8 +20,6 @@ from .partitions import next_worker
 if TYPE_CHECKING:
     from .planner import RestorePlan
 
-__all__ = ["MAX_HELD_BACK", "Mark", "Progress"]
-
 # How many delivered items a save may hold back (``save_state_rank(held_back=n)``): the rolling
 # checkpoints keep that many more items per worker.
 MAX_HELD_BACK = 2

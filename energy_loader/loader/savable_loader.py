@@ -37,8 +37,6 @@ from .pipeline_engine import PipelineEngine
 from .planner import Planner
 from .torch_args import DEFAULT_BATCH_SIZE, PipelineTorchArgs, pipeline_with_torch_args
 
-__all__ = ["BasicDataLoader", "SavableDataLoader"]
-
 
 class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
     """A torch DataLoader that saves its exact position, over a savable pipeline or any dataset.

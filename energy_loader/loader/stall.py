@@ -19,8 +19,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-__all__ = ["StallWarner", "diagnose"]
-
 LOGGER = logging.getLogger("energy_loader")
 
 _SATURATED = 0.7  # torch's own queue work counts as idle: 70% busy is flat out

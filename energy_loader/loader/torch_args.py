@@ -23,8 +23,6 @@ import attrs
 from ..dataset import SavableDataset
 from ..errors import EnergyLoaderError
 
-__all__ = ["DEFAULT_BATCH_SIZE", "PipelineTorchArgs", "apply_to_pipeline", "batch_size_given"]
-
 
 class _DefaultBatchSize(int):
     """``1``, as torch's default ``batch_size``, but recognisably not passed by the caller."""

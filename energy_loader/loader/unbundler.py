@@ -16,8 +16,6 @@ from typing import Any
 
 from ..workers.protocol import FAILED_SLOT, WorkerItem
 
-__all__ = ["Unbundler"]
-
 
 class Unbundler:
     """The main end: hands out bundled items one at a time in round-robin order (``bundles``:

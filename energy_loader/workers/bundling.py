@@ -23,15 +23,6 @@ from ..torch_internals import ExceptionWrapper
 from ..transport import Packet
 from .protocol import FAILED_SLOT, WorkerItem
 
-__all__ = [
-    "BUNDLE_BYTES",
-    "BUNDLE_SECONDS",
-    "DEFAULT_ITEMS_PER_TRANSFER",
-    "bundle_bytes",
-    "bundle_items",
-    "payload_bytes",
-]
-
 # The loader's default ``items_per_transfer`` (the reference workload and the Parquet reader,
 # docs/benchmarks.md, gain as much at 8 as at 16).
 DEFAULT_ITEMS_PER_TRANSFER = 16

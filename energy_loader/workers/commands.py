@@ -15,8 +15,6 @@ from typing import Any
 
 from ..metrics import WorkerCounters
 
-__all__ = ["CommandServer", "exit_without_flushing_if_orphaned"]
-
 
 class CommandServer(threading.Thread):
     """Answers the main process's requests on one worker's command channel."""

@@ -29,8 +29,6 @@ from ..torch_internals import ExceptionWrapper, set_worker_info
 from ..transport import Packet, WorkerTransport, decode
 from .bundling import payload_bytes
 
-__all__ = ["BatchFetcher", "FetchResult", "FetchTask", "WorkerInit"]
-
 # The per-sample seeds of the drop-in loader: a salt of their own (wrappers use their position).
 _SEED_POSITION = -1
 

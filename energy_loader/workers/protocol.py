@@ -20,8 +20,6 @@ if TYPE_CHECKING:
     from ..transport import WorkerTransport
     from ..worker import WorkerConfig
 
-__all__ = ["FAILED_SLOT", "CheckpointSettings", "RunPlan", "RunnerOwner", "WorkerItem"]
-
 # The slot of a failure item: its sample is the ExceptionWrapper of the pipeline's error.
 FAILED_SLOT = -2
 # The slot of an end marker: the worker ended its epoch.

@@ -35,8 +35,6 @@ from ..worker import active_worker, enter_worker, leave_worker, set_process_work
 from .commands import CommandServer, exit_without_flushing_if_orphaned
 from .protocol import END_SLOT, RunnerOwner, WorkerItem
 
-__all__ = ["Runner", "Slot", "clone_pipeline"]
-
 
 def _holds_dataset(value: Any) -> bool:
     if isinstance(value, SavableDataset):

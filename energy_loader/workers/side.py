@@ -24,8 +24,6 @@ from .bundling import bundle_bytes, bundle_items
 from .protocol import CheckpointSettings, RunPlan
 from .runner import Runner
 
-__all__ = ["WorkerSideDataset"]
-
 
 class WorkerSideDataset(IterableDataset[Any]):
     """What torch's DataLoader iterates: the pipeline plus the worker protocol around it. Under

@@ -19,8 +19,6 @@ from ...worker import WorkerConfig
 from .iterable import IterableEngine
 from .map_style import MapEngine
 
-__all__ = ["dropin_engine", "runs_dropin"]
-
 
 def runs_dropin(loader: Any) -> bool:
     """Whether ``loader`` is a :class:`~energy_loader.SavableDataLoader` over a plain dataset

@@ -11,8 +11,6 @@ from collections.abc import Sequence
 
 import attrs
 
-__all__ = ["Dealing"]
-
 
 @attrs.frozen
 class Dealing:

@@ -18,17 +18,6 @@ import torch
 
 from ...errors import StateFormatError
 
-__all__ = [
-    "GENERATOR_STATE_BYTES",
-    "NUMPY_WORDS",
-    "decode_bytes",
-    "decode_generator_states",
-    "decode_global_state",
-    "encode_bytes",
-    "encode_generator_states",
-    "encode_global_state",
-]
-
 # The byte size of a CPU generator's state (mt19937 plus its normal-distribution cache).
 GENERATOR_STATE_BYTES = int(torch.Generator().get_state().numel())
 

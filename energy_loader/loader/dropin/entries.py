@@ -23,15 +23,6 @@ from typing import Any
 from ...errors import StateFormatError
 from ...state.plain import StateReader, is_keyed_by, json_leaf
 
-__all__ = [
-    "ANY_RANK_KEY",
-    "RANK_KEY_PREFIX",
-    "is_rank_entries",
-    "rank_entries",
-    "rank_key",
-    "states_of_entries",
-]
-
 RANK_KEY_PREFIX = "rank_"
 # The key of a state any rank restores from (the job's position under a DistributedSampler):
 # the same on every rank and every world size, so DCP loads it onto any number of ranks.

@@ -39,32 +39,6 @@ from ...errors import StateFormatError, StateMismatchError
 from ...rng import fold_key, stable_hash
 from .encoding import NUMPY_WORDS, decode_global_state, encode_global_state
 
-__all__ = [
-    "NAMES",
-    "BaseSeedDraw",
-    "BaseSeedFix",
-    "DrawnGlobals",
-    "GlobalStart",
-    "GlobalsAtSave",
-    "PrivateGlobal",
-    "SamplerGenerators",
-    "StreamBaseDraw",
-    "capture",
-    "check_restored_epoch",
-    "digests_now",
-    "draws_in_own_stream",
-    "elsewhere",
-    "epoch_stream_state",
-    "job_draws_base_seed",
-    "moved",
-    "pinned_stream",
-    "put",
-    "read_digests",
-    "refusal",
-    "training_generators_kept",
-    "watched",
-]
-
 #: The global RNGs a loader may watch, in the order they are named everywhere.
 NAMES = ("python", "numpy", "torch")
 _WHAT = {

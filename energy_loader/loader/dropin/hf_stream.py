@@ -17,8 +17,6 @@ from typing import Any
 
 from ...worker import WorkerConfig
 
-__all__ = ["check_stream_split"]
-
 
 def check_stream_split(dataset: Any, config: WorkerConfig) -> None:
     """Raise ``ValueError`` for a Hugging Face stream not split for this rank of ``config``."""

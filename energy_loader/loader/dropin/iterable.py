@@ -35,8 +35,6 @@ from .hf_stream import check_stream_split
 from .restore import DropInRestore
 from .state import DROPIN_STATE_FORMAT, DROPIN_STATE_VERSION, check_config, read_header
 
-__all__ = ["IterableEngine", "IterableState"]
-
 
 class IterableState:
     """An iterable drop-in loader's state: the inner pipeline's rank state, the loader's

@@ -28,8 +28,6 @@ from ...process_groups import data_parallel_layout, process_group_initialized
 from ...worker import WorkerConfig
 from .state import DROPIN_STATE_FORMAT, JobStart
 
-__all__ = ["agree_on_job", "check_one_save", "new_job_id"]
-
 
 def new_job_id() -> int:
     """A random 63-bit job id (from the OS, not from any generator the job draws from)."""

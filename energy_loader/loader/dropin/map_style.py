@@ -44,8 +44,6 @@ from .state import JobStart, MapState, code_config, code_fingerprints
 from .stream import Epoch, IndexStream, check_restorable, distributed_config, point_at_rank
 from .values import ValuesCheck
 
-__all__ = ["MapEngine"]
-
 
 def _identity(item: Any) -> Any:
     return item

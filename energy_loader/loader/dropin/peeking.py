@@ -17,8 +17,6 @@ from .position import plain_unit, positioned_iterator
 from .sampling import epoch_seed
 from .state import MapState
 
-__all__ = ["make_units", "peek_units"]
-
 
 def peek_units(engine: MapEngine, count: int, saved: MapState | None = None) -> list[Any]:
     """The units of the next ``count`` batches of the current epoch, or of ``saved``'s (fewer if it

@@ -27,8 +27,6 @@ from . import global_rngs
 from .sampling import EpochStart, SamplerRng, job_seed
 from .state import JobStart, MapState
 
-__all__ = ["Pin"]
-
 
 @attrs.frozen
 class Pin:

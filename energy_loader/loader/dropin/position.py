@@ -24,20 +24,6 @@ from . import global_rngs
 from .sampling import EpochStart, SamplerRng, stateful_part
 from .state import MapState
 
-__all__ = [
-    "NOT_REPLAYED",
-    "Replayed",
-    "Units",
-    "own_generators_digest",
-    "plain_unit",
-    "positioned_iterator",
-    "saved_after_last_batch",
-    "short_unit",
-    "unit_digest",
-    "units_per_epoch",
-    "verify_replay",
-]
-
 _NONE: Any = object()
 # Replayed.last when no unit was re-made (position 0, or a Stateful sampler that loaded its own
 # state).

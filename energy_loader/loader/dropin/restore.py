@@ -27,8 +27,6 @@ from .entries import ANY_RANK_KEY, is_rank_entries, rank_entries, rank_key, stat
 from .job import check_one_save
 from .state import MapState
 
-__all__ = ["DropInRestore"]
-
 
 class DropInRestore:
     """The protocol's save and restore methods over a drop-in engine's record methods."""

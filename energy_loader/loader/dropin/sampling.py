@@ -26,15 +26,6 @@ from ...rng import fold_key, stable_hash
 from .encoding import encode_generator_states
 from .global_rngs import GlobalStart
 
-__all__ = [
-    "EpochStart",
-    "SamplerRng",
-    "describe_chain",
-    "epoch_seed",
-    "job_seed",
-    "stateful_part",
-]
-
 
 def _chain(sampler: Any) -> Iterator[Any]:
     """The sampler and the samplers it wraps (``.sampler``, ``.batch_sampler``), outermost first."""

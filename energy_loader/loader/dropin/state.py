@@ -29,25 +29,9 @@ from ...state.digests import digest
 from ...state.fingerprint import CODE_SUFFIX
 from ...state.plain import StateReader
 from ...state.rank_state import is_partition_entries
-from .encoding import decode_generator_states, encode_generator_states
+from .encoding import decode_generator_states
 from .global_rngs import GlobalStart, read_digests
 from .sampling import EpochStart
-
-__all__ = [
-    "DROPIN_STATE_FORMAT",
-    "DROPIN_STATE_VERSION",
-    "JobStart",
-    "MapState",
-    "Proof",
-    "check_config",
-    "code_config",
-    "code_fingerprints",
-    "decode_generator_states",
-    "describe_dropin_state",
-    "encode_generator_states",
-    "read_header",
-    "summarize_dropin_state",
-]
 
 DROPIN_STATE_FORMAT = "energy_loader.dropin_state"
 DROPIN_STATE_VERSION = 1

@@ -47,18 +47,6 @@ from .position import (
 from .sampling import EpochStart, SamplerRng, stateful_part
 from .state import JobStart, MapState, Proof, check_config
 
-__all__ = [
-    "Epoch",
-    "IndexStream",
-    "check_restorable",
-    "distributed_config",
-    "distributed_part",
-    "point_at_rank",
-    "sampled_length",
-    "units_of",
-]
-
-
 _END = object()  # what a pull finds past the epoch's last unit
 
 

@@ -17,8 +17,6 @@ from typing import Any
 
 from ...errors import StateMismatchError
 
-__all__ = ["lightning_count_check", "restored_by_lightning"]
-
 _LIGHTNING_MODULES = ("lightning.pytorch.", "pytorch_lightning.")
 _FRAMES_LOOKED_AT = 12
 

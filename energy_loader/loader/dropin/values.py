@@ -26,8 +26,6 @@ from .position import short_unit
 from .sampling import epoch_seed
 from .state import MapState
 
-__all__ = ["ValuesCheck"]
-
 
 class ValuesCheck:
     """The engine's check of a restored state's last batch (see the module docstring), called by the
