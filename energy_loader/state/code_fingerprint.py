@@ -1,21 +1,15 @@
 """Fingerprints of user code, to tell at a restore what changed since the save.
 
-:func:`code_fingerprint` walks a user function the way it runs: its bytecode, constants and
-names, its default arguments, its closure's values, a ``functools.partial``'s arguments, a
-callable object's class (every method) and plain-data attributes, what a decorator wraps
-(``__wrapped__``), and, through the names its code reads, the globals it uses: the functions
-and classes of user code are walked in turn, plain data (numbers, strings, bytes, None and
-lists, tuples, sets and dicts of them, up to a size) taken by value, anything else by its type.
-Installed libraries (modules under ``sys.prefix``, the standard library, site-packages, this
-package) and builtins are named, not walked.
-
-The fingerprint is ``"2:"`` and one ``label=digest`` per part (``mymod.augment``,
-``mymod.augment defaults``, ``mymod.SCALE``...), so a restore names what differs
-(:func:`changed_parts`). It holds no file path, line number or memory address and never
-iterates a set unsorted: the same code imported from elsewhere, another process or a worker
-gives the same value. A fingerprint without the ``"2:"`` prefix was saved by an older release,
-which fingerprinted the bytecode alone: it is not comparable (:func:`comparable`).
-Not here: comparing configs (:mod:`.fingerprint`), warning or refusing (``loader/checks.py``).
+:func:`code_fingerprint` walks a function as it runs: bytecode, defaults, closure, a partial's
+arguments, a callable object's class and attributes, ``__wrapped__``, and the globals its code
+reads (user functions and classes walked in turn, plain data up to a size by value, the rest by
+type); installed libraries and builtins are named, not walked (docs/restores.md, "Code that
+changed since the save"). The fingerprint is ``"2:"`` and one ``label=digest`` per part
+(``mymod.augment defaults``, ``mymod.SCALE``...), so a restore names what differs
+(:func:`changed_parts`); no path, line number or address enters, and sets are sorted, so the same
+code anywhere gives the same value. Without ``"2:"`` it is an older release's (bytecode alone):
+not comparable (:func:`comparable`). Not here: comparing configs (:mod:`.fingerprint`), warning
+or refusing (``loader/checks.py``).
 """
 
 from __future__ import annotations
@@ -132,8 +126,7 @@ class _Walk:
         elif isinstance(obj, type):
             self._class(obj, label, depth) if _is_user(obj) else self.add(label, "library")
         elif _is_user(type(obj)):  # a callable object: its class and its attributes
-            held = sorted(getattr(obj, "__dict__", {}).items())
-            attrs = [(k, self.describe(v, depth)) for k, v in held]
+            attrs = self.pairs(sorted(getattr(obj, "__dict__", {}).items()), depth)
             self.add(label, (self.follow(type(obj), depth + 1), attrs))
         else:
             self.add(label, "library")
@@ -146,16 +139,12 @@ class _Walk:
         entry = self.parts.setdefault(label, [])  # named before what it uses
         code, names, scope = _code_parts(fn.__code__), _names_read(fn.__code__), fn.__globals__
         module = str(scope.get("__name__")).replace("__mp_main__", "__main__")
-        used = [
-            (name, self.describe(scope[name], depth, f"{module}.{name}", names))
-            for name in names
-            if name in scope
-        ]
+        read = [name for name in names if name in scope]
+        used = [(n, self.describe(scope[n], depth, f"{module}.{n}", names)) for n in read]
         entry.append((code, used))
         if fn.__defaults__ or fn.__kwdefaults__:
             defaults = [self.describe(v, depth) for v in fn.__defaults__ or ()]
-            keywords = sorted((fn.__kwdefaults__ or {}).items())
-            keywords = [(k, self.describe(v, depth)) for k, v in keywords]
+            keywords = self.pairs(sorted((fn.__kwdefaults__ or {}).items()), depth)
             self.add(label + " defaults", (defaults, keywords))
         if fn.__closure__:
             cells = [self.describe(_cell(c), depth) for c in fn.__closure__]
@@ -175,6 +164,9 @@ class _Walk:
             if name not in _SKIPPED:
                 members.append((name, self.describe(value, depth)))
         self.add(label, (bases, members))
+
+    def pairs(self, items: Any, depth: int) -> list[tuple[Any, Any]]:
+        return [(k, self.describe(v, depth)) for k, v in items]
 
     def describe(
         self, value: Any, depth: int, label: str | None = None, names: tuple[str, ...] = ()

@@ -1,25 +1,15 @@
 """Fingerprints of the files a source reads, so that a restore notices data rewritten in place
 (other values, the same layout) and names the file that changed.
 
-A file source records one short string in its config, under :data:`DATA_FIELD`: the kind of
-fingerprint, the number of files, and for each of at most :data:`GROUPS` groups of consecutive
-files a digest of their relative names, sizes and content, with their total size
-(``"sampled 9/1 1f2e3d4c:4096 ..."``: 9 files, one a group). A restore compares it apart from
-the rest of the config (:func:`data_changes`; a change warns, or refuses with
-``on_data_change="refuse"``) and names the first group that differs: the file itself for a
-source of up to :data:`GROUPS` files, otherwise the range of files holding it.
-
-Content. A local file is read in part: whole up to ``BLOCK * BLOCKS`` bytes (64 KiB), else
-``BLOCKS`` blocks of ``BLOCK`` bytes (the first, the last and the rest evenly between), hashed
-with blake2b. A change of a larger file outside those blocks that keeps its size is not seen.
-A remote file counts by what its index lists: its size, and its sha256 where the index has
-one. No absolute path or modification time enters the string: a folder copied or mounted
-elsewhere has the same fingerprint. A local file's digest is cached in the process by its
-(path, size, mtime_ns, inode), so a second source over the same files only stats them.
-
-The string is made once per source (its first ``config()``, when a loader is built): a save
-copies it, a restore compares two strings. Not here: the rest of the config
-(:mod:`.fingerprint`).
+A file source records one string in its config under :data:`DATA_FIELD`: the kind, the number
+of files, and for each of at most :data:`GROUPS` groups of consecutive files a digest of their
+relative names, sizes and content with their total size (``"sampled 9/1 1f2e3d4c:4096 ..."``:
+9 files, one a group); :func:`data_changes` names the first group that differs. A local file
+counts whole up to ``BLOCK * BLOCKS`` bytes, else by ``BLOCKS`` evenly spread blocks of
+``BLOCK`` (cached in the process by path, size, mtime_ns and inode); a remote one by its index's
+size and hash. No absolute path or mtime enters. Made once per source (its first ``config()``).
+What it sees and misses: docs/restores.md, "Data files that changed since the save". Not here:
+the rest of the config (:mod:`.fingerprint`).
 """
 
 from __future__ import annotations
@@ -163,35 +153,29 @@ class DataFiles:
         kind, count, *groups = saved.split(" ")
         if kind != self.kind:
             return None
-        mine = self.plain.split(" ")[2:]
-        if count != f"{len(self.entries)}/{self._per()}":
+        per, mine = self._per(), self.plain.split(" ")[2:]
+        if count != f"{len(self.entries)}/{per}":
             return f"{count.split('/')[0]} files saved, {len(self.entries)} now"
-        per = self._per()
-        for number, (old, new) in enumerate(zip(groups, mine)):
-            if old == new:
-                continue
-            files = self.entries[number * per : (number + 1) * per]
-            what = "size" if len(files) == 1 else "total size"
-            old_size, new_size = old.partition(":")[2], new.partition(":")[2]
-            how = (
-                f"{what} saved {old_size} bytes, now {new_size}"
-                if old_size != new_size
-                else f"content changed (same {what}, {new_size} bytes)"
-            )
-            where = (
-                files[0].name
-                if len(files) == 1
-                else f"one of the {len(files)} files {files[0].name} ... {files[-1].name}"
-            )
-            return f"{where}: {how}"
-        return "its fingerprint differs"
+        changed = [(i, o, n) for i, (o, n) in enumerate(zip(groups, mine)) if o != n]
+        if not changed:
+            return "its fingerprint differs"
+        number, old, new = changed[0]
+        files = self.entries[number * per : (number + 1) * per]
+        what = "size" if len(files) == 1 else "total size"
+        old_size, new_size = old.partition(":")[2], new.partition(":")[2]
+        how = f"{what} saved {old_size} bytes, now {new_size}"
+        if old_size == new_size:
+            how = f"content changed (same {what}, {new_size} bytes)"
+        where = files[0].name
+        if len(files) > 1:
+            where = f"one of the {len(files)} files {files[0].name} ... {files[-1].name}"
+        return f"{where}: {how}"
 
 
 def data_changes(saved: Any, now: Any, datasets: Iterable[Any]) -> list[str]:
-    """``"<stage>: <first change>"`` for each source of a pipeline whose data files differ
-    from those its saved config ``saved`` records (``now``: the pipeline's config;
-    ``datasets``: its datasets, ``pipeline.walk()``, in the config's order). A saved config
-    without fingerprints (a state saved before them) reports nothing."""
+    """``"<stage>: <first change>"`` for each source whose data files differ from those the saved
+    config records (``datasets``: ``pipeline.walk()``, in ``now``'s order); nothing for a config
+    saved without fingerprints."""
     before = {path: stage.get(DATA_FIELD) for path, stage in pipeline_stages(saved)}
     out = []
     for (path, stage), dataset in zip(pipeline_stages(now), datasets):

@@ -1,18 +1,12 @@
 """Short digests that let a restore check the state it was given, and its own result.
 
-A saved state carries, beside the fields that place the stream, digests of them (``checks``):
-a flipped digit, a field edited by hand or a leaf of another save spliced in is a
-``StateFormatError`` at load, not a silent jump to another position. It also carries a
-*proof*: a digest of what the saving loader handed out last (the restore key of each
-partition's last item, the indices of the drop-in's last batch), which the restore re-makes
-and compares before it yields anything new; for a pipeline, also a digest of that item's
-values as it was made (:func:`content_digest`), so that an item re-made under the same key
-with other values is told apart too.
-
-Digests are of plain values (``repr`` of ints, strs, floats, bools, None and tuples of them),
-or, for a pipeline checkpoint, of its canonical JSON, so they are the same in every process and
-every run and survive ``json``, ``torch.save`` and ``torch.distributed.checkpoint`` round trips.
-They are 64-bit BLAKE2b: a check against accidents and mix-ups, not a signature.
+A saved state carries digests of its fields (``checks``: a field edited or spliced in from
+another save is a ``StateFormatError`` at load) and a *proof*: a digest of what the saving loader
+handed out last (each partition's last restore key, the drop-in's last batch's indices; for a
+pipeline also that item's values, :func:`content_digest`), which the restore re-makes and compares
+before it yields anything new. Digests are of ``repr``s of plain values or a checkpoint's canonical
+JSON, so they are the same in every process and run and survive ``json``, ``torch.save`` and DCP
+round trips. 64-bit BLAKE2b: a check against accidents and mix-ups, not a signature.
 """
 
 from __future__ import annotations
@@ -147,37 +141,13 @@ _DOUBLE = struct.Struct("<d")
 _CHECKSUM = struct.Struct("<QQ")
 _SCALARS = frozenset({int, float, bool, type(None)})
 # Types whose repr is their value (never an object's address): digested by it.
-_BY_REPR = (
-    complex,
-    datetime.date,
-    datetime.time,
-    datetime.timedelta,
-    decimal.Decimal,
-    fractions.Fraction,
-    uuid.UUID,
-    pathlib.PurePath,
-    range,
-)
+_BY_REPR: tuple[type, ...] = (complex, datetime.date, datetime.time, datetime.timedelta)
+_BY_REPR += (decimal.Decimal, fractions.Fraction, uuid.UUID, pathlib.PurePath, range)
 
 # The dtypes whose CPU tensors numpy reads without a copy (bfloat16 and float8: torch picks).
-_NUMPY_DTYPES = frozenset(
-    {
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.uint16,
-        torch.uint32,
-        torch.uint64,
-        torch.float16,
-        torch.float32,
-        torch.float64,
-        torch.complex64,
-        torch.complex128,
-    }
-)
+_NUMPY_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32})
+_NUMPY_DTYPES |= {torch.int64, torch.uint16, torch.uint32, torch.uint64, torch.float16}
+_NUMPY_DTYPES |= {torch.float32, torch.float64, torch.complex64, torch.complex128}
 
 _Update = Callable[[Any], object]
 

@@ -37,15 +37,18 @@ _DROPIN_STATE_FORMAT = "energy_loader.dropin_state"
 RANK_STATE_VERSION = 1
 # Each pipeline config's digest, by the config object (the planner keeps one per pipeline).
 _CONFIG_CHECKS: dict[int, tuple[Any, str]] = {}
+# The header's fields, in the order written and digested (``checks.position``).
+_LAYOUT = ("rank", "world_size", "num_workers", "num_partitions", "seed")
+_PLACE = ("epoch", "in_epoch", "epoch_ended", "delivered", "start", "next_worker")
+_STEPS = ("job_left", "items_left", "extra", "pieces")
 
 
 @attrs.frozen
 class PartitionState:
     """One partition's position: a pipeline checkpoint plus items to replay on top of it.
 
-    The one record from a worker's snapshot to the state file (docs/state-format.md). ``last`` (the
-    last item's key, or its digest once read off the book) and ``made`` (its values' digest) are the
-    restore's proof, ``None`` where there is none.
+    ``last`` (the last item's key, or its digest) and ``made`` (its values' digest) are the
+    restore's proof, ``None`` where there is none (docs/state-format.md).
     """
 
     partition: int
@@ -61,16 +64,7 @@ class PartitionState:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Snapshots travel from each worker every few items: the fields alone, by position.
-        return PartitionState, (
-            self.partition,
-            self.checkpoint,
-            self.skip,
-            self.done,
-            self.last,
-            self.checkpoint_check,
-            self.made,
-            self.replay_slack,
-        )
+        return PartitionState, attrs.astuple(self, recurse=False)
 
     def check(self) -> str:
         """The digest of this entry, as ``to_plain`` writes it."""
@@ -92,8 +86,7 @@ class PartitionState:
 
     @classmethod
     def from_reader(cls, reader: StateReader) -> PartitionState:
-        """Decode one entry; its ``check`` is verified by :meth:`verify` (after the whole
-        state's structure, so a malformed field is named before a mismatched digest)."""
+        """Decode one entry; :meth:`verify` checks its ``check`` once the whole state parsed."""
         checkpoint = reader.raw("checkpoint")
         StateReader(checkpoint, f"{reader.path}.checkpoint")
         skip, done = reader.int("skip"), reader.bool("done")
@@ -116,8 +109,7 @@ class PartitionState:
         )
 
     def verify(self, saved: str, path: str) -> PartitionState:
-        """This entry with its checkpoint's digest, if ``saved`` (the entry's ``check``) is
-        its digest; ``StateFormatError`` otherwise."""
+        """This entry with its checkpoint's digest if ``saved`` is its digest, else raises."""
         try:
             checked = attrs.evolve(self, checkpoint_check=checkpoint_digest(self.checkpoint))
         except (TypeError, ValueError) as error:
@@ -155,11 +147,8 @@ class WorkerSlots:
             _int(value, f"{reader.path}.partitions[{i}]")
             for i, value in enumerate(reader.list("partitions"))
         )
-        following = reader.int("next")
-        if following >= max(1, len(partitions)):
-            raise StateFormatError(
-                f"{reader.path}.next {following} is not below its {len(partitions)} partitions"
-            )
+        following, count = reader.int("next"), len(partitions)
+        _below(f"{reader.path}.next", following, max(1, count), f"its {count} partitions")
         return cls(partitions=partitions, next=following, done=reader.bool("done"))
 
 
@@ -167,6 +156,11 @@ def _int(value: Any, path: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise StateFormatError(f"{path} must be a non-negative integer, got {value!r}")
     return value
+
+
+def _below(path: str, value: int, limit: int, what: str) -> None:
+    if value >= limit:
+        raise StateFormatError(f"{path} {value} is not below {what}")
 
 
 @attrs.frozen
@@ -198,25 +192,9 @@ class RankState:
 
     def position_check(self) -> str:
         """The digest of every field but ``config`` and the partitions (``checks.position``)."""
-        return digest(
-            "rank_state",
-            self.rank,
-            self.world_size,
-            self.num_workers,
-            self.num_partitions,
-            self.seed,
-            self.epoch,
-            self.in_epoch,
-            self.epoch_ended,
-            self.delivered,
-            self.start,
-            self.next_worker,
-            tuple((w.partitions, w.next, w.done) for w in self.workers),
-            self.job_left,
-            self.items_left,
-            self.extra,
-            self.pieces,
-        )
+        header = [getattr(self, name) for name in (*_LAYOUT, *_PLACE)]
+        workers = tuple((w.partitions, w.next, w.done) for w in self.workers)
+        return digest("rank_state", *header, workers, *(getattr(self, n) for n in _STEPS))
 
     def config_check(self) -> str:
         """The digest of ``config`` as canonical JSON (``checks.config``); one pipeline's
@@ -251,29 +229,13 @@ class RankState:
     def to_plain(self, *, with_partitions: bool = True) -> dict[str, Any]:
         """The state as plain data with its format name and version (without the
         ``partitions`` list when ``with_partitions`` is false)."""
-        plain = {
-            "format": RANK_STATE_FORMAT,
-            "version": RANK_STATE_VERSION,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "num_workers": self.num_workers,
-            "num_partitions": self.num_partitions,
-            "seed": self.seed,
-            "config": self.config,
-            "epoch": self.epoch,
-            "in_epoch": self.in_epoch,
-            "epoch_ended": self.epoch_ended,
-            "delivered": self.delivered,
-            "start": self.start,
-            "next_worker": self.next_worker,
-            "workers": [w.to_plain() for w in self.workers],
-            "checks": {"position": self.position_check(), "config": self.config_check()},
-        }
+        plain: dict[str, Any] = {"format": RANK_STATE_FORMAT, "version": RANK_STATE_VERSION}
+        plain |= {name: getattr(self, name) for name in _LAYOUT} | {"config": self.config}
+        plain |= {name: getattr(self, name) for name in _PLACE}
+        plain["workers"] = [w.to_plain() for w in self.workers]
+        plain["checks"] = {"position": self.position_check(), "config": self.config_check()}
         if self.job_left is not None:  # a count of the epoch's steps (absent: none)
-            plain["job_left"] = self.job_left
-            plain["items_left"] = self.items_left
-            plain["extra"] = self.extra
-            plain["pieces"] = self.pieces
+            plain |= {name: getattr(self, name) for name in _STEPS}
         if with_partitions:
             plain["partitions"] = [p.to_plain() for p in self.partitions]
         return plain
@@ -308,8 +270,7 @@ class RankState:
         num_workers = reader.int("num_workers")
         world_size = reader.int("world_size", minimum=1)
         rank = reader.int("rank")
-        if rank >= world_size:
-            raise StateFormatError(f"state.rank {rank} is not below state.world_size {world_size}")
+        _below("state.rank", rank, world_size, f"state.world_size {world_size}")
         num_partitions = reader.int("num_partitions", minimum=1)
         if num_partitions % world_size:
             raise StateFormatError(
@@ -325,23 +286,18 @@ class RankState:
                 f"state.workers has {len(workers)} entries; num_workers={num_workers} needs "
                 f"{max(1, num_workers)}"
             )
+        raw_partitions = reader.list("partitions")
         partitions = tuple(
             PartitionState.from_reader(StateReader(p, f"state.partitions[{i}]"))
-            for i, p in enumerate(reader.list("partitions"))
+            for i, p in enumerate(raw_partitions)
         )
         _check_partitions(
             workers, partitions, num_partitions // world_size, num_partitions, complete
         )
         next_worker = reader.int("next_worker")
-        if next_worker >= len(workers):
-            raise StateFormatError(
-                f"state.next_worker {next_worker} is not below the {len(workers)} workers"
-            )
+        _below("state.next_worker", next_worker, len(workers), f"the {len(workers)} workers")
         start = reader.int("start")
-        if start >= num_partitions:
-            raise StateFormatError(
-                f"state.start {start} is not below state.num_partitions {num_partitions}"
-            )
+        _below("state.start", start, num_partitions, f"state.num_partitions {num_partitions}")
         config = reader.raw("config")
         StateReader(config, "state.config")
         check_plain(data, "state")
@@ -362,16 +318,9 @@ class RankState:
             seed=reader.int("seed"),
             **_step_fields(reader),
         )
-        saved_checks = [
-            (StateReader(p, f"state.partitions[{i}]").str("check"), f"state.partitions[{i}]")
-            for i, p in enumerate(reader.list("partitions"))
-        ]
-        state = attrs.evolve(
-            state,
-            partitions=tuple(
-                entry.verify(saved, path) for entry, (saved, path) in zip(partitions, saved_checks)
-            ),
-        )
+        entries = [StateReader(p, f"state.partitions[{i}]") for i, p in enumerate(raw_partitions)]
+        verified = tuple(e.verify(r.str("check"), r.path) for e, r in zip(partitions, entries))
+        state = attrs.evolve(state, partitions=verified)
         if state.position_check() != reader.sub("checks").str("position"):
             raise StateFormatError(
                 "state.checks.position does not match the state's fields (rank, world_size, "
@@ -390,18 +339,16 @@ class RankState:
 
 
 def _step_fields(reader: StateReader) -> dict[str, Any]:
-    """``job_left``, ``items_left``, ``extra`` and ``pieces``: all four, or none (no count of
-    the epoch's steps: a pipeline of unknown length)."""
-    names = ("job_left", "items_left", "extra", "pieces")
-    present = [name for name in names if reader.has(name)]
+    """The four step-count fields, or none (a pipeline of unknown length)."""
+    present = [name for name in _STEPS if reader.has(name)]
     if not present:
         return {}
-    if len(present) != len(names):
+    if len(present) != len(_STEPS):
         raise StateFormatError(
-            f"state has {', '.join(present)} but not all of {', '.join(names)} (the count of "
+            f"state has {', '.join(present)} but not all of {', '.join(_STEPS)} (the count of "
             "the epoch's steps)"
         )
-    return {name: reader.int(name) for name in names}
+    return {name: reader.int(name) for name in _STEPS}
 
 
 def _check_partitions(
@@ -484,9 +431,8 @@ def is_partition_entries(value: Any) -> bool:
 
 
 def partition_entries(states: list[RankState]) -> dict[str, str]:
-    """Every partition of ``states`` as a JSON leaf ``{"rank_state": <header>, "partition": <one
-    partition>}`` under its slot's key, spliced from encoded parts (``state_dict()`` is on the
-    training loop's path)."""
+    """Every partition as a JSON leaf ``{"rank_state": <header>, "partition": <entry>}`` under its
+    slot's key, spliced from encoded parts (``state_dict()`` is on the training loop's path)."""
     out = {}
     for state in states:
         header = state.to_plain(with_partitions=False)
@@ -497,8 +443,7 @@ def partition_entries(states: list[RankState]) -> dict[str, str]:
 
 
 def _entry_json(entry: PartitionState) -> str:
-    """``compact_json(entry.to_plain())``, with the checkpoint's JSON spliced in when its
-    digest brought it."""
+    """``compact_json(entry.to_plain())``, splicing in the checkpoint JSON its digest brought."""
     if entry.checkpoint_check is None:  # taken in this process: digest and text at once
         entry = attrs.evolve(entry, checkpoint_check=checkpoint_digest(entry.checkpoint))
     text = getattr(entry.checkpoint_check, "text", None)
@@ -512,9 +457,8 @@ def _entry_json(entry: PartitionState) -> str:
 
 
 def states_from_entries(entries: dict[str, Any], *, complete: bool = True) -> list[RankState]:
-    """The rank states that :func:`partition_entries` split into leaves (validated; a leaf may be
-    parsed already). ``complete=False`` accepts states with only some of their partitions. Raises
-    ``StateFormatError`` for a bad leaf or a key that does not name its leaf's slot."""
+    """The rank states :func:`partition_entries` split into leaves (a leaf may be parsed already);
+    ``complete=False`` accepts some partitions. ``StateFormatError`` for a bad leaf or key."""
     by_rank: dict[int, dict[str, Any]] = {}
     keys: dict[tuple[int, int], str] = {}
     for key, text in sorted(entries.items()):
