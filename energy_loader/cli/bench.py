@@ -1,13 +1,6 @@
-"""``python -m energy_loader bench``: energy_loader against a plain torch ``DataLoader`` on the
-reference workload (60,000 samples of 64 tokens -> a tokenizer-like map -> shuffle buffer of
-1000 -> batches of 32, 2 workers, prefetch 2), on this machine.
-
-The plain loader does the same work over an ``IterableDataset`` with no state, written the way
-that is fastest on torch's own transport (it batches its samples itself: one tensor crosses per
-batch). Each measured run is a fresh process of the same command (clean memory, nothing
-shared), the runs interleaved over rounds in a rotating order, because a loaded machine is noisy
-(+-15%). Not here: other workloads and libraries, CPU and memory per process, which the
-repository's ``benchmarks/harness`` measures with this module's workload and functions.
+"""``python -m energy_loader bench``: energy_loader against a plain torch ``DataLoader`` (the same
+work, stateless, batching itself) on the reference workload, each run a fresh process, the runs
+interleaved. docs/benchmarks.md has the method; ``benchmarks/harness`` builds on these functions.
 """
 
 from __future__ import annotations
@@ -96,9 +89,7 @@ def epoch_order(samples: int, seed: int, epoch: int) -> list[int]:
 
 @attrs.define
 class ShuffleProgress:
-    """Where one worker's pass over its shard stands (what a stateful version saves);
-    ``drained``: None while the shard streams through the buffer, then how many of the
-    shuffled remainder were yielded."""
+    """Where one worker's pass over its shard stands (``drained``: None until the buffer drains)."""
 
     epoch: int
     consumed: int
@@ -110,8 +101,7 @@ class ShuffleProgress:
 def shuffle_stream(
     workload: Workload, progress: ShuffleProgress, indices: list[int]
 ) -> Iterator[dict[str, Any]]:
-    """Samples made, transformed and passed through a shuffle buffer, from ``progress`` on;
-    ``progress`` is kept current at every yield, so that it can be read between samples."""
+    """Samples made, transformed and shuffled from ``progress`` on, kept current at each yield."""
     size, buffer, rng = workload.buffer, progress.buffer, progress.rng
     if progress.drained is None:
         while progress.consumed < len(indices):
@@ -150,8 +140,7 @@ class PlainPipeline(IterableDataset):
         yield from map(collate, iter(lambda: list(itertools.islice(samples, BATCH)), []))
 
     def start(self, worker: int) -> ShuffleProgress:
-        """Where ``worker``'s pass over this epoch begins: always at its start here (the plain
-        pipeline never resumes); a stateful version overrides it to resume from its state."""
+        """Where ``worker``'s pass begins: at the start (a stateful version overrides this)."""
         return ShuffleProgress(self.epoch, 0, [], random.Random(worker))
 
 
@@ -212,10 +201,8 @@ def throughput(
     count: Callable[[Any], float] = batch_samples,
     on_step: Callable[[int], None] = lambda step: None,
 ) -> dict[str, Any]:
-    """Samples (``count`` of each batch) per second from the second batch on (the first waits
-    for the workers), over the epoch or its first ``batches``; the time of each ``save(loader)``
-    every :data:`SAVE_EVERY` batches, if given. ``on_step(step)`` after each batch (0: the first,
-    untimed)."""
+    """Samples (``count`` of each batch) per second from the second batch on, over the epoch or
+    its first ``batches``; the ms of each ``save(loader)`` every :data:`SAVE_EVERY` batches."""
     iterator = iter(loader)
     next(iterator)
     on_step(0)
@@ -245,10 +232,8 @@ def restore_check(
     repetitions: int,
     fingerprint: Callable[[Any], str] = batch_indices,
 ) -> dict[str, Any]:
-    """One uninterrupted run of a ``build()`` loader saving after every batch (of the epoch, or
-    of its first ``batches``); from its states at :data:`FRACTIONS`, the time from ``load``-ing
-    a fresh loader to its first batch and an exact-resume check of the next
-    :data:`CHECK_BATCHES` batches' fingerprints; the mid-run state's size."""
+    """From states saved at :data:`FRACTIONS` of one run: the time to a restored loader's first
+    batch, an exact-resume check of :data:`CHECK_BATCHES` batches, and the mid-run state's size."""
     loader, reference, states = build(), [], []
     for batch in loader:
         reference.append(fingerprint(batch))
@@ -292,8 +277,7 @@ def restore_check(
 
 
 def spawn(command: list[str], run: str, prog: str) -> dict[str, Any]:
-    """One measured run in a fresh process, ``command --_run RUN``; its result is the last line
-    it prints, as JSON."""
+    """One measured run, ``command --_run RUN`` in a fresh process: its last line, as JSON."""
     print(f"{prog}: {run}", file=sys.stderr, flush=True)
     done = subprocess.run([*command, "--_run", run], capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
@@ -327,10 +311,8 @@ def p95(values: list[float]) -> float:
 
 
 def summarize(runs: dict[str, list[Any]], restores: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Medians per throughput row and ratios to the ``plain`` row's (``ratio`` divides the
-    medians; ``paired_ratio`` is the median of the ratios within each round, whose runs share
-    the machine's load of the moment: the steadier figure on a noisy machine), and the restore
-    figures of each stateful loader, with the median of each restore's timings."""
+    """Medians per row and ratios to ``plain`` (``paired_ratio``: the median of each round's ratio,
+    steadier on a noisy machine), and each loader's restore figures with their medians."""
     plain, table = [run["samples_per_s"] for run in runs["plain"]], {}
     for name, results in runs.items():
         rates = [run["samples_per_s"] for run in results]
@@ -426,9 +408,7 @@ def finish(
     restores: dict[str, Any],
     report: Callable[[dict[str, Any], Path], str] = report,
 ) -> int:
-    """The summary completed (contenders not run, the options, parameters and ``workload``'s
-    fields, every run's result) and written as bench.json in ``--out`` (default: a new
-    directory); ``report`` printed. 0 when energy_loader resumed exactly."""
+    """Complete the summary, write ``--out``/bench.json, print ``report``; 0 if resumed exactly."""
     options = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     del options["_run"]
     fixed = dict(save_every=SAVE_EVERY, check_batches=CHECK_BATCHES, workers=WORKERS,
