@@ -1,8 +1,5 @@
-"""``python -m energy_loader demo``: kill a training run, resume it, prove nothing changed.
-
-Runs, each in its own process, an interrupted loop that checkpoints and SIGKILLs itself, a
-resumed one from its newest intact checkpoint, and an uninterrupted reference, then compares
-their steps' sample indices and token checksums one by one.
+"""``python -m energy_loader demo``: SIGKILL a training run, resume it from its newest intact
+checkpoint and compare every step with an uninterrupted run (docs/getting-started.md).
 """
 
 from __future__ import annotations
@@ -77,12 +74,13 @@ def _progress(total: int, description: str, initial: int = 0) -> Any:
 
 
 def train(args: argparse.Namespace) -> None:
-    """One training-like loop (runs in a child process)."""
-    loader = SavableDataLoader(build_pipeline(args.data, args.seed), num_workers=args.workers)
-    checkpoints = CheckpointDirectory(args.checkpoints, keep=3)
-    log = open(args.log, "a")  # noqa: SIM115 - closed by process exit or below
+    """One training-like loop, ``--_role``'s (runs in a child process)."""
+    data = str(args.out / "tokens.npy")
+    loader = SavableDataLoader(build_pipeline(data, args.seed), num_workers=args.workers)
+    checkpoints = CheckpointDirectory(args.out / "checkpoints", keep=3)
+    log = open(args.out / f"{args._role}.jsonl", "a")  # noqa: SIM115 - closed by exit or below
     step = 0
-    if args.role == "resumed":
+    if args._role == "resumed":
         found = checkpoints.load_latest()
         if found is None:
             raise SystemExit("no intact checkpoint to resume from")
@@ -91,13 +89,14 @@ def train(args: argparse.Namespace) -> None:
         loader.load_state_dict(payload["loader"])
         step = payload["step"] + 1
         log.write(json.dumps({"resumed_from": payload["step"]}) + "\n")
-    bar = _progress(args.total_steps, args.role, initial=step)
+    total = _steps_per_epoch(data, args.seed, args.workers) * args.epochs
+    bar = _progress(total, args._role, initial=step)
     # The loader's own epoch, not a counter kept beside it: a state saved right after an
     # epoch's last batch restores to "that epoch is over", and the first loop after the
     # restore runs the next epoch (docs/concepts.md, epochs).
     while loader.epoch < args.epochs:
         for batch in loader:
-            if args.role == "resumed" and start is not None:
+            if args._role == "resumed" and start is not None:
                 log.write(json.dumps({"restore_ms": (time.perf_counter() - start) * 1000}) + "\n")
                 start = None
             record = {
@@ -110,7 +109,7 @@ def train(args: argparse.Namespace) -> None:
                 log.flush()
                 os.fsync(log.fileno())
                 os.kill(os.getpid(), signal.SIGKILL)
-            if args.role != "reference" and step % args.save_every == 0:
+            if args._role != "reference" and step % args.save_every == 0:
                 log.flush()
                 os.fsync(log.fileno())
                 began = time.perf_counter()
@@ -140,7 +139,7 @@ def _read_log(path: Path) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any
     return steps, events
 
 
-def _child(args: argparse.Namespace, role: str, log: Path, kill_step: int) -> int:
+def _child(args: argparse.Namespace, role: str, kill_step: int = -1) -> int:
     command = [
         sys.executable, "-m", "energy_loader", "demo", "--_role", role,
         "--samples", str(args.samples), "--workers", str(args.workers), "--seed", str(args.seed),
@@ -150,7 +149,7 @@ def _child(args: argparse.Namespace, role: str, log: Path, kill_step: int) -> in
     return subprocess.run(command, check=False).returncode
 
 
-def _verdict(args: argparse.Namespace, out: Path, kill_step: int) -> int:
+def _verdict(out: Path, kill_step: int) -> int:
     interrupted, run1_events = _read_log(out / "interrupted.jsonl")
     resumed, run2_events = _read_log(out / "resumed.jsonl")
     reference, _ = _read_log(out / "reference.jsonl")
@@ -187,8 +186,7 @@ def _verdict(args: argparse.Namespace, out: Path, kill_step: int) -> int:
 
 
 def _steps_per_epoch(data_path: str, seed: int, workers: int) -> int:
-    """Batches per epoch on this worker layout (each worker's shard ends in its own partial
-    batch, so this is more than ``ceil(samples / 32)`` with workers)."""
+    """Batches per epoch on this worker layout (each worker's shard ends in a partial batch)."""
     return len(SavableDataLoader(build_pipeline(data_path, seed), num_workers=workers))
 
 
@@ -200,26 +198,17 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--samples", type=int, default=20_000, help="samples in the dataset")
     parser.add_argument("--workers", type=int, default=2, help="loader worker processes")
-    parser.add_argument("--seed", type=int, default=None, help="seed (default: random)")
+    parser.add_argument("--seed", type=int, help="seed (default: random)")
     parser.add_argument("--epochs", type=int, default=2, help="epochs to train")
     parser.add_argument("--save-every", type=int, default=25, help="steps between checkpoints")
-    parser.add_argument("--kill-step", type=int, default=None, help="step to SIGKILL at")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="output directory, kept (default: a temporary one, removed at the end)",
-    )
-    parser.add_argument("--_role", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--kill-step", type=int, help="step to SIGKILL at")
+    out_help = "output directory, kept (default: a temporary one, removed at the end)"
+    parser.add_argument("--out", type=Path, help=out_help)
+    parser.add_argument("--_role", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.samples < 64 or args.workers < 0 or args.epochs < 1 or args.save_every < 1:
         parser.error("need --samples >= 64, --workers >= 0, --epochs >= 1, --save-every >= 1")
     if args._role is not None:
-        args.data = str(args.out / "tokens.npy")
-        args.checkpoints = str(args.out / "checkpoints")
-        args.log = str(args.out / f"{args._role}.jsonl")
-        args.role = args._role
-        args.total_steps = _steps_per_epoch(args.data, args.seed, args.workers) * args.epochs
         train(args)
         return 0
     if args.seed is None:
@@ -246,15 +235,13 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     kept = "" if args.keep_out else " (a temporary folder, removed at the end; --out keeps one)"
     print(f"demo data: {args.samples} samples x {TOKENS_PER_SAMPLE} tokens in {args.out}{kept}; "
           f"seed {args.seed}; {args.workers} workers; {args.epochs} epochs")  # fmt: skip
-    code = _child(args, "interrupted", args.out / "interrupted.jsonl", kill_step)
+    code = _child(args, "interrupted", kill_step)
     if code != -signal.SIGKILL:
         print(f"the interrupted run was expected to die by SIGKILL, exit code {code}")
         return 1
     print(f"interrupted run: killed itself with SIGKILL at step {kill_step}")
-    if _child(args, "resumed", args.out / "resumed.jsonl", -1) != 0:
-        print("the resumed run failed")
-        return 1
-    if _child(args, "reference", args.out / "reference.jsonl", -1) != 0:
-        print("the reference run failed")
-        return 1
-    return _verdict(args, args.out, kill_step)
+    for role in ("resumed", "reference"):
+        if _child(args, role) != 0:
+            print(f"the {role} run failed")
+            return 1
+    return _verdict(args.out, kill_step)

@@ -1,6 +1,5 @@
 """``python -m energy_loader index PATH``: build the member indexes of WebDataset tar shards
-(``<shard>.idx.json``), in parallel threads; remote locations take fsspec options from
-``--storage-options`` / ``--endpoint-url`` / ``--profile``. A failure is one line, exit 1.
+(``<shard>.idx.json``) in threads (docs/sources/webdataset.md). A failure is one line, exit 1.
 """
 
 from __future__ import annotations
@@ -61,10 +60,8 @@ def storage_options_from(
     endpoint_url: str | None = None,
     profile: str | None = None,
 ) -> dict[str, Any]:
-    """The fsspec storage options the command line asks for, as a source takes them: the JSON
-    object ``options_json``, plus ``endpoint_url`` and ``profile`` (S3 only) added as
-    ``{"client_kwargs": {"endpoint_url": ...}, "profile": ...}``; ``ValueError`` names a wrong one.
-    """
+    """The fsspec storage options of ``options_json`` (a JSON object), plus ``endpoint_url`` and
+    ``profile`` (S3 only) as a source takes them; ``ValueError`` names a wrong one."""
     options: dict[str, Any] = {}
     if options_json is not None:
         try:
@@ -96,29 +93,20 @@ def storage_options_from(
     return options
 
 
-def _open(url: str, storage_options: dict[str, Any]) -> Any:
-    import fsspec
-
-    return fsspec.open(url, "rb", **storage_options).open()
-
-
 def _index_one(
     url: str, target: str, force: bool, storage_options: dict[str, Any]
 ) -> tuple[str, int | None]:
     """Index one shard into ``target``; ``(url, samples)`` or ``(url, None)`` if kept."""
-    if _is_url(target):
-        import fsspec
+    import fsspec
 
-        fs, path = fsspec.core.url_to_fs(target, **storage_options)
-        if not force and fs.exists(path):
-            return url, None
-    elif not force and Path(target).exists():
+    fs, path = fsspec.core.url_to_fs(target, **storage_options) if _is_url(target) else (None, "")
+    if not force and (Path(target).exists() if fs is None else fs.exists(path)):
         return url, None
-    name = url.rsplit("/", 1)[-1]
-    with _open(url, storage_options) if _is_url(url) else open(url, "rb") as file:
-        data = build_index(file, name, url)
+    remote = _is_url(url)
+    with fsspec.open(url, "rb", **storage_options).open() if remote else open(url, "rb") as file:
+        data = build_index(file, url.rsplit("/", 1)[-1], url)
     encoded = json.dumps(data).encode()
-    if _is_url(target):
+    if fs is not None:
         fs.pipe_file(path, encoded)
     else:
         write_atomically(target, encoded)
@@ -134,10 +122,8 @@ def index_shards(
     progress: bool = True,
     storage_options: dict[str, Any] | None = None,
 ) -> dict[str, int | None]:
-    """Index every shard of ``location``; returns ``{shard: samples or None if kept}``.
-    ``storage_options`` go to fsspec as a :class:`~energy_loader.WebDatasetSource` takes them;
-    errors of the storage library propagate as they are.
-    """
+    """Index every shard of ``location``; returns ``{shard: samples or None if kept}``. Errors of
+    the storage library (``storage_options``: as a WebDatasetSource takes them) propagate."""
     if storage_options is not None and not isinstance(storage_options, dict):
         raise TypeError(
             f"`storage_options` must be a dict of fsspec options (got {storage_options!r})"
@@ -146,13 +132,11 @@ def index_shards(
     urls = expand_urls(location) if _BRACES.search(location) else _list_shards(location, options)
     if not urls:
         raise FileNotFoundError(f"{location} holds no .tar shards")
-    targets = {}
-    for url in urls:
-        if cache_dir is None:
-            targets[url] = url + INDEX_SUFFIX
-        else:
-            name = url.rsplit("/", 1)[-1]
-            targets[url] = str(Path(cache_dir) / "indexes" / (name + INDEX_SUFFIX))
+    folder = None if cache_dir is None else Path(cache_dir) / "indexes"
+    targets = {
+        url: str(folder / url.rsplit("/", 1)[-1]) + INDEX_SUFFIX if folder else url + INDEX_SUFFIX
+        for url in urls
+    }
     bar: Any = None
     if progress:
         from tqdm import tqdm
@@ -208,27 +192,14 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("path", metavar="PATH", help="shards: directory, file, pattern or URL")
     parser.add_argument("--jobs", type=int, default=8, help="shards indexed at once (8)")
-    parser.add_argument(
-        "--cache-dir", default=None, help="the source's cache_dir: write the indexes there"
-    )
+    parser.add_argument("--cache-dir", help="the source's cache_dir: write the indexes there")
     parser.add_argument("--force", action="store_true", help="rebuild existing indexes")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.add_argument(
-        "--storage-options",
-        metavar="JSON",
-        default=None,
-        help="fsspec storage options for a remote PATH, as a JSON object (what a "
-        "WebDatasetSource takes as storage_options)",
-    )
-    parser.add_argument(
-        "--endpoint-url",
-        metavar="URL",
-        default=None,
-        help="the S3-compatible server to use for s3:// (default: AWS_ENDPOINT_URL, else AWS)",
-    )
-    parser.add_argument(
-        "--profile", default=None, help="the AWS credentials profile for s3:// (AWS_PROFILE)"
-    )
+    options_help = "fsspec storage options for a remote PATH, as a JSON object"
+    parser.add_argument("--storage-options", metavar="JSON", help=options_help)
+    endpoint = "the S3-compatible server to use for s3:// (default: AWS_ENDPOINT_URL, else AWS)"
+    parser.add_argument("--endpoint-url", metavar="URL", help=endpoint)
+    parser.add_argument("--profile", help="the AWS credentials profile for s3:// (AWS_PROFILE)")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be positive (got {args.jobs})")

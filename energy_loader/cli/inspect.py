@@ -1,7 +1,5 @@
-"""``python -m energy_loader inspect PATH``: print a saved loader state as a readable tree.
-
-Reads checkpoint, ``torch.save`` or JSON files, folders of per-rank files and DCP folders;
-prints version, layout, epoch, positions and config. An unreadable path is one line, exit 2.
+"""``python -m energy_loader inspect PATH``: print the loader states saved in a file or folder as
+readable trees (docs/observability.md). An unreadable path is one line, exit 2.
 """
 
 from __future__ import annotations
@@ -83,13 +81,8 @@ def _read(path: Path) -> Any:
 
 
 def read_path(path: Path, prefix: str | None = None) -> list[tuple[str, Any]]:
-    """Every loader state in ``path``, with where it was found (plain data, not checked).
-
-    ``path``: a state file, a folder of one save's per-rank files (``prefix``: theirs, or the one
-    prefix there), read in rank order, or a DCP folder. ``FileNotFoundError`` for a missing path
-    or a folder without rank files (naming those expected), ``StateFormatError`` for a file with
-    no loader state.
-    """
+    """Every loader state (plain, not checked) in the state file, folder of per-rank files (in
+    rank order) or DCP folder ``path``, with where it was found."""
     if path.is_dir() and (path / ".metadata").is_file():
         return _states_of_dcp(path)
     if path.is_dir():
@@ -112,8 +105,7 @@ def _states_of(path: Path) -> list[tuple[str, Any]]:
 
 
 def _states_of_dcp(path: Path) -> list[tuple[str, Any]]:
-    """The loader states of a ``torch.distributed.checkpoint`` folder (its loader leaves only,
-    read without a process group: :func:`energy_loader.dcp.read_loader_entries`)."""
+    """The loader states of a ``torch.distributed.checkpoint`` folder (no process group)."""
     from ..dcp import read_loader_entries
 
     try:
@@ -186,8 +178,7 @@ def _config_chain(config: dict[str, Any]) -> list[str]:
 
 
 def describe_rank_state(state: Any) -> str:
-    """A multi-line description of one rank state (validated first): a savable pipeline's,
-    or a drop-in loader's."""
+    """A multi-line description of one rank state (validated first), a pipeline's or a drop-in's."""
     if state.get("format") == DROPIN_STATE_FORMAT:
         return describe_dropin_state(state)
     decoded = RankState.from_plain(state)
@@ -273,13 +264,11 @@ def summarize_rank_state(state: Any, length: int | None = None) -> dict[str, Any
 
 
 def _rank_length(spec: str, state: dict[str, Any]) -> int | None:
-    """Items per epoch of the state's rank, from the user's pipeline (None if unknown; a
-    drop-in state says it itself)."""
+    """Items per epoch of the state's rank, from the user's pipeline (None: unknown, a drop-in)."""
     from .pipelines import build_loader, load_builder
 
     if state.get("format") == DROPIN_STATE_FORMAT:
         return None
-
     loader = build_loader(load_builder(spec)(), state, int(state["rank"]), None)
     try:
         return len(loader)
@@ -313,16 +302,12 @@ def main(argv: list[str]) -> int:
     try:
         found = read_path(path, prefix)
         lengths = [None if pipeline is None else _rank_length(pipeline, s) for _, s in found]
-        if as_json:
-            blocks = [
-                json.dumps({"where": where, **summarize_rank_state(state, length)})
-                for (where, state), length in zip(found, lengths)
-            ]
-        else:
-            blocks = [
-                f"{where}:\n{describe_rank_state(state)}{_through(state, length)}"
-                for (where, state), length in zip(found, lengths)
-            ]
+        blocks = [
+            json.dumps({"where": where, **summarize_rank_state(state, length)})
+            if as_json
+            else f"{where}:\n{describe_rank_state(state)}{_through(state, length)}"
+            for (where, state), length in zip(found, lengths)
+        ]
     except Exception as error:
         print(f"inspect: {one_line(error, path)}", file=sys.stderr)
         return 2

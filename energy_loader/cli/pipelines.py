@@ -11,7 +11,7 @@ from typing import Any
 
 from ..dataset import SavableDataset
 
-__all__ = ["build_loader", "load_builder"]
+__all__ = ["build_loader", "check_rank", "load_builder"]
 
 
 def load_builder(spec: str) -> Callable[[], Any]:
@@ -30,6 +30,15 @@ def load_builder(spec: str) -> Callable[[], Any]:
     return function  # type: ignore[return-value]
 
 
+def check_rank(rank: int, world_size: int) -> None:
+    """``ValueError`` unless ``rank`` is a rank of a saved job of ``world_size`` ranks."""
+    if not 0 <= rank < world_size:
+        raise ValueError(
+            f"--rank {rank}: the checkpoint was saved by a job of {world_size} rank(s), "
+            f"ranks 0 to {world_size - 1}"
+        )
+
+
 def build_loader(built: Any, state: dict[str, Any], rank: int, seed: int | None) -> Any:
     """A loader (never started) with the saved layout, for ``rank``, over the built pipeline."""
     from ..loader import SavableDataLoader
@@ -45,12 +54,10 @@ def build_loader(built: Any, state: dict[str, Any], rank: int, seed: int | None)
             "the --pipeline function must return a SavableDataset pipeline or a "
             f"SavableDataLoader (got {type(built).__name__})"
         )
-    world_size = int(state["world_size"])
-    if not 0 <= rank < world_size:
-        raise ValueError(f"--rank must be in range({world_size}) for this job (got {rank})")
+    check_rank(rank, int(state["world_size"]))
     config = WorkerConfig(
         rank=rank,
-        world_size=world_size,
+        world_size=int(state["world_size"]),
         num_workers=int(state["num_workers"]),
         seed=config_seed if seed is None else seed,
     )

@@ -1,8 +1,5 @@
-"""``python -m energy_loader replay``: the restore keys (or samples) of any steps of a saved job.
-
-Builds the user's loader with the saved layout for one rank, reads the states it needs, and
-runs :func:`energy_loader.loader.peek.future_items` from them (no workers; only the replayed
-and requested items are made). Step 0 is the first item after the saved position.
+"""``python -m energy_loader replay``: the restore keys (or samples) of any steps of a saved job,
+made in this process from the saved states (docs/observability.md, "replay").
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ from ..loader.savable_loader import SavableDataLoader
 from ..state.rank_file import read_rank_file
 from ..state.rank_state import RankState
 from .inspect import one_line, read_path
-from .pipelines import build_loader, load_builder
+from .pipelines import build_loader, check_rank, load_builder
 
 __all__ = [
     "build_loader",
@@ -86,8 +83,7 @@ def parse_steps(text: str) -> tuple[int, int]:
 
 
 def read_states(paths: list[Path]) -> list[dict[str, Any]]:
-    """Every rank state in the files (checkpoint, torch.save or JSON) or DCP folders, one per
-    rank."""
+    """Every rank state in the state files or DCP folders ``paths``, one per rank."""
     by_rank: dict[int, dict[str, Any]] = {}
     for path in paths:
         if path.is_dir() and not _is_dcp(path):
@@ -102,17 +98,11 @@ def read_states(paths: list[Path]) -> list[dict[str, Any]]:
 def loader_and_states(
     built: Any, paths: list[Path], rank: int, seed: int | None, prefix: str | None = None
 ) -> tuple[Any, list[RankState]]:
-    """The replay loader for ``rank`` and the saved states it restores from: every state in the
-    state files ``paths``, or the files ``rank`` needs from one folder of per-rank files
-    (``prefix``: theirs, or the one there), as :func:`energy_loader.restore_state_rank_file` picks.
-    """
+    """The replay loader for ``rank`` and the saved states it restores from: all in the state
+    files ``paths``, or those :func:`energy_loader.restore_state_rank_file` picks from a folder."""
     if len(paths) == 1 and paths[0].is_dir() and not _is_dcp(paths[0]):
         files = rank_state_files(paths[0], prefix)
-        if not 0 <= rank < len(files):
-            raise ValueError(
-                f"--rank must be in range({len(files)}) for the job saved in {paths[0]} "
-                f"(got {rank})"
-            )
+        check_rank(rank, len(files))
         loader = build_loader(built, read_rank_file(files[rank]), rank, seed)
         return loader, read_rank_state_files(loader, paths[0], prefix)
     states = read_states(paths)
@@ -128,10 +118,8 @@ def replay(
     *,
     samples: bool = False,
 ) -> list[dict[str, Any]]:
-    """Steps ``start`` to ``stop`` (excluded) after the saved position: key, and sample.
-
-    ``states``: the saved rank states (plain or decoded), this rank's or all ranks'.
-    """
+    """Steps ``start`` to ``stop`` (excluded) after the saved position: key, and sample;
+    ``states``: the saved rank states (plain or decoded), this rank's or all ranks'."""
     from ..loader.peek import future_items
     from ..rng import kept_rng_state
 
@@ -162,28 +150,15 @@ def saved_world_size(state: dict[str, Any]) -> int:
 
 
 def _saved_job_size(paths: list[Path], prefix: str | None) -> int:
-    """The saved job's number of ranks: a folder of per-rank files' count of files, one a
-    rank (none is read), else the first state's."""
+    """The saved job's number of ranks: a folder's count of rank files, else the first state's."""
     if len(paths) == 1 and paths[0].is_dir() and not _is_dcp(paths[0]):
         return len(rank_state_files(paths[0], prefix))
     return saved_world_size(read_path(paths[0], prefix)[0][1])
 
 
-def check_rank(rank: int, world_size: int) -> None:
-    """``ValueError`` unless ``rank`` is a rank of a saved job of ``world_size`` ranks."""
-    if not 0 <= rank < world_size:
-        raise ValueError(
-            f"--rank {rank}: the checkpoint was saved by a job of {world_size} rank(s), "
-            f"ranks 0 to {world_size - 1}"
-        )
-
-
 def call_builder(spec: str, rank: int, world_size: int) -> Any:
-    """Call the ``--pipeline`` function: with ``rank=`` and ``world_size=`` (the rank asked, the
-    saved job's size) when it takes parameters of those names, so it can build rank ``rank``'s
-    ``DistributedSampler(dataset, num_replicas=world_size, rank=rank)`` without a process group;
-    with no arguments otherwise. A function that needs a process group gets an error saying so.
-    """
+    """Call the ``--pipeline`` function, with ``rank=`` and ``world_size=`` when it takes them
+    (to build its ``DistributedSampler`` without a process group), else with no arguments."""
     function: Callable[..., Any] = load_builder(spec)
     try:
         parameters: Mapping[str, Any] = inspect.signature(function).parameters
@@ -206,10 +181,8 @@ def call_builder(spec: str, rank: int, world_size: int) -> Any:
 def dropin_state_for(
     loader: SavableDataLoader, paths: list[Path], rank: int, prefix: str | None = None
 ) -> dict[str, Any]:
-    """The saved drop-in state that ``rank`` replays from, with ``loader`` made rank
-    ``rank``'s: ``rank`` must be a rank of the saved job, and under a ``DistributedSampler``
-    the loader's sampler is set to ``rank`` of the saved ``num_replicas`` when it was built for
-    another (:meth:`~energy_loader.SavableDataLoader.set_distributed_rank`)."""
+    """The saved drop-in state ``rank`` replays from; a ``DistributedSampler`` built for another
+    rank is set to ``rank`` of the saved ``num_replicas``."""
     engine = loader.engine
     if not isinstance(engine, DropInRestore):
         raise TypeError("dropin_state_for needs a loader over a plain dataset (a drop-in)")
@@ -252,9 +225,7 @@ def replay_dropin(
     samples: bool = False,
 ) -> list[dict[str, Any]]:
     """Steps ``start`` to ``stop`` after a drop-in loader's saved position: each batch's dataset
-    indices in the saved epoch, for ``rank`` (under a ``DistributedSampler`` any rank's state
-    serves); ``samples``: the batches too, made as training made them (``peek_batches``).
-    """
+    indices, and with ``samples`` the batches as training made them (``peek_batches``)."""
     state = dropin_state_for(loader, paths, rank, prefix)
     if samples:
         made = loader.peek_batches(stop, state)
@@ -297,7 +268,6 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument(
         "--prefix",
-        default=None,
         help="in a folder, the prefix the rank files were saved with (default: the one "
         "prefix its rank files have)",
     )
@@ -310,7 +280,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--seed",
         type=int,
-        default=None,
         help="the job's WorkerConfig seed, when FUNCTION returns a pipeline (default 0)",
     )
     args = parser.parse_args(argv)
