@@ -70,11 +70,9 @@ class SavableProtocol(Protocol):
 
 
 def is_stateful(value: Any) -> bool:
-    """Whether ``value`` follows torch's ``Stateful`` protocol (``state_dict()`` and
-    ``load_state_dict()``), as torchdata's samplers and datasets and our loaders do."""
-    return callable(getattr(value, "state_dict", None)) and callable(
-        getattr(value, "load_state_dict", None)
-    )
+    """Whether ``value`` has torch's ``Stateful`` ``state_dict()`` and ``load_state_dict()``."""
+    methods = (getattr(value, name, None) for name in ("state_dict", "load_state_dict"))
+    return all(callable(method) for method in methods)
 
 
 # Types whose instances take no attribute: a sample of one carries no restore key (asked
@@ -141,11 +139,9 @@ def apply_user_fn(
 ) -> Any:
     """Run a user function on one sample, the way every wrapper that runs user code does.
 
-    With ``seeded`` the global RNGs are first seeded from (pipeline seed, the stream salt of
-    ``scope``, ``key``) (see :func:`~energy_loader.rng.seed_globals_for_sample`); ``scope`` is
-    the dataset whose seeding the call runs under: ``owner`` unless ``owner`` shares the
-    seeding of the wrapper above it (:meth:`SavableDataset.share_sample_seeding`). An exception
-    gets a note naming the function, the owner and the restore key.
+    With ``seeded`` the global RNGs are first seeded from (pipeline seed, ``scope``'s stream salt,
+    ``key``); ``scope`` defaults to ``owner`` (:meth:`SavableDataset.share_sample_seeding`). An
+    exception gets a note naming the function, the owner and the restore key.
     """
     if seeded:
         scope = owner if scope is None else scope
@@ -319,15 +315,10 @@ class SavableDataset(IterableDataset[Any], ABC):
         """Offer this dataset's per-sample reads the seeding of ``owner``, the wrapper right
         above it; returns whether this dataset takes it.
 
-        A wrapper that seeds the global RNGs before its function for every sample (a map or a
-        filter) asks its inner dataset this when it is built. A dataset that reads each
-        sample under the sample's own seed (an ``IndexedSource`` over a dataset object) and
-        accepts then reads under ``owner``'s seed, from (pipeline seed, ``owner``'s position,
-        the restore key), and ``owner`` runs its function right after the read without
-        seeding again: one seeding covers both, and the draws of both remain a function of
-        the sample's key and ``owner``'s position (after a restore, in ``restore_sample``, on
-        any layout). A dataset takes the offer of one owner only. The default: no seeded
-        reads, nothing to share.
+        A map or filter asks its inner dataset when built. One that seeds its own reads (an
+        ``IndexedSource`` over a dataset object) and accepts reads under ``owner``'s seed, which
+        ``owner`` then does not repeat: one seeding covers both, still a function of the key and
+        ``owner``'s position. A dataset takes one owner's offer; the default takes none.
         """
         return False
 
@@ -342,9 +333,7 @@ class SavableDataset(IterableDataset[Any], ABC):
         if len(children) == 1:
             children[0].validate_key(key)
 
-    # -- the fluent form: thin sugar over the wrapper classes ------------------------------
-    # The wrappers import this module (they are SavableDatasets), and every dataset carries
-    # these methods: so each imports its wrapper when called. That loop is the idea itself.
+    # -- the fluent form: each method imports its wrapper (the wrappers import this module) ---
 
     def map(self, fn: Callable[[Any], Any], *, seed_per_sample: bool = True) -> SavableDataset:
         """``MapDataset(self, fn)``."""
@@ -403,10 +392,7 @@ class SavableDataset(IterableDataset[Any], ABC):
         return LogSampleDataset(self, log_dir=log_dir)
 
     def blend(
-        self,
-        *others: tuple[SavableDataset, float],
-        weight: float = 1.0,
-        on_exhausted: str = "end",
+        self, *others: tuple[SavableDataset, float], weight: float = 1.0, on_exhausted: str = "end"
     ) -> SavableDataset:
         """``BlendDataset((self, weight), *others, on_exhausted=...)``."""
         from .wrappers.blend import BlendDataset
@@ -450,10 +436,9 @@ class SavableDataset(IterableDataset[Any], ABC):
     def bind(self, context: WorkerContext) -> None:
         """Tell this pipeline which worker it runs as, and number its components.
 
-        Every dataset gets the context and an ordinal among the datasets of its own class in
-        pre-order, so two identical shuffled sources draw different streams. The loader calls
-        this in every worker before iterating; iterating a dataset directly binds it to
-        :func:`~energy_loader.current_worker`.
+        Each dataset gets the context and its ordinal among its class's datasets in pre-order (two
+        identical shuffled sources draw different streams). The loader calls it in every worker;
+        iterating a dataset directly binds it to :func:`~energy_loader.current_worker`.
         """
         counts: dict[str, int] = {}
         for dataset in self.walk():
@@ -538,9 +523,8 @@ class BaseWrapperDataset(SavableDataset):
 class WrapperCursor(EpochCursor):
     """A cursor of a one-inner wrapper: its own fields plus the inner state under ``inner``.
 
-    ``inner_done`` records that the inner dataset ended its epoch inside this wrapper's
-    current epoch, so that a wrapper restored while draining (a last partial batch, a shuffle
-    buffer emptying) does not start the inner dataset's next epoch.
+    ``inner_done``: the inner epoch ended in this one, so a wrapper restored while draining (a
+    last partial batch) does not start the inner dataset's next epoch.
     """
 
     dataset: BaseWrapperDataset

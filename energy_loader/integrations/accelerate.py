@@ -138,8 +138,9 @@ def prepare_loader(
             "`state_prefix` must be a non-empty file name prefix without path separators "
             f"(got {state_prefix!r})"
         )
+    prepared = AcceleratedLoader(accelerator, loader, non_blocking=non_blocking, state_prefix=None)
     if not register_for_checkpointing:
-        return AcceleratedLoader(accelerator, loader, non_blocking=non_blocking, state_prefix=None)
+        return prepared
     taken = _PREFIXES.setdefault(accelerator, set())
     if state_prefix in taken:
         raise ValueError(
@@ -147,10 +148,8 @@ def prepare_loader(
             f"{state_prefix!r}; pass another `state_prefix` (e.g. state_prefix="
             f"'{state_prefix}_eval') so the two loaders' files do not overwrite each other"
         )
-    prepared = AcceleratedLoader(
-        accelerator, loader, non_blocking=non_blocking, state_prefix=state_prefix
-    )
     taken.add(state_prefix)
+    prepared.state_prefix = state_prefix
     accelerator.register_save_state_pre_hook(prepared._save)
     accelerator.register_load_state_pre_hook(prepared._load)
     return prepared

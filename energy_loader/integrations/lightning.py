@@ -44,6 +44,11 @@ def _held_back(trainer_ref: weakref.ref[Trainer]) -> int:
     return 0 if trainer is None else held_back_batches(trainer)
 
 
+def _train_loaders(trainer: Trainer) -> list[Any]:
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    return [] if combined is None else list(combined.flattened)
+
+
 def _runs_on_several_ranks(loader: Any) -> bool:
     return (
         isinstance(loader, SavableDataLoader)
@@ -57,8 +62,7 @@ def _count_the_resumed_epoch_as_the_loader_deals_it(trainer: Trainer) -> None:
     drop-in resumed on another layout deals the rest anew, so the counters become ``len(loader) -
     batches left`` (docs/integrations-lightning.md, "Several ranks").
     """
-    combined = getattr(trainer.fit_loop, "_combined_loader", None)
-    loaders = [] if combined is None else list(combined.flattened)
+    loaders = _train_loaders(trainer)
     if len(loaders) != 1 or not runs_dropin(loaders[0]):
         return
     left = loaders[0].resumed_batches_left
@@ -66,10 +70,8 @@ def _count_the_resumed_epoch_as_the_loader_deals_it(trainer: Trainer) -> None:
         return  # not a resumed epoch, or limit_train_batches cuts the epoch anyway
     current = trainer.fit_loop.epoch_loop.batch_progress.current
     shift = len(loaders[0]) - left - current.ready
-    current.ready += shift
-    current.started += shift
-    current.processed += shift
-    current.completed += shift
+    for counter in ("ready", "started", "processed", "completed"):
+        setattr(current, counter, getattr(current, counter) + shift)
 
 
 class SavableLoaderCallback(Callback):
@@ -91,10 +93,8 @@ class SavableLoaderCallback(Callback):
         self._loaders: list[SavableDataLoader] = []
 
     def _attach(self, trainer: Trainer) -> None:
-        combined = getattr(trainer.fit_loop, "_combined_loader", None)
-        loaders = [] if combined is None else list(combined.flattened)
         source = functools.partial(_held_back, weakref.ref(trainer))
-        for loader in loaders:
+        for loader in _train_loaders(trainer):
             if isinstance(loader, SavableDataLoader):
                 loader.held_back_source = source
                 if loader not in self._loaders:
@@ -146,10 +146,7 @@ class SavableLoaderCallback(Callback):
     @staticmethod
     def _stateful_train_loaders(trainer: Trainer) -> list[Any]:
         """The train loaders whose states Lightning saves, in its order (``_Stateful`` ones)."""
-        combined = getattr(trainer.fit_loop, "_combined_loader", None)
-        if combined is None:
-            return []
-        return [loader for loader in combined.flattened if is_stateful(loader)]
+        return [loader for loader in _train_loaders(trainer) if is_stateful(loader)]
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         for loader in self._loaders:

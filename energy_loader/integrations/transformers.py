@@ -43,13 +43,8 @@ STATE_PREFIX = "energy_loader"
 TRAINER_STATE_NAME = "trainer_state.json"
 
 # torch's samplers that know nothing of ranks: under them every process reads every row.
-_RANK_BLIND_SAMPLERS = (
-    SequentialSampler,
-    RandomSampler,
-    SubsetRandomSampler,
-    WeightedRandomSampler,
-    BatchSampler,
-)
+_RANK_BLIND_SAMPLERS: tuple[type, ...] = (SequentialSampler, RandomSampler, BatchSampler)
+_RANK_BLIND_SAMPLERS += (SubsetRandomSampler, WeightedRandomSampler)
 
 
 def _sampler_chain(loader: SavableDataLoader) -> list[Any]:
@@ -158,9 +153,7 @@ def _checkpoint_global_step(checkpoint: str) -> int:
 
 def _saved_world_size(state: Any) -> int:
     """The world size a loader state was saved on (a pipeline's or a drop-in's state)."""
-    if isinstance(state, Mapping):
-        return int(state["world_size"])
-    return int(state.world_size)
+    return int(state["world_size"] if isinstance(state, Mapping) else state.world_size)
 
 
 class SavableLoaderTrainer(Trainer):  # type: ignore[misc]
@@ -208,15 +201,12 @@ class SavableLoaderTrainer(Trainer):  # type: ignore[misc]
         self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any
     ) -> Any:
         """Restore the loader from the checkpoint (if any), then ``Trainer.train``."""
-        if isinstance(resume_from_checkpoint, bool):
-            if resume_from_checkpoint:
-                resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-                if resume_from_checkpoint is None:
-                    raise ValueError(
-                        f"no checkpoint found in output directory {self.args.output_dir}"
-                    )
-            else:
-                resume_from_checkpoint = None
+        if resume_from_checkpoint is False:
+            resume_from_checkpoint = None
+        elif resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"no checkpoint found in output directory {self.args.output_dir}")
         self._resume = None
         if resume_from_checkpoint is not None:
             self._resume = self._restore_loader(str(resume_from_checkpoint))

@@ -61,12 +61,7 @@ _MISSING = object()
 
 
 def config_differences(
-    saved: Any,
-    now: Any,
-    *,
-    path: str = "",
-    field: tuple[str | int, ...] = (),
-    code: bool = False,
+    saved: Any, now: Any, *, path: str = "", field: tuple[str | int, ...] = (), code: bool = False
 ) -> list[ConfigDifference]:
     """Every leaf where ``saved`` and ``now`` differ (lists and tuples compare alike), but
     the user functions' code fingerprints (``*_code`` fields: :func:`code_differences`) and
@@ -80,20 +75,13 @@ def config_differences(
         for name in sorted(set(saved) | set(now), key=str):
             if name == "type" and saved.get("type") == now.get("type"):
                 continue
-            if isinstance(name, str) and name.endswith(CODE_SUFFIX) and not code:
+            if _is_code(name) and not code:
                 continue  # code fingerprints: code_differences()
             if name == DATA_FIELD:
                 continue  # data fingerprints: data_changes()
             child_path = path if name in ("inner", "inners") else f"{path}.{name}"
-            out.extend(
-                config_differences(
-                    saved.get(name, _MISSING),
-                    now.get(name, _MISSING),
-                    path=child_path,
-                    field=(*field, name),
-                    code=code,
-                )
-            )
+            pair = saved.get(name, _MISSING), now.get(name, _MISSING)
+            out.extend(config_differences(*pair, path=child_path, field=(*field, name), code=code))
         return out
     both_lists = isinstance(saved, (list, tuple)) and isinstance(now, (list, tuple))
     if both_lists and len(saved) == len(now):
@@ -113,14 +101,12 @@ def code_differences(saved: Any, now: Any) -> list[ConfigDifference]:
     ``*_code`` fingerprints; a config saved before fingerprints has none, and one saved by a
     release before :mod:`.code_fingerprint`'s form is not comparable: nothing is reported for
     either). Call it where :func:`config_differences` found nothing else."""
-    return [
-        d
-        for d in config_differences(saved, now, code=True)
-        if d.field
-        and isinstance(d.field[-1], str)
-        and d.field[-1].endswith(CODE_SUFFIX)
-        and comparable(d.saved)
-    ]
+    found = config_differences(saved, now, code=True)
+    return [d for d in found if d.field and _is_code(d.field[-1]) and comparable(d.saved)]
+
+
+def _is_code(name: Any) -> bool:
+    return isinstance(name, str) and name.endswith(CODE_SUFFIX)
 
 
 def describe_differences(differences: list[ConfigDifference]) -> str:
@@ -183,7 +169,7 @@ def user_functions(config: Any) -> list[UserFunction]:
     for path, stage in pipeline_stages(config):
         seeded = stage.get("seed_per_sample")
         for name in stage:
-            if isinstance(name, str) and name.endswith(CODE_SUFFIX):
+            if _is_code(name):
                 argument = name[: -len(CODE_SUFFIX)]
                 from_fn = argument == FROM_FN
                 found.append(

@@ -223,10 +223,7 @@ class PositionBook(CheckpointRing):
 
 
 def _remade(
-    slot: int,
-    state: PartitionState,
-    earlier: list[tuple[int, Snapshot]],
-    events: list[Event],
+    slot: int, state: PartitionState, earlier: list[tuple[int, Snapshot]], events: list[Event]
 ) -> PartitionState | None:
     """``slot``'s position from the newest earlier snapshot of its epoch before its last item, so a
     restore re-makes that item to check it; None when none is kept."""

@@ -206,11 +206,8 @@ class RankFile:
         self.split = reader.has("slots")
         if not self.split:
             return
-        self.header = {
-            "format": RANK_STATE_FORMAT,
-            "version": reader.int("state_version"),
-            **self.header,
-        }
+        version = reader.int("state_version")
+        self.header = {"format": RANK_STATE_FORMAT, "version": version, **self.header}
         checks = StateReader(self.header, f"{where}.state").sub("checks")
         self.config_check = checks.str("config")
         self._partitions_at = end + _LOCAL_HEADER.size + len(_PARTITIONS)
