@@ -35,8 +35,11 @@ __all__ = [
     "default_cache_dir",
     "resolve_cache_dir",
     "download_settings",
+    "is_url",
+    "list_files",
     "node_lock",
     "parse_json",
+    "storage_options_dict",
 ]
 
 LOGGER = logging.getLogger("energy_loader.sources.sharded")
@@ -60,6 +63,52 @@ def resolve_cache_dir(cache_dir: Any, kind: str, location: str) -> Path:
     if not isinstance(cache_dir, (str, os.PathLike)) or "://" in os.fspath(cache_dir):
         raise TypeError(f"`cache_dir` must be a local directory path (got {cache_dir!r})")
     return Path(cache_dir).resolve()
+
+
+def is_url(path: str) -> bool:
+    return "://" in path
+
+
+def storage_options_dict(storage_options: Any) -> dict[str, Any]:
+    """A copy of the fsspec options a source was given (``TypeError`` unless a dict or None)."""
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise TypeError(
+            f"`storage_options` must be a dict of fsspec options (got {storage_options!r})"
+        )
+    return dict(storage_options or {})
+
+
+def list_files(
+    location: str,
+    storage_options: dict[str, Any],
+    suffixes: tuple[str, ...],
+    missing: str,
+    empty: str,
+    recursive: bool = False,
+) -> list[str]:
+    """``[location]`` for a file, else the files of the directory ``location`` (local or fsspec
+    URL; with ``recursive``, its subfolders too) whose names end with ``suffixes``, sorted.
+    ``FileNotFoundError`` with ``f"{location} {missing}"`` or ``f"{location} {empty}"``."""
+    if is_url(location):
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(location, **storage_options)
+        if fs.isfile(root):
+            return [location]
+        protocol = location.split("://", 1)[0]
+        found = fs.find(root) if recursive else fs.glob(root.rstrip("/") + "/*")
+        paths = [f"{protocol}://{path}" for path in sorted(found) if path.endswith(suffixes)]
+    else:
+        path = Path(location)
+        if path.is_file():
+            return [str(path.resolve())]
+        if not path.is_dir():
+            raise FileNotFoundError(f"{location} {missing}")
+        found = path.rglob("*") if recursive else path.glob("*")
+        paths = sorted(str(p.resolve()) for p in found if p.name.endswith(suffixes))
+    if not paths:
+        raise FileNotFoundError(f"{location} {empty}")
+    return paths
 
 
 class DownloadSettings(NamedTuple):
@@ -128,11 +177,7 @@ class Remote:
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url if "://" in url else str(Path(url).resolve())
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise TypeError(
-                f"`storage_options` must be a dict of fsspec options (got {storage_options!r})"
-            )
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = storage_options_dict(storage_options)
         self._fs: Any = None
         self._root = ""
         self._pid = -1

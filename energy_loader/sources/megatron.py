@@ -21,7 +21,7 @@ from ..errors import SourceDataError
 from ..rng import stable_hash
 from ..state.data_fingerprint import DATA_FIELD, DataFiles, content_entry
 from ..validation import require_int
-from ._download import Downloads, Remote, ShardCache, resolve_cache_dir
+from ._download import Downloads, Remote, ShardCache, resolve_cache_dir, storage_options_dict
 from ._order import EpochOrder
 from ._strided import PrefetchingCursor, StridedSource
 from .shard_writer import ShardInfo
@@ -161,10 +161,7 @@ class MegatronIndexedSource(Downloads, StridedSource):
             self.prefix = prefix
             self._name = name
         else:
-            if storage_options is not None and not isinstance(storage_options, dict):
-                raise TypeError(
-                    f"`storage_options` must be a dict of fsspec options (got {storage_options!r})"
-                )
+            storage_options_dict(storage_options)  # checked, though unused
             self.prefix = str(Path(prefix).resolve())
             self._name = Path(self.prefix).name
         self.cache_dir = resolve_cache_dir(cache_dir, "megatron", self.prefix)

@@ -26,6 +26,8 @@ from ..errors import DownloadError, SourceDataError
 from ..rng import stable_hash
 from ..state.data_fingerprint import DATA_FIELD, DataFiles, relative_names
 from ..validation import require_int
+from ._download import is_url as _is_url
+from ._download import list_files, storage_options_dict
 from ._order import EpochOrder
 from ._strided import StridedCursor, StridedSource
 from .permutation import FeistelPermutation
@@ -33,10 +35,6 @@ from .permutation import FeistelPermutation
 __all__ = ["ParquetSource"]
 
 _SUFFIXES = (".parquet", ".pq")
-
-
-def _is_url(path: str) -> bool:
-    return "://" in path
 
 
 def _take(table: Any, rows: np.ndarray) -> list[dict[str, Any]]:
@@ -215,11 +213,7 @@ class ParquetSource(StridedSource):
             else require_int(max_cached_row_groups, "max_cached_row_groups", minimum=1)
         )
         self.read_retries = require_int(read_retries, "read_retries", minimum=0)
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise TypeError(
-                f"`storage_options` must be a dict of fsspec options (got {storage_options!r})"
-            )
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = storage_options_dict(storage_options)
         if columns is not None:
             if isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
                 raise TypeError(f"`columns` must be a list of column names (got {columns!r})")
@@ -254,29 +248,8 @@ class ParquetSource(StridedSource):
     def _resolve(self, paths_or_dir: Any) -> list[str]:
         if isinstance(paths_or_dir, (str, os.PathLike)):
             location = os.fspath(paths_or_dir)
-            if _is_url(location):
-                import fsspec
-
-                fs, root = fsspec.core.url_to_fs(location, **self.storage_options)
-                if fs.isfile(root):
-                    paths = [location]
-                else:
-                    protocol = location.split("://", 1)[0]
-                    found = sorted(p for p in fs.find(root) if p.endswith(_SUFFIXES))
-                    paths = [f"{protocol}://{p}" for p in found]
-            else:
-                path = Path(location)
-                if path.is_file():
-                    paths = [str(path.resolve())]
-                elif path.is_dir():
-                    paths = sorted(
-                        str(p.resolve()) for p in path.rglob("*") if p.suffix in _SUFFIXES
-                    )
-                else:
-                    raise FileNotFoundError(f"{location} is neither a Parquet file nor a directory")
-            if not paths:
-                raise FileNotFoundError(f"{location} holds no .parquet files")
-            return paths
+            missing, empty = "is neither a Parquet file nor a directory", "holds no .parquet files"
+            return list_files(location, self.storage_options, _SUFFIXES, missing, empty, True)
         if isinstance(paths_or_dir, Sequence) and paths_or_dir:
             out = []
             for path in paths_or_dir:

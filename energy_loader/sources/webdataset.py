@@ -24,7 +24,8 @@ from ..rng import stable_hash
 from ..state.atomic import write_atomically
 from ..state.data_fingerprint import DataFiles, relative_names
 from ..state.plain import StateReader
-from ._download import Remote, ShardCache, resolve_cache_dir
+from ._download import Remote, ShardCache, list_files, resolve_cache_dir, storage_options_dict
+from ._download import is_url as _is_url
 from ._strided import RestoreShard, ShardRowCursor, ShardRowSource
 from ._tar_index import INDEX_SUFFIX, TarIndex, build_index, check_header, parse_index
 from .shard_writer import ShardInfo
@@ -103,27 +104,10 @@ def expand_urls(pattern: str) -> list[str]:
     return out
 
 
-def _is_url(path: str) -> bool:
-    return "://" in path
-
-
 def _list_shards(location: str, storage_options: dict[str, Any]) -> list[str]:
     """The ``.tar`` files of a directory (local or fsspec URL), sorted by name."""
-    if _is_url(location):
-        import fsspec
-
-        fs, root = fsspec.core.url_to_fs(location, **storage_options)
-        if fs.isfile(root):
-            return [location]
-        protocol = location.split("://", 1)[0]
-        found = sorted(fs.glob(root.rstrip("/") + "/*.tar"))
-        return [f"{protocol}://{path}" for path in found]
-    path = Path(location)
-    if path.is_file():
-        return [str(path.resolve())]
-    if not path.is_dir():
-        raise FileNotFoundError(f"{location} is neither a .tar shard nor a directory of shards")
-    return sorted(str(p.resolve()) for p in path.glob("*.tar"))
+    missing, empty = "is neither a .tar shard nor a directory of shards", "holds no .tar shards"
+    return list_files(location, storage_options, (".tar",), missing, empty)
 
 
 def _flat(name: str) -> str:
@@ -225,11 +209,7 @@ class WebDatasetSource(ShardRowSource):
         if on_error not in ON_ERROR:
             raise ValueError(f"`on_error` must be one of {ON_ERROR} (got {on_error!r})")
         self.on_error = on_error
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise TypeError(
-                f"`storage_options` must be a dict of fsspec options (got {storage_options!r})"
-            )
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = storage_options_dict(storage_options)
         self._set_decoders(decode)
         urls = self._resolve(urls_or_dir)
         self.remote: Remote | None = None
@@ -306,8 +286,6 @@ class WebDatasetSource(ShardRowSource):
                 urls = expand_urls(location)
             else:
                 urls = _list_shards(location, self.storage_options)
-                if not urls:
-                    raise FileNotFoundError(f"{location} holds no .tar shards")
         elif isinstance(urls_or_dir, Sequence) and urls_or_dir:
             urls = []
             for url in urls_or_dir:
