@@ -6,6 +6,7 @@ parsing and decoding. Order and resume are ShardedSource's, downloads its cache'
 
 from __future__ import annotations
 
+import inspect
 import os
 from abc import abstractmethod
 from pathlib import Path
@@ -21,49 +22,62 @@ from ._download import Remote, ShardCache, resolve_cache_dir
 from ._strided import RestoreShard, ShardRowSource
 from .shard_writer import ShardInfo
 
-__all__ = ["OffsetShardFile", "OffsetShardSource"]
+__all__ = ["OffsetShardFile", "OffsetShardSource", "passed_on"]
 
 DEFAULT_PREDOWNLOAD = 1024
 
 
 class OffsetShardFile:
-    """One local shard opened for random access: its offset table, checked, and the file."""
+    """One local shard opened for random access: the file, ``magic | count | offsets[count +
+    1]`` (little-endian unsigned, ``width`` bytes each), checked, then the samples."""
 
-    def __init__(self, path: str, info: ShardInfo, where: str) -> None:
+    magic, width, writable = b"", 4, False  # writable: records are bytearrays, else bytes
+    #: A short header, a count other than the index's, a short table, a table past the file's
+    #: end (fields where, size, samples, magic, count, end; no last: the end is not checked).
+    damage: tuple[str, ...] = (
+        "{where} is truncated: {size} bytes, no sample count",
+        "{where} holds {count} samples, index.json says {samples}: the file is damaged or "
+        "belongs to another index",
+        "{where} is truncated ({size} bytes): its offset table",
+        "{where} is truncated or damaged: {size} bytes, its offset table runs to {end}",
+    )
+
+    def __init__(self, path: str, samples: int, where: str) -> None:
         self.where = where
         self.file = open(path, "rb")  # noqa: SIM115 (closed by close())
         try:
             size = os.fstat(self.file.fileno()).st_size
-            head = self.file.read(4)
-            if len(head) != 4:
-                raise SourceDataError(f"{where} is truncated: {size} bytes, no sample count")
-            count = int(np.frombuffer(head, dtype="<u4")[0])
-            if count != info.samples:
-                raise SourceDataError(
-                    f"{where} holds {count} samples, index.json says {info.samples}: the file "
-                    "is damaged or belongs to another index"
-                )
-            table = self.file.read(4 * (count + 1))
-            if len(table) != 4 * (count + 1):
-                raise SourceDataError(f"{where} is truncated ({size} bytes): its offset table")
-            self.offsets = np.frombuffer(table, dtype="<u4").astype(np.int64)
-            if int(self.offsets[-1]) > size or (np.diff(self.offsets) < 0).any():
-                raise SourceDataError(
-                    f"{where} is truncated or damaged: {size} bytes, its offset table runs to "
-                    f"{int(self.offsets[-1])}"
-                )
-            self._bounds: list[int] = self.offsets.tolist()  # python ints: ~0.3 us a read
+            magic, width, damage = self.magic, self.width, self.damage
+            fields = {"where": where, "size": size, "samples": samples, "magic": magic}
+            head = self.file.read(len(magic) + width)
+            if len(head) != len(magic) + width or not head.startswith(magic):
+                raise SourceDataError(damage[0].format(**fields))
+            count = int.from_bytes(head[len(magic) :], "little")
+            if count != samples:
+                raise SourceDataError(damage[1].format(count=count, **fields))
+            table = self.file.read(width * (count + 1))
+            if len(table) != width * (count + 1):
+                raise SourceDataError(damage[2].format(**fields))
+            offsets = np.frombuffer(table, dtype=f"<u{width}")
+            end = int(offsets[-1])
+            if len(damage) > 3 and (end > size or (np.diff(offsets.astype(np.int64)) < 0).any()):
+                raise SourceDataError(damage[3].format(end=end, **fields))
+            self._bounds: list[int] = offsets.tolist()  # python ints: ~0.3 us a read
         except BaseException:
             self.file.close()
             raise
 
-    def read(self, row: int) -> bytes:
-        """The bytes of sample ``row``."""
-        bounds = self._bounds
-        start, stop = bounds[row], bounds[row + 1]
+    def read(self, row: int) -> Any:
+        """The bytes of sample ``row`` (a ``bytearray`` if :attr:`writable`)."""
+        start, stop = self._bounds[row], self._bounds[row + 1]
         self.file.seek(start)
-        data = self.file.read(stop - start)
-        if len(data) != stop - start:
+        if self.writable:
+            data: bytes | bytearray = bytearray(stop - start)
+            length = self.file.readinto(data)
+        else:
+            data = self.file.read(stop - start)
+            length = len(data)
+        if length != stop - start:
             raise SourceDataError(f"{self.where} is truncated (sample {row})")
         return data
 
@@ -174,9 +188,9 @@ class OffsetShardSource(ShardRowSource):
             path = str(Path(self.location) / info.raw_name)
             if not os.path.exists(path):
                 raise FileNotFoundError(f"shard {path} listed in index.json does not exist")
-            return OffsetShardFile(path, info, path)
+            return OffsetShardFile(path, info.samples, path)
         local = self.cache().local_path(shard, f"shard {self.where(shard)}")
-        return OffsetShardFile(str(local), info, f"{self.where(shard)} (cached as {local})")
+        return OffsetShardFile(str(local), info.samples, f"{self.where(shard)} (cached as {local})")
 
     def data_files(self) -> DataFiles:
         """The shards and index.json: local shards sampled, remote ones by index.json's
@@ -200,3 +214,11 @@ class OffsetShardSource(ShardRowSource):
 
     def _config_fields(self) -> dict[str, Any]:
         return self._shard_config_fields()
+
+
+def passed_on(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of :class:`OffsetShardSource` among a subclass's ``locals()``."""
+    return {name: arguments[name] for name in _PASSED_ON}
+
+
+_PASSED_ON = tuple(inspect.signature(OffsetShardSource.__init__).parameters)[1:]

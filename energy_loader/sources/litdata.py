@@ -18,7 +18,7 @@ import torch
 
 from ..errors import SourceDataError
 from ._download import parse_json
-from ._offset_shards import DEFAULT_PREDOWNLOAD, OffsetShardSource
+from ._offset_shards import DEFAULT_PREDOWNLOAD, OffsetShardSource, passed_on
 from .mds import raw_pil_image
 from .shard_writer import ShardInfo
 
@@ -217,18 +217,7 @@ class LitDataSource(OffsetShardSource):
         self._decoding: tuple[list[Decoder], struct.Struct] | None = None
         self._spec: Any = None
         self._rebuild: Callable[[Iterator[Any]], Any] | None = None
-        super().__init__(
-            dir_or_url,
-            shuffle=shuffle,
-            seed=seed,
-            num_canonical_partitions=num_canonical_partitions,
-            cache_dir=cache_dir,
-            storage_options=storage_options,
-            predownload=predownload,
-            cache_limit=cache_limit,
-            download_retries=download_retries,
-            download_timeout=download_timeout,
-        )
+        super().__init__(**passed_on(locals()))
 
     def parse_index(self, data: bytes, where: str) -> tuple[str | None, tuple[ShardInfo, ...]]:
         from torch.utils._pytree import treespec_loads

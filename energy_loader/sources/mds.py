@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import SourceDataError
 from ._download import parse_json
-from ._offset_shards import DEFAULT_PREDOWNLOAD, OffsetShardSource
+from ._offset_shards import DEFAULT_PREDOWNLOAD, OffsetShardSource, passed_on
 from .shard_writer import ShardInfo
 
 __all__ = ["MDSSource", "raw_pil_image"]
@@ -243,18 +243,7 @@ class MDSSource(OffsetShardSource):
         # process: decoders are functions, the rest plain data).
         self._columns_of: list[tuple[list[str], list[str], list[int | None]]] = []
         self._layouts: dict[int, _Layout] = {}
-        super().__init__(
-            dir_or_url,
-            shuffle=shuffle,
-            seed=seed,
-            num_canonical_partitions=num_canonical_partitions,
-            cache_dir=cache_dir,
-            storage_options=storage_options,
-            predownload=predownload,
-            cache_limit=cache_limit,
-            download_retries=download_retries,
-            download_timeout=download_timeout,
-        )
+        super().__init__(**passed_on(locals()))
 
     def parse_index(self, data: bytes, where: str) -> tuple[str | None, tuple[ShardInfo, ...]]:
         index = parse_json(data, where)

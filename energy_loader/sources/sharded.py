@@ -9,16 +9,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import struct
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from ..errors import SourceDataError
 from ..state.data_fingerprint import DATA_FIELD, DataFiles
 from ._codec import decode_sample
 from ._download import LOCKS, Remote, ShardCache, node_lock, parse_json
+from ._offset_shards import OffsetShardFile
 from ._strided import RestoreShard, ShardRowSource
 from .shard_writer import COMPRESSIONS, FORMAT, INDEX, MAGIC, VERSION, ShardInfo, zstd_module
 
@@ -27,42 +25,15 @@ __all__ = ["ShardedSource"]
 DEFAULT_PREDOWNLOAD = 1024
 
 
-class _ShardFile:
-    """One local shard file opened for random access: the offsets table and the file."""
+class _ShardFile(OffsetShardFile):
+    """A ShardWriter shard file (uint64 offsets; decoded tensors are views of its records)."""
 
-    def __init__(self, path: Path, info: ShardInfo) -> None:
-        self.path = path
-        self.file = open(path, "rb")  # noqa: SIM115 (closed by close())
-        try:
-            head = self.file.read(len(MAGIC) + 8)
-            if len(head) != len(MAGIC) + 8 or head[: len(MAGIC)] != MAGIC:
-                raise SourceDataError(f"shard file {path} does not start with {MAGIC!r}")
-            (count,) = struct.unpack("<Q", head[len(MAGIC) :])
-            if count != info.samples:
-                raise SourceDataError(
-                    f"shard file {path} holds {count} samples, index.json says {info.samples}"
-                )
-            table = self.file.read(8 * (count + 1))
-            if len(table) != 8 * (count + 1):
-                raise SourceDataError(f"shard file {path} is truncated (offset table)")
-            self.offsets = np.frombuffer(table, dtype="<u8")
-        except BaseException:
-            self.file.close()
-            raise
-
-    def read(self, row: int) -> Any:
-        start, stop = int(self.offsets[row]), int(self.offsets[row + 1])
-        record = bytearray(stop - start)
-        self.file.seek(start)
-        if self.file.readinto(record) != len(record):
-            raise SourceDataError(f"shard file {self.path} is truncated (sample {row})")
-        try:
-            return decode_sample(record)
-        except ValueError as error:
-            raise SourceDataError(f"shard file {self.path}, sample {row}: {error}") from None
-
-    def close(self) -> None:
-        self.file.close()
+    magic, width, writable = MAGIC, 8, True
+    damage = (
+        "{where} does not start with {magic!r}",
+        "{where} holds {count} samples, index.json says {samples}",
+        "{where} is truncated (offset table)",
+    )
 
 
 def parse_index(data: bytes, where: str) -> tuple[str | None, tuple[ShardInfo, ...]]:
@@ -202,12 +173,16 @@ class ShardedSource(ShardRowSource):
 
     def _ensure_and_open(self, shard: int) -> _ShardFile:
         path = self.cache().local_path(shard, f"shard {self.shards[shard].name}")
-        return _ShardFile(path, self.shards[shard])
+        return _ShardFile(str(path), self.shards[shard].samples, f"shard file {path}")
 
     # -- protocol --------------------------------------------------------------------------
 
     def read_row(self, file: _ShardFile, shard: int, row: int) -> Any:
-        return file.read(row)
+        record = file.read(row)
+        try:
+            return decode_sample(record)
+        except ValueError as error:
+            raise SourceDataError(f"{file.where}, sample {row}: {error}") from None
 
     def _key_scope(self) -> str:
         return self.remote.url
