@@ -139,9 +139,8 @@ def sample_seed(seed: int, position: int, key: Hashable) -> int:
 def seed_globals_for_sample(seed: int, position: int, key: Hashable) -> None:
     """Seed python ``random``, numpy's global RNG and torch's default CPU generator.
 
-    From (pipeline ``seed``, wrapper ``position``, restore ``key``) only (:func:`sample_seed`);
-    ~10 us, nearly all generator initialisation. ``default_generator.manual_seed``, not
-    ``torch.manual_seed``, which would also seed every CUDA device (~180 us).
+    From (pipeline ``seed``, wrapper ``position``, restore ``key``) only; ~10 us (not
+    ``torch.manual_seed``, which would also seed every CUDA device: ~180 us).
     """
     keeping = _KEEPING.scope
     if keeping is not None and not keeping:
@@ -190,9 +189,8 @@ _KEEPING = _Keeping()
 class kept_rng_state_if_seeded:  # lower case: a context manager used as `with f():`
     """Put the global RNG states back on exit if the library seeded them per sample inside.
 
-    Without workers the training's own draws must not see per-sample seeding. States are saved at
-    the first seeding, so an item that seeds nothing costs nothing (a class, not a ``contextlib``
-    generator: it opens once an item, and that machinery cost more than the rest).
+    States are saved at the first seeding: an item that seeds nothing costs nothing (a class, not
+    a ``contextlib`` generator, which cost more than the rest at one scope per item).
     """
 
     __slots__ = ("outer", "scope")

@@ -137,12 +137,10 @@ def rank_state_files(
     if not files:
         expected = f"{prefix or 'PREFIX'}_rank_NNNNN_of_NNNNN.pt"
         others = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
-        holds = (
-            "it is empty"
-            if not others
-            else f"it holds {len(others)} other entr{'y' if len(others) == 1 else 'ies'} "
-            f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
-        )
+        holds = "it is empty"
+        if others:
+            holds = f"it holds {len(others)} other entr{'y' if len(others) == 1 else 'ies'} "
+            holds += f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
         raise FileNotFoundError(
             f"{folder} is a folder without per-rank state files: expected files named "
             f"{expected} (e.g. {prefix or 'loader'}_rank_00000_of_00002.pt, what "
