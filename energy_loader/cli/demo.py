@@ -99,12 +99,8 @@ def train(args: argparse.Namespace) -> None:
             if args._role == "resumed" and start is not None:
                 log.write(json.dumps({"restore_ms": (time.perf_counter() - start) * 1000}) + "\n")
                 start = None
-            record = {
-                "step": step,
-                "indices": batch["index"].tolist(),
-                "sum": int(batch["tokens"].sum()),
-            }
-            log.write(json.dumps(record) + "\n")
+            indices, checksum = batch["index"].tolist(), int(batch["tokens"].sum())
+            log.write(json.dumps({"step": step, "indices": indices, "sum": checksum}) + "\n")
             if step == args.kill_step:
                 log.flush()
                 os.fsync(log.fileno())
@@ -127,16 +123,9 @@ def train(args: argparse.Namespace) -> None:
 
 
 def _read_log(path: Path) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
-    steps, events = {}, []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        if "step" in record:
-            steps[record["step"]] = record
-        else:
-            events.append(record)
-    return steps, events
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    steps = {record["step"]: record for record in records if "step" in record}
+    return steps, [record for record in records if "step" not in record]
 
 
 def _child(args: argparse.Namespace, role: str, kill_step: int = -1) -> int:

@@ -28,9 +28,8 @@ in DIR/indexes/, where a WebDatasetSource with cache_dir=DIR looks for them.
 Existing indexes are kept unless --force.
 
 Remote locations go through fsspec with the storage options a WebDatasetSource
-takes as storage_options: --storage-options gives them as JSON, --endpoint-url
-and --profile set the S3 ones. An S3-compatible server that is not AWS (MinIO,
-Ceph, R2, ...) needs its endpoint: --endpoint-url, or the environment variable
+takes as storage_options. An S3-compatible server that is not AWS (MinIO, Ceph,
+R2, ...) needs its endpoint: --endpoint-url, or the environment variable
 AWS_ENDPOINT_URL (read by botocore, so it also reaches the sources in a training
 job). Credentials come from the usual AWS places (AWS_ACCESS_KEY_ID and
 AWS_SECRET_ACCESS_KEY, AWS_PROFILE or --profile, ~/.aws/credentials). An endpoint
@@ -42,8 +41,7 @@ _EPILOG = """examples:
   python -m energy_loader index s3://bucket/train --cache-dir /scratch/wds --profile research
   python -m energy_loader index gs://bucket/train --storage-options '{"token": "anon"}'"""
 
-# Exception classes (by name, so that no storage library must be importable) that mean the
-# storage endpoint could not be reached, or that no credentials were found.
+# Exception class names (no storage library imported): an unreachable endpoint, no credentials.
 _UNREACHABLE = {
     "ClientConnectorError",
     "ConnectTimeoutError",
@@ -60,8 +58,7 @@ def storage_options_from(
     endpoint_url: str | None = None,
     profile: str | None = None,
 ) -> dict[str, Any]:
-    """The fsspec storage options of ``options_json`` (a JSON object), plus ``endpoint_url`` and
-    ``profile`` (S3 only) as a source takes them; ``ValueError`` names a wrong one."""
+    """The fsspec storage options the command line asks for; ``ValueError`` names a wrong one."""
     options: dict[str, Any] = {}
     if options_json is not None:
         try:
@@ -122,8 +119,7 @@ def index_shards(
     progress: bool = True,
     storage_options: dict[str, Any] | None = None,
 ) -> dict[str, int | None]:
-    """Index every shard of ``location``; returns ``{shard: samples or None if kept}``. Errors of
-    the storage library (``storage_options``: as a WebDatasetSource takes them) propagate."""
+    """Index every shard of ``location``; returns ``{shard: samples or None if kept}``."""
     if storage_options is not None and not isinstance(storage_options, dict):
         raise TypeError(
             f"`storage_options` must be a dict of fsspec options (got {storage_options!r})"

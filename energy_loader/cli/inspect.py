@@ -81,8 +81,7 @@ def _read(path: Path) -> Any:
 
 
 def read_path(path: Path, prefix: str | None = None) -> list[tuple[str, Any]]:
-    """Every loader state (plain, not checked) in the state file, folder of per-rank files (in
-    rank order) or DCP folder ``path``, with where it was found."""
+    """Every loader state (plain, unchecked) in a state file, rank-file or DCP folder, and where."""
     if path.is_dir() and (path / ".metadata").is_file():
         return _states_of_dcp(path)
     if path.is_dir():
@@ -213,11 +212,9 @@ def describe_rank_state(state: Any) -> str:
             entry = entries[partition]
             ended = ", ended its epoch" if entry.done else ""
             proofs = (("its key", entry.last), ("its values", entry.made))
-            checked = [text for text, kept in proofs if kept]
-            proof = ""
-            if entry.skip and checked:
-                against = " and ".join(checked)
-                proof = f" (the last checked against the item handed out: {against})"
+            checked = " and ".join(text for text, kept in proofs if kept)
+            against = f" (the last checked against the item handed out: {checked})"
+            proof = against if entry.skip and checked else ""
             lines.append(
                 f"      partition {partition}: rolling checkpoint at "
                 f"{_position(entry.checkpoint)}; then replay {entry.skip} items{proof}{ended}"
@@ -227,36 +224,27 @@ def describe_rank_state(state: Any) -> str:
     return "\n".join(lines)
 
 
+# The fields of a RankState that --json shows as they are, before global_position.
+_SUMMARY_FIELDS = (
+    "rank", "world_size", "num_workers", "num_partitions", "seed", "epoch", "in_epoch",
+    "epoch_ended", "delivered",
+)  # fmt: skip
+
+
 def summarize_rank_state(state: Any, length: int | None = None) -> dict[str, Any]:
     """One rank state as a small JSON-able summary; ``length``: the rank's items per epoch."""
     if state.get("format") == DROPIN_STATE_FORMAT:
         return summarize_dropin_state(state)
     decoded = RankState.from_plain(state)
-    summary: dict[str, Any] = {
-        "rank": decoded.rank,
-        "world_size": decoded.world_size,
-        "num_workers": decoded.num_workers,
-        "num_partitions": decoded.num_partitions,
-        "seed": decoded.seed,
-        "epoch": decoded.epoch,
-        "in_epoch": decoded.in_epoch,
-        "epoch_ended": decoded.epoch_ended,
-        "delivered": decoded.delivered,
-        "global_position": decoded.start + decoded.world_size * decoded.delivered,
-        "next_worker": decoded.next_worker,
-        "workers": [w.to_plain() for w in decoded.workers],
-        "partitions": [
-            {
-                "partition": p.partition,
-                "position": _position(p.checkpoint),
-                "skip": p.skip,
-                "done": p.done,
-                "last": p.last,
-                "made": p.made,
-            }
-            for p in decoded.partitions
-        ],
-    }
+    summary: dict[str, Any] = {name: getattr(decoded, name) for name in _SUMMARY_FIELDS}
+    summary["global_position"] = decoded.start + decoded.world_size * decoded.delivered
+    summary["next_worker"] = decoded.next_worker
+    summary["workers"] = [w.to_plain() for w in decoded.workers]
+    summary["partitions"] = [
+        {"partition": p.partition, "position": _position(p.checkpoint)}
+        | {name: getattr(p, name) for name in ("skip", "done", "last", "made")}
+        for p in decoded.partitions
+    ]
     if length:
         summary["epoch_length"] = length
         summary["fraction_through"] = 1.0 if decoded.epoch_ended else decoded.delivered / length
@@ -280,8 +268,7 @@ def main(argv: list[str]) -> int:
     if not argv or any(a in ("-h", "--help") for a in argv):
         print(_HELP)
         return 0 if argv else 2
-    as_json, pipeline, prefix, paths = False, None, None, []
-    rest = list(argv)
+    as_json, pipeline, prefix, paths, rest = False, None, None, [], list(argv)
     while rest:
         arg = rest.pop(0)
         if arg == "--json":
@@ -311,10 +298,7 @@ def main(argv: list[str]) -> int:
     except Exception as error:
         print(f"inspect: {one_line(error, path)}", file=sys.stderr)
         return 2
-    if as_json:
-        print("\n".join(blocks))
-    else:
-        print(f"{path}\n\n" + "\n\n".join(blocks))
+    print("\n".join(blocks) if as_json else f"{path}\n\n" + "\n\n".join(blocks))
     return 0
 
 

@@ -1,5 +1,4 @@
-"""The user's pipeline, for the commands that rebuild a saved job: ``--pipeline module:function``
-imported, and a loader (never started) built with a saved layout for one rank."""
+"""For the commands that rebuild a saved job: ``--pipeline``'s function and a loader from it."""
 
 from __future__ import annotations
 
@@ -21,13 +20,12 @@ def load_builder(spec: str) -> Callable[[], Any]:
         raise ValueError(f"--pipeline must be module:function (got {spec!r})")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    module = importlib.import_module(module_name)
-    function = module
+    function: Any = importlib.import_module(module_name)
     for part in name.split("."):
         function = getattr(function, part)
     if not callable(function):
         raise TypeError(f"{spec} is not callable")
-    return function  # type: ignore[return-value]
+    return function
 
 
 def check_rank(rank: int, world_size: int) -> None:

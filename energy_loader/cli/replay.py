@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import json
 import sys
 from collections.abc import Callable, Mapping
@@ -26,11 +27,8 @@ from .inspect import one_line, read_path
 from .pipelines import build_loader, check_rank, load_builder
 
 __all__ = [
-    "build_loader",
     "call_builder",
-    "check_rank",
     "dropin_state_for",
-    "load_builder",
     "loader_and_states",
     "main",
     "parse_steps",
@@ -98,8 +96,7 @@ def read_states(paths: list[Path]) -> list[dict[str, Any]]:
 def loader_and_states(
     built: Any, paths: list[Path], rank: int, seed: int | None, prefix: str | None = None
 ) -> tuple[Any, list[RankState]]:
-    """The replay loader for ``rank`` and the saved states it restores from: all in the state
-    files ``paths``, or those :func:`energy_loader.restore_state_rank_file` picks from a folder."""
+    """The replay loader for ``rank`` and the saved states in ``paths`` it restores from."""
     if len(paths) == 1 and paths[0].is_dir() and not _is_dcp(paths[0]):
         files = rank_state_files(paths[0], prefix)
         check_rank(rank, len(files))
@@ -118,21 +115,15 @@ def replay(
     *,
     samples: bool = False,
 ) -> list[dict[str, Any]]:
-    """Steps ``start`` to ``stop`` (excluded) after the saved position: key, and sample;
-    ``states``: the saved rank states (plain or decoded), this rank's or all ranks'."""
+    """Steps ``start`` to ``stop`` (excluded) after the saved ``states``: key, and sample."""
     from ..loader.peek import future_items
     from ..rng import kept_rng_state
 
     decoded = [s if isinstance(s, RankState) else RankState.from_plain(s) for s in states]
-    rows: list[dict[str, Any]] = []
     with kept_rng_state():
-        for step, (key, _) in enumerate(
-            future_items(loader.planner, loader.checkpoint_settings, decoded)
-        ):
-            if step >= stop:
-                break
-            if step >= start:
-                rows.append({"step": step, "key": key})
+        items = future_items(loader.planner, loader.checkpoint_settings, decoded)
+        window = itertools.islice(items, start, stop)
+        rows = [{"step": step, "key": key} for step, (key, _) in enumerate(window, start)]
         if samples:
             for row in rows:
                 row["sample"] = loader.restore_sample(row["key"])
@@ -140,8 +131,7 @@ def replay(
 
 
 def saved_world_size(state: dict[str, Any]) -> int:
-    """The number of ranks of the job that saved ``state`` (plain): a drop-in's
-    ``DistributedSampler``'s ``num_replicas``, else the state's world size."""
+    """The number of ranks of the job that saved ``state`` (a drop-in's: its ``num_replicas``)."""
     if state.get("format") == DROPIN_STATE_FORMAT:
         config = state.get("config")
         if isinstance(config, dict) and isinstance(config.get("num_replicas"), int):
@@ -157,8 +147,7 @@ def _saved_job_size(paths: list[Path], prefix: str | None) -> int:
 
 
 def call_builder(spec: str, rank: int, world_size: int) -> Any:
-    """Call the ``--pipeline`` function, with ``rank=`` and ``world_size=`` when it takes them
-    (to build its ``DistributedSampler`` without a process group), else with no arguments."""
+    """Call the ``--pipeline`` function, with ``rank=`` and ``world_size=`` if it takes them."""
     function: Callable[..., Any] = load_builder(spec)
     try:
         parameters: Mapping[str, Any] = inspect.signature(function).parameters
@@ -181,8 +170,7 @@ def call_builder(spec: str, rank: int, world_size: int) -> Any:
 def dropin_state_for(
     loader: SavableDataLoader, paths: list[Path], rank: int, prefix: str | None = None
 ) -> dict[str, Any]:
-    """The saved drop-in state ``rank`` replays from; a ``DistributedSampler`` built for another
-    rank is set to ``rank`` of the saved ``num_replicas``."""
+    """The saved drop-in state ``rank`` replays from, ``loader``'s sampler set to ``rank``."""
     engine = loader.engine
     if not isinstance(engine, DropInRestore):
         raise TypeError("dropin_state_for needs a loader over a plain dataset (a drop-in)")
@@ -224,8 +212,7 @@ def replay_dropin(
     *,
     samples: bool = False,
 ) -> list[dict[str, Any]]:
-    """Steps ``start`` to ``stop`` after a drop-in loader's saved position: each batch's dataset
-    indices, and with ``samples`` the batches as training made them (``peek_batches``)."""
+    """Steps ``start`` to ``stop`` after a drop-in's saved position: batch indices (and batches)."""
     state = dropin_state_for(loader, paths, rank, prefix)
     if samples:
         made = loader.peek_batches(stop, state)
