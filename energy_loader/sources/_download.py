@@ -1,6 +1,6 @@
-"""The local shard cache of ShardedSource: node-wide locks (``local/.locks/<shard>.lock``),
-validated downloads (temporary file, hashes or sizes, rename), eviction under
-``cache_limit``, and the thread that downloads ahead. See docs/sources/sharded.md.
+"""Remote files of the shard sources: listing, the local cache (node-wide locks, validated
+downloads, eviction under ``cache_limit``) and the thread that downloads ahead. See
+docs/sources/sharded.md.
 """
 
 from __future__ import annotations
@@ -79,35 +79,30 @@ def storage_options_dict(storage_options: Any) -> dict[str, Any]:
 
 
 def list_files(
-    location: str,
-    storage_options: dict[str, Any],
-    suffixes: tuple[str, ...],
-    missing: str,
-    empty: str,
-    recursive: bool = False,
+    url: str, options: dict[str, Any], ends: tuple[str, ...], *messages: str, deep: bool = False
 ) -> list[str]:
-    """``[location]`` for a file, else the files of the directory ``location`` (local or fsspec
-    URL; with ``recursive``, its subfolders too) whose names end with ``suffixes``, sorted.
-    ``FileNotFoundError`` with ``f"{location} {missing}"`` or ``f"{location} {empty}"``."""
-    if is_url(location):
+    """``[url]`` for a file, else the files of the directory ``url`` (local or fsspec;
+    ``deep``: subfolders too) whose names end with ``ends``, sorted. ``messages``: ``url``
+    is missing, holds none."""
+    if is_url(url):
         import fsspec
 
-        fs, root = fsspec.core.url_to_fs(location, **storage_options)
+        fs, root = fsspec.core.url_to_fs(url, **options)
         if fs.isfile(root):
-            return [location]
-        protocol = location.split("://", 1)[0]
-        found = fs.find(root) if recursive else fs.glob(root.rstrip("/") + "/*")
-        paths = [f"{protocol}://{path}" for path in sorted(found) if path.endswith(suffixes)]
+            return [url]
+        protocol = url.split("://", 1)[0]
+        found = fs.find(root) if deep else fs.glob(root.rstrip("/") + "/*")
+        paths = [f"{protocol}://{path}" for path in sorted(found) if path.endswith(ends)]
     else:
-        path = Path(location)
+        path = Path(url)
         if path.is_file():
             return [str(path.resolve())]
         if not path.is_dir():
-            raise FileNotFoundError(f"{location} {missing}")
-        found = path.rglob("*") if recursive else path.glob("*")
-        paths = sorted(str(p.resolve()) for p in found if p.name.endswith(suffixes))
+            raise FileNotFoundError(f"{url} {messages[0]}")
+        found = path.rglob("*") if deep else path.glob("*")
+        paths = sorted(str(p.resolve()) for p in found if p.name.endswith(ends))
     if not paths:
-        raise FileNotFoundError(f"{location} {empty}")
+        raise FileNotFoundError(f"{url} {messages[1]}")
     return paths
 
 
@@ -145,8 +140,7 @@ def download_settings(
 @contextlib.contextmanager
 def node_lock(path: Path, timeout: float, purpose: str) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``path`` (node-wide; it belongs to an open file, so threads of
-    one process exclude each other too); :class:`DownloadError` after ``timeout`` seconds.
-    """
+    one process exclude each other too); :class:`DownloadError` after ``timeout`` seconds."""
     path.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + timeout
     with open(path, "a+b") as handle:
@@ -172,8 +166,7 @@ def node_lock(path: Path, timeout: float, purpose: str) -> Iterator[None]:
 
 class Remote:
     """A remote directory: any fsspec URL, or a local directory standing in for one. The filesystem
-    is opened lazily in each process; ``storage_options`` must be plain data (they travel).
-    """
+    is opened lazily in each process; ``storage_options`` must be plain data (they travel)."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url if "://" in url else str(Path(url).resolve())
@@ -182,7 +175,8 @@ class Remote:
         self._root = ""
         self._pid = -1
 
-    def _filesystem(self) -> tuple[Any, str]:
+    def filesystem(self) -> tuple[Any, str]:
+        """This process's fsspec filesystem and the remote's root path in it."""
         if self._fs is None or self._pid != os.getpid():
             import fsspec
 
@@ -196,21 +190,11 @@ class Remote:
 
     def open(self, name: str) -> Any:
         """Open ``name`` for binary reading (``FileNotFoundError`` if it is not there)."""
-        fs, root = self._filesystem()
+        fs, root = self.filesystem()
         return fs.open(f"{root.rstrip('/')}/{name}", "rb")
 
-    def filesystem(self) -> tuple[Any, str]:
-        """This process's fsspec filesystem and the remote's root path in it."""
-        return self._filesystem()
-
     def __getstate__(self) -> dict[str, Any]:
-        return {
-            "url": self.url,
-            "storage_options": self.storage_options,
-            "_fs": None,
-            "_root": "",
-            "_pid": -1,
-        }
+        return {**self.__dict__, "_fs": None, "_root": "", "_pid": -1}
 
 
 class _Corrupt(Exception):
@@ -221,7 +205,7 @@ class _Stopped(Exception):
     """The download was abandoned because its thread was asked to stop."""
 
 
-def parse_json(data: bytes, where: str) -> Any:
+def parse_json(data: bytes | str, where: str) -> Any:
     """An index file's JSON; :class:`SourceDataError` naming ``where`` if it is not JSON."""
     try:
         return json.loads(data)
@@ -305,12 +289,8 @@ class Downloads:
 
 
 class ShardCache:
-    """The shards of one index in a local directory: ensure present, release, evict.
-
-    With ``cache_limit`` (bytes of uncompressed shards) shards this process finished are deleted,
-    oldest first, before a download. The reader downloads even when nothing can be evicted (the
-    bound is then exceeded); downloads ahead of it wait for room.
-    """
+    """The shards of one index in a local directory: ensure present, release, evict (with
+    ``cache_limit``, oldest released first; docs/sources/sharded.md)."""
 
     def __init__(
         self,
@@ -365,14 +345,11 @@ class ShardCache:
     def ensure(
         self, shard: int, *, ahead: bool = False, stop: threading.Event | None = None
     ) -> Path | None:
-        """Make shard ``shard`` present and return its path.
-
-        ``ahead=True`` (the prefetch thread) returns ``None`` rather than download into a full
-        cache or once ``stop`` is set, and keeps a failure for the reader's next ``ensure`` to raise
-        once. Raises :class:`DownloadError`, ``FileNotFoundError`` or :class:`SourceDataError`. The
-        reader takes the shard off the eviction list first, under the eviction lock, so the prefetch
-        thread cannot evict a shard the reader came back to before it opens it.
-        """
+        """Make shard ``shard`` present and return its path. ``ahead=True`` (the prefetch thread)
+        returns ``None`` rather than download into a full cache or once ``stop`` is set, and keeps
+        a failure for the reader's next ``ensure`` to raise once."""
+        # The reader takes the shard off the eviction list under the eviction lock: the prefetch
+        # thread cannot evict a shard the reader came back to before it opens it.
         if not ahead and self.cache_limit is not None:
             with node_lock(self.local / LOCKS / "cache.lock", self.lock_timeout, "cache eviction"):
                 with self._done_lock:
@@ -428,9 +405,7 @@ class ShardCache:
         self, needed: int, *, reserve_for: int | None = None, even_if_full: bool = False
     ) -> bool:
         """Evict released shards until ``needed`` more bytes fit; returns whether they fit. With
-        ``reserve_for`` the bytes are reserved for that shard's download (also when full, with
-        ``even_if_full``) until it ends.
-        """
+        ``reserve_for`` they are kept for its download (when full too, ``even_if_full``)."""
         if self.cache_limit is None:
             return True
         with node_lock(self.local / LOCKS / "cache.lock", self.lock_timeout, "cache eviction"):
@@ -542,14 +517,13 @@ class ShardCache:
             try:
                 with open(stored, "rb") as source, open(raw, "wb") as out:
                     if self.compression == "gzip":
-                        with gzip.GzipFile(fileobj=source) as reader:
-                            shutil.copyfileobj(reader, out, _READ_SIZE)
+                        reader: Any = gzip.GzipFile(fileobj=source)
                     elif self.compression == "bz2":
-                        with bz2.BZ2File(source) as reader:
-                            shutil.copyfileobj(reader, out, _READ_SIZE)
+                        reader = bz2.BZ2File(source)
                     else:
-                        with zstd_module().ZstdDecompressor().stream_reader(source) as reader:
-                            shutil.copyfileobj(reader, out, _READ_SIZE)
+                        reader = zstd_module().ZstdDecompressor().stream_reader(source)
+                    with reader:
+                        shutil.copyfileobj(reader, out, _READ_SIZE)
             except ImportError:
                 raise
             except Exception as error:
@@ -583,10 +557,7 @@ class ReaderProgress:
 
 class Prefetcher(threading.Thread):
     """Downloads the shards of the reader's next ``window`` samples, in the order it needs them
-    (``shard_at(step)``, ``steps`` in the epoch). Holds no reference to the dataset or cursor;
-    stops on ``stop`` (checked between 1 MiB reads) or at the epoch's end. Failures are kept by
-    the cache for the reader to raise.
-    """
+    (``shard_at(step)``, ``steps`` in the epoch); failures are kept for the reader to raise."""
 
     def __init__(
         self,

@@ -71,13 +71,8 @@ class OffsetShardFile:
         """The bytes of sample ``row`` (a ``bytearray`` if :attr:`writable`)."""
         start, stop = self._bounds[row], self._bounds[row + 1]
         self.file.seek(start)
-        if self.writable:
-            data: bytes | bytearray = bytearray(stop - start)
-            length = self.file.readinto(data)
-        else:
-            data = self.file.read(stop - start)
-            length = len(data)
-        if length != stop - start:
+        data: Any = bytearray(stop - start) if self.writable else self.file.read(stop - start)
+        if (self.file.readinto(data) if self.writable else len(data)) != stop - start:
             raise SourceDataError(f"{self.where} is truncated (sample {row})")
         return data
 
@@ -218,7 +213,5 @@ class OffsetShardSource(ShardRowSource):
 
 def passed_on(arguments: dict[str, Any]) -> dict[str, Any]:
     """The arguments of :class:`OffsetShardSource` among a subclass's ``locals()``."""
-    return {name: arguments[name] for name in _PASSED_ON}
-
-
-_PASSED_ON = tuple(inspect.signature(OffsetShardSource.__init__).parameters)[1:]
+    names = list(inspect.signature(OffsetShardSource.__init__).parameters)[1:]
+    return {name: arguments[name] for name in names}

@@ -1,8 +1,6 @@
-"""ChunkedFolderSource: a folder of pre-processed chunk files plus ``metadata.json``.
-
-Each epoch's order is cut into the loader's P partitions as contiguous ranges, read one chunk
-at a time and depending only on (seed, epoch, P); ``balance`` keeps ranks level.
-:func:`write_chunked_folder` makes such a folder. See docs/sources/chunked.md.
+"""ChunkedFolderSource: a folder of pre-processed chunk files plus ``metadata.json``, read in
+contiguous ranges per partition; :func:`write_chunked_folder` makes one. See
+docs/sources/chunked.md.
 """
 
 from __future__ import annotations
@@ -27,6 +25,7 @@ from ..state.data_fingerprint import DATA_FIELD, DataFiles
 from ..state.plain import StateReader
 from ..validation import require_bool, require_int
 from ..worker import WorkerContext
+from ._download import parse_json
 from ._order import EpochOrder, span
 
 __all__ = ["ChunkedFolderSource", "loaded_chunk_count", "write_chunked_folder"]
@@ -43,8 +42,7 @@ _LIVE_CHUNKS: weakref.WeakSet[_Chunk] = weakref.WeakSet()
 
 def loaded_chunk_count() -> int:
     """How many chunk files this process's sources hold right now: at most one per cursor, plus
-    one that ``restore_sample`` keeps for repeated look-ups.
-    """
+    one that ``restore_sample`` keeps for repeated look-ups."""
     return len(_LIVE_CHUNKS)
 
 
@@ -129,14 +127,11 @@ def _check_rows(path: Path, what: str, found: int, expected: int) -> None:
 
 def _cut(value: Any, seq_len: int | None, *, copy: bool) -> Any:
     """``value[-seq_len:]`` for tensors and arrays with a sequence dimension; copied if asked."""
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, (torch.Tensor, np.ndarray)):
         if seq_len is not None and value.ndim >= 1:
             value = value[-seq_len:]
-        return value.clone() if copy else value
-    if isinstance(value, np.ndarray):
-        if seq_len is not None and value.ndim >= 1:
-            value = value[-seq_len:]
-        return value.copy() if copy else value
+        if copy:
+            return value.clone() if isinstance(value, torch.Tensor) else value.copy()
     return value
 
 
@@ -152,10 +147,7 @@ def read_metadata(folder: Path) -> tuple[tuple[str, ...], tuple[int, ...]]:
             f"{path} is missing: a chunked folder needs a metadata.json listing its files and "
             "their sample counts (write_chunked_folder() makes one)"
         ) from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise SourceDataError(f"{path} is not valid JSON: {error}") from None
+    data = parse_json(text, str(path))
     if not isinstance(data, dict) or not isinstance(data.get("files"), list):
         raise SourceDataError(f"{path} must be a JSON object with a 'files' list")
     version = data.get("version", VERSION)
@@ -564,8 +556,7 @@ def _check_weights_only(value: Any, what: str) -> None:
 
 def _numpy_to_torch(value: Any, what: str) -> Any:
     """``value`` with numpy arrays and scalars as tensors of the same dtype and named tuples as
-    tuples (``torch.load(weights_only=True)`` refuses them), containers rebuilt.
-    """
+    tuples (``torch.load(weights_only=True)`` refuses them), containers rebuilt."""
     if isinstance(value, (np.ndarray, np.generic)):
         if isinstance(value, np.str_):
             return str(value)

@@ -1,10 +1,6 @@
 """ParquetSource: rows of Parquet files (local or any fsspec URL) as dict samples, through
-pyarrow, with random access by row group, a local shuffle and exact resume.
-
-Row groups are permuted per epoch and rows within windows of ``shuffle_window`` of them, cut
-into canonical spans (:mod:`energy_loader.sources._order`); a reader keeps decoded windows in a
-small LRU. State: ``{"phase", "epoch", "position"}``; restore key ``(file, row_group, row)``.
-See docs/sources/parquet.md.
+pyarrow, with random access by row group, a local shuffle and exact resume. State: ``{"phase",
+"epoch", "position"}``; restore key ``(file, row_group, row)``. See docs/sources/parquet.md.
 """
 
 from __future__ import annotations
@@ -54,8 +50,7 @@ def _take(table: Any, rows: np.ndarray) -> list[dict[str, Any]]:
 def _release_unused_arrow_memory() -> None:
     """Hand the pages of evicted row groups back to the OS before the next is decoded: Arrow's
     allocator keeps them, ~8 MiB more peak RSS a worker with 4,096-document row groups (llm
-    bench). Once per window, every few thousand rows: cheap at that rate.
-    """
+    bench). Once per window, every few thousand rows: cheap at that rate."""
     import pyarrow
 
     pyarrow.default_memory_pool().release_unused()
@@ -64,8 +59,7 @@ def _release_unused_arrow_memory() -> None:
 class _Window:
     """The decoded row groups of one window, rows numbered across them: one table for one schema;
     with differing schemas each keeps its own and rows are read one by one, keeping their file's
-    values and keys.
-    """
+    values and keys."""
 
     __slots__ = ("starts", "tables")
 
@@ -249,7 +243,7 @@ class ParquetSource(StridedSource):
         if isinstance(paths_or_dir, (str, os.PathLike)):
             location = os.fspath(paths_or_dir)
             missing, empty = "is neither a Parquet file nor a directory", "holds no .parquet files"
-            return list_files(location, self.storage_options, _SUFFIXES, missing, empty, True)
+            return list_files(location, self.storage_options, _SUFFIXES, missing, empty, deep=True)
         if isinstance(paths_or_dir, Sequence) and paths_or_dir:
             out = []
             for path in paths_or_dir:
@@ -329,8 +323,7 @@ class ParquetSource(StridedSource):
     ) -> tuple[list[dict[str, Any]], Exception | None]:
         """Rows ``rows[i]`` of windows ``windows[i]`` of ``order`` as dicts, in order, and the error
         that cut the list short before the first row of an unreadable row group (so the rows before
-        it are delivered first).
-        """
+        it are delivered first)."""
         if len(windows) == 0:
             return [], None
         if windows[0] == windows[-1] and (windows == windows[0]).all():  # the common case

@@ -108,7 +108,9 @@ class ShardWriter:
             zstd_module()
         self.compression = compression
         self.url = os.fspath(path)
-        self._fs, self._root = _filesystem(self.url)
+        import fsspec
+
+        self._fs, self._root = fsspec.core.url_to_fs(self.url)
         if self._fs.exists(self._join(INDEX)):
             raise FileExistsError(
                 f"{self._join(INDEX)} exists: {self.url} already holds a sharded dataset; "
@@ -195,12 +197,6 @@ class ShardWriter:
             self.close()
         else:
             self._closed = True
-
-
-def _filesystem(url: str) -> tuple[Any, str]:
-    import fsspec
-
-    return fsspec.core.url_to_fs(url)
 
 
 def _is_local(fs: Any) -> bool:

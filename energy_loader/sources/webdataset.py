@@ -1,9 +1,6 @@
-"""WebDatasetSource: WebDataset tar shards, local or through fsspec, with random access.
-
-A per-shard member index (:mod:`energy_loader.sources._tar_index`) maps each sample to its
-bytes, so order, partitions, resume and ``restore_sample`` work as for
-:class:`~energy_loader.ShardedSource`. State: ``{"phase", "epoch", "position", "skipped"}``;
-restore key ``(shard, row)``. See docs/sources/webdataset.md.
+"""WebDatasetSource: WebDataset tar shards, local or through fsspec, with random access through
+per-shard member indexes. State: ``{"phase", "epoch", "position", "skipped"}``; restore key
+``(shard, row)``. See docs/sources/webdataset.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """How items cross from a worker process to the main process: a batch codec and arenas.
 
-The worker pickles an item (protocol 5) into one payload with tensors out of band; small
-payloads travel inline through torch's queue, large ones through the worker's shared-memory
-:class:`Arena`, and :func:`decode` rebuilds them as views. This module: the loader's settings
-and the arenas' lifecycle (:class:`Transport` main side, :class:`WorkerTransport` worker
-side); ``_payload``, ``_arena``, ``_codec``, ``_reserved`` the rest. See docs/transport.md.
+This module: the loader's settings and the arenas' lifecycle (:class:`Transport` main side,
+:class:`WorkerTransport` worker side); ``_payload``, ``_arena``, ``_codec``, ``_reserved`` the
+rest. How a payload travels: docs/transport.md.
 """
 
 from __future__ import annotations
@@ -43,17 +41,15 @@ DEFAULT_ARENA_BYTES = 256 * 1024 * 1024
 def validate_transport_settings(codec: Any, inline_bytes: Any, arena_bytes: Any) -> None:
     """Raise ``TypeError``/``ValueError`` for loader transport arguments that cannot work."""
     require_bool(codec, "transport_codec")
-    for name, value, minimum in (
-        ("transport_inline_bytes", inline_bytes, 0),
-        ("transport_arena_bytes", arena_bytes, 0),
-    ):
+    sizes = {"transport_inline_bytes": inline_bytes, "transport_arena_bytes": arena_bytes}
+    for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(
                 f"`{name}` must be an integer number of bytes (got {type(value).__name__}: "
                 f"{value!r})"
             )
-        if value < minimum:
-            raise ValueError(f"`{name}` must be >= {minimum} (got {value})")
+        if value < 0:
+            raise ValueError(f"`{name}` must be >= 0 (got {value})")
     if 0 < arena_bytes < MIN_ARENA_BYTES:
         raise ValueError(
             f"`transport_arena_bytes` must be 0 (no shared memory: every batch inline) or at "
@@ -71,8 +67,7 @@ class WorkerTransport:
     def encoder(self, worker_id: int) -> Callable[[Any], Packet]:
         """The encode function of physical worker ``worker_id``, in that worker's process: closes
         every other arena this process inherited or received and points :func:`batch_tensor` at
-        its own.
-        """
+        its own."""
         own = self.arenas[worker_id] if worker_id < len(self.arenas) else None
         close_all_but(own)
         collate_into(own, self.inline_bytes)
