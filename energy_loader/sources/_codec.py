@@ -1,7 +1,6 @@
-"""A safe binary encoding of one sample, never unpickled: ``uint32 header_len | header (UTF-8
-JSON: plain values, lists, str-keyed dicts, tagged tuples) | padding | buffers`` (tensors,
-numpy arrays and scalars, ``bytes``, 16-byte aligned), decoded over the record's own
-``bytearray`` without a copy.
+"""A safe binary encoding of one sample, never unpickled: ``uint32 header_len | JSON header |
+padding | buffers`` (16-byte aligned), decoded over the record's own ``bytearray`` without a
+copy. See docs/sources/sharded.md.
 """
 
 from __future__ import annotations

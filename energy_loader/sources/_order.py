@@ -1,15 +1,8 @@
 """The per-epoch global order shared by the sources that read units of samples (shards, tar
-files, windows of Parquet row groups): O(units) memory, O(log units) per lookup.
-
-1. The units are laid out in a per-epoch order (a Feistel permutation when shuffling and
-   ``shuffle_units``), each with its samples in a per-epoch order: a sequence Q of N samples.
-2. Q is cut into P contiguous spans ("canonical partitions") of N // P or N // P + 1 samples.
-3. Global position ``g`` is sample ``g // P`` of span ``g % P``.
-
-Reader ``s`` of ``S`` reads ``s, s + S, ...``; with ``S == P`` it reads span ``s`` front to
-back. Sources reading contiguous ranges use :func:`span` and :meth:`EpochOrder.walk_range`.
-:meth:`EpochOrder.walk` computes ``(unit, row)`` pairs a block at a time with numpy (~0.2 us a
-sample instead of ~5 us), a unit's row permutation at once up to ``_MAX_ARRAY_ROWS`` rows.
+files, windows of Parquet row groups): O(units) memory, O(log units) per lookup. The rule
+(units and their samples in per-epoch orders, cut into P spans; position ``g`` is sample
+``g // P`` of span ``g % P``): docs/sources/sharded.md, "The global order and canonical
+partitions". :meth:`EpochOrder.walk` computes ``(unit, row)`` pairs a block at a time.
 """
 
 from __future__ import annotations
@@ -47,8 +40,7 @@ def span(total: int, partitions: int, partition: int) -> tuple[int, int]:
 
 class EpochOrder:
     """Global position -> ``(unit, row)`` for one epoch. ``samples[u]``: unit ``u``'s samples;
-    ``seed`` already folds in the source's seed, stream salt and epoch.
-    """
+    ``seed`` already folds in the source's seed, stream salt and epoch."""
 
     def __init__(
         self,

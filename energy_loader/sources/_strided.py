@@ -49,8 +49,7 @@ def order_settings(
 
 class StridedSource(SavableDataset):
     """A source of ``total`` samples per epoch whose global order is cut into
-    ``num_canonical_partitions`` spans and read with a stride (see the module documentation).
-    """
+    ``num_canonical_partitions`` spans and read with a stride (see the module documentation)."""
 
     shuffle: bool
     seed: int
@@ -103,8 +102,7 @@ class StridedCursor(EpochCursor):
 
 class PrefetchingCursor(StridedCursor):
     """A strided cursor whose shards a background :class:`Prefetcher` downloads ahead of it,
-    from :meth:`start_prefetch` (in the reader) to :meth:`stop_prefetch` or the cursor's end.
-    """
+    from :meth:`start_prefetch` (in the reader) to :meth:`stop_prefetch` or the cursor's end."""
 
     def __init__(self, dataset: SavableDataset) -> None:
         super().__init__(dataset)
@@ -120,8 +118,7 @@ class PrefetchingCursor(StridedCursor):
     ) -> ReaderProgress:
         """Start downloading the shards of the next ``predownload`` samples (0: no thread);
         ``shard_of(unit)`` names a unit's shard (default: units are shards). Returns the progress
-        the reader updates (``progress.step``).
-        """
+        the reader updates (``progress.step``)."""
         self.stop_prefetch()
         context = self.dataset.context
         start, stride = context.shard_index, context.num_shards
@@ -211,8 +208,7 @@ F = TypeVar("F", bound=_Closable)
 
 class OpenShards(Generic[F]):
     """The shards a strided reader has open, one per span, shared by spans; ``release(shard)`` runs
-    after a file is closed (a cache may then evict it). Not thread-safe: one reader uses it.
-    """
+    after a file is closed (a cache may then evict it). Not thread-safe: one reader uses it."""
 
     def __init__(self, open_shard: Callable[[int], F], release: Callable[[int], None]) -> None:
         self._open = open_shard
@@ -306,8 +302,7 @@ class ShardRowSource(Downloads, StridedSource):
     """A strided source over shards whose samples are ``(shard, row)`` (ShardWriter, WebDataset,
     MDS, litdata): the reading cursor, the key check, ``restore_sample`` through one open shard,
     shared config fields. A subclass sets ``shards``, ``cached``, ``_fingerprint`` and
-    ``_restore`` and defines ``open_shard``, ``read_row``, ``cache`` and ``data_files``.
-    """
+    ``_restore`` and defines ``open_shard``, ``read_row``, ``cache`` and ``data_files``."""
 
     shards: tuple[ShardInfo, ...]
     #: Whether shards come through the download cache (``False``: read where they lie).

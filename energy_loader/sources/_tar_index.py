@@ -1,8 +1,5 @@
-"""The member index of a WebDataset tar shard: which bytes of the tar hold which sample.
-
-Per sample its key and per member ``[extension, header offset, data offset, size]``, plus the
-shard's size and sha256, as ``<shard>.idx.json``. Damage fails indexing, and each member's
-header is checked again at read time. See docs/sources/webdataset.md.
+"""The member index of a WebDataset tar shard (``<shard>.idx.json``): per sample its key and per
+member ``[extension, header offset, data offset, size]``. See docs/sources/webdataset.md.
 """
 
 from __future__ import annotations
@@ -60,8 +57,7 @@ class _CountingReader:
 
 def build_index(file: BinaryIO, name: str, where: str) -> dict[str, Any]:
     """Scan one tar shard (a binary file object, read sequentially) into its index; ``name`` is
-    recorded, ``where`` names it in errors. :class:`SourceDataError` for a damaged tar.
-    """
+    recorded, ``where`` names it in errors. :class:`SourceDataError` for a damaged tar."""
     reader = _CountingReader(file)
     keys: list[str] = []
     members: list[list[Any]] = []

@@ -1,9 +1,7 @@
 """HuggingFaceIterableSource: a Hugging Face ``datasets.IterableDataset`` as a savable source.
 
-Saves the stream's own ``state_dict()`` as plain data; copy ``p`` of ``P`` reads
-``split_dataset_by_node(dataset, rank=p, world_size=P)`` through ``dataset.iter(batch_size=1)``
-(which does not split again by worker). State: ``{"phase", "epoch", "count", "hf"}``; restore
-key ``(epoch, count)``. See docs/sources/huggingface.md.
+State: ``{"phase", "epoch", "count", "hf"}``; restore key ``(epoch, count)``. Splitting by
+partition and epochs: docs/sources/huggingface.md.
 """
 
 from __future__ import annotations
@@ -97,9 +95,7 @@ class _HuggingFaceCursor(EpochCursor):
 class HuggingFaceIterableSource(SavableDataset):
     """Read a Hugging Face ``datasets.IterableDataset``, saving its own state as plain data.
 
-    Each pipeline copy reads its ``split_dataset_by_node`` part; ``set_epoch`` runs every epoch.
-    A ``shuffle`` buffer's examples are lost at a restore; ``buffer_size=1`` resumes exactly
-    (docs/sources/huggingface.md). Example::
+    Splitting, epochs and shuffle buffers: docs/sources/huggingface.md. Example::
 
         stream = load_dataset("allenai/c4", "en", split="train", streaming=True)
         source = HuggingFaceIterableSource(stream.shuffle(seed=1, buffer_size=1))

@@ -57,11 +57,8 @@ class _IndexedCursor(StridedCursor):
 class IndexedSource(SavableDataset):
     """A savable, sharded, optionally shuffled source over indexable data.
 
-    ``data`` has ``__len__`` and ``__getitem__(int)`` (a torch map-style dataset, a list, an
-    array...). ``shuffle=True`` gives every epoch its own order, fixed by ``seed``.
-    ``seed_per_sample`` (default: True for a dataset object, False for plain containers and
-    ``from_fn``) seeds the global RNGs per sample before each read (~11 us), so a random
-    ``__getitem__`` or ``set_transform`` draws the same after a restore. Example::
+    ``data`` has ``__len__`` and ``__getitem__(int)``; ``shuffle``, ``seed_per_sample`` and the
+    order: docs/api.md, "IndexedSource". Example::
 
         source = IndexedSource(my_dataset, shuffle=True, seed=1234)
         source = IndexedSource.from_fn(length=10**10, fn=make_sample, shuffle=True)

@@ -1,8 +1,7 @@
 """IterableSource: a user's ``torch.utils.data.IterableDataset`` as a savable source.
 
-The drop-in loader runs one copy per worker. A state holds a ``Stateful`` dataset's own
-``state_dict()`` (loaded into a shallow copy for the resumed epoch only) or else an item count
-that a restore skips. Restore keys ``(epoch, item number)`` rebuild nothing. See docs/dropin.md,
+A state holds a ``Stateful`` dataset's own ``state_dict()`` or else an item count that a
+restore skips; restore keys ``(epoch, item number)`` rebuild nothing. See docs/dropin.md,
 "Iterable datasets".
 """
 
@@ -137,8 +136,7 @@ class _IterableCursor(EpochCursor):
 def loaded_copy(dataset: Any, state: Any) -> Any:
     """A shallow copy of ``dataset`` with ``state`` loaded into it; ``dataset`` is unchanged. The
     copy gets a ``__dict__`` of its own (``copy.copy`` of a class whose ``__getstate__`` returns
-    its ``__dict__``, a Hugging Face ``IterableDataset``, would share it).
-    """
+    its ``__dict__``, a Hugging Face ``IterableDataset``, would share it)."""
     view = copy.copy(dataset)
     if view is not dataset and getattr(view, "__dict__", None) is getattr(dataset, "__dict__", 0):
         view.__dict__ = dict(dataset.__dict__)

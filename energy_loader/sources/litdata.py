@@ -1,8 +1,7 @@
 """LitDataSource: litdata's optimized chunks read where they lie, as a savable, elastic source.
 
-Leaves are decoded as litdata's serializers do and items rebuilt with torch's pytree; order,
-downloads and state are :mod:`energy_loader.sources._offset_shards`'. Restore key
-``(chunk, row)``. Format, leaves and refusals: docs/sources/litdata.md.
+Order, downloads and state are :mod:`energy_loader.sources._offset_shards`'; format, leaves and
+refusals: docs/sources/litdata.md.
 """
 
 from __future__ import annotations

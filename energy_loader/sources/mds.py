@@ -1,7 +1,6 @@
 """MDSSource: MosaicML Streaming's MDS shards read where they lie, as a savable, elastic source.
 
-Columns are decoded as Mosaic's ``mds_decode`` does; order, downloads and state are
-:mod:`energy_loader.sources._offset_shards`'. Restore key ``(shard, row)``. Format, encodings
+Order, downloads and state are :mod:`energy_loader.sources._offset_shards`'; format, encodings
 and compressions: docs/sources/mds.md.
 """
 

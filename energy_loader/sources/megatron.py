@@ -1,9 +1,6 @@
 """MegatronIndexedSource: Megatron's indexed datasets (``.bin`` + ``.idx``) read where they lie,
-one document a sample, with a local shuffle and exact, elastic resume.
-
-Blocks of documents are permuted and cut into canonical spans as for
-:class:`~energy_loader.ShardedSource`. Local prefixes are memory-mapped. State:
-``{"phase", "epoch", "position"}``; restore key ``(document,)``. Format: docs/sources/megatron.md.
+one document a sample, with a local shuffle and exact, elastic resume. State: ``{"phase",
+"epoch", "position"}``; restore key ``(document,)``. See docs/sources/megatron.md.
 """
 
 from __future__ import annotations
@@ -123,8 +120,7 @@ class _MegatronCursor(PrefetchingCursor):
 class MegatronIndexedSource(Downloads, StridedSource):
     """Read a Megatron indexed dataset (``<prefix>.bin`` + ``<prefix>.idx``, either suffix
     accepted, local or fsspec), one document a sample: ``{"tokens": <1-D array>, "index": n}``.
-    Blocks of ``block_documents`` are permuted as a whole and within. Downloads and packing:
-    docs/sources/megatron.md. Example::
+    Blocks, downloads and packing: docs/sources/megatron.md. Example::
 
         source = MegatronIndexedSource("/data/pile/pile_text_document", shuffle=True, seed=1)
     """

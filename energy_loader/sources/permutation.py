@@ -1,10 +1,7 @@
-"""A seeded bijection of ``range(n)`` in O(1) memory: a Feistel network with cycle walking.
+"""A seeded bijection of ``range(n)`` in O(1) memory (numpy would need 80 GB for 10**10).
 
-Shuffling 10**10 indices with ``numpy.random.permutation`` needs 80 GB; this needs nothing.
-The index is split into two halves of ``half_bits`` each and run through four keyed Feistel
-rounds, which permute ``range(4**half_bits)``; values that land at or above ``n`` are fed
-through again (cycle walking) until they fall inside, which keeps the map a bijection on
-``range(n)``. The domain is less than ``4 * n``, so the expected number of walks is below 4.
+Four keyed Feistel rounds over two halves of ``half_bits`` permute ``range(4**half_bits)``;
+values at or above ``n`` go through again (cycle walking), under 4 times on average.
 """
 
 from __future__ import annotations

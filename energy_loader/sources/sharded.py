@@ -164,8 +164,7 @@ class ShardedSource(ShardRowSource):
 
     def open_shard(self, shard: int) -> _ShardFile:
         """Open one shard for reading, downloading it first if needed (again, if another process
-        evicted it after ``ensure`` found it); once open, an eviction cannot take it away.
-        """
+        evicted it after ``ensure`` found it); once open, an eviction cannot take it away."""
         for _ in range(2):
             with contextlib.suppress(FileNotFoundError):
                 return self._ensure_and_open(shard)

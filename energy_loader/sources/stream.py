@@ -75,11 +75,7 @@ class _StreamCursor(EpochCursor):
 class StreamSource(SavableDataset):
     """Pull batches from an outside producer with ``fetch_fn(cursor)``; save the cursor.
 
-    ``fetch_fn`` returns batch ``cursor`` of the stream (always the same one), or ``None`` if not
-    there yet; then ``is_exhausted(cursor)`` (if given) ends the epoch, or the source sleeps
-    ``poll_interval`` seconds and asks again. ``fetch_timeout`` (seconds, ``None``: forever)
-    bounds one wait. Errors of either function come out as :class:`StreamError` naming it and the
-    cursor. Each batch is one item (split it with ``UnbatchDataset``). Example::
+    Polling, ``is_exhausted``, timeouts and errors: docs/sources/stream.md. Example::
 
         client = MyLogClient("broker:9092", topic="rollouts")
         source = StreamSource(client.fetch, is_exhausted=client.is_closed, poll_interval=0.5)

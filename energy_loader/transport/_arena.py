@@ -1,7 +1,5 @@
 """Per-worker rings of shared memory in anonymous memory files (``os.memfd_create``): nothing
-in ``/dev/shm``, freed by the kernel when the last process closes them. A worker inherits its
-arena under fork or receives its descriptor with the dataset (``reduction.DupFd``) under
-spawn/forkserver.
+in ``/dev/shm``, freed when the last process closes them. See docs/transport.md, "The arena".
 """
 
 from __future__ import annotations
@@ -48,12 +46,8 @@ _ARENA_IDS = itertools.count()
 class Arena:
     """One worker's ring of shared memory: the worker writes payloads, the main process reads.
 
-    A header page of :data:`_SLOTS` int64 slots (the main process hands payload ``n`` back in slot
-    ``n % _SLOTS``), then ``size`` bytes of ring filled first-fit from the front, never wrapping.
-    One producer, one consumer; the main process copies a payload out (:meth:`take`) or reads it
-    in place (:meth:`view`); :meth:`reserve_tensor` lends the worker a region to collate into.
-    See docs/transport.md, "The arena".
-    """
+    A header page of :data:`_SLOTS` slots (payload ``n`` comes back in slot ``n % _SLOTS``), then
+    ``size`` bytes of ring filled first-fit from the front: docs/transport.md, "The arena"."""
 
     def __init__(self, size: int, *, fd: int | None = None, ident: int | None = None) -> None:
         self.size = size
@@ -140,8 +134,7 @@ class Arena:
 
     def _next_number(self) -> int:
         """The next payload number whose slot no payload in use shares (two in flight on one slot
-        could hide one's hand-back behind the other's).
-        """
+        could hide one's hand-back behind the other's)."""
         taken = {number % _SLOTS for _, number in self._in_use.values()}
         number = self._sequence + 1
         while number % _SLOTS in taken:
@@ -152,8 +145,7 @@ class Arena:
     def reserve_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialised tensor in a fresh region of the ring, or None if full. The worker owns
         the region until it is sent by reference; it is freed once its last reference here dies
-        and, if sent, the main process handed it back.
-        """
+        and, if sent, the main process handed it back."""
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
             return None  # nothing to share; a region of its own would be a wasted slot
@@ -211,8 +203,7 @@ class Arena:
     def read(self, offset: int, sequence: int, size: int, *, pin: bool) -> np.ndarray:
         """Payload ``sequence`` (``size`` bytes at ``offset``) as a ``uint8`` array to decode: in
         place (:meth:`view`) unless wanted in pinned memory or half the ring is held so; then
-        copied out (:meth:`take`) and handed back at once.
-        """
+        copied out (:meth:`take`) and handed back at once."""
         copy = pinned_buffer(size) if pin else None
         if copy is None and self.can_view(size):
             return self.view(offset, sequence, size)
@@ -227,8 +218,7 @@ class Arena:
 
     def view(self, offset: int, sequence: int, size: int) -> np.ndarray:
         """The payload at ``offset`` in place, as a ``uint8`` array of ``size`` bytes; its space
-        goes back to the worker once it and every view of it (the decoded tensors) are gone.
-        """
+        goes back to the worker once it and every view of it (the decoded tensors) are gone."""
         start = _HEADER_BYTES + offset
         payload = np.frombuffer(self._map, dtype=np.uint8, count=size, offset=start)
         with self._lock:

@@ -1,8 +1,6 @@
-"""The two ends of the codec: :class:`Encoder` in the worker, :func:`decode` in the main process.
-
-A :class:`Packet` holds the payload inline or its place in the worker's arena, plus any
-tensors collated into the arena by reference; torch's pin-memory thread calls its
-:meth:`Packet.pin_memory`.
+"""The two ends of the codec: :class:`Encoder` in the worker, :func:`decode` in the main process,
+and the :class:`Packet` between them (pinned by torch's pin-memory thread). See
+docs/transport.md.
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ __all__ = ["Encoder", "Packet", "decode"]
 
 class Packet(abc.ABC):
     """An encoded item on its way to the main process; :func:`decode` turns it back. Torch's
-    pin-memory thread calls :meth:`pin_memory`, which decodes straight into pinned memory.
-    """
+    pin-memory thread calls :meth:`pin_memory`, which decodes straight into pinned memory."""
 
     __slots__ = ()
 
@@ -76,8 +73,7 @@ class _Inline(Packet):
 
 class _ArenaPacket(Packet):
     """A packet that, in the main process, owns regions of its worker's arena until decoded (only
-    the received copy, ``owned``); dropped undecoded it hands them all back.
-    """
+    the received copy, ``owned``); dropped undecoded it hands them all back."""
 
     __slots__ = ("arena", "owned")
 
@@ -143,8 +139,7 @@ class _InArena(_ArenaPacket):
 
 class _Referencing(_ArenaPacket):
     """An item whose payload (``inner``) refers to regions of its worker's arena by position; the
-    decode adopts each (a view or a copy), and a packet dropped undecoded hands them back.
-    """
+    decode adopts each (a view or a copy), and a packet dropped undecoded hands them back."""
 
     __slots__ = ("inner", "numbers", "referenced_bytes")
 
@@ -203,8 +198,7 @@ def decode(item: Any) -> Any:
 
 class Encoder:
     """The worker end: turns each item into a :class:`Packet`. One pickler and stream are reused
-    (memo cleared between items); nothing of an item is kept. One per worker, not thread-safe.
-    """
+    (memo cleared between items); nothing of an item is kept. One per worker, not thread-safe."""
 
     def __init__(self, inline_bytes: int, arena: Arena | None) -> None:
         self._inline_bytes = inline_bytes

@@ -1,7 +1,6 @@
 """The payload format: one pickle protocol-5 stream plus its out-of-band buffers, each 64-byte
-aligned (``sizes``: the stream's length, then each buffer's). :class:`Pickler` sends dense CPU
-tensors and numpy arrays out of band, the rest through torch's queue reductions;
-:func:`unpack` rebuilds an item as views of the payload.
+aligned (``sizes``: the stream's length, then each buffer's); :func:`unpack` rebuilds an item as
+views of the payload. See docs/transport.md, "What the codec does".
 """
 
 from __future__ import annotations
@@ -102,8 +101,7 @@ ByReference = Callable[[torch.Tensor], Any]
 def _reduce_tensor(tensor: torch.Tensor, by_reference: ByReference | None) -> Any:
     """Plain dense CPU tensors as an out-of-band buffer; others keep torch's reduction.
 
-    ``by_reference`` may claim a plain tensor first (one collated into the worker's arena).
-    """
+    ``by_reference`` may claim a plain tensor first (one collated into the worker's arena)."""
     if (
         tensor.device.type != "cpu"
         or tensor.layout is not torch.strided

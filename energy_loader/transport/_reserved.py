@@ -1,7 +1,6 @@
 """Collating straight into a worker's arena (:func:`batch_tensor`), and sending such tensors by
-reference: :class:`ReferenceReducer` in the worker turns a tensor that covers an unsent
-reservation into its position; :class:`Adoption` in the main process decodes those as views
-of the ring (or copies). See docs/transport.md.
+reference (:class:`ReferenceReducer` in the worker, :class:`Adoption` in the main process).
+See docs/transport.md.
 """
 
 from __future__ import annotations
@@ -35,8 +34,7 @@ _TARGET: _CollateTarget | None = None
 def collate_into(arena: Arena | None, min_bytes: int) -> None:
     """Let :func:`batch_tensor` reserve tensors of ``min_bytes`` or more in ``arena``.
 
-    Called by the worker's transport when the worker starts; ``None`` turns the hook off.
-    """
+    Called by the worker's transport when the worker starts; ``None`` turns the hook off."""
     global _TARGET
     _TARGET = None if arena is None else _CollateTarget(arena, min_bytes)
 
@@ -44,13 +42,9 @@ def collate_into(arena: Arena | None, min_bytes: int) -> None:
 def batch_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised tensor to collate a batch into, e.g. ``torch.stack(xs, out=...)``.
 
-    In a loader worker with an arena (``transport_codec=True``, ``transport_arena_bytes > 0``,
-    Linux), a tensor of at least ``transport_inline_bytes`` lies in the worker's ring and reaches
-    the main process without a copy. Elsewhere (main process, torch's transport, a small tensor, a
-    full ring) it is ``torch.empty(shape, dtype=dtype)``; it never waits. Fill it completely and
-    send it whole; slices travel as copies. A worker that keeps it after sending shares its memory
-    with the main process's batch, as with torch's shared-memory collate.
-    """
+    In a worker with an arena, one of at least ``transport_inline_bytes`` lies in the ring and
+    travels without a copy; elsewhere it is ``torch.empty``. Never waits. Fill it completely and
+    send it whole: docs/transport.md, "Collating into the arena"."""
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"`dtype` must be a torch.dtype (got {type(dtype).__name__}: {dtype!r})")
     size = torch.Size(shape)
@@ -66,8 +60,7 @@ def batch_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 
 class ReferenceReducer:
     """Worker side, the pickler's hook: reserved tensors by reference, not by copy. ``adopted``
-    collects the reservations of the item being pickled, for the encoder to mark sent.
-    """
+    collects the reservations of the item being pickled, for the encoder to mark sent."""
 
     def __init__(self, arena: Arena) -> None:
         self.arena = arena
