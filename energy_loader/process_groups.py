@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["check_group_layout", "data_parallel_layout", "process_group_initialized"]
-
 
 def process_group_initialized() -> bool:
     """Whether ``torch.distributed`` is available and its default process group initialised."""

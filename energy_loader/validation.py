@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["require_bool", "require_callable", "require_int"]
-
 
 def require_callable(value: Any, name: str) -> None:
     """Raise ``TypeError`` unless ``value`` is callable."""

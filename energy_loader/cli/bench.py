@@ -23,8 +23,6 @@ import attrs
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-__all__ = ["Workload", "main", "restore_check", "savable_pipeline", "throughput"]
-
 PROG = "python -m energy_loader bench"
 DESCRIPTION = (
     "energy_loader against a plain torch DataLoader on this machine, on the reference "

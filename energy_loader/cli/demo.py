@@ -25,8 +25,6 @@ from ..sources import IndexedSource
 from ..state.checkpoint import CheckpointDirectory
 from ..wrappers import BatchDataset, MapDataset, ShuffleBufferDataset
 
-__all__ = ["main"]
-
 TOKENS_PER_SAMPLE = 64
 
 

@@ -17,8 +17,6 @@ from ..sources._tar_index import INDEX_SUFFIX, build_index
 from ..sources.webdataset import _BRACES, _is_url, _list_shards, expand_urls
 from ..state.atomic import write_atomically
 
-__all__ = ["index_shards", "main", "storage_options_from"]
-
 _DESCRIPTION = """Build the member index of WebDataset tar shards.
 
 PATH is a directory holding .tar shards, one shard, a brace pattern

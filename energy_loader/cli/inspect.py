@@ -29,8 +29,6 @@ from ..state.rank_state import (
     states_from_entries,
 )
 
-__all__ = ["describe_rank_state", "main", "read_path", "summarize_rank_state"]
-
 _HELP = """usage: python -m energy_loader inspect PATH [--json] [--pipeline MODULE:FUNCTION]
                                        [--prefix PREFIX]
 

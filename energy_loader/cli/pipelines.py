@@ -10,8 +10,6 @@ from typing import Any
 
 from ..dataset import SavableDataset
 
-__all__ = ["build_loader", "check_rank", "load_builder"]
-
 
 def load_builder(spec: str) -> Callable[[], Any]:
     """The function named by ``module:function`` (the current directory is importable)."""

@@ -26,18 +26,6 @@ from ..state.rank_state import RankState
 from .inspect import one_line, read_path
 from .pipelines import build_loader, check_rank, load_builder
 
-__all__ = [
-    "call_builder",
-    "dropin_state_for",
-    "loader_and_states",
-    "main",
-    "parse_steps",
-    "read_states",
-    "replay",
-    "replay_dropin",
-    "saved_world_size",
-]
-
 _HELP = """Print the restore keys (or samples) of steps A to B of one rank of a saved job.
 
 Step 0 is the first item the rank yields after the saved position. The pipeline is rebuilt

@@ -12,8 +12,6 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["decode_sample", "encode_sample"]
-
 _ALIGN = 16
 _HEADER = struct.Struct("<I")
 _TAG = "\x00"  # dict keys starting with this mark encoded objects

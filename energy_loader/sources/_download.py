@@ -26,22 +26,6 @@ from ..errors import DownloadError, SourceDataError
 from ..validation import require_int
 from .shard_writer import ShardInfo, zstd_module
 
-__all__ = [
-    "DownloadSettings",
-    "Downloads",
-    "Prefetcher",
-    "Remote",
-    "ShardCache",
-    "default_cache_dir",
-    "resolve_cache_dir",
-    "download_settings",
-    "is_url",
-    "list_files",
-    "node_lock",
-    "parse_json",
-    "storage_options_dict",
-]
-
 LOGGER = logging.getLogger("energy_loader.sources.sharded")
 _READ_SIZE = 1 << 20
 LOCKS = ".locks"

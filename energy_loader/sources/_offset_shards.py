@@ -22,8 +22,6 @@ from ._download import Remote, ShardCache, resolve_cache_dir
 from ._strided import RestoreShard, ShardRowSource
 from .shard_writer import ShardInfo
 
-__all__ = ["OffsetShardFile", "OffsetShardSource", "passed_on"]
-
 DEFAULT_PREDOWNLOAD = 1024
 
 

@@ -15,8 +15,6 @@ import numpy as np
 from ..rng import stable_hash
 from .permutation import FeistelPermutation
 
-__all__ = ["EpochOrder", "span"]
-
 _MAX_CACHED_PERMUTATIONS = 256
 
 #: Units with at most this many samples get their row permutation as an array (8 bytes a

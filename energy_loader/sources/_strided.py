@@ -21,18 +21,6 @@ from ._download import Downloads, Prefetcher, ReaderProgress, ShardCache
 from ._order import EpochOrder
 from .shard_writer import ShardInfo
 
-__all__ = [
-    "OpenShards",
-    "PrefetchingCursor",
-    "RestoreShard",
-    "ShardRowCursor",
-    "ShardRowSource",
-    "StridedCursor",
-    "StridedSource",
-    "is_shard_row",
-    "order_settings",
-]
-
 
 def order_settings(
     shuffle: Any, seed: Any, num_canonical_partitions: Any

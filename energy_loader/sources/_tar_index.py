@@ -12,8 +12,6 @@ from typing import Any, BinaryIO
 from ..errors import SourceDataError
 from ._download import parse_json
 
-__all__ = ["INDEX_SUFFIX", "TarIndex", "build_index", "parse_index", "split_member_name"]
-
 INDEX_SUFFIX = ".idx.json"
 FORMAT = "energy_loader.tar_index"
 VERSION = 1

@@ -15,8 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["fsync_directory", "write_atomically"]
-
 
 def fsync_directory(directory: str | os.PathLike[str]) -> None:
     """Make the renames and new entries in ``directory`` durable (POSIX: fsync the directory), e.g.

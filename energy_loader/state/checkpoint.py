@@ -33,8 +33,6 @@ from ..errors import StateFormatError, first_line
 from .atomic import write_atomically
 from .plain import StateReader, check_format, check_plain
 
-__all__ = ["CHECKPOINT_FORMAT", "CheckpointDirectory", "load_checkpoint", "save_checkpoint"]
-
 CHECKPOINT_FORMAT = "energy_loader.checkpoint"
 CHECKPOINT_VERSION = 1
 

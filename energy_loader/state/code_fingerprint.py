@@ -23,8 +23,6 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["PREFIX", "changed_parts", "code_fingerprint", "comparable"]
-
 PREFIX = "2:"
 _MAX_DEPTH = 8  # functions and classes followed below the one fingerprinted
 _MAX_OBJECTS = 200  # objects walked per fingerprint

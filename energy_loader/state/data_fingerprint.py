@@ -25,16 +25,6 @@ import attrs
 
 from .fingerprint import DATA_FIELD, pipeline_stages
 
-__all__ = [
-    "DATA_FIELD",
-    "DataFiles",
-    "FileEntry",
-    "content_entry",
-    "data_changes",
-    "local_entry",
-    "relative_names",
-]
-
 GROUPS = 64
 BLOCK = 4096
 BLOCKS = 16

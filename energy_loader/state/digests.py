@@ -31,18 +31,6 @@ import numpy as np
 import torch
 import xxhash
 
-__all__ = [
-    "RESTORE_KEY",
-    "CheckpointDigest",
-    "KeyDigest",
-    "checkpoint_digest",
-    "compact_json",
-    "content_digest",
-    "digest",
-    "key_digest",
-    "last_digest",
-]
-
 #: Compact JSON as a saved state's leaves hold it (``state_dict()``): no spaces, keys in order.
 compact_json = json.JSONEncoder(separators=(",", ":")).encode
 

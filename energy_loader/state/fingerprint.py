@@ -15,20 +15,6 @@ import attrs
 
 from .code_fingerprint import comparable
 
-__all__ = [
-    "CODE_SUFFIX",
-    "ConfigDifference",
-    "DATA_FIELD",
-    "FROM_FN",
-    "UserFunction",
-    "code_differences",
-    "config_differences",
-    "describe_differences",
-    "pipeline_stages",
-    "user_code",
-    "user_functions",
-]
-
 # A config field that holds a user function's code fingerprint ends so (``fn_code``): it is
 # compared apart from the rest (code that changed is reported, not another pipeline).
 CODE_SUFFIX = "_code"

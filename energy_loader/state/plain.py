@@ -16,16 +16,6 @@ from typing import Any
 
 from ..errors import StateFormatError
 
-__all__ = [
-    "StateReader",
-    "check_plain",
-    "is_keyed_by",
-    "json_leaf",
-    "pack_keys",
-    "to_key",
-    "unpack_keys",
-]
-
 _SCALARS = (str, int, float, bool, type(None))
 
 

@@ -19,8 +19,6 @@ import attrs
 from .digests import last_digest
 from .rank_state import PartitionState
 
-__all__ = ["CheckpointRing", "Position", "PositionBook", "Snapshot"]
-
 
 class CheckpointRing:
     """The rolling checkpoints of one worker: ``(index, state)`` pairs, oldest first; one is dropped

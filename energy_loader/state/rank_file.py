@@ -27,16 +27,6 @@ from .atomic import write_atomically
 from .plain import StateReader, check_format, check_plain, json_leaf
 from .rank_state import RANK_STATE_FORMAT, RankState, slot_key
 
-__all__ = [
-    "RANK_FILE_FORMAT",
-    "RANK_FILE_VERSION",
-    "RankFile",
-    "ReadTally",
-    "is_rank_file",
-    "read_rank_file",
-    "write_rank_file",
-]
-
 RANK_FILE_FORMAT = "energy_loader.rank_file"
 RANK_FILE_VERSION = 1
 

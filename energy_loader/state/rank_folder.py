@@ -22,8 +22,6 @@ from typing import Any
 from ..errors import StateMismatchError
 from .rank_file import RankFile, ReadTally
 
-__all__ = ["RankFolder", "rank_file_name", "rank_state_files"]
-
 # The name save_state_rank_file gives a rank's file: PREFIX_rank_00003_of_00008.pt.
 _RANK_FILE = re.compile(r"(.+)_rank_(\d{5})_of_(\d{5})\.pt")
 

@@ -22,15 +22,6 @@ from ..errors import StateFormatError, StateMismatchError
 from .digests import KeyDigest, checkpoint_digest, compact_json, digest
 from .plain import StateReader, check_plain, is_keyed_by, json_leaf
 
-__all__ = [
-    "RANK_STATE_FORMAT",
-    "RANK_STATE_VERSION",
-    "PartitionState",
-    "decode_rank_states",
-    "RankState",
-    "WorkerSlots",
-]
-
 RANK_STATE_FORMAT = "energy_loader.rank_state"
 # The drop-in loader's format (energy_loader.loader.dropin.state), named in a refusal only.
 _DROPIN_STATE_FORMAT = "energy_loader.dropin_state"

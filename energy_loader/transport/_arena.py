@@ -22,15 +22,6 @@ import torch
 
 from ._payload import ALIGN, fill, pinned_buffer
 
-__all__ = [
-    "HAVE_MEMFD",
-    "MIN_ARENA_BYTES",
-    "Arena",
-    "Reservation",
-    "close_all_but",
-    "find_arena",
-]
-
 HAVE_MEMFD = hasattr(os, "memfd_create")
 MIN_ARENA_BYTES = mmap.PAGESIZE
 _HEADER_BYTES = mmap.PAGESIZE

@@ -16,8 +16,6 @@ from ._arena import Arena, find_arena
 from ._payload import Pickler, fill, offsets, pinned_buffer, unpack
 from ._reserved import Adoption, ReferenceReducer
 
-__all__ = ["Encoder", "Packet", "decode"]
-
 
 class Packet(abc.ABC):
     """An encoded item on its way to the main process; :func:`decode` turns it back. Torch's

@@ -15,17 +15,6 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = [
-    "ALIGN",
-    "DTYPE_NAMES",
-    "Pickler",
-    "fill",
-    "offsets",
-    "pinned_buffer",
-    "rebuild_tensor",
-    "unpack",
-]
-
 ALIGN = 64
 
 

@@ -18,8 +18,6 @@ import torch
 from ._arena import Arena, Reservation
 from ._payload import DTYPE_NAMES, rebuild_tensor
 
-__all__ = ["Adoption", "ReferenceReducer", "batch_tensor", "collate_into"]
-
 
 @attrs.frozen
 class _CollateTarget:
