@@ -57,8 +57,8 @@ def _sampled(read: Callable[[int, int], bytes], size: int) -> bytes:
     return digest.digest()
 
 
-def local_entry(root: Path, name: str) -> FileEntry:
-    """``root / name`` with its sampled content digest (cached by path, size, mtime, inode)."""
+def local_entry(root: str, name: str) -> FileEntry:
+    """``root/name`` with its sampled content digest (cached by path, size, mtime, inode)."""
     path = os.path.join(root, name)
     stat = os.stat(path)
     key = (path, stat.st_size, stat.st_mtime_ns, stat.st_ino)
@@ -110,7 +110,8 @@ class DataFiles:
     ) -> DataFiles:
         """The local files ``names`` under ``root``, their content sampled, then ``index``
         (the index read already: a changed file is named before its index)."""
-        return cls("sampled", (*(local_entry(Path(root), name) for name in names), *index))
+        top = os.fspath(root)  # once: a Path made per file was most of a cold fingerprint's time
+        return cls("sampled", (*(local_entry(top, name) for name in names), *index))
 
     @classmethod
     def listed(cls, files: Iterable[tuple[str, int, str]], *index: FileEntry) -> DataFiles:
