@@ -8,6 +8,7 @@ that divides the saved one. Restore key: the tuple of the samples' keys.
 from __future__ import annotations
 
 import itertools
+from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -68,8 +69,9 @@ class CollatingDataset(BaseWrapperDataset):
 
     collate_fn: Callable[[Sequence[Any]], Any] | None
 
+    @abstractmethod
     def largest_batch(self) -> int:
-        raise NotImplementedError
+        """The most samples one of its batches holds (what a restore key may name)."""
 
     def collate(self, samples: Sequence[Any]) -> Any:
         """Collate with the user's function or :func:`collate_keeping_tuples`."""
