@@ -90,28 +90,31 @@ class StridedCursor(EpochCursor):
 
 class PrefetchingCursor(StridedCursor):
     """A strided cursor whose shards a background :class:`Prefetcher` downloads ahead of it,
-    from :meth:`start_prefetch` (in the reader) to :meth:`stop_prefetch` or the cursor's end."""
+    in a :meth:`prefetching` block of the reader (or until :meth:`stop_prefetch`)."""
 
     def __init__(self, dataset: SavableDataset) -> None:
         super().__init__(dataset)
         self._prefetcher: Prefetcher | None = None
         self._finalizer: weakref.finalize | None = None
 
-    def start_prefetch(
+    @contextlib.contextmanager
+    def prefetching(
         self,
         order: EpochOrder,
         predownload: int,
         cache: Callable[[], ShardCache],
         shard_of: Callable[[int], int] | None = None,
-    ) -> ReaderProgress:
-        """Start downloading the shards of the next ``predownload`` samples (0: no thread);
-        ``shard_of(unit)`` names a unit's shard (default: units are shards). Returns the progress
-        the reader updates (``progress.step``)."""
+    ) -> Iterator[ReaderProgress]:
+        """For the body of a ``with``: download the shards of the next ``predownload`` samples
+        (0: no thread; ``shard_of(unit)`` names a unit's shard, default: units are shards) and
+        yield the progress the reader updates (``progress.step``); the thread stops when the
+        body ends (unless a later start replaced it) or the cursor is dropped."""
         self.stop_prefetch()
         context = self.dataset.context
         start, stride = context.shard_index, context.num_shards
         steps = len(range(start, order.total, stride))
         progress = ReaderProgress((self.position - start) // stride)
+        prefetcher = None
         if predownload > 0 and progress.step < steps:
 
             def shard_at(step: int) -> int:
@@ -123,20 +126,6 @@ class PrefetchingCursor(StridedCursor):
             self._prefetcher = prefetcher
             # Stop the thread if this cursor is dropped without finishing its epoch.
             self._finalizer = weakref.finalize(self, prefetcher.stop_event.set)
-        return progress
-
-    @contextlib.contextmanager
-    def prefetching(
-        self,
-        order: EpochOrder,
-        predownload: int,
-        cache: Callable[[], ShardCache],
-        shard_of: Callable[[int], int] | None = None,
-    ) -> Iterator[ReaderProgress]:
-        """:meth:`start_prefetch` for the body of a ``with``, stopped when it ends (unless a later
-        start replaced the thread)."""
-        progress = self.start_prefetch(order, predownload, cache, shard_of)
-        prefetcher = self._prefetcher
         try:
             yield progress
         finally:
