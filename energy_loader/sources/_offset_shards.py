@@ -29,7 +29,7 @@ class OffsetShardFile:
     """One local shard opened for random access: the file, ``magic | count | offsets[count +
     1]`` (little-endian unsigned, ``width`` bytes each), checked, then the samples."""
 
-    magic, width, writable = b"", 4, False  # writable: records are bytearrays, else bytes
+    magic, width = b"", 4
     #: A short header, a count other than the index's, a short table, a table past the file's
     #: end (fields where, size, samples, magic, count, end; no last: the end is not checked).
     damage: tuple[str, ...] = (
@@ -65,12 +65,12 @@ class OffsetShardFile:
             self.file.close()
             raise
 
-    def read(self, row: int) -> Any:
-        """The bytes of sample ``row`` (a ``bytearray`` if :attr:`writable`)."""
+    def read(self, row: int) -> bytes:
+        """The bytes of sample ``row``."""
         start, stop = self._bounds[row], self._bounds[row + 1]
         self.file.seek(start)
-        data: Any = bytearray(stop - start) if self.writable else self.file.read(stop - start)
-        if (self.file.readinto(data) if self.writable else len(data)) != stop - start:
+        data = self.file.read(stop - start)
+        if len(data) != stop - start:
             raise SourceDataError(f"{self.where} is truncated (sample {row})")
         return data
 

@@ -28,12 +28,21 @@ DEFAULT_PREDOWNLOAD = 1024
 class _ShardFile(OffsetShardFile):
     """A ShardWriter shard file (uint64 offsets; decoded tensors are views of its records)."""
 
-    magic, width, writable = MAGIC, 8, True
+    magic, width = MAGIC, 8
     damage = (
         "{where} does not start with {magic!r}",
         "{where} holds {count} samples, index.json says {samples}",
         "{where} is truncated (offset table)",
     )
+
+    def read(self, row: int) -> bytearray:  # type: ignore[override]
+        """The bytes of sample ``row`` as a ``bytearray``: tensors decoded from it are writable."""
+        start, stop = self._bounds[row], self._bounds[row + 1]
+        self.file.seek(start)
+        data = bytearray(stop - start)
+        if self.file.readinto(data) != stop - start:
+            raise SourceDataError(f"{self.where} is truncated (sample {row})")
+        return data
 
 
 def parse_index(data: bytes, where: str) -> tuple[str | None, tuple[ShardInfo, ...]]:
