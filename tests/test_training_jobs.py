@@ -141,11 +141,14 @@ class Run:
         return f"{self.job.describe()}, exit code {self.returncode}:\n" + "\n".join(kept[-lines:])
 
     def first_error(self) -> str:
-        """The first error a rank printed (``[rank1]: RuntimeError: ...``), or ``""``."""
-        for line in self.output.splitlines():
+        """The first error a rank printed (``[rank1]: RuntimeError: ...``), else how torchrun
+        saw its ranks end (a signal, an exit code), else the output's last lines."""
+        lines = self.output.splitlines()
+        for line in lines:
             if line.startswith("[rank") and "Error: " in line:
                 return line
-        return ""
+        ends = [line.strip() for line in lines if "exitcode" in line or "Signal" in line]
+        return "; ".join(ends) or self.tail(8)
 
     def weights(self) -> dict[str, torch.Tensor]:
         return torch.load(self.workdir / "weights.pt", weights_only=True)
@@ -219,14 +222,17 @@ def run_jobs(launches: list[tuple[Job, Path]]) -> None:
         (workdir / RESULT).write_text(json.dumps(result))
 
 
-TORCH_EXIT_ABORT = "terminate called without an active exception"
+# How torch's abort at exit shows in torchrun's output: the C++ runtime's line, or torchrun's
+# report of a rank ended by SIGABRT (the line can be lost when the rank dies mid-write).
+TORCH_EXIT_ABORT = ("terminate called without an active exception", "exitcode  : -6", "SIGABRT")
 
 
 def _torch_abort(job: Job, workdir: Path) -> bool:
     """Whether a job that was not killed on purpose failed with torch's abort at exit."""
     result = json.loads((workdir / RESULT).read_text())
     output = (workdir / "torchrun.out").read_text(errors="replace")
-    return job.kill_at is None and result["returncode"] != 0 and TORCH_EXIT_ABORT in output
+    aborted = any(sign in output for sign in TORCH_EXIT_ABORT)
+    return job.kill_at is None and result["returncode"] != 0 and aborted
 
 
 class Runs:

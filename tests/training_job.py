@@ -225,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     # order) the gloo threads it joins may wait for the GIL: a hang at exit in about 1 run of 4
     # on 2 cores. Freed here, the group's last reference goes in destroy_process_group.
     del training, model, optimizer
+    # Every rank is done with the group before any tears it down: a rank that leaves while
+    # another still runs its last collective ends gloo's connections under it.
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
