@@ -20,6 +20,7 @@ from ..loader.dropin.state import (
     describe_dropin_state,
     summarize_dropin_state,
 )
+from ..state.changes import describe
 from ..state.checkpoint import CHECKPOINT_FORMAT, load_checkpoint
 from ..state.rank_file import is_rank_file, read_rank_file
 from ..state.rank_state import (
@@ -177,7 +178,7 @@ def _config_chain(config: dict[str, Any]) -> list[str]:
 def describe_rank_state(state: Any) -> str:
     """A multi-line description of one rank state (validated first), a pipeline's or a drop-in's."""
     if state.get("format") == DROPIN_STATE_FORMAT:
-        return describe_dropin_state(state)
+        return "\n".join([describe_dropin_state(state), *history_lines(state.get("history"))])
     decoded = RankState.from_plain(state)
     per_worker = decoded.num_partitions // (decoded.world_size * max(1, decoded.num_workers))
     if decoded.epoch_ended:
@@ -219,7 +220,18 @@ def describe_rank_state(state: Any) -> str:
             )
     lines.append("pipeline (outermost first):")
     lines += [f"  {line}" for line in _config_chain(decoded.config)]
-    return "\n".join(lines)
+    return "\n".join(lines + history_lines(decoded.history))
+
+
+def history_lines(history: Any) -> list[str]:
+    """A state's history of skips and changes made on purpose, as ``inspect`` and ``replay``
+    print it (nothing when it has none)."""
+    if not history:
+        return []
+    heading = (
+        "history (skipped or changed on purpose, oldest first; steps count this rank's items):"
+    )
+    return [heading, *(f"  {describe(entry)}" for entry in history)]
 
 
 # The fields of a RankState that --json shows as they are, before global_position.
@@ -232,9 +244,10 @@ _SUMMARY_FIELDS = (
 def summarize_rank_state(state: Any, length: int | None = None) -> dict[str, Any]:
     """One rank state as a small JSON-able summary; ``length``: the rank's items per epoch."""
     if state.get("format") == DROPIN_STATE_FORMAT:
-        return summarize_dropin_state(state)
+        return summarize_dropin_state(state) | {"history": state.get("history", [])}
     decoded = RankState.from_plain(state)
     summary: dict[str, Any] = {name: getattr(decoded, name) for name in _SUMMARY_FIELDS}
+    summary["history"] = list(decoded.history)
     summary["global_position"] = decoded.start + decoded.world_size * decoded.delivered
     summary["next_worker"] = decoded.next_worker
     summary["workers"] = [w.to_plain() for w in decoded.workers]

@@ -23,7 +23,7 @@ from ..loader.dropin.stream import distributed_part
 from ..loader.savable_loader import SavableDataLoader
 from ..state.rank_file import read_rank_file
 from ..state.rank_state import RankState
-from .inspect import one_line, read_path
+from .inspect import history_lines, one_line, read_path
 from .pipelines import build_loader, check_rank, load_builder
 
 _HELP = """Print the restore keys (or samples) of steps A to B of one rank of a saved job.
@@ -281,9 +281,14 @@ def main(argv: list[str]) -> int:
                 built, args.checkpoint, args.rank, args.seed, args.prefix
             )
             rows = replay(loader, states, start, stop, samples=args.samples)
+        saved = [state for path in args.checkpoint for _, state in read_path(path, args.prefix)]
+        own = [state for state in saved if state.get("rank") == args.rank] or saved
     except Exception as error:
         print(f"replay: {one_line(error)}", file=sys.stderr)
         return 2
+    if not args.json:  # what was skipped or changed before the save (inspect --json has it)
+        for line in history_lines(own[0].get("history")):
+            print(line)
     for row in rows:
         if args.json:
             print(json.dumps(row, default=_plain))

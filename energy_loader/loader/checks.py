@@ -26,13 +26,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import CodeChangedWarning, DataChangedWarning, StateFormatError, StateMismatchError
+from ..state.changes import declared_changes, values_before
 from ..state.code_fingerprint import changed_parts
 from ..state.data_fingerprint import data_changes
 from ..state.fingerprint import (
     CODE_SUFFIX,
     ConfigDifference,
     code_differences,
-    config_differences,
     describe_differences,
 )
 from ..state.rank_state import PartitionState, RankState
@@ -113,8 +113,9 @@ def check_one_position(states: Sequence[RankState], rank: int) -> None:
 
 def check_fits(planner: Planner, states: Sequence[RankState]) -> int:
     """``StateMismatchError`` unless every state fits ``planner``'s loader: its partition
-    count, its seed and its pipeline's config, where only a batch size may differ, shrunk by a
-    whole factor; returns that factor (the replay scale, 1 when nothing differs)."""
+    count, its seed and its pipeline's config, where only the changes the loader declares and a
+    batch size shrunk by a whole factor may differ; returns that factor (the replay scale, 1
+    when no batch size differs)."""
     if not states:
         raise StateMismatchError(
             "no rank state to restore from: pass the states of one save (the list "
@@ -131,7 +132,7 @@ def check_fits(planner: Planner, states: Sequence[RankState]) -> int:
                 f"draws differently. Build the loader with seed={state.seed} to continue that "
                 "stream"
             )
-        differences = config_differences(state.config, planner.pipeline_config)
+        _, differences = declared_changes(state.config, planner.pipeline_config, planner.changes)
         found = _batch_size_scale(differences, planner.pipeline_config)
         if found is None:
             raise StateMismatchError(_refusal(planner, state.config, differences))
@@ -151,7 +152,9 @@ def _refusal(planner: Planner, saved: dict[str, Any], differences: list[ConfigDi
         return (
             f"the state belongs to a different pipeline: {listed}. Restore it into the "
             "pipeline that saved it (`python -m energy_loader inspect` shows a state's "
-            "config); a batch_size may only shrink by a whole factor"
+            "config); a batch_size may only shrink by a whole factor, and a change made on "
+            'purpose is declared: SavableDataLoader(..., changes=["BlendDataset.weights"]), '
+            "docs/long-jobs.md"
         )
     named = "; ".join(changed) or f"the data files of {', '.join(dict.fromkeys(sources))} differ"
     return (
@@ -170,7 +173,8 @@ def check_checkpoints(planner: Planner, restores: dict[int, PartitionState]) -> 
         for partition, entry in restores.items():
             pipeline.bind(config.partition_context(partition, planner.num_partitions))
             try:
-                pipeline.restore_state(entry.checkpoint)
+                with values_before(pipeline, entry.changes):
+                    pipeline.restore_state(entry.checkpoint)
             except StateFormatError as error:
                 raise StateFormatError(f"partition {partition} checkpoint: {error}") from None
     finally:

@@ -35,6 +35,11 @@ class Engine(Protocol):
         """What ``iter(loader)`` returns."""
         ...
 
+    def record_skip(self, items: int) -> None:
+        """Put on record (in the saved state) that the last ``items`` items handed out were
+        skipped (``loader.skip``)."""
+        ...
+
     def current_epoch(self) -> int:
         """``loader.epoch``: one rule for every engine (docs/loader.md). A method, not a
         property: a pipeline engine restored at an epoch's last item may start its workers to

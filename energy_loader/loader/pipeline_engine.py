@@ -84,6 +84,10 @@ class _EngineIterator:
     def __iter__(self) -> _EngineIterator:
         return self
 
+    def is_current(self) -> bool:
+        """Whether a ``next()`` continues the loader's stream (neither ended nor outdated)."""
+        return not self._finished and self._generation == self._engine.generation
+
     def __next__(self) -> Any:
         if self._finished:
             raise StopIteration
@@ -128,6 +132,7 @@ class PipelineEngine:
         on_code_change: str = "warn",
         on_data_change: str = "warn",
         dropin: bool = False,
+        changes: tuple[str, ...] = (),
     ) -> None:
         config = args.config
         self.worker_config = config
@@ -135,10 +140,9 @@ class PipelineEngine:
         self.transport = args.transport
         self.adopts_partitions = adopts_partitions
         self.verify = verify
-        self.on_code_change = on_code_change
-        self.on_data_change = on_data_change
+        self.change_policies = (on_code_change, on_data_change)
         _warn_if_idle(args.num_partitions, config)
-        self.planner = planner = Planner(pipeline, config, args.num_partitions)
+        self.planner = planner = Planner(pipeline, config, args.num_partitions, changes)
         self.side = WorkerSideDataset(
             pipeline,
             config,
@@ -199,6 +203,9 @@ class PipelineEngine:
         if not continuation:
             self.begin_epoch()
         return _EngineIterator(self, continuation)
+
+    def record_skip(self, items: int) -> None:
+        self.progress.skipped(items)
 
     def next_iter_begins_epoch(self) -> bool:
         """Whether the next :meth:`iterate` starts an epoch (where torch's own DataLoader makes
@@ -303,8 +310,7 @@ class PipelineEngine:
                 inner = Unbundler(inner, side.bundle_limits, side.items_per_transfer)
             self._inner = inner
         if isinstance(inner, Unbundler):
-            progress = self.progress
-            return inner.next_item(progress.next_worker, progress.done)
+            return inner.next_item(self.progress.next_worker, self.progress.done)
         if self.dropin:  # torch's: the dataset draws from the training's generators
             return next(inner)  # type: ignore[no-any-return]
         # In this process the stages seed the global RNGs per sample: the training's own draws
@@ -430,8 +436,8 @@ class PipelineEngine:
 
     def plan(self, records: list[RankState]) -> PipelinePlan:
         planner = self.planner_for(records)
-        policies = (self.on_code_change, self.on_data_change)
-        return PipelinePlan(planner, pipeline_states.plan(planner, records, *policies))
+        restore = pipeline_states.plan(planner, records, *self.change_policies)
+        return PipelinePlan(planner, restore)
 
     def apply(self, plan: PipelinePlan) -> None:
         if plan.planner is not self.planner:

@@ -17,7 +17,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import attrs
+
 from ..errors import StateFormatError, StateMismatchError, missing_slots_error
+from ..state.changes import declared_changes, merged, stage_config
 from ..state.rank_file import RankFile
 from ..state.rank_folder import RankFolder
 from ..state.rank_state import (
@@ -32,6 +35,23 @@ from ..state.rank_state import (
 from ..worker import WorkerConfig
 from . import checks
 from .planner import Planner, RestorePlan
+
+
+def with_declared_changes(planner: Planner, restore: RestorePlan, saved: Any) -> RestorePlan:
+    """``restore`` with the changes ``planner``'s loader declares between the ``saved`` config
+    and its own: each partition's replay undoes them, and the history records them at the
+    restored position."""
+    now = planner.pipeline_config
+    changes, _ = declared_changes(saved, now, planner.changes)
+    if not changes:
+        return restore
+    restores = {
+        p: attrs.evolve(entry, changes=merged(entry.changes, changes))
+        for p, entry in restore.restores.items()
+    }
+    after = [{**c, "after": stage_config(now, c["stage"], c["field"])} for c in changes]
+    entry = {"epoch": restore.epoch, "step": restore.delivered, "changes": after}
+    return attrs.evolve(restore, restores=restores, history=(*restore.history, entry))
 
 
 class StatesReader(Protocol):
@@ -53,8 +73,9 @@ def plan(
     changed (``on_code_change``) or data files rewritten in place (``on_data_change``) warn or
     refuse, and a restore that continues checks only the keys of the items it re-makes."""
     restore = planner.plan(records, scale=checks.check_fits(planner, records))
-    checks.check_checkpoints(planner, restore.restores)
     saved = records[0].config
+    restore = with_declared_changes(planner, restore, saved)
+    checks.check_checkpoints(planner, restore.restores)
     code = checks.report_code_changes(saved, planner.pipeline_config, on_code_change)
     if checks.report_data_changes(planner, saved, on_data_change) or code:
         restore = restore.keys_only()

@@ -41,8 +41,16 @@ class Planner:
     """Plans saves and restores of one rank's loader over ``pipeline`` (see the module doc); its
     configuration, computed once, goes in every saved state and is compared at every restore."""
 
-    def __init__(self, pipeline: SavableDataset, config: WorkerConfig, num_partitions: int) -> None:
+    def __init__(
+        self,
+        pipeline: SavableDataset,
+        config: WorkerConfig,
+        num_partitions: int,
+        changes: tuple[str, ...] = (),
+    ) -> None:
         self.pipeline = pipeline
+        # What a restore may find changed on purpose (energy_loader.state.changes).
+        self.changes = changes
         self.config = config
         self.num_partitions = num_partitions
         pipeline.bind(config.context(0))
@@ -158,6 +166,7 @@ class Planner:
         done: Sequence[bool],
         tally: Tally | None = None,
         pieces: int = 0,
+        history: Sequence[dict[str, Any]] = (),
     ) -> RankState:
         """This rank's state from each logical worker's position."""
         workers, partitions = [], []
@@ -179,6 +188,7 @@ class Planner:
             items_left=0 if tally is None else tally.items_left,
             extra=0 if tally is None else tally.extra,
             pieces=pieces,
+            history=tuple(history),
         )
 
     def ended_rank_state(self, workers: Sequence[Snapshot], start: int) -> RankState:
@@ -229,7 +239,7 @@ class Planner:
                 f"{world_size} cannot run (every rank runs the same number of partitions): "
                 f"restore it on a world size in {world_sizes_for(saved)}"
             )
-        return Planner(self.pipeline, self.config, saved)
+        return Planner(self.pipeline, self.config, saved, self.changes)
 
     def saved_ranks_needed(self, first: RankState, rank: int | None = None) -> list[int]:
         """The saved ranks whose states ``rank`` (this planner's by default) restores from on
@@ -275,6 +285,7 @@ class RestorePlan:
     offset: int
     tally: Tally | None = None
     pieces: int = 0
+    history: tuple[dict[str, Any], ...] = ()
 
     def keys_only(self) -> RestorePlan:
         """This plan with each partition's proof of values dropped and its keys kept (a restore onto
@@ -336,6 +347,7 @@ def _plan_rank(
             offset=0 if num_workers == 0 else own.next_worker,
             tally=tally,
             pieces=own.pieces if tally is not None else 0,
+            history=own.history,
         )
     basis = min(states, key=lambda s: s.rank)
     ended = (
@@ -397,6 +409,7 @@ def _plan_rank(
         next_worker=0,
         offset=0,
         tally=tally,
+        history=basis.history,
     )
 
 

@@ -62,6 +62,8 @@ class Progress:
         self.items_left = 0
         self.extra = 0
         self.pieces = 0
+        # What was skipped or changed on purpose (energy_loader.state.changes), oldest first.
+        self.history: list[dict[str, Any]] = []
         # The position after each of the last items handed out, and before the first one.
         self.marks: collections.deque[Mark] = collections.deque(maxlen=MAX_HELD_BACK + 1)
         self.marks.append(self.mark())
@@ -79,9 +81,15 @@ class Progress:
         progress.start = plan.start
         progress.count(plan.tally)
         progress.pieces = plan.pieces
+        progress.history = list(plan.history)
         progress.marks.clear()
         progress.marks.append(progress.mark())
         return progress
+
+    def skipped(self, items: int) -> None:
+        """Put on record that the last ``items`` items handed out were skipped (``loader.skip``)."""
+        entry = {"epoch": self.epoch, "step": self.delivered - items, "skip": items}
+        self.history.append(entry)
 
     def start_epoch(self, start: int) -> None:
         """The next epoch begins, its partition assignment starting at ``start``."""
@@ -151,6 +159,7 @@ class Progress:
             "done": mark.done,
             "tally": self.tally(mark),
             "pieces": mark.pieces,
+            "history": self.history,
         }
 
     @property

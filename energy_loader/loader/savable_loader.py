@@ -14,13 +14,14 @@ Not here: running workers, saving, planning a restore (the engines), process gro
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from torch.utils.data import DataLoader
 
 from .. import distributed
 from ..dataset import SavableDataset
+from ..state.changes import require_changes
 from ..torch_internals import worker_iterator
 from ..transport import DEFAULT_ARENA_BYTES, DEFAULT_INLINE_BYTES
 from ..validation import require_bool, require_int
@@ -35,6 +36,7 @@ from .dropin.trainers import lightning_count_check, restored_by_lightning
 from .engine import Engine
 from .pipeline_engine import PipelineEngine
 from .planner import Planner
+from .skipping import Skips
 from .torch_args import DEFAULT_BATCH_SIZE, PipelineTorchArgs, pipeline_with_torch_args
 
 
@@ -104,9 +106,11 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
         verify_restore: bool = True,
         on_code_change: str = "warn",
         on_data_change: str = "warn",
+        changes: Sequence[str] = (),
     ) -> None:
         # Set by a load_state_dict() from Lightning: the saved epoch's batches used.
         self._lightning_restored: int | None = None
+        self._skips = Skips()
         self.seed_per_sample = seed_per_sample
         self.verify_restore = verify_restore
         self.items_per_transfer = items_per_transfer
@@ -128,6 +132,7 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
         }
         require_change_policy(on_code_change, "on_code_change", "user functions changed")
         require_change_policy(on_data_change, "on_data_change", "data files changed in place")
+        declared = require_changes(changes, dataset, isinstance(dataset, SavableDataset))
         if not isinstance(dataset, SavableDataset):
             if not type(self).saves_state:
                 raise TypeError(
@@ -197,6 +202,7 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
             savable=self.saves_state,
             on_code_change=on_code_change,
             on_data_change=on_data_change,
+            changes=declared,
         )
         DataLoader.__init__(
             self,
@@ -222,7 +228,21 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
         # The iterator keeps the loader alive (as torch's keeps its workers): dropping the
         # loader while iterating must not stop the workers under the iterator.
         iterator.owner = self
+        self._skips.attach(iterator, self._engine)
         return iterator  # type: ignore[no-any-return]
+
+    def skip(self, items: int) -> int:
+        """Leave out the next ``items`` items (batches) of the current epoch: they are made
+        and dropped, and the state records the skip (epoch, step, count), which ``inspect`` and
+        ``replay`` show. Everything after is the stream an uninterrupted run yields from there,
+        and a save after it restores exactly. Called inside ``for batch in loader`` it skips
+        what that loop would get next; outside one (say right after a restore) what the next
+        ``iter(loader)`` yields first. Returns the items skipped now: fewer when the epoch ends
+        first (a skip does not run into the next epoch); 0 when it waits for ``iter()``.
+
+        After a loss spike at step 41,000, restore the checkpoint of step 40,000, train to
+        step 40,800 and call ``loader.skip(400)`` on every rank (docs/long-jobs.md)."""
+        return self._skips.skip(items, self._engine)
 
     def _get_iterator(self) -> Any:
         """torch's iterator (the worker processes of a loader with workers), shut down
@@ -404,13 +424,9 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
         return peek_keys(self._pipeline_engine("peek_keys"), n)
 
     def restore_sample(self, key: Any) -> Any:
-        """Rebuild the sample (or batch) that carried ``key`` (a savable pipeline)."""
-        if not isinstance(self._engine, PipelineEngine):
-            raise TypeError(
-                "restore_sample needs a savable pipeline (samples with restore keys); a "
-                "drop-in loader's dataset is indexed directly: dataset[index]"
-            )
-        return self._engine.restore_sample(key)
+        """Rebuild the sample (or batch) that carried ``key`` (a savable pipeline; a drop-in
+        loader's dataset is indexed directly: ``dataset[index]``)."""
+        return self._pipeline_engine("restore_sample").restore_sample(key)
 
     def peek_batches(self, n: int, state: dict[str, Any]) -> list[tuple[Any, Any]]:
         """The next ``n`` batches after the saved ``state`` with their indices, made here by the

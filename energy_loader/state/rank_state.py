@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 
 from ..errors import StateFormatError, StateMismatchError
+from .changes import read_changes, read_history
 from .digests import KeyDigest, checkpoint_digest, compact_json, digest
 from .plain import StateReader, check_plain, is_keyed_by, json_leaf
 
@@ -52,6 +53,9 @@ class PartitionState:
     # Of the items to replay, how many the pipeline may lack: a restore with smaller batches
     # (scale k) re-makes an epoch's short last batch as fewer than k batches. Never saved.
     replay_slack: int = attrs.field(default=0, eq=False)
+    # Changes declared at a restore that the replay undoes (energy_loader.state.changes): the
+    # checkpoint predates them. Saved until the partition takes its next checkpoint.
+    changes: tuple[dict[str, Any], ...] = ()
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Snapshots travel from each worker every few items: the fields alone, by position.
@@ -60,9 +64,8 @@ class PartitionState:
     def check(self) -> str:
         """The digest of this entry, as ``to_plain`` writes it."""
         checkpoint = self.checkpoint_check or checkpoint_digest(self.checkpoint)
-        return digest(
-            "partition", self.partition, checkpoint, self.skip, self.done, self.last, self.made
-        )
+        fields = (self.partition, checkpoint, self.skip, self.done, self.last, self.made)
+        return digest("partition", *fields, *((self.changes,) if self.changes else ()))
 
     def to_plain(self) -> dict[str, Any]:
         return {
@@ -72,6 +75,7 @@ class PartitionState:
             "done": self.done,
             "last": self.last,
             "made": self.made,
+            **({"changes": list(self.changes)} if self.changes else {}),
             "check": self.check(),
         }
 
@@ -97,6 +101,7 @@ class PartitionState:
             done=done,
             last=None if last is None else KeyDigest(last),
             made=made,
+            changes=read_changes(reader),
         )
 
     def verify(self, saved: str, path: str) -> PartitionState:
@@ -108,7 +113,7 @@ class PartitionState:
         if checked.check() != saved:
             raise StateFormatError(
                 f"{path}.check does not match the partition's fields (its checkpoint, skip, "
-                "done, last or made): the state was edited or damaged after it was saved; "
+                "done, last, made or changes): the state was edited or damaged after it was saved; "
                 "restore from an intact state"
             )
         return checked
@@ -180,12 +185,15 @@ class RankState:
     items_left: int = 0
     extra: int = 0
     pieces: int = 0
+    # What was skipped or changed on purpose, oldest first (energy_loader.state.changes).
+    history: tuple[dict[str, Any], ...] = ()
 
     def position_check(self) -> str:
         """The digest of every field but ``config`` and the partitions (``checks.position``)."""
         header = [getattr(self, name) for name in (*_LAYOUT, *_PLACE)]
         workers = tuple((w.partitions, w.next, w.done) for w in self.workers)
-        return digest("rank_state", *header, workers, *(getattr(self, n) for n in _STEPS))
+        history = (self.history,) if self.history else ()
+        return digest("rank_state", *header, workers, *(getattr(self, n) for n in _STEPS), *history)
 
     def config_check(self) -> str:
         """The digest of ``config`` as canonical JSON (``checks.config``); one pipeline's
@@ -227,6 +235,8 @@ class RankState:
         plain["checks"] = {"position": self.position_check(), "config": self.config_check()}
         if self.job_left is not None:  # a count of the epoch's steps (absent: none)
             plain |= {name: getattr(self, name) for name in _STEPS}
+        if self.history:
+            plain["history"] = list(self.history)
         if with_partitions:
             plain["partitions"] = [p.to_plain() for p in self.partitions]
         return plain
@@ -307,6 +317,7 @@ class RankState:
             workers=workers,
             partitions=partitions,
             seed=reader.int("seed"),
+            history=read_history(reader),
             **_step_fields(reader),
         )
         entries = [StateReader(p, f"state.partitions[{i}]") for i, p in enumerate(raw_partitions)]
@@ -316,9 +327,9 @@ class RankState:
             raise StateFormatError(
                 "state.checks.position does not match the state's fields (rank, world_size, "
                 "num_workers, num_partitions, seed, epoch, in_epoch, epoch_ended, delivered, "
-                "start, next_worker, workers, job_left, items_left, extra, pieces): the state "
-                "was edited or damaged after it was saved, or pieces of different saves were "
-                "put together; restore from an intact state"
+                "start, next_worker, workers, job_left, items_left, extra, pieces, history): the "
+                "state was edited or damaged after it was saved, or pieces of different saves "
+                "were put together; restore from an intact state"
             )
         if state.config_check() != reader.sub("checks").str("config"):
             raise StateFormatError(

@@ -27,6 +27,7 @@ from torch.utils.data import get_worker_info
 from ..dataset import SavableDataset, attach_restore_key
 from ..errors import StateMismatchError
 from ..metrics import WorkerCounters, clock
+from ..state.changes import values_before
 from ..state.digests import checkpoint_digest, content_digest, key_digest
 from ..state.fingerprint import user_code, user_functions
 from ..state.positions import Position, PositionBook, Snapshot
@@ -191,8 +192,9 @@ class Runner:
                 pipeline.reset_state()
                 slot.iterator = pipeline.iter_keyed()
                 continue
-            with active_worker(slot.context):
-                self._restore_slot(slot, restores[position], self.verify)
+            restore = restores[position]
+            with active_worker(slot.context), values_before(pipeline, restore.changes):
+                self._restore_slot(slot, restore, self.verify)
         if restores is not None:
             self.skip_epoch = self.restored_done
             self._checkpoint()

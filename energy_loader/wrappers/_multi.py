@@ -22,6 +22,9 @@ class MultiWrapperDataset(SavableDataset):
     """
 
     datasets: tuple[SavableDataset, ...]
+    # While a restore replays a state saved before sources were appended: how many it holds
+    # (:mod:`energy_loader.state.changes`); the sources after them start fresh.
+    saved_sources: int | None = None
 
     def __init__(self, datasets: Sequence[SavableDataset]) -> None:
         super().__init__()
@@ -99,18 +102,23 @@ class MultiCursor(EpochCursor):
         super().load(reader)
         datasets = self.dataset.datasets
         items = reader.list("inners")
-        if len(items) != len(datasets):
+        if len(items) != (self.dataset.saved_sources or len(datasets)):
             raise bad_state(
                 f"{reader.path}.inners",
                 f"holds {len(items)} states but the pipeline has {len(datasets)} inner datasets",
             )
-        for index, (dataset, item) in enumerate(zip(datasets, items)):
-            dataset._restore_from(StateReader(item, f"{reader.path}.inners[{index}]"))
+        for index, dataset in enumerate(datasets):
+            if index >= len(items):
+                dataset.reset_state()  # a source appended since the save: from its beginning
+                continue
+            dataset._restore_from(StateReader(items[index], f"{reader.path}.inners[{index}]"))
 
 
-def read_flags(reader: StateReader, name: str, count: int) -> list[bool]:
-    """A list of ``count`` booleans (one per inner dataset), validated."""
-    values = reader.list(name)
-    if len(values) != count or not all(isinstance(v, bool) for v in values):
-        raise bad_state(f"{reader.path}.{name}", f"must be {count} true/false values, got {values}")
-    return values
+def read_flags(reader: StateReader, name: str, dataset: MultiWrapperDataset) -> list[bool]:
+    """A list of booleans, one per inner dataset (those appended since the save: false),
+    validated."""
+    values, count = reader.list(name), len(dataset.datasets)
+    saved = dataset.saved_sources or count
+    if len(values) != saved or not all(isinstance(v, bool) for v in values):
+        raise bad_state(f"{reader.path}.{name}", f"must be {saved} true/false values, got {values}")
+    return values + [False] * (count - saved)

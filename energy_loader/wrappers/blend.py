@@ -47,7 +47,13 @@ class _BlendCursor(MultiCursor):
         rng = CounterRng(blend.stream_seed(), self.counter)
         streams: dict[int, Iterator[tuple[Key, Any]]] = {}
         active, cumulative = self._table()
+        weights = blend.weights
         while active:
+            if blend.weights is not weights:  # changed after a restore's replay
+                weights = blend.weights
+                active, cumulative = self._table()
+                if not active:
+                    break
             point = rng.uniform() * cumulative[-1]
             index = active[min(bisect.bisect_right(cumulative, point), len(active) - 1)]
             self.counter = rng.counter
@@ -80,7 +86,7 @@ class _BlendCursor(MultiCursor):
 
     def load_fields(self, reader: StateReader) -> None:
         self.counter = reader.int("counter")
-        self.done = read_flags(reader, "done", len(self.dataset.datasets))
+        self.done = read_flags(reader, "done", self.dataset)
 
 
 def _weight(value: Any, position: int) -> float:

@@ -47,17 +47,25 @@ class _ShuffleBufferCursor(WrapperCursor):
         return key, sample
 
     def resume(self) -> Iterator[tuple[Key, Any]]:
-        size, buffer = self.dataset.size, self.buffer
-        rng = CounterRng(self.dataset.stream_seed(), self.counter)
+        dataset, buffer = self.dataset, self.buffer
+        rng = CounterRng(dataset.stream_seed(), self.counter)
+        yield from self._drain(rng, dataset.size)
         for pair in self.inner_samples():
-            if len(buffer) < size:
+            if len(buffer) < dataset.size:  # read each time: a restore may change it
                 buffer.append(pair)
                 continue
-            index = rng.below(size)
+            index = rng.below(len(buffer))
             out = self._take(rng, index)
             buffer[index] = pair
             yield out
-        while buffer:
+            yield from self._drain(rng, dataset.size)
+        yield from self._drain(rng, 0)
+
+    def _drain(self, rng: CounterRng, size: int) -> Iterator[tuple[Key, Any]]:
+        """Items taken at random until ``size`` are left: the epoch's end (0), or a buffer a
+        restore made smaller (the inner dataset waits until it holds the new size)."""
+        buffer = self.buffer
+        while len(buffer) > size:
             index = rng.below(len(buffer))
             out = self._take(rng, index)
             buffer[index] = buffer[-1]
@@ -69,11 +77,7 @@ class _ShuffleBufferCursor(WrapperCursor):
 
     def load_fields(self, reader: StateReader) -> None:
         self.counter = reader.int("counter")
-        keys = unpack_keys(reader)
-        if len(keys) > self.dataset.size:
-            raise bad_state(
-                reader.path, f"holds {len(keys)} keys in a buffer of {self.dataset.size}"
-            )
+        keys = unpack_keys(reader)  # more than size: saved while a smaller size drained
         inner = self.dataset.dataset
         for key in keys:
             try:

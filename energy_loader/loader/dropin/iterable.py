@@ -94,6 +94,9 @@ class _Stripped:
     def __iter__(self) -> _Stripped:
         return self
 
+    def is_current(self) -> bool:
+        return bool(self._inner.is_current())
+
     def __next__(self) -> Any:
         batch = next(self._inner)
         if isinstance(batch, dict):
@@ -174,6 +177,9 @@ class IterableEngine(DropInRestore):
     @property
     def state_config(self) -> dict[str, Any]:
         return self._state_config
+
+    def record_skip(self, items: int) -> None:
+        self.inner.record_skip(items)
 
     def iterate(self) -> _Stripped:
         """The epoch's batches, drawing the workers' base seed from the loader's generator wherever

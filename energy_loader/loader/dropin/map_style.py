@@ -133,6 +133,8 @@ class MapEngine(DropInRestore):
         self.epoch: Epoch | None = None  # None: never iterated
         self.pending: MapState | None = None  # a restore waiting for the next iter()
         self.generation = 0
+        # What loader.skip() left out, oldest first: saved with every state.
+        self.history: list[dict[str, Any]] = []
         self.torch_iterator: Any = None
         # stats(): the main process's waits and saves, and per worker what its trips took;
         # the units of the next task.
@@ -275,8 +277,16 @@ class MapEngine(DropInRestore):
         """The position ``held_back`` batches before the last handed out (timed for stats)."""
         began = clock()
         state = self._position_state(rank, world_size, held_back)
+        if self.history:
+            state = attrs.evolve(state, history=tuple(self.history))
         self.metrics.save(clock() - began)
         return state
+
+    def record_skip(self, items: int) -> None:
+        """Put on record that the last ``items`` batches handed out were skipped."""
+        epoch = self.epoch
+        assert epoch is not None  # (a batch was handed out)
+        self.history.append({"epoch": epoch.number, "step": epoch.used - items, "skip": items})
 
     def _position_state(self, rank: int, world_size: int, held_back: int) -> MapState:
         epoch = self.epoch
@@ -368,6 +378,7 @@ class MapEngine(DropInRestore):
         pin = Pin.of(state)
         self.shutdown()
         self.pin = pin
+        self.history = list(state.history)
         self.pending = state
         self.agreed = False  # the ranks agree on the restored job at the next iter()
         self.epoch = None
@@ -379,6 +390,7 @@ class MapEngine(DropInRestore):
         self.pin = None
         self.epoch = None
         self.job = None
+        self.history = []
         self.generation += 1
 
     def close(self) -> None:
@@ -432,6 +444,10 @@ class _MapIterator:
 
     def __iter__(self) -> _MapIterator:
         return self
+
+    def is_current(self) -> bool:
+        """Whether a ``next()`` continues the loader's stream (neither ended nor outdated)."""
+        return not self._finished and self._generation == self._engine.generation
 
     def __next__(self) -> Any:
         began = clock()

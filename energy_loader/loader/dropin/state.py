@@ -24,6 +24,7 @@ import attrs
 import torch
 
 from ...errors import StateFormatError, StateMismatchError
+from ...state.changes import read_history
 from ...state.code_fingerprint import PREFIX, code_fingerprint
 from ...state.digests import digest
 from ...state.fingerprint import CODE_SUFFIX
@@ -193,10 +194,12 @@ class MapState:
     # The user code's fingerprints ({"dataset", "collate_fn", "worker_init_fn"}), fixed for
     # the loader's life; None in a state saved without them.
     code: dict[str, Any] | None = None
+    # What loader.skip() left out, oldest first (energy_loader.state.changes).
+    history: tuple[dict[str, Any], ...] = ()
 
     def digest(self) -> str:
         """``state.digest``: of every field but format, version, kind, config and code."""
-        moving = {field.name: field.value(self) for field in _MOVING}
+        moving = _values(self, _MOVING)
         return _record_digest(_epoch_part(self)[1], _canonical(moving))
 
     def to_plain(self) -> dict[str, Any]:
@@ -205,7 +208,7 @@ class MapState:
             "version": DROPIN_STATE_VERSION,
             "kind": "map",
         }
-        plain.update((field.name, field.value(self)) for field in _FIELDS)
+        plain.update(_values(self, _FIELDS))
         plain["digest"] = self.digest()
         return plain
 
@@ -214,7 +217,7 @@ class MapState:
         generator states, the dealing: ~7 KB) encoded once an epoch, the few that move
         written at each save. Raises ``TypeError`` for a sampler state JSON cannot hold."""
         fragment, epoch_digest = _epoch_part(self)
-        moving = _encode_sorted({field.name: field.value(self) for field in _MOVING})
+        moving = _encode_sorted(_values(self, _MOVING))
         return (
             f'{{"format":"{DROPIN_STATE_FORMAT}","version":{DROPIN_STATE_VERSION},'
             f'"kind":"map",{moving[1:-1]},{fragment},'
@@ -254,6 +257,7 @@ class MapState:
                 reader.raw("global_rngs_at_save"), "state.global_rngs_at_save"
             ),
             code=_code(reader),
+            history=read_history(reader),
         )
         if decoded.digest() != reader.str("digest"):
             raise StateFormatError(
@@ -268,12 +272,19 @@ class MapState:
 class _Field:
     """One field of a map-style state: ``value`` gives its plain value; ``per_epoch``: fixed
     through an epoch (encoded, and hashed, once an epoch); ``digested``: covered by
-    ``state.digest``."""
+    ``state.digest``; ``optional``: written only when not empty."""
 
     name: str
     value: Callable[[MapState], Any]
     per_epoch: bool = False
     digested: bool = True
+    optional: bool = False
+
+
+def _values(state: MapState, fields: tuple[_Field, ...]) -> dict[str, Any]:
+    """The plain values of ``fields`` of ``state``, less the optional ones that are empty."""
+    values = {field.name: field.value(state) for field in fields}
+    return {f.name: values[f.name] for f in fields if values[f.name] or not f.optional}
 
 
 # The fields of a map-style state, in the order to_plain() writes them.
@@ -286,6 +297,7 @@ _FIELDS = (
     _Field("sampler_state", lambda s: s.sampler_state),
     _Field("proof", lambda s: s.proof.to_plain()),
     _Field("global_rngs_at_save", lambda s: s.global_rngs_at_save),
+    _Field("history", lambda s: list(s.history), optional=True),
     _Field("config", lambda s: s.config, per_epoch=True, digested=False),
     _Field("job", lambda s: s.job.to_plain(), per_epoch=True),
     _Field("rng", lambda s: s.start.encoded()[0], per_epoch=True),
