@@ -115,6 +115,31 @@ def test_an_iterable_dropin_state_of_version_1_restores_exactly() -> None:
     _assert_continues(loader, setups.dropin_iterable, EXPECTED["dropin_iterable"])
 
 
+def _assert_steered(
+    name: str, make: Callable[[], el.SavableDataLoader], run: Callable[[], Any]
+) -> None:
+    """The saved state of a run that skipped (and changed) on purpose restores into ``make``'s
+    loader: the batches the saving loader yielded next, then what that run of today's code
+    yields to the end of the next epoch; its history reads back as saved."""
+    state = _read(f"{name}.json")
+    loader = _restored(make, lambda loader: loader.restore_state_rank(state))
+    assert loader.save_state_rank()["history"] == state["history"]
+    continued = _rest_and_next_epoch(loader)
+    assert continued[: setups.COMPARED] == EXPECTED[name]
+    today, iterator = run()
+    assert continued == _rest_and_next_epoch(today, iterator)
+
+
+def test_a_steered_pipeline_state_of_version_1_restores_exactly() -> None:
+    """Skips, a declared change of weights, and two partitions whose checkpoints predate it."""
+    make = lambda: setups.blend_pipeline((3.0, 1.0))  # noqa: E731
+    _assert_steered("pipeline_steered", make, setups.steered)
+
+
+def test_a_dropin_state_with_a_skip_of_version_1_restores_exactly() -> None:
+    _assert_steered("dropin_map_skipped", setups.dropin_map, setups.dropin_skipped)
+
+
 def test_every_corpus_state_is_of_version_1() -> None:
     for path in CORPUS.glob("*.json"):
         if path.name == "expected.json":

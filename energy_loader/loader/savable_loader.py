@@ -221,6 +221,9 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         """Continue the current epoch if it has items left, otherwise start the next one (a
         drop-in loader: a new epoch, as torch's, except the first after a restore)."""
+        made = self._skips.made_by_skip()
+        if made is not None:
+            return made  # type: ignore[no-any-return]
         restored, self._lightning_restored = self._lightning_restored, None
         iterator: Any = self._engine.iterate()
         if restored is not None:  # Lightning loaded the state: will it count the epoch right?
@@ -228,7 +231,7 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
         # The iterator keeps the loader alive (as torch's keeps its workers): dropping the
         # loader while iterating must not stop the workers under the iterator.
         iterator.owner = self
-        self._skips.attach(iterator, self._engine)
+        self._skips.track(iterator)
         return iterator  # type: ignore[no-any-return]
 
     def skip(self, items: int) -> int:
@@ -236,13 +239,13 @@ class SavableDataLoader(DataLoader):  # type: ignore[type-arg]
         and dropped, and the state records the skip (epoch, step, count), which ``inspect`` and
         ``replay`` show. Everything after is the stream an uninterrupted run yields from there,
         and a save after it restores exactly. Called inside ``for batch in loader`` it skips
-        what that loop would get next; outside one (say right after a restore) what the next
-        ``iter(loader)`` yields first. Returns the items skipped now: fewer when the epoch ends
-        first (a skip does not run into the next epoch); 0 when it waits for ``iter()``.
+        what that loop would get next; outside one (say right after a restore, before the
+        loop) what the next ``iter(loader)`` would yield first. Returns the items skipped: fewer
+        when the epoch ends first (a skip does not run into the next epoch).
 
         After a loss spike at step 41,000, restore the checkpoint of step 40,000, train to
         step 40,800 and call ``loader.skip(400)`` on every rank (docs/long-jobs.md)."""
-        return self._skips.skip(items, self._engine)
+        return self._skips.skip(items, self, self._engine)
 
     def _get_iterator(self) -> Any:
         """torch's iterator (the worker processes of a loader with workers), shut down

@@ -4,14 +4,15 @@ Items are skipped by taking them from the iterator the loader handed out last (t
 ``for batch in loader`` loop holds) and dropping them, so whatever the engine, layout or
 restore behind it, what follows is the uninterrupted stream from there, and a save after it
 restores exactly. Without a current iterator (right after a restore, between epochs) the skip
-waits for the next ``iter(loader)``. The engine puts each skip on record in the saved state
+makes the one the next ``iter(loader)`` would, and that ``iter(loader)`` returns it. The
+engine puts each skip on record in the saved state
 (:meth:`~energy_loader.loader.engine.Engine.record_skip`). Design: docs/long-jobs.md.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ..validation import require_int
@@ -21,27 +22,29 @@ _END = object()
 
 
 class Skips:
-    """One loader's current iterator (held weakly) and the items a skip left for the next."""
+    """One loader's current iterator (held weakly), and the one a skip made (held until the
+    next ``iter(loader)`` takes it)."""
 
     def __init__(self) -> None:
         self._live: weakref.ref[Any] | None = None
-        self._pending = 0
+        self._made: Any = None
 
-    def attach(self, iterator: Any, engine: Engine) -> None:
-        """``iterator`` is the loader's newest: it takes the items a skip left waiting first."""
+    def made_by_skip(self) -> Any:
+        """The iterator a skip made, for ``iter(loader)`` to return, while it is current."""
+        made, self._made = self._made, None
+        return made if made is not None and made.is_current() else None
+
+    def track(self, iterator: Any) -> None:
+        """``iterator`` is the loader's newest."""
         self._live = weakref.ref(iterator)
-        pending, self._pending = self._pending, 0
-        if pending:
-            _skip(iterator, pending, engine)
 
-    def skip(self, items: int, engine: Engine) -> int:
-        """Skip ``items`` of the current iterator now (how many it had left), or 0 if there is
-        none: then the next iterator skips them."""
+    def skip(self, items: int, loader: Iterable[Any], engine: Engine) -> int:
+        """Skip ``items`` of the current iterator, or of a new ``iter(loader)`` (kept for the
+        next ``iter(loader)``) when there is none; how many there were."""
         require_int(items, "items", minimum=1)
         live = self._live() if self._live is not None else None
         if live is None or not live.is_current():
-            self._pending += items
-            return 0
+            live = self._made = iter(loader)
         return _skip(live, items, engine)
 
 

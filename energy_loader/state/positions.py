@@ -85,6 +85,7 @@ class Snapshot:
         # A worker sends one every few items: its records' fields as rows, one call to rebuild.
         rows = tuple(
             (e.partition, e.checkpoint, e.skip, e.done, e.last, e.checkpoint_check, e.made)
+            + ((0, e.changes) if e.changes else ())  # changes a restore declared (rare)
             for e in self.partitions
         )
         return _snapshot, (rows, self.next, self.era)
@@ -205,6 +206,7 @@ class PositionBook(CheckpointRing):
                 last_digest(last),
                 e.checkpoint_check,
                 made,
+                changes=e.changes,  # the checkpoint still predates them
             )
             for e, skip, last, made in zip(entries, skips, lasts, mades)
         ]

@@ -1,7 +1,8 @@
 """Write the committed corpus of saved states (``tests/state_corpus/v1/``).
 
 Run from the repository root when a release adds a state format version (into a new folder):
-``python -m tests.state_corpus.make_corpus``. Every state is saved after
+``python -m tests.state_corpus.make_corpus`` (``--steered`` adds the states with a history to
+an existing folder). Every state is saved after
 ``setups.TAKEN`` batches; ``expected.json`` records, for each, the ``setups.COMPARED`` batches'
 indices the saving loader yielded next, which ``tests/test_state_corpus.py`` compares with what
 a restore of the committed state yields now (and with an uninterrupted run of today's code).
@@ -76,9 +77,26 @@ def main() -> None:
     _write("dropin_iterable.json", loader.save_state_rank())
     expected["dropin_iterable"] = setups.take(iterator, setups.COMPARED)
 
+    steered(expected)
     _write("expected.json", expected)
     print(f"wrote {sum(1 for _ in HERE.rglob('*'))} entries under {HERE}", file=sys.stderr)
 
 
+def steered(expected: dict[str, Any]) -> None:
+    """States with a history of skips and changes, and a partition's pending change."""
+    loader, iterator = setups.steered()
+    _write("pipeline_steered.json", loader.save_state_rank())
+    expected["pipeline_steered"] = setups.take(iterator, setups.COMPARED)
+    loader.close()
+    loader, iterator = setups.dropin_skipped()
+    _write("dropin_map_skipped.json", loader.save_state_rank())
+    expected["dropin_map_skipped"] = setups.take(iterator, setups.COMPARED)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--steered"]:  # added to v1 beside the states written before it
+        recorded = json.loads((HERE / "expected.json").read_text())
+        steered(recorded)
+        _write("expected.json", recorded)
+    else:
+        main()

@@ -95,3 +95,43 @@ def keys(batch: Any) -> list[int]:
 
 def take(iterator: Any, count: int) -> list[list[int]]:
     return [keys(next(iterator)) for _ in range(count)]
+
+
+def blend_pipeline(weights: tuple[float, ...], workers: int = 2, **options: Any) -> Any:
+    """Two sources of 120 blended by ``weights`` -> batch, 4 partitions (steered states)."""
+    sources = [
+        el.IndexedSource.from_fn(120, make_sample, shuffle=True, seed=seed) for seed in (1, 2)
+    ]
+    blend = el.BlendDataset(*zip(sources, weights), on_exhausted="drop")
+    config = el.WorkerConfig(num_workers=workers, seed=5)
+    return el.SavableDataLoader(
+        el.BatchDataset(blend, batch_size=4),
+        worker_config=config,
+        num_partitions=NUM_PARTITIONS,
+        **options,
+    )
+
+
+def steered() -> tuple[el.SavableDataLoader, Any]:
+    """A run that skips and changes on purpose, and its iterator where the state is saved:
+    ``TAKEN`` batches at weights 1:1, a skip of 2, a restore into weights 3:1 (declared), a
+    skip of 1 (one worker's item: the other's partitions still hold their pending change)."""
+    loader = blend_pipeline((1.0, 1.0))
+    iterator = iter(loader)
+    take(iterator, TAKEN)
+    loader.skip(2)
+    state = loader.state_dict()
+    loader.close()
+    loader = blend_pipeline((3.0, 1.0), changes=["BlendDataset.weights"])
+    loader.load_state_dict(state)
+    loader.skip(1)
+    return loader, iter(loader)
+
+
+def dropin_skipped() -> tuple[el.SavableDataLoader, Any]:
+    """The map-style drop-in after ``TAKEN`` batches and a skip of 2."""
+    loader = dropin_map()
+    iterator = iter(loader)
+    take(iterator, TAKEN)
+    loader.skip(2)
+    return loader, iterator
