@@ -58,7 +58,8 @@ class _ShuffleBufferCursor(WrapperCursor):
             out = self._take(rng, index)
             buffer[index] = pair
             yield out
-            yield from self._drain(rng, dataset.size)
+            if len(buffer) > dataset.size:  # no generator made per item otherwise
+                yield from self._drain(rng, dataset.size)
         yield from self._drain(rng, 0)
 
     def _drain(self, rng: CounterRng, size: int) -> Iterator[tuple[Key, Any]]:
