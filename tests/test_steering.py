@@ -319,6 +319,8 @@ def test_changes_and_skip_arguments_are_checked() -> None:
         el.SavableDataLoader(Squares(), changes=["BlendDataset.weights"])
     with pytest.raises(ValueError, match="items"):
         loader_of(blend((1.0, 1.0)), 0).skip(0)
+    with pytest.raises(TypeError, match="no position to skip"):
+        el.BasicDataLoader(blend((1.0, 1.0))).skip(1)
 
 
 def test_an_edited_pending_change_or_history_is_refused() -> None:

@@ -520,3 +520,6 @@ class BasicDataLoader(SavableDataLoader):
 
     def peek_keys(self, n: int, state: dict[str, Any] | None = None) -> list[Any]:
         raise TypeError("peek_keys needs a SavableDataLoader (BasicDataLoader keeps no state)")
+
+    def skip(self, items: int) -> int:
+        raise TypeError("BasicDataLoader keeps no position to skip in; use SavableDataLoader")
