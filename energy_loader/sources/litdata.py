@@ -6,7 +6,6 @@ refusals: docs/sources/litdata.md.
 
 from __future__ import annotations
 
-import os
 import pickle
 import struct
 from collections.abc import Callable, Iterator
@@ -17,7 +16,7 @@ import torch
 
 from ..errors import SourceDataError
 from ._download import parse_json
-from ._offset_shards import DEFAULT_PREDOWNLOAD, OffsetShardSource, passed_on
+from ._offset_shards import OffsetShardSource
 from .mds import raw_pil_image
 from .shard_writer import ShardInfo
 
@@ -190,33 +189,13 @@ class LitDataSource(OffsetShardSource):
     """
 
     format_name = "litdata"
-
-    def __init__(
-        self,
-        dir_or_url: str | os.PathLike[str],
-        *,
-        shuffle: bool = False,
-        seed: int = 0,
-        num_canonical_partitions: int | None = None,
-        allow_unsafe_types: bool = False,
-        cache_dir: str | os.PathLike[str] | None = None,
-        storage_options: dict[str, Any] | None = None,
-        predownload: int = DEFAULT_PREDOWNLOAD,
-        cache_limit: int | None = None,
-        download_retries: int = 2,
-        download_timeout: float = 60.0,
-    ) -> None:
-        if not isinstance(allow_unsafe_types, bool):
-            raise TypeError(f"`allow_unsafe_types` must be a bool (got {allow_unsafe_types!r})")
-        self.allow_unsafe_types = allow_unsafe_types
-        self._formats: list[str] = []
-        self._spec_text = ""
-        # Made from the two above in each process (functions are not sent to workers).
-        # (the leaves' decoders, the item header's layout)
-        self._decoding: tuple[list[Decoder], struct.Struct] | None = None
-        self._spec: Any = None
-        self._rebuild: Callable[[Iterator[Any]], Any] | None = None
-        super().__init__(**passed_on(locals()))
+    _formats: tuple[str, ...] = ()
+    _spec_text = ""
+    # Made from the two above in each process (functions are not sent to workers).
+    # (the leaves' decoders, the item header's layout)
+    _decoding: tuple[list[Decoder], struct.Struct] | None = None
+    _spec: Any = None
+    _rebuild: Callable[[Iterator[Any]], Any] | None = None
 
     def parse_index(self, data: bytes, where: str) -> tuple[str | None, tuple[ShardInfo, ...]]:
         from torch.utils._pytree import treespec_loads
@@ -246,7 +225,7 @@ class LitDataSource(OffsetShardSource):
             raise SourceDataError(f"{where}: config.data_format is {formats!r}")
         for data_format in formats:
             _decoder(data_format, self.allow_unsafe_types, where)
-        self._formats = formats
+        self._formats = tuple(formats)
         try:
             self._spec_text = str(config["data_spec"])
             spec = treespec_loads(self._spec_text)

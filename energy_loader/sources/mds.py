@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import SourceDataError
 from ._download import parse_json
-from ._offset_shards import DEFAULT_PREDOWNLOAD, OffsetShardSource, passed_on
+from ._offset_shards import DEFAULT_PREDOWNLOAD, OffsetShardSource
 from .shard_writer import ShardInfo
 
 __all__ = ["MDSSource", "raw_pil_image"]
@@ -234,15 +234,24 @@ class MDSSource(OffsetShardSource):
             if isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
                 raise TypeError(f"`columns` must be a list of column names (got {columns!r})")
             columns = list(columns)
-        if not isinstance(allow_unsafe_types, bool):
-            raise TypeError(f"`allow_unsafe_types` must be a bool (got {allow_unsafe_types!r})")
         self.columns = columns
-        self.allow_unsafe_types = allow_unsafe_types
         # Each shard's (names, encodings, fixed sizes), and the decoders made of them (in each
         # process: decoders are functions, the rest plain data).
         self._columns_of: list[tuple[list[str], list[str], list[int | None]]] = []
         self._layouts: dict[int, _Layout] = {}
-        super().__init__(**passed_on(locals()))
+        super().__init__(
+            dir_or_url,
+            shuffle=shuffle,
+            seed=seed,
+            num_canonical_partitions=num_canonical_partitions,
+            allow_unsafe_types=allow_unsafe_types,
+            cache_dir=cache_dir,
+            storage_options=storage_options,
+            predownload=predownload,
+            cache_limit=cache_limit,
+            download_retries=download_retries,
+            download_timeout=download_timeout,
+        )
 
     def parse_index(self, data: bytes, where: str) -> tuple[str | None, tuple[ShardInfo, ...]]:
         index = parse_json(data, where)
