@@ -109,16 +109,15 @@ def download_settings(
     if cache_limit is not None:
         cache_limit = require_int(cache_limit, "cache_limit", minimum=1)
     download_retries = require_int(download_retries, "download_retries", minimum=0)
-    if (
-        isinstance(download_timeout, bool)
-        or not isinstance(download_timeout, (int, float))
-        or not download_timeout > 0
-        or math.isinf(download_timeout)
-    ):
-        raise ValueError(
-            f"`download_timeout` must be a positive number of seconds (got {download_timeout!r})"
-        )
-    return DownloadSettings(predownload, cache_limit, download_retries, float(download_timeout))
+    download_timeout = positive_seconds(download_timeout, "download_timeout")
+    return DownloadSettings(predownload, cache_limit, download_retries, download_timeout)
+
+
+def positive_seconds(value: Any, name: str) -> float:
+    """``value`` as a float, or ``ValueError`` unless it is a finite number of seconds above 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"`{name}` must be a positive number of seconds (got {value!r})")
+    return float(value)
 
 
 @contextlib.contextmanager
