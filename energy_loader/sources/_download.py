@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 from ..errors import DownloadError, SourceDataError
 from ..validation import require_int
@@ -88,29 +88,6 @@ def list_files(
     if not paths:
         raise FileNotFoundError(f"{url} {messages[1]}")
     return paths
-
-
-class DownloadSettings(NamedTuple):
-    """The validated download settings of a source that reads shards through a cache."""
-
-    predownload: int
-    cache_limit: int | None
-    download_retries: int
-    download_timeout: float
-
-
-def download_settings(
-    predownload: Any, cache_limit: Any, download_retries: Any, download_timeout: Any
-) -> DownloadSettings:
-    """Check a source's download arguments (raising with the fix) and return them: ``predownload``
-    >= 0, ``cache_limit`` None or > 0 bytes, ``download_retries`` >= 0, ``download_timeout`` > 0 s.
-    """
-    predownload = require_int(predownload, "predownload", minimum=0)
-    if cache_limit is not None:
-        cache_limit = require_int(cache_limit, "cache_limit", minimum=1)
-    download_retries = require_int(download_retries, "download_retries", minimum=0)
-    download_timeout = positive_seconds(download_timeout, "download_timeout")
-    return DownloadSettings(predownload, cache_limit, download_retries, download_timeout)
 
 
 def positive_seconds(value: Any, name: str) -> float:
@@ -236,9 +213,14 @@ class Downloads:
     def _set_downloads(
         self, predownload: Any, cache_limit: Any, download_retries: Any, download_timeout: Any
     ) -> None:
-        self.predownload, self.cache_limit, self.download_retries, self.download_timeout = (
-            download_settings(predownload, cache_limit, download_retries, download_timeout)
-        )
+        """Validate and keep ``predownload`` (>= 0), ``cache_limit`` (None or > 0 bytes),
+        ``download_retries`` (>= 0) and ``download_timeout`` (> 0 s)."""
+        self.predownload = require_int(predownload, "predownload", minimum=0)
+        if cache_limit is not None:
+            cache_limit = require_int(cache_limit, "cache_limit", minimum=1)
+        self.cache_limit = cache_limit
+        self.download_retries = require_int(download_retries, "download_retries", minimum=0)
+        self.download_timeout = positive_seconds(download_timeout, "download_timeout")
 
     def fetch(self, remote: Remote, name: str) -> bytes:
         """A small remote file (an index) in memory, with the source's retries and timeout."""

@@ -22,19 +22,6 @@ from ._order import EpochOrder
 from .shard_writer import ShardInfo
 
 
-def order_settings(
-    shuffle: Any, seed: Any, num_canonical_partitions: Any
-) -> tuple[bool, int, int | None]:
-    """Check a source's order arguments (raising with the fix) and return them."""
-    require_bool(shuffle, "shuffle")
-    seed = require_int(seed, "seed", minimum=0)
-    if num_canonical_partitions is not None:
-        num_canonical_partitions = require_int(
-            num_canonical_partitions, "num_canonical_partitions", minimum=1
-        )
-    return shuffle, seed, num_canonical_partitions
-
-
 class StridedSource(SavableDataset):
     """A source of ``total`` samples per epoch whose global order is cut into
     ``num_canonical_partitions`` spans and read with a stride (see the module documentation)."""
@@ -44,11 +31,13 @@ class StridedSource(SavableDataset):
     num_canonical_partitions: int | None
     total: int
 
-    def _set_order(self, shuffle: Any, seed: Any, num_canonical_partitions: Any) -> None:
+    def _set_order(self, shuffle: Any, seed: Any, partitions: Any) -> None:
         """Validate and keep ``shuffle``, ``seed`` and ``num_canonical_partitions``."""
-        self.shuffle, self.seed, self.num_canonical_partitions = order_settings(
-            shuffle, seed, num_canonical_partitions
-        )
+        self.shuffle = require_bool(shuffle, "shuffle")
+        self.seed = require_int(seed, "seed", minimum=0)
+        if partitions is not None:
+            partitions = require_int(partitions, "num_canonical_partitions", minimum=1)
+        self.num_canonical_partitions = partitions
 
     def partitions(self) -> int:
         """P: ``num_canonical_partitions``, or this run's number of readers."""
