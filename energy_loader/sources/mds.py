@@ -24,19 +24,6 @@ from .shard_writer import ShardInfo
 __all__ = ["MDSSource", "raw_pil_image"]
 
 _COMPRESSIONS = {"zstd": "zstd", "gz": "gzip", "bz2": "bz2"}
-_SCALARS = (
-    "uint8",
-    "uint16",
-    "uint32",
-    "uint64",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "float16",
-    "float32",
-    "float64",
-)
 # ndarray's dynamic dtype byte -> dtype, and shape-size codes (Mosaic's NDArray encoding).
 _NDARRAY_DTYPES = {
     8: "uint8",
@@ -51,6 +38,7 @@ _NDARRAY_DTYPES = {
     65: "int64",
     66: "float64",
 }
+_SCALARS = tuple(_NDARRAY_DTYPES.values())  # the scalar encodings: the same dtypes
 _SHAPE_DTYPES = ("uint8", "uint16", "uint32", "uint64")
 
 Decoder = Callable[[bytes], Any]
