@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,13 +87,6 @@ def read_megatron_index(data: bytes | memoryview, where: str) -> MegatronIndex:
     return MegatronIndex(dtype, lengths, pointers)
 
 
-def _split_prefix(path_prefix: str) -> str:
-    for suffix in (".bin", ".idx"):
-        if path_prefix.endswith(suffix):
-            return path_prefix[: -len(suffix)]
-    return path_prefix
-
-
 class _MegatronCursor(PrefetchingCursor):
     dataset: MegatronIndexedSource
 
@@ -149,7 +142,8 @@ class MegatronIndexedSource(Downloads, StridedSource):
         self._set_order(shuffle, seed, num_canonical_partitions)
         self.block_documents = require_int(block_documents, "block_documents", minimum=1)
         self._set_downloads(predownload, cache_limit, download_retries, download_timeout)
-        prefix = _split_prefix(os.fspath(path_prefix))
+        prefix = os.fspath(path_prefix)
+        prefix = prefix[:-4] if prefix.endswith((".bin", ".idx")) else prefix
         self.remote: Remote | None = None
         if "://" in prefix:
             base, name = prefix.rsplit("/", 1)
@@ -174,7 +168,7 @@ class MegatronIndexedSource(Downloads, StridedSource):
         self._bin_bytes = index.bin_bytes
         self._shard = self._bin_info()
         if self.remote is None:
-            self._check_bin_size(self.bin_where)
+            self._bin_size(lambda: os.path.getsize(self.bin_where))
         elif self.cache_limit is not None and self.cache_limit < self._shard.raw_bytes:
             raise ValueError(
                 f"`cache_limit` ({self.cache_limit} bytes) must hold {self.bin_where} "
@@ -206,12 +200,8 @@ class MegatronIndexedSource(Downloads, StridedSource):
             size = self._bin_bytes
         else:
             fs, root = self.remote.filesystem()
-            try:
-                size = int(fs.size(f"{root.rstrip('/')}/{self._name}.bin"))
-            except FileNotFoundError:
-                raise FileNotFoundError(f"{self.bin_where} does not exist") from None
-            if size < self._bin_bytes:
-                raise SourceDataError(self._truncated(size))
+            path = f"{root.rstrip('/')}/{self._name}.bin"
+            size = self._bin_size(lambda: int(fs.size(path)))
         name = self._name + ".bin"
         return ShardInfo(name, self.total, size, "", name, size, "")
 
@@ -219,28 +209,25 @@ class MegatronIndexedSource(Downloads, StridedSource):
         """The ``.idx`` and the ``.bin``: sampled where local, the remote ``.bin`` by size."""
         if self._data_files is None:
             if self.remote is None:
-                bin_name = self._name + ".bin"
-                self._data_files = DataFiles.local(
-                    Path(self.prefix).parent, [bin_name], self._idx_entry
-                )
+                folder = Path(self.prefix).parent
+                self._data_files = DataFiles.local(folder, [self._shard.name], self._idx_entry)
             else:
                 listed = [(self._shard.name, self._shard.bytes, "")]
                 self._data_files = DataFiles.listed(listed, self._idx_entry)
         return self._data_files
 
-    def _truncated(self, size: int) -> str:
-        return (
-            f"{self.bin_where} is truncated: {size} bytes, its index {self.idx_where} needs "
-            f"{self._bin_bytes} (the end of its last document)"
-        )
-
-    def _check_bin_size(self, path: str) -> None:
+    def _bin_size(self, size_of: Callable[[], int]) -> int:
+        """The ``.bin``'s size by ``size_of()``, checked to reach the end of its last document."""
         try:
-            size = os.path.getsize(path)
+            size = size_of()
         except FileNotFoundError:
             raise FileNotFoundError(f"{self.bin_where} does not exist") from None
         if size < self._bin_bytes:
-            raise SourceDataError(self._truncated(size))
+            raise SourceDataError(
+                f"{self.bin_where} is truncated: {size} bytes, its index {self.idx_where} needs "
+                f"{self._bin_bytes} (the end of its last document)"
+            )
+        return size
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -279,7 +266,7 @@ class MegatronIndexedSource(Downloads, StridedSource):
                 path = self.bin_where
             else:
                 path = str(self.cache().local_path(0, self.bin_where))
-            self._check_bin_size(path)
+            self._bin_size(lambda: os.path.getsize(path))
             count = self._bin_bytes // self.dtype.itemsize
             if count:
                 # A plain ndarray over the map: slicing an np.memmap costs ~5 us more a document.
