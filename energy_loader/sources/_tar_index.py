@@ -116,18 +116,6 @@ class TarIndex:
         members = self.members[row]
         return members[1], members[-2] + members[-1]
 
-    def to_plain(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "shard": self.shard,
-            "bytes": self.bytes,
-            "sha256": self.sha256,
-            "samples": self.samples,
-            "keys": self.keys,
-            "members": self.members,
-        }
-
 
 def parse_index(data: bytes, where: str) -> TarIndex:
     """Parse and validate an index file's bytes (errors name ``where``)."""

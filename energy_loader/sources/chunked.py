@@ -458,11 +458,13 @@ def write_chunked_folder(
 
 def _write_chunk(file: Any, group: list[Any], file_format: str, name: str) -> None:
     if file_format == "npy":
-        np.save(
-            file,
-            _stack_numpy([_as_numpy(s, f"{name}: sample {i}") for i, s in enumerate(group)], name),
-            allow_pickle=False,
-        )
+        arrays = [_as_numpy(s, f"{name}: sample {i}") for i, s in enumerate(group)]
+        if any(a.shape != arrays[0].shape or a.dtype != arrays[0].dtype for a in arrays):
+            raise TypeError(
+                f"{name}: file_format='npy' needs arrays of one shape and dtype; use "
+                "file_format='pt' for ragged arrays"
+            )
+        np.save(file, np.stack(arrays), allow_pickle=False)
         return
     if file_format == "pt":
         group = [_numpy_to_torch(s, f"{name}: sample {i}") for i, s in enumerate(group)]
@@ -523,15 +525,6 @@ def _as_numpy(value: Any, what: str) -> np.ndarray:
         f"{what} is a {type(value).__name__}; numpy chunk files hold arrays only (use "
         "file_format='pt' for strings, lists and other values)"
     )
-
-
-def _stack_numpy(arrays: list[np.ndarray], name: str) -> np.ndarray:
-    if any(a.shape != arrays[0].shape or a.dtype != arrays[0].dtype for a in arrays):
-        raise TypeError(
-            f"{name}: file_format='npy' needs arrays of one shape and dtype; use "
-            "file_format='pt' for ragged arrays"
-        )
-    return np.stack(arrays)
 
 
 def _check_weights_only(value: Any, what: str) -> None:

@@ -219,7 +219,7 @@ class ParquetSource(StridedSource):
         groups: list[tuple[int, int]] = []
         rows: list[int] = []
         for number in range(len(self.paths)):
-            metadata = self._metadata(number)
+            metadata = self._file(number).metadata
             for group in range(metadata.num_row_groups):
                 count = metadata.row_group(group).num_rows
                 if count:
@@ -292,9 +292,6 @@ class ParquetSource(StridedSource):
                     )
             self._files[number] = handle
         return handle
-
-    def _metadata(self, number: int) -> Any:
-        return self._file(number).metadata
 
     def _close_files(self) -> None:
         for handle in self._files.values():

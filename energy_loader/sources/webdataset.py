@@ -319,13 +319,10 @@ class WebDatasetSource(ShardRowSource):
         """The shard's location (for messages)."""
         return self.urls[shard]
 
-    def _cached_index_path(self, shard: int) -> Path:
-        return self.cache_dir / "indexes" / (_flat(self.names[shard].lstrip("/")) + INDEX_SUFFIX)
-
     def _load_index(self, shard: int) -> tuple[TarIndex, str]:
         """The shard's index and the local file it can be re-read from (built if missing)."""
         where = self.urls[shard]
-        cached = self._cached_index_path(shard)
+        cached = self.cache_dir / "indexes" / (_flat(self.names[shard].lstrip("/")) + INDEX_SUFFIX)
         if self.remote is None:
             beside = Path(where + INDEX_SUFFIX)
             for candidate in (beside, cached):
@@ -363,9 +360,9 @@ class WebDatasetSource(ShardRowSource):
                 raise FileNotFoundError(f"shard {where} does not exist") from None
             except OSError as error:
                 raise DownloadError(f"cannot read {where} to index it: {error}") from error
-            index = TarIndex(data)
+            index, raw = TarIndex(data), json.dumps(data).encode()
             LOGGER.info("indexed %s (%d samples) into %s", where, index.samples, cached)
-        write_atomically(cached, json.dumps(index.to_plain()).encode())
+        write_atomically(cached, raw)  # the index file as fetched or built
         return index, str(cached)
 
     # -- reading -----------------------------------------------------------------------------
