@@ -265,13 +265,6 @@ class ChainRun:
     state_size: int
     peeked: Any
 
-    def save_points(self) -> list[SavePoint]:
-        """Every save point of this run, in order: before the first batch, after each batch in
-        the loop, and after each ``for`` loop."""
-        points = {SavePoint(count) for count in range(len(self.batches) + 1)}
-        points.update(SavePoint(count, after_loop=True) for count in self.ends)
-        return sorted(points)
-
 
 def run_chain(
     make_loader: Callable[[int], Any],
