@@ -234,10 +234,10 @@ def _saved_slot_counts(metadata: Metadata, templates: Mapping[str, Any]) -> dict
 def _fit_template(template: dict[str, Any], prefix: str, saved: int, metadata: Metadata) -> None:
     """Rewrite ``template`` to the slots its rank runs of ``saved`` partitions (slot 0 alone
     when they do not divide among the world size), if the checkpoint holds them all."""
-    layout = _template_layout(template)
-    if layout is None:
+    header = _template_header(template)
+    if header is None:
         return  # not a loader's fresh leaves: the loader will say what is wrong
-    rank, world_size = layout
+    rank, world_size = header["rank"], header["world_size"]
     slots = rank_slots(rank, world_size, saved) if saved % world_size == 0 else range(1)
     wanted = [slot_key(slot) for slot in slots]
     if sorted(template) == wanted:
@@ -246,14 +246,6 @@ def _fit_template(template: dict[str, Any], prefix: str, saved: int, metadata: M
         return  # slots missing from 0..P-1: torch names the missing key
     template.clear()
     template.update(dict.fromkeys(wanted, ""))  # DCP replaces each value with the saved leaf
-
-
-def _template_layout(template: dict[str, Any]) -> tuple[int, int] | None:
-    """(rank, world size) from a template leaf's ``rank_state``, or None if it has none."""
-    header = _template_header(template)
-    if header is None:
-        return None
-    return header["rank"], header["world_size"]
 
 
 def _template_header(template: dict[str, Any]) -> dict[str, Any] | None:
