@@ -466,10 +466,8 @@ def _write_chunk(file: Any, group: list[Any], file_format: str, name: str) -> No
             )
         np.save(file, np.stack(arrays), allow_pickle=False)
         return
-    if file_format == "pt":
-        group = [_numpy_to_torch(s, f"{name}: sample {i}") for i, s in enumerate(group)]
-    columns = _columns(group, name, tensors=file_format == "pt")
     if file_format == "npz":
+        columns = _columns(group, name, tensors=False)
         if columns is None:
             raise TypeError(
                 f"{name}: file_format='npz' needs dict samples with the same keys, whose values "
@@ -478,12 +476,9 @@ def _write_chunk(file: Any, group: list[Any], file_format: str, name: str) -> No
             )
         np.savez(file, **columns)
         return
-    if columns is not None:
-        torch.save(columns, file)
-        return
-    for index, sample in enumerate(group):
-        _check_weights_only(sample, f"{name}: sample {index}")
-    torch.save(list(group), file)
+    group = [_for_torch_load(s, f"{name}: sample {i}") for i, s in enumerate(group)]
+    columns = _columns(group, name, tensors=True)
+    torch.save(group if columns is None else columns, file)
 
 
 def _columns(group: list[Any], name: str, *, tensors: bool) -> dict[str, Any] | None:
@@ -527,34 +522,15 @@ def _as_numpy(value: Any, what: str) -> np.ndarray:
     )
 
 
-def _check_weights_only(value: Any, what: str) -> None:
-    """Refuse what ``torch.load(weights_only=True)`` would not read back."""
-    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
-        return
-    if isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            _check_weights_only(item, f"{what}[{index}]")
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            _check_weights_only(item, f"{what}[{key!r}]")
-        return
-    raise TypeError(
-        f"{what} is a {type(value).__name__}; .pt chunks are read with "
-        "torch.load(weights_only=True), which takes tensors (numpy arrays are converted to "
-        "them), numbers, strings, None and lists, tuples and dicts of them: convert it to "
-        "one of those before writing"
-    )
-
-
-def _numpy_to_torch(value: Any, what: str) -> Any:
-    """``value`` with numpy arrays and scalars as tensors of the same dtype and named tuples as
-    tuples (``torch.load(weights_only=True)`` refuses them), containers rebuilt."""
+def _for_torch_load(value: Any, what: str) -> Any:
+    """``value`` as ``torch.load(weights_only=True)`` reads it back: numpy arrays and scalars as
+    tensors of the same dtype, named tuples as tuples, containers rebuilt; ``TypeError`` for
+    what it would refuse."""
     if isinstance(value, (np.ndarray, np.generic)):
         if isinstance(value, np.str_):
             return str(value)
         if isinstance(value, np.bytes_):
-            return bytes(value)
+            return _for_torch_load(bytes(value), what)  # refused, as bytes are
         if value.dtype.kind not in "biufc":
             raise TypeError(
                 f"{what} is a numpy {type(value).__name__} of dtype {value.dtype}; .pt chunks "
@@ -562,9 +538,16 @@ def _numpy_to_torch(value: Any, what: str) -> Any:
                 "before writing"
             )
         return torch.from_numpy(np.array(value, copy=True))
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return value
     if isinstance(value, dict):
-        return {k: _numpy_to_torch(v, f"{what}[{k!r}]") for k, v in value.items()}
+        return {k: _for_torch_load(v, f"{what}[{k!r}]") for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        items = [_numpy_to_torch(v, f"{what}[{i}]") for i, v in enumerate(value)]
+        items = [_for_torch_load(v, f"{what}[{i}]") for i, v in enumerate(value)]
         return items if isinstance(value, list) else tuple(items)
-    return value
+    raise TypeError(
+        f"{what} is a {type(value).__name__}; .pt chunks are read with "
+        "torch.load(weights_only=True), which takes tensors (numpy arrays are converted to "
+        "them), numbers, strings, None and lists, tuples and dicts of them: convert it to "
+        "one of those before writing"
+    )
