@@ -228,17 +228,9 @@ class WebDatasetSource(ShardRowSource):
         for number, name in enumerate(self.names):
             index, index_file = self._load_index(number)
             self._index_files.append(index_file)
-            infos.append(
-                ShardInfo(
-                    name=name,
-                    samples=index.samples,
-                    bytes=index.bytes,
-                    sha256=index.sha256,
-                    raw_name=_flat(name) if self.remote is not None else name,
-                    raw_bytes=index.bytes,
-                    raw_sha256=index.sha256,
-                )
-            )
+            raw_name = _flat(name) if self.remote is not None else name
+            size, sha256 = index.bytes, index.sha256
+            infos.append(ShardInfo(name, index.samples, size, sha256, raw_name, size, sha256))
         self.shards = tuple(infos)
         self.total = sum(info.samples for info in self.shards)
         self._fingerprint = stable_hash(*(info.sha256 for info in self.shards))
