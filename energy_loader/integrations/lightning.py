@@ -130,7 +130,8 @@ class SavableLoaderCallback(Callback):
         collective) and replaces this rank's entry in the fit loop's ``combined_loader`` state with
         them, in ``state_dict()``'s layout (``loader.state_dict_of_ranks``).
         """
-        loaders = self._stateful_train_loaders(trainer)
+        # The train loaders whose states Lightning saves, in its order (the _Stateful ones).
+        loaders = [loader for loader in _train_loaders(trainer) if is_stateful(loader)]
         fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
         saved = fit_state.get("combined_loader")
         if not isinstance(saved, list) or len(saved) != len(loaders):
@@ -142,11 +143,6 @@ class SavableLoaderCallback(Callback):
             states = save_state_global(loader, 0, held_back=held_back)
             if states is not None:
                 saved[index] = loader.state_dict_of_ranks(states)
-
-    @staticmethod
-    def _stateful_train_loaders(trainer: Trainer) -> list[Any]:
-        """The train loaders whose states Lightning saves, in its order (``_Stateful`` ones)."""
-        return [loader for loader in _train_loaders(trainer) if is_stateful(loader)]
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         for loader in self._loaders:

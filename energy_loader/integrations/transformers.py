@@ -151,11 +151,6 @@ def _checkpoint_global_step(checkpoint: str) -> int:
     return int(TrainerState.load_from_json(path).global_step)
 
 
-def _saved_world_size(state: Any) -> int:
-    """The world size a loader state was saved on (a pipeline's or a drop-in's state)."""
-    return int(state["world_size"] if isinstance(state, Mapping) else state.world_size)
-
-
 class SavableLoaderTrainer(Trainer):  # type: ignore[misc]
     """A ``transformers.Trainer`` that trains from a :class:`SavableDataLoader`.
 
@@ -221,7 +216,8 @@ class SavableLoaderTrainer(Trainer):  # type: ignore[misc]
         global_step = _checkpoint_global_step(checkpoint)
         loader = self.train_loader
         states = read_rank_state_files(loader, checkpoint, STATE_PREFIX)
-        saved_world = _saved_world_size(states[0])
+        first = states[0]  # a pipeline's state (a mapping) or a drop-in's
+        saved_world = int(first["world_size"] if isinstance(first, Mapping) else first.world_size)
         try:
             length: int | None = len(loader)
         except TypeError:
