@@ -20,14 +20,6 @@ _READ_SIZE = 1 << 20
 _NAME = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
 
 
-def split_member_name(name: str) -> tuple[str, str] | None:
-    """``(key, extension)`` of a tar member name, or ``None`` for names without extension."""
-    match = _NAME.match(name)
-    if match is None:
-        return None
-    return match.group(1), match.group(2)
-
-
 class _CountingReader:
     """A read-only file wrapper that hashes and counts what passes through it and remembers
     where the last non-zero byte was (to tell end-of-archive padding from damage)."""
@@ -66,10 +58,10 @@ def build_index(file: BinaryIO, name: str, where: str) -> dict[str, Any]:
                 end = info.offset_data + -(-info.size // _BLOCK) * _BLOCK
                 if not info.isfile():
                     continue
-                parts = split_member_name(info.name)
-                if parts is None:
+                named = _NAME.match(info.name)  # (key, extension)
+                if named is None:
                     continue  # like WebDataset: files without an extension belong to no sample
-                key, extension = parts
+                key, extension = named.groups()
                 if not keys or keys[-1] != key:
                     keys.append(key)
                     members.append([])
