@@ -68,9 +68,7 @@ class StridedCursor(EpochCursor):
     def load_fields(self, reader: StateReader) -> None:
         self.position = reader.int("position")
         context = self.dataset.context
-        if self.phase == "running" and self.position % context.num_shards != (
-            context.shard_index % context.num_shards
-        ):
+        if self.phase == "running" and self.position % context.num_shards != context.shard_index:
             raise StateFormatError(
                 f"{reader.path}.position {self.position} does not belong to {self.reader_name} "
                 f"{context.shard_index} of {context.num_shards}"
