@@ -31,19 +31,13 @@ _READ_SIZE = 1 << 20
 LOCKS = ".locks"
 
 
-def default_cache_dir(kind: str, location: str) -> Path:
-    """``~/.cache/energy_loader/<kind>/<hash of location>`` (``$XDG_CACHE_HOME`` if set): where
-    a source keeps the downloads of a remote ``location`` when given no cache directory."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    digest = hashlib.sha256(location.encode()).hexdigest()[:16]
-    return Path(root) / "energy_loader" / kind / digest
-
-
 def resolve_cache_dir(cache_dir: Any, kind: str, location: str) -> Path:
-    """The cache directory a source was given (``TypeError`` unless a local path), resolved,
-    or :func:`default_cache_dir` of ``kind`` and ``location`` for ``None``."""
+    """The cache directory a source was given (``TypeError`` unless a local path), resolved; for
+    ``None``, ``~/.cache/energy_loader/<kind>/<hash of location>`` (``$XDG_CACHE_HOME`` if set)."""
     if cache_dir is None:
-        return default_cache_dir(kind, location)
+        root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        digest = hashlib.sha256(location.encode()).hexdigest()[:16]
+        return Path(root) / "energy_loader" / kind / digest
     if not isinstance(cache_dir, (str, os.PathLike)) or "://" in os.fspath(cache_dir):
         raise TypeError(f"`cache_dir` must be a local directory path (got {cache_dir!r})")
     return Path(cache_dir).resolve()
