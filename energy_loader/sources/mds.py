@@ -14,6 +14,7 @@ import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 
 from ..errors import SourceDataError
@@ -175,21 +176,15 @@ def _decoder(encoding: str, allow_unsafe_types: bool, where: str) -> tuple[Decod
     return decoder, _FIXED_SIZES.get(encoding)
 
 
+@attrs.frozen
 class _Layout:
     """The columns of one shard: names, decoders, fixed sizes, and which are kept."""
 
-    def __init__(
-        self,
-        names: list[str],
-        decoders: list[Decoder],
-        sizes: list[int | None],
-        keep: list[bool],
-    ) -> None:
-        self.names = names
-        self.decoders = decoders
-        self.sizes = sizes
-        self.keep = keep
-        self.variable = sum(1 for size in sizes if not size)
+    names: list[str]
+    decoders: list[Decoder]
+    sizes: list[int | None]
+    keep: list[bool]
+    variable: int  # how many columns have no fixed size
 
 
 class MDSSource(OffsetShardSource):
@@ -327,7 +322,7 @@ class MDSSource(OffsetShardSource):
             where = self.where(shard)
             decoders = [_decoder(e, self.allow_unsafe_types, where)[0] for e in encodings]
             keep = [self.columns is None or name in self.columns for name in names]
-            layout = _Layout(names, decoders, sizes, keep)
+            layout = _Layout(names, decoders, sizes, keep, sum(1 for size in sizes if not size))
             self._layouts[shard] = layout
         return layout
 
