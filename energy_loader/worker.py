@@ -115,10 +115,9 @@ class WorkerConfig:
         """The layout of this process in an initialised ``torch.distributed`` job.
 
         With model parallelism pass the data-parallel group (a ``ProcessGroup`` or 1-D
-        ``DeviceMesh``); ``None``: every rank of the default group is a replica. ``ValueError``
-        without a process group or outside the group, ``TypeError`` for a non-group::
-
-            config = WorkerConfig.from_process_group(num_workers=2, data_parallel_group=mesh["dp"])
+        ``DeviceMesh``, as in the class example); ``None``: every rank of the default group is a
+        replica. ``ValueError`` without a process group or outside the group, ``TypeError`` for a
+        non-group.
         """
         from .process_groups import data_parallel_layout
 
