@@ -19,6 +19,8 @@ import attrs
 import numpy as np
 import torch
 
+from ..rng import kept_rng_state
+
 __all__ = [
     "Batch",
     "Chain",
@@ -239,14 +241,9 @@ def _peek(loader: Any) -> Any:
     sampler draws from something the loader neither sees nor saves: ``UNREPLAYABLE``."""
     try:
         keys = loader.peek_keys(1)
-        kept = random.getstate(), np.random.get_state(), torch.get_rng_state()
-        try:
+        with kept_rng_state():
             move_global_rngs()
             again = loader.peek_keys(1)
-        finally:
-            random.setstate(kept[0])
-            np.random.set_state(kept[1])
-            torch.set_rng_state(kept[2])
     except (TypeError, ValueError, AttributeError, NotImplementedError):
         return None
     if keys != again:
