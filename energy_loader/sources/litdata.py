@@ -114,10 +114,6 @@ def _flat_numpy(dtype: np.dtype) -> Decoder:
     return decode
 
 
-def _unsafe_pickle(data: bytes) -> Any:
-    return pickle.loads(data)  # only with allow_unsafe_types=True
-
-
 _INT = struct.Struct("<q")
 _FLOAT = struct.Struct("<d")
 _DECODERS: dict[str, Decoder] = {
@@ -148,7 +144,7 @@ def _decoder(data_format: str, allow_unsafe_types: bool, where: str) -> Decoder:
                 f"{where}: a leaf is pickled, and unpickling runs code from the data; pass "
                 "allow_unsafe_types=True if you trust this dataset"
             )
-        return _unsafe_pickle
+        return pickle.loads
     decoder = _DECODERS.get(name)
     if decoder is None:
         reason = _UNREAD.get(name, "LitDataSource does not decode it")

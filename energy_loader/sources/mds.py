@@ -127,10 +127,6 @@ def _scalar(dtype: str) -> Decoder:
     return decode
 
 
-def _unsafe_pickle(data: bytes) -> Any:
-    return pickle.loads(data)  # only with allow_unsafe_types=True
-
-
 _DECODERS: dict[str, Decoder] = {
     "bytes": bytes,
     "str": lambda data: data.decode("utf-8"),
@@ -160,7 +156,7 @@ def _decoder(encoding: str, allow_unsafe_types: bool, where: str) -> tuple[Decod
                 f"{where}: a column is pickled ('pkl'), and unpickling runs code from the "
                 "data; pass allow_unsafe_types=True if you trust this dataset"
             )
-        return _unsafe_pickle, None
+        return pickle.loads, None
     name, _, config = encoding.partition(":")
     if name == "ndarray":
         try:
