@@ -167,31 +167,6 @@ def parse_json(data: bytes | str, where: str) -> Any:
         raise SourceDataError(f"{where} is not valid JSON: {error}") from None
 
 
-def fetch_bytes(remote: Remote, name: str, *, retries: int, timeout: float) -> bytes:
-    """A small remote file (the index) in memory, with retries and a per-attempt timeout."""
-    last: BaseException | None = None
-    for attempt in range(retries + 1):
-        try:
-            deadline = time.monotonic() + timeout
-            out = bytearray()
-            with remote.open(name) as source:
-                while chunk := source.read(_READ_SIZE):
-                    out += chunk
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"reading took more than {timeout} s")
-            return bytes(out)
-        except FileNotFoundError:
-            raise
-        except (OSError, TimeoutError) as error:
-            last = error
-            if attempt < retries:
-                time.sleep(min(0.05 * 2**attempt, 1.0))
-    raise DownloadError(
-        f"cannot read {remote.where(name)} after {retries + 1} attempts: "
-        f"{type(last).__name__}: {last}"
-    ) from last
-
-
 class Downloads:
     """The download side of a source whose files come from a :class:`Remote` through a
     :class:`ShardCache`: its validated settings, small fetches, and the cache, made on first use
@@ -217,10 +192,29 @@ class Downloads:
         self.download_timeout = positive_seconds(download_timeout, "download_timeout")
 
     def fetch(self, remote: Remote, name: str) -> bytes:
-        """A small remote file (an index) in memory, with the source's retries and timeout."""
-        return fetch_bytes(
-            remote, name, retries=self.download_retries, timeout=self.download_timeout
-        )
+        """A small remote file (an index) in memory, with retries and a per-attempt timeout."""
+        retries, timeout = self.download_retries, self.download_timeout
+        last: BaseException | None = None
+        for attempt in range(retries + 1):
+            try:
+                deadline = time.monotonic() + timeout
+                out = bytearray()
+                with remote.open(name) as source:
+                    while chunk := source.read(_READ_SIZE):
+                        out += chunk
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(f"reading took more than {timeout} s")
+                return bytes(out)
+            except FileNotFoundError:
+                raise
+            except (OSError, TimeoutError) as error:
+                last = error
+                if attempt < retries:
+                    time.sleep(min(0.05 * 2**attempt, 1.0))
+        raise DownloadError(
+            f"cannot read {remote.where(name)} after {retries + 1} attempts: "
+            f"{type(last).__name__}: {last}"
+        ) from last
 
     def _shard_cache(
         self, remote: Remote, local: Path, shards: tuple[ShardInfo, ...], **options: Any
