@@ -141,16 +141,6 @@ class _ResumedEpochProgress(TrainerCallback):  # type: ignore[misc]
         return control
 
 
-def _checkpoint_global_step(checkpoint: str) -> int:
-    path = os.path.join(checkpoint, TRAINER_STATE_NAME)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"{checkpoint} holds no {TRAINER_STATE_NAME}: not a Trainer checkpoint folder "
-            "(resume_from_checkpoint takes a checkpoint-<step> folder, or True for the last)"
-        )
-    return int(TrainerState.load_from_json(path).global_step)
-
-
 class SavableLoaderTrainer(Trainer):  # type: ignore[misc]
     """A ``transformers.Trainer`` that trains from a :class:`SavableDataLoader`.
 
@@ -213,7 +203,13 @@ class SavableLoaderTrainer(Trainer):  # type: ignore[misc]
 
     def _restore_loader(self, checkpoint: str) -> _Resume:
         """Restore the loader from the state files in the checkpoint folder; where it stands."""
-        global_step = _checkpoint_global_step(checkpoint)
+        path = os.path.join(checkpoint, TRAINER_STATE_NAME)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{checkpoint} holds no {TRAINER_STATE_NAME}: not a Trainer checkpoint folder "
+                "(resume_from_checkpoint takes a checkpoint-<step> folder, or True for the last)"
+            )
+        global_step = int(TrainerState.load_from_json(path).global_step)
         loader = self.train_loader
         states = read_rank_state_files(loader, checkpoint, STATE_PREFIX)
         first = states[0]  # a pipeline's state (a mapping) or a drop-in's
