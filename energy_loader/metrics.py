@@ -163,11 +163,8 @@ def _bucket_value(bucket: int) -> float:
 
 def _histogram_quantiles(histogram: Counter[int]) -> dict[str, float]:
     count = sum(histogram.values())
-    out = {}
+    out = {f"wait_s_{name}": 0.0 for name, _ in _QUANTILES}  # an empty histogram's
     for name, q in _QUANTILES:
-        if not count:
-            out[f"wait_s_{name}"] = 0.0
-            continue
         rank, seen = min(count - 1, int(q * count)), 0
         for bucket in sorted(histogram):
             seen += histogram[bucket]
