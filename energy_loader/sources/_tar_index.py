@@ -138,21 +138,22 @@ def parse_index(data: bytes, where: str) -> TarIndex:
     return TarIndex(index)
 
 
-def check_header(block: bytes, expected: str, where: str, row: int, key: str) -> None:
-    """Raise :class:`SourceDataError` unless ``block`` is the tar header of member ``expected``."""
+def check_header(block: bytes, expected: str, where: str) -> None:
+    """Raise :class:`SourceDataError` (naming ``where``, the sample) unless ``block`` is the tar
+    header of member ``expected``."""
     try:
         info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
     except tarfile.HeaderError as error:
         raise SourceDataError(
-            f"{where}, sample {row} (key {key!r}): no valid tar header where the index has "
-            f"member {expected!r} ({error}); the shard changed since it was indexed: rebuild "
-            "the index with python -m energy_loader index"
+            f"{where}: no valid tar header where the index has member {expected!r} ({error}); "
+            "the shard changed since it was indexed: rebuild the index with python -m "
+            "energy_loader index"
         ) from None
     if info.type in (tarfile.GNUTYPE_LONGNAME, tarfile.XHDTYPE, tarfile.XGLTYPE):
         return  # the real name is in the extended header; the checksum matched
     if info.name != expected:
         raise SourceDataError(
-            f"{where}, sample {row} (key {key!r}): member {expected!r} is missing (the tar "
-            f"holds {info.name!r} there); the shard changed since it was indexed: rebuild "
-            "the index with python -m energy_loader index"
+            f"{where}: member {expected!r} is missing (the tar holds {info.name!r} there); the "
+            "shard changed since it was indexed: rebuild the index with python -m energy_loader "
+            "index"
         )

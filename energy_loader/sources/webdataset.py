@@ -131,21 +131,17 @@ class _TarFile:
         key = index.keys[row]
         members = index.members[row]
         start, stop = index.span(row)
+        where = f"{self.where}, sample {row} (key {key!r})"
         self.file.seek(start)
         data = self.file.read(stop - start)
         if len(data) != stop - start:
-            raise SourceDataError(f"{self.where}, sample {row} (key {key!r}) is truncated")
+            raise SourceDataError(f"{where} is truncated")
         sample: dict[str, Any] = {"__key__": key}
         view = memoryview(data)
         for i in range(0, len(members), 4):
             extension, header, offset, size = members[i : i + 4]
-            check_header(
-                bytes(view[header - start : header - start + 512]),
-                f"{key}.{extension}",
-                self.where,
-                row,
-                key,
-            )
+            block = bytes(view[header - start : header - start + 512])
+            check_header(block, f"{key}.{extension}", where)
             sample[extension] = bytes(view[offset - start : offset - start + size])
         return sample
 
