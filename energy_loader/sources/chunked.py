@@ -5,7 +5,9 @@ docs/sources/chunked.md.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import json
 import os
 import weakref
@@ -431,32 +433,22 @@ def write_chunked_folder(
             "empty folder"
         )
     entries: list[dict[str, Any]] = []
-    group: list[Any] = []
-
-    def flush() -> None:
+    iterator = iter(samples)
+    for group in iter(lambda: list(itertools.islice(iterator, samples_per_file)), []):
         name = f"chunk-{len(entries):05d}.{file_format}"
-        write_atomically(folder / name, lambda f: _write_chunk(f, group, file_format, name))
+        write_atomically(folder / name, functools.partial(_write_chunk, group, file_format, name))
         entries.append({"path": name, "samples": len(group)})
-        group.clear()
-
-    for sample in samples:
-        group.append(sample)
-        if len(group) == samples_per_file:
-            flush()
-    if group:
-        flush()
     metadata = {
         "format": FORMAT,
         "version": VERSION,
         "total_samples": sum(e["samples"] for e in entries),
         "files": entries,
     }
-    text = json.dumps(metadata, indent=1).encode()
-    write_atomically(folder / METADATA, text)
+    write_atomically(folder / METADATA, json.dumps(metadata, indent=1).encode())
     return metadata
 
 
-def _write_chunk(file: Any, group: list[Any], file_format: str, name: str) -> None:
+def _write_chunk(group: list[Any], file_format: str, name: str, file: Any) -> None:
     if file_format == "npy":
         arrays = [_as_numpy(s, f"{name}: sample {i}") for i, s in enumerate(group)]
         if any(a.shape != arrays[0].shape or a.dtype != arrays[0].dtype for a in arrays):
@@ -491,17 +483,13 @@ def _columns(group: list[Any], name: str, *, tensors: bool) -> dict[str, Any] | 
     out: dict[str, Any] = {}
     for key in keys:
         values = [s[key] for s in group]
-        if tensors:
-            if not all(isinstance(v, torch.Tensor) for v in values):
-                return None
-            if any(v.shape != values[0].shape or v.dtype != values[0].dtype for v in values):
-                return None
-            out[key] = torch.stack(values)
-        else:
-            arrays = [_as_numpy(v, f"{name}: [{key!r}]") for v in values]
-            if any(a.shape != arrays[0].shape or a.dtype != arrays[0].dtype for a in arrays):
-                return None
-            out[key] = np.stack(arrays)
+        if not tensors:
+            values = [_as_numpy(v, f"{name}: [{key!r}]") for v in values]
+        elif not all(isinstance(v, torch.Tensor) for v in values):
+            return None
+        if any(v.shape != values[0].shape or v.dtype != values[0].dtype for v in values):
+            return None
+        out[key] = torch.stack(values) if tensors else np.stack(values)
     return out
 
 
