@@ -205,16 +205,9 @@ class LitDataSource(OffsetShardSource):
         shards = []
         for number, chunk in enumerate(chunks):
             try:
-                name = chunk["filename"]
-                info = ShardInfo(
-                    name,
-                    int(chunk["chunk_size"]),
-                    int(chunk["chunk_bytes"]),
-                    "",
-                    name,
-                    int(chunk["chunk_bytes"]),
-                    "",
-                )
+                name, samples = chunk["filename"], int(chunk["chunk_size"])
+                size = int(chunk["chunk_bytes"])
+                info = ShardInfo(name, samples, size, "", name, size, "")
             except (KeyError, TypeError, ValueError) as error:
                 raise SourceDataError(
                     f"{where}: chunks[{number}] is not a litdata chunk entry "
