@@ -253,8 +253,7 @@ def _check(
     """The shared core: the uninterrupted run, then each chain of stop points against it
     (``problems``: what ``on_restored_batch`` found, raised once the batches are equal)."""
     require_int(epochs, "epochs", minimum=1)
-    uninterrupted = Chain((), (num_workers,))
-    full = run_chain(make, uninterrupted, epochs, seed=seed)
+    full = run_chain(make, Chain((), (num_workers,)), epochs, seed=seed)
     events = _events_of(full)
     total = len(events) - 1
     if stop_points is None:

@@ -288,8 +288,7 @@ def run_chain(
     largest = 0
     peeked = None
     state: Any = None
-    rng_state: torch.Tensor | None = None
-    every_rng_state: tuple[Any, Any, torch.Tensor] | None = None
+    rng_states: tuple[Any, Any, torch.Tensor] | None = None  # python's, numpy's, torch's
     stops: Sequence[SavePoint | None] = [*chain.points, None]
     for number, (stop, workers) in enumerate(zip(stops, chain.workers)):
         program_start(seed)
@@ -297,12 +296,12 @@ def run_chain(
         try:
             if number:
                 load(loader, state)
-                if restore_every_global_rng and every_rng_state is not None:
-                    random.setstate(every_rng_state[0])
-                    np.random.set_state(every_rng_state[1])
-                    torch.set_rng_state(every_rng_state[2])
-                elif restore_global_rngs and rng_state is not None:
-                    torch.set_rng_state(rng_state)
+                if restore_every_global_rng and rng_states is not None:
+                    random.setstate(rng_states[0])
+                    np.random.set_state(rng_states[1])
+                    torch.set_rng_state(rng_states[2])
+                elif restore_global_rngs and rng_states is not None:
+                    torch.set_rng_state(rng_states[2])
                 elif chain.points[number - 1].batches or move_rngs_at_start:
                     # (by default a program restored from a state saved before the first
                     # batch is where a fresh start is: a checkpoint at step 0 of the same
@@ -322,8 +321,7 @@ def run_chain(
                     )
                 state, size = round_trip(loader, via_torch=(number % 2 == 1) != first_via_torch)
                 largest = max(largest, size)
-                rng_state = torch.get_rng_state()
-                every_rng_state = (random.getstate(), np.random.get_state(), rng_state)
+                rng_states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
         finally:
             close_loader(loader)
     return ChainRun(out, ends, largest, peeked)
