@@ -48,6 +48,12 @@ class StridedSource(SavableDataset):
         context = self.context
         return len(range(context.shard_index, self.total, context.num_shards))
 
+    def _order_of(self, sizes: Sequence[int], epoch: int, partitions: int | None) -> EpochOrder:
+        """``epoch``'s order of units of ``sizes`` samples, shuffled per epoch from (seed, this
+        source's stream, epoch), in ``partitions`` spans (``None``: :meth:`partitions`)."""
+        seed = stable_hash(self.seed, self.stream_salt(), epoch)
+        return EpochOrder(sizes, seed, self.shuffle, partitions or self.partitions())
+
 
 class StridedCursor(EpochCursor):
     """The reader's next global position: ``shard_index``, then steps of ``num_shards``."""
@@ -308,12 +314,7 @@ class ShardRowSource(Downloads, StridedSource):
         """The global order of ``epoch``: the shards' rows, shuffled per epoch from (seed,
         this source's stream, epoch), in the partitions' spans
         (:mod:`energy_loader.sources._order`)."""
-        return EpochOrder(
-            [info.samples for info in self.shards],
-            stable_hash(self.seed, self.stream_salt(), epoch),
-            self.shuffle,
-            partitions or self.partitions(),
-        )
+        return self._order_of([info.samples for info in self.shards], epoch, partitions)
 
     def global_order(self, epoch: int, partitions: int | None = None) -> list[tuple[int, int]]:
         """The epoch's global order as ``(shard, row)`` keys (for tests and audits: O(N))."""

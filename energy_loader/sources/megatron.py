@@ -229,12 +229,7 @@ class MegatronIndexedSource(Downloads, StridedSource):
         """The global order of ``epoch`` over the blocks of documents."""
         block, total = self.block_documents, self.total
         sizes = [min(block, total - first) for first in range(0, total, block)]
-        return EpochOrder(
-            sizes,
-            stable_hash(self.seed, self.stream_salt(), epoch),
-            self.shuffle,
-            partitions or self.partitions(),
-        )
+        return self._order_of(sizes, epoch, partitions)
 
     def global_order(self, epoch: int, partitions: int | None = None) -> list[int]:
         """The epoch's documents in global order (for tests and audits: O(N))."""
