@@ -59,8 +59,7 @@ def _torchrun_layout(environ: Mapping[str, str]) -> tuple[int, int] | None:
         raise ValueError(
             f"RANK must be in range(WORLD_SIZE) (got RANK={rank}, WORLD_SIZE={world_size})"
         )
-    local_rank = _env_int(environ, "LOCAL_RANK")
-    local_size = _env_int(environ, "LOCAL_WORLD_SIZE")
+    local_rank, local_size = _env_int(environ, "LOCAL_RANK"), _env_int(environ, "LOCAL_WORLD_SIZE")
     if local_rank is not None and local_rank > rank:
         raise ValueError(
             f"LOCAL_RANK={local_rank} cannot exceed RANK={rank}: the local rank counts the "

@@ -192,11 +192,9 @@ class ParquetSource(StridedSource):
 
         self._set_order(shuffle, seed, num_canonical_partitions)
         self.shuffle_window = require_int(shuffle_window, "shuffle_window", minimum=1)
-        self.max_cached_row_groups = (
-            None
-            if max_cached_row_groups is None
-            else require_int(max_cached_row_groups, "max_cached_row_groups", minimum=1)
-        )
+        if max_cached_row_groups is not None:
+            require_int(max_cached_row_groups, "max_cached_row_groups", minimum=1)
+        self.max_cached_row_groups = max_cached_row_groups
         self.read_retries = require_int(read_retries, "read_retries", minimum=0)
         self.storage_options = storage_options_dict(storage_options)
         if columns is not None:
