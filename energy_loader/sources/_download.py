@@ -236,9 +236,7 @@ class Downloads:
         return self._cache
 
     def __getstate__(self) -> dict[str, Any]:
-        state = cast(dict[str, Any], super().__getstate__())
-        state.update(_cache=None, _cache_pid=-1)
-        return state
+        return {**cast(dict[str, Any], super().__getstate__()), "_cache": None, "_cache_pid": -1}
 
 
 class ShardCache:

@@ -293,9 +293,7 @@ class ShardRowSource(Downloads, StridedSource):
         return ShardRowCursor(self)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_restore"] = RestoreShard()
-        return state
+        return {**super().__getstate__(), "_restore": RestoreShard()}
 
     @abstractmethod
     def open_shard(self, shard: int) -> Any:

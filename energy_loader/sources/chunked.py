@@ -401,9 +401,7 @@ class ChunkedFolderSource(SavableDataset):
         return self.layout().count
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_restore_chunk"] = None
-        return state
+        return {**super().__getstate__(), "_restore_chunk": None}
 
 
 # -- writing ------------------------------------------------------------------------------------

@@ -256,6 +256,4 @@ class LitDataSource(OffsetShardSource):
         return {**super()._config_fields(), "allow_unsafe_types": self.allow_unsafe_types}
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state.update(_decoding=None, _spec=None, _rebuild=None)
-        return state
+        return {**super().__getstate__(), "_decoding": None, "_spec": None, "_rebuild": None}

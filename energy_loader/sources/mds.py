@@ -340,6 +340,4 @@ class MDSSource(OffsetShardSource):
         return {**super()._config_fields(), "columns": self.columns}
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_layouts"] = {}
-        return state
+        return {**super().__getstate__(), "_layouts": {}}

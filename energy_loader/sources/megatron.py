@@ -308,6 +308,4 @@ class MegatronIndexedSource(Downloads, StridedSource):
         }
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state.update(_tokens=None, _tokens_pid=-1)
-        return state
+        return {**super().__getstate__(), "_tokens": None, "_tokens_pid": -1}

@@ -428,6 +428,4 @@ class WebDatasetSource(ShardRowSource):
         }
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_indexes"] = {}
-        return state
+        return {**super().__getstate__(), "_indexes": {}}
