@@ -207,6 +207,3 @@ class OffsetShardSource(ShardRowSource):
 
     def _key_scope(self) -> str:
         return self.location
-
-    def _config_fields(self) -> dict[str, Any]:
-        return self._shard_config_fields()

@@ -344,7 +344,7 @@ class ShardRowSource(Downloads, StridedSource):
     def can_restore_sample(self) -> bool:
         return True
 
-    def _shard_config_fields(self) -> dict[str, Any]:
+    def _config_fields(self) -> dict[str, Any]:
         """The config fields every shard source has: its shards, order and content."""
         return {
             "shards": len(self.shards),

@@ -421,11 +421,7 @@ class WebDatasetSource(ShardRowSource):
         return self.decode_sample(file.read(row), shard, row)
 
     def _config_fields(self) -> dict[str, Any]:
-        return {
-            **self._shard_config_fields(),
-            "decode": self._decode_name,
-            "on_error": self.on_error,
-        }
+        return {**super()._config_fields(), "decode": self._decode_name, "on_error": self.on_error}
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_indexes": {}}
