@@ -8,6 +8,7 @@ turn. Every batch is recorded with the epoch the loop was in.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -143,15 +144,11 @@ def round_trip(loader: Any, via_torch: bool) -> tuple[Any, int]:
     """
     if not via_torch:
         state = loader.save_state_rank()
-        try:
+        with contextlib.suppress(TypeError, ValueError):  # not JSON: it goes through torch
             text = json.dumps(state)
-        except (TypeError, ValueError):
-            via_torch = True
-        else:
             return ("rank", json.loads(text)), len(text)
-    state_dict = loader.state_dict()
     buffer = io.BytesIO()
-    torch.save(state_dict, buffer)
+    torch.save(loader.state_dict(), buffer)
     try:  # the rank state's own size, as the json path measures it
         size = len(json.dumps(loader.save_state_rank()))
     except (TypeError, ValueError):
