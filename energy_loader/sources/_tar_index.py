@@ -40,10 +40,6 @@ class _CountingReader:
             self.size += len(data)
         return data
 
-    def drain(self) -> None:
-        while self.read(_READ_SIZE):
-            pass
-
 
 def build_index(file: BinaryIO, name: str, where: str) -> dict[str, Any]:
     """Scan one tar shard (a binary file object, read sequentially) into its index; ``name`` is
@@ -66,7 +62,8 @@ def build_index(file: BinaryIO, name: str, where: str) -> dict[str, Any]:
                     keys.append(key)
                     members.append([])
                 members[-1] += [extension, info.offset, info.offset_data, info.size]
-        reader.drain()
+        while reader.read(_READ_SIZE):  # the rest: end-of-archive padding, or damage
+            pass
     except (tarfile.TarError, EOFError) as error:
         raise SourceDataError(
             f"{where} is not a readable tar file ({error}) after {len(keys)} samples (last "
