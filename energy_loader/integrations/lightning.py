@@ -17,6 +17,7 @@ from ..errors import EnergyLoaderError
 from ..loader import SavableDataLoader
 from ..loader.dropin.build import runs_dropin
 from ..process_groups import process_group_initialized
+from ..validation import require_bool
 
 try:  # the unified package, if the user has it; otherwise the standalone one
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -87,9 +88,7 @@ class SavableLoaderCallback(Callback):
         """``check_resume=False`` lets a resume go on when Lightning did not load the saved
         loader state (the data then restarts wherever the fresh loader starts)."""
         super().__init__()
-        if not isinstance(check_resume, bool):
-            raise TypeError(f"`check_resume` must be True or False (got {check_resume!r})")
-        self._check_resume = check_resume
+        self._check_resume = require_bool(check_resume, "check_resume")
         self._loaders: list[SavableDataLoader] = []
 
     def _attach(self, trainer: Trainer) -> None:
