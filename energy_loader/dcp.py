@@ -177,21 +177,20 @@ def _refuse_rank_keys_of_another_size(state_dict: Mapping[str, Any], metadata: M
         if match is None:
             continue
         prefix = match.group(1)
-        sizes = sorted(
-            {
-                int(other.group(3))
-                for key in saved
-                if (other := _RANK_KEY.fullmatch(key.partition(".")[0])) is not None
-                and other.group(1) == prefix
-            }
-        )
+        sizes = [
+            int(other.group(3))
+            for key in saved
+            if (other := _RANK_KEY.fullmatch(key.partition(".")[0])) is not None
+            and other.group(1) == prefix
+        ]
         if not sizes:
             continue
+        size = min(sizes)
         raise StateMismatchError(
-            f"the checkpoint stores {prefix!r} under per-rank keys of {sizes[0]} rank(s) "
-            f"({prefix}_rank_00000_of_{sizes[0]:05d}, ...), this job of {int(match.group(3))} "
+            f"the checkpoint stores {prefix!r} under per-rank keys of {size} rank(s) "
+            f"({prefix}_rank_00000_of_{size:05d}, ...), this job of {int(match.group(3))} "
             f"rank(s) looks for {head!r}: per-rank keys tie a checkpoint to the world size "
-            f"that saved it. Load it on {sizes[0]} rank(s), and save the loader under one key "
+            f"that saved it. Load it on {size} rank(s), and save the loader under one key "
             f"on every rank (dcp.save({{{prefix!r}: loader, ...}})), which loads on any world "
             "size (docs/distributed.md)"
         )
