@@ -135,10 +135,7 @@ class WorkerConfig:
 
         if process_group_initialized():
             return cls.from_process_group(num_workers=num_workers, seed=seed)
-        layout = _torchrun_layout(os.environ)
-        if layout is None:
-            return cls(num_workers=num_workers, seed=seed)
-        rank, world_size = layout
+        rank, world_size = _torchrun_layout(os.environ) or (0, 1)
         return cls(rank=rank, world_size=world_size, num_workers=num_workers, seed=seed)
 
     def context(self, worker_id: int) -> WorkerContext:
