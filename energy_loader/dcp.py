@@ -1,18 +1,9 @@
 """``torch.distributed.checkpoint`` (DCP) at many ranks: two planners and a storage reader.
 
-A loader goes into DCP as it is (``dcp.save({"loader": loader, ...})``); these classes fix
-what DCP's defaults cost or refuse once the job is large or its layout changed (each optional,
-docs/distributed.md has the figures):
-
-- :class:`SavePlanner`: the same plan and metadata as torch's, in one pass instead of ~N^2
-  lookups over the ranks' key mappings (116 s at 16,384 ranks);
-- :class:`LoadPlanner`: lists in each loader's template the slots of the *saved* partition
-  count, so the loader judges the saved leaves itself instead of DCP refusing a missing key;
-- :class:`SharedMetadataReader`: the coordinator reads ``.metadata`` and broadcasts it;
-- :func:`load`: ``dcp.load`` whose "Missing key" for a loader of more partitions than the
-  checkpoint's is a :class:`~energy_loader.StateMismatchError` naming both counts;
-- :func:`read_loader_entries`: a checkpoint's loader leaves in one process (``inspect``).
-
+A loader goes into DCP as it is (``dcp.save({"loader": loader, ...})``); :class:`SavePlanner`,
+:class:`LoadPlanner`, :class:`SharedMetadataReader` and :func:`load` each fix, optionally, what
+DCP's defaults cost or refuse once the job is large or its layout changed (docs/distributed.md
+has the figures); :func:`read_loader_entries` reads a checkpoint's loader leaves in one process.
 Nothing here changes what is saved. It leans on two of torch's private names
 (``DefaultSavePlanner._create_global_plan``, and one ``read_metadata()`` per rank per load),
 checked against torch 2.13.
@@ -104,9 +95,7 @@ class SavePlanner(DefaultSavePlanner):
     ``benchmarks/bench_ranks.py --coordinator`` compare them): only the merge of the ranks' key
     mappings, torch's ``dict(ChainMap(*mappings))``, is :func:`first_map_wins`. With
     ``enable_plan_caching=True`` every save after the first skips the global step (a loader's
-    keys change only with its layout).
-
-    Example::
+    keys change only with its layout). Example::
 
         dcp.save({"model": model_state, "loader": loader}, checkpoint_id=step_dir,
                  planner=el.dcp.SavePlanner())
@@ -142,9 +131,8 @@ class LoadPlanner(DefaultLoadPlanner):
     size), so the loader judges the saved leaves: one built without ``num_partitions`` adopts P,
     one built with P' != P raises :class:`~energy_loader.StateMismatchError` naming both counts,
     on every rank. A loader stored under per-rank keys (``rank_state_key``) loaded on another
-    world size is refused naming both sizes and the recipe that resizes. Other keys are torch's.
-
-    Example::
+    world size is refused naming both sizes and the recipe that resizes. Other keys are
+    torch's. Example::
 
         loader = el.SavableDataLoader(build_pipeline(), num_workers=4)  # adopts the saved P
         dcp.load({"loader": loader}, checkpoint_id=step_dir, planner=el.dcp.LoadPlanner())
@@ -189,21 +177,20 @@ def _refuse_rank_keys_of_another_size(state_dict: Mapping[str, Any], metadata: M
         if match is None:
             continue
         prefix = match.group(1)
-        sizes = sorted(
-            {
-                int(other.group(3))
-                for key in saved
-                if (other := _RANK_KEY.fullmatch(key.partition(".")[0])) is not None
-                and other.group(1) == prefix
-            }
-        )
+        sizes = [
+            int(other.group(3))
+            for key in saved
+            if (other := _RANK_KEY.fullmatch(key.partition(".")[0])) is not None
+            and other.group(1) == prefix
+        ]
         if not sizes:
             continue
+        size = min(sizes)
         raise StateMismatchError(
-            f"the checkpoint stores {prefix!r} under per-rank keys of {sizes[0]} rank(s) "
-            f"({prefix}_rank_00000_of_{sizes[0]:05d}, ...), this job of {int(match.group(3))} "
+            f"the checkpoint stores {prefix!r} under per-rank keys of {size} rank(s) "
+            f"({prefix}_rank_00000_of_{size:05d}, ...), this job of {int(match.group(3))} "
             f"rank(s) looks for {head!r}: per-rank keys tie a checkpoint to the world size "
-            f"that saved it. Load it on {sizes[0]} rank(s), and save the loader under one key "
+            f"that saved it. Load it on {size} rank(s), and save the loader under one key "
             f"on every rank (dcp.save({{{prefix!r}: loader, ...}})), which loads on any world "
             "size (docs/distributed.md)"
         )
@@ -234,10 +221,10 @@ def _saved_slot_counts(metadata: Metadata, templates: Mapping[str, Any]) -> dict
 def _fit_template(template: dict[str, Any], prefix: str, saved: int, metadata: Metadata) -> None:
     """Rewrite ``template`` to the slots its rank runs of ``saved`` partitions (slot 0 alone
     when they do not divide among the world size), if the checkpoint holds them all."""
-    layout = _template_layout(template)
-    if layout is None:
+    header = _template_header(template)
+    if header is None:
         return  # not a loader's fresh leaves: the loader will say what is wrong
-    rank, world_size = layout
+    rank, world_size = header["rank"], header["world_size"]
     slots = rank_slots(rank, world_size, saved) if saved % world_size == 0 else range(1)
     wanted = [slot_key(slot) for slot in slots]
     if sorted(template) == wanted:
@@ -246,14 +233,6 @@ def _fit_template(template: dict[str, Any], prefix: str, saved: int, metadata: M
         return  # slots missing from 0..P-1: torch names the missing key
     template.clear()
     template.update(dict.fromkeys(wanted, ""))  # DCP replaces each value with the saved leaf
-
-
-def _template_layout(template: dict[str, Any]) -> tuple[int, int] | None:
-    """(rank, world size) from a template leaf's ``rank_state``, or None if it has none."""
-    header = _template_header(template)
-    if header is None:
-        return None
-    return header["rank"], header["world_size"]
 
 
 def _template_header(template: dict[str, Any]) -> dict[str, Any] | None:
@@ -411,8 +390,7 @@ def read_loader_entries(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any
 
     Reads the ``.metadata`` and, of the data, only the entries under a key that names a
     loader's slot (``slot_00003``) or a drop-in loader's rank (``rank_00001``, ``rank_any``),
-    exactly:
-    the model's tensors are not read. What ``inspect`` and ``replay`` read DCP with.
+    exactly: the model's tensors are not read. What ``inspect`` and ``replay`` read DCP with.
     ``FileNotFoundError`` if the folder has no ``.metadata``.
     """
     from torch.distributed.checkpoint import FileSystemReader
@@ -464,26 +442,16 @@ class _Unread:
 class SharedMetadataReader(StorageReader):
     """A ``StorageReader`` whose ``read_metadata()`` reads storage on one rank only.
 
-    Wraps any ``StorageReader`` (``FileSystemReader(step_dir)``, an fsspec or cloud reader):
-    on a DCP load the coordinator (rank ``coordinator_rank`` of ``process_group``, the default
-    group when ``None``) reads the checkpoint's metadata through it and sends it to the other
-    ranks with ``torch.distributed.broadcast_object_list``; everything else (planning, the data
-    reads, ``reset``, ``checkpoint_id``) goes to the wrapped reader. Every rank still holds the
-    whole metadata (pickled, it travels over the network once per rank), but storage serves it
-    once, not N times: a rank's reads from storage are its own leaves.
-
-    The broadcast is a collective: torch's ``dcp.load`` calls ``read_metadata()`` exactly once
-    per rank per load, on every rank of its process group, so pass the same ``process_group``
-    as to ``dcp.load`` (and the same coordinator, DCP's is rank 0). A failure to read on the
-    coordinator is broadcast too: every rank raises (a ``CheckpointException`` from
-    ``dcp.load``) and none waits. A rank that never gets there (it died) leaves the others in
-    the broadcast until the group's timeout (``init_process_group(timeout=...)``) ends it.
-    Without an initialised process group, or with ``dcp.load(..., no_dist=True)`` on a
-    single-rank group, it reads locally; do not use it with ``no_dist=True`` on some ranks of a
-    larger group (they would wait for a broadcast). With NCCL, set the CUDA device first
-    (``torch.cuda.set_device``), as for any object collective.
-
-    Example::
+    Wraps any ``StorageReader``: on a DCP load the coordinator (rank ``coordinator_rank`` of
+    ``process_group``, the default group when ``None``) reads the metadata and broadcasts it
+    (``broadcast_object_list``); all else goes to the wrapped reader. Every rank still receives
+    the whole metadata, but storage serves it once, not N times. The broadcast is a collective
+    (``dcp.load`` calls ``read_metadata()`` once per rank): pass ``dcp.load``'s process group
+    and coordinator. A coordinator's failure to read is broadcast (every rank raises); a rank
+    that never arrives leaves the others waiting until the group's timeout. Without a process
+    group, or with ``no_dist=True`` on a single-rank group, it reads locally; never use it with
+    ``no_dist=True`` on some ranks of a larger group. With NCCL, set the CUDA device first.
+    docs/distributed.md has the details. Example::
 
         reader = el.dcp.SharedMetadataReader(FileSystemReader(step_dir))
         dcp.load(state, storage_reader=reader, planner=el.dcp.LoadPlanner())
@@ -528,9 +496,11 @@ class SharedMetadataReader(StorageReader):
         With arguments (torch asks ``read_metadata(rank=...)`` for a rank's own metadata when
         the global one is missing) it is the wrapped reader's call, on this rank alone.
         """
-        if args or kwargs or not self._shared():
+        if args or kwargs or not (dist.is_available() and dist.is_initialized()):
             return self.reader.read_metadata(*args, **kwargs)
         group_size = dist.get_world_size(self.process_group)
+        if group_size == 1:
+            return self.reader.read_metadata()
         if self.coordinator_rank >= group_size:
             raise ValueError(
                 f"coordinator_rank {self.coordinator_rank} is not a rank of the process group "
@@ -561,13 +531,6 @@ class SharedMetadataReader(StorageReader):
                 "Metadata (do all ranks wrap their readers alike?)"
             )
         return payload[0]
-
-    def _shared(self) -> bool:
-        return (
-            dist.is_available()
-            and dist.is_initialized()
-            and (dist.get_world_size(self.process_group) > 1)
-        )
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any

@@ -373,28 +373,24 @@ def restore_state_global(
     if src_rank is not None:
         src_rank = _require_rank(src_rank, "src_rank")
     group = _group_of(engine.worker_config)
-    problem: BaseException | None = None
     entries: Any = None
-    if src_rank is None:
-        try:
-            checked = _check_states_list(states)
-            engine.check_one_save(checked, across=len(checked) != group.size)
-            entries = _wanted(engine, checked, group.size, [group.rank], group.rank)[group.rank]
-        except Exception as error:
-            problem = error
-    else:
+    if src_rank is not None:
         _require_collective(group, "restore_state_global with a src_rank")
         src_position = group.position_of(src_rank, "src_rank")
         entries = _scattered_entries(engine, states, group, src_position, src_rank)
+    problem: BaseException | None = None
     plan: Any = None
-    if problem is None:
-        try:
-            if isinstance(entries, _Refusal):
-                raise _ERROR_CLASSES.get(entries.kind, RuntimeError)(entries.message)
-            _check_layout(engine.worker_config, group)
-            plan = engine.plan(engine.decode(entries))
-        except Exception as error:
-            problem = error
+    try:
+        if src_rank is None:
+            checked = _check_states_list(states)
+            engine.check_one_save(checked, across=len(checked) != group.size)
+            entries = _wanted(engine, checked, group.size, [group.rank], group.rank)[group.rank]
+        if isinstance(entries, _Refusal):
+            raise _ERROR_CLASSES.get(entries.kind, RuntimeError)(entries.message)
+        _check_layout(engine.worker_config, group)
+        plan = engine.plan(engine.decode(entries))
+    except Exception as error:
+        problem = error
     _agree(group, "restore_state_global", problem)
     engine.apply(plan)
 

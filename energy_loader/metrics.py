@@ -163,11 +163,8 @@ def _bucket_value(bucket: int) -> float:
 
 def _histogram_quantiles(histogram: Counter[int]) -> dict[str, float]:
     count = sum(histogram.values())
-    out = {}
+    out = {f"wait_s_{name}": 0.0 for name, _ in _QUANTILES}  # an empty histogram's
     for name, q in _QUANTILES:
-        if not count:
-            out[f"wait_s_{name}"] = 0.0
-            continue
         rank, seen = min(count - 1, int(q * count)), 0
         for bucket in sorted(histogram):
             seen += histogram[bucket]
@@ -263,9 +260,7 @@ class LoaderMetrics:
         return depths
 
     @staticmethod
-    def _section(
-        now: _Totals, base: _Totals, seconds: float, quantiles: dict[str, float]
-    ) -> dict[str, Any]:
+    def _section(now: _Totals, base: _Totals, seconds: float) -> dict[str, Any]:
         items = now.items - base.items
         wait = now.wait_s - base.wait_s
         step = now.stall_step_s - base.stall_step_s
@@ -283,7 +278,6 @@ class LoaderMetrics:
             "items_per_s": items / seconds if seconds > 0 else 0.0,
             "wait_s_sum": wait,
             "wait_s_mean": wait / items if items else 0.0,
-            **quantiles,
             "wait_fraction": ((now.stall_wait_s - base.stall_wait_s) / step if step > 0 else 0.0),
             "decode_s": now.decode_s - base.decode_s,
             "saves": saves,
@@ -303,11 +297,11 @@ class LoaderMetrics:
         depths = self._refresh_workers()
         now, at = self.totals, clock()
         window_waits = sorted(self._waits)
-        since_last = self._section(now, self._base, at - self._base_time, {})
+        since_last = self._section(now, self._base, at - self._base_time)
         since_last.update(_quantile_fields(window_waits))
         since_last["wait_s_max"] = window_waits[-1] if window_waits else 0.0
         self._fold()
-        total = self._section(now, _Totals(len(now.workers)), at - self._born, {})
+        total = self._section(now, _Totals(len(now.workers)), at - self._born)
         total.update(_histogram_quantiles(self._histogram))
         total["wait_s_max"] = now.wait_s_max
         total["save_s_max"] = now.save_s_max
@@ -326,8 +320,7 @@ class LoaderMetrics:
         fraction = (now.stall_wait_s - base.stall_wait_s) / step if step > 0 else 0.0
         if fraction > stall.threshold and self._on_window is not None:
             self._refresh_workers()
-            window = self._section(now, base, end - self._stall_time, {})
-            self._on_window(window)
+            self._on_window(self._section(now, base, end - self._stall_time))
         self._stall_base, self._stall_time = now.copy(), end
 
 

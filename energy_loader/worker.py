@@ -59,8 +59,7 @@ def _torchrun_layout(environ: Mapping[str, str]) -> tuple[int, int] | None:
         raise ValueError(
             f"RANK must be in range(WORLD_SIZE) (got RANK={rank}, WORLD_SIZE={world_size})"
         )
-    local_rank = _env_int(environ, "LOCAL_RANK")
-    local_size = _env_int(environ, "LOCAL_WORLD_SIZE")
+    local_rank, local_size = _env_int(environ, "LOCAL_RANK"), _env_int(environ, "LOCAL_WORLD_SIZE")
     if local_rank is not None and local_rank > rank:
         raise ValueError(
             f"LOCAL_RANK={local_rank} cannot exceed RANK={rank}: the local rank counts the "
@@ -115,10 +114,9 @@ class WorkerConfig:
         """The layout of this process in an initialised ``torch.distributed`` job.
 
         With model parallelism pass the data-parallel group (a ``ProcessGroup`` or 1-D
-        ``DeviceMesh``); ``None``: every rank of the default group is a replica. ``ValueError``
-        without a process group or outside the group, ``TypeError`` for a non-group::
-
-            config = WorkerConfig.from_process_group(num_workers=2, data_parallel_group=mesh["dp"])
+        ``DeviceMesh``, as in the class example); ``None``: every rank of the default group is a
+        replica. ``ValueError`` without a process group or outside the group, ``TypeError`` for a
+        non-group.
         """
         from .process_groups import data_parallel_layout
 
@@ -137,10 +135,7 @@ class WorkerConfig:
 
         if process_group_initialized():
             return cls.from_process_group(num_workers=num_workers, seed=seed)
-        layout = _torchrun_layout(os.environ)
-        if layout is None:
-            return cls(num_workers=num_workers, seed=seed)
-        rank, world_size = layout
+        rank, world_size = _torchrun_layout(os.environ) or (0, 1)
         return cls(rank=rank, world_size=world_size, num_workers=num_workers, seed=seed)
 
     def context(self, worker_id: int) -> WorkerContext:

@@ -23,6 +23,8 @@ import attrs
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from ..torch_internals import shut_down_workers_of
+
 PROG = "python -m energy_loader bench"
 DESCRIPTION = (
     "energy_loader against a plain torch DataLoader on this machine, on the reference "
@@ -177,9 +179,7 @@ def savable_loader(
 
 def shutdown_workers(loader: Any) -> None:
     """Stop the workers of a torch-style loader's live iterator, if it has one."""
-    iterator = getattr(loader, "_iterator", None)
-    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-        iterator._shutdown_workers()
+    shut_down_workers_of(getattr(loader, "_iterator", None))
 
 
 def batch_samples(batch: Any) -> float:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EnergyLoaderError, first_line
+from ..sources._download import storage_options_dict
 from ..sources._tar_index import INDEX_SUFFIX, build_index
 from ..sources.webdataset import _BRACES, _is_url, _list_shards, expand_urls
 from ..state.atomic import write_atomically
@@ -118,11 +119,7 @@ def index_shards(
     storage_options: dict[str, Any] | None = None,
 ) -> dict[str, int | None]:
     """Index every shard of ``location``; returns ``{shard: samples or None if kept}``."""
-    if storage_options is not None and not isinstance(storage_options, dict):
-        raise TypeError(
-            f"`storage_options` must be a dict of fsspec options (got {storage_options!r})"
-        )
-    options = dict(storage_options or {})
+    options = storage_options_dict(storage_options)
     urls = expand_urls(location) if _BRACES.search(location) else _list_shards(location, options)
     if not urls:
         raise FileNotFoundError(f"{location} holds no .tar shards")

@@ -17,6 +17,7 @@ from ..errors import EnergyLoaderError
 from ..loader import SavableDataLoader
 from ..loader.dropin.build import runs_dropin
 from ..process_groups import process_group_initialized
+from ..validation import require_bool
 
 try:  # the unified package, if the user has it; otherwise the standalone one
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -87,9 +88,7 @@ class SavableLoaderCallback(Callback):
         """``check_resume=False`` lets a resume go on when Lightning did not load the saved
         loader state (the data then restarts wherever the fresh loader starts)."""
         super().__init__()
-        if not isinstance(check_resume, bool):
-            raise TypeError(f"`check_resume` must be True or False (got {check_resume!r})")
-        self._check_resume = check_resume
+        self._check_resume = require_bool(check_resume, "check_resume")
         self._loaders: list[SavableDataLoader] = []
 
     def _attach(self, trainer: Trainer) -> None:
@@ -130,7 +129,8 @@ class SavableLoaderCallback(Callback):
         collective) and replaces this rank's entry in the fit loop's ``combined_loader`` state with
         them, in ``state_dict()``'s layout (``loader.state_dict_of_ranks``).
         """
-        loaders = self._stateful_train_loaders(trainer)
+        # The train loaders whose states Lightning saves, in its order (the _Stateful ones).
+        loaders = [loader for loader in _train_loaders(trainer) if is_stateful(loader)]
         fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
         saved = fit_state.get("combined_loader")
         if not isinstance(saved, list) or len(saved) != len(loaders):
@@ -142,11 +142,6 @@ class SavableLoaderCallback(Callback):
             states = save_state_global(loader, 0, held_back=held_back)
             if states is not None:
                 saved[index] = loader.state_dict_of_ranks(states)
-
-    @staticmethod
-    def _stateful_train_loaders(trainer: Trainer) -> list[Any]:
-        """The train loaders whose states Lightning saves, in its order (``_Stateful`` ones)."""
-        return [loader for loader in _train_loaders(trainer) if is_stateful(loader)]
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         for loader in self._loaders:

@@ -141,21 +141,6 @@ class _ResumedEpochProgress(TrainerCallback):  # type: ignore[misc]
         return control
 
 
-def _checkpoint_global_step(checkpoint: str) -> int:
-    path = os.path.join(checkpoint, TRAINER_STATE_NAME)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"{checkpoint} holds no {TRAINER_STATE_NAME}: not a Trainer checkpoint folder "
-            "(resume_from_checkpoint takes a checkpoint-<step> folder, or True for the last)"
-        )
-    return int(TrainerState.load_from_json(path).global_step)
-
-
-def _saved_world_size(state: Any) -> int:
-    """The world size a loader state was saved on (a pipeline's or a drop-in's state)."""
-    return int(state["world_size"] if isinstance(state, Mapping) else state.world_size)
-
-
 class SavableLoaderTrainer(Trainer):  # type: ignore[misc]
     """A ``transformers.Trainer`` that trains from a :class:`SavableDataLoader`.
 
@@ -218,10 +203,17 @@ class SavableLoaderTrainer(Trainer):  # type: ignore[misc]
 
     def _restore_loader(self, checkpoint: str) -> _Resume:
         """Restore the loader from the state files in the checkpoint folder; where it stands."""
-        global_step = _checkpoint_global_step(checkpoint)
+        path = os.path.join(checkpoint, TRAINER_STATE_NAME)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{checkpoint} holds no {TRAINER_STATE_NAME}: not a Trainer checkpoint folder "
+                "(resume_from_checkpoint takes a checkpoint-<step> folder, or True for the last)"
+            )
+        global_step = int(TrainerState.load_from_json(path).global_step)
         loader = self.train_loader
         states = read_rank_state_files(loader, checkpoint, STATE_PREFIX)
-        saved_world = _saved_world_size(states[0])
+        first = states[0]  # a pipeline's state (a mapping) or a drop-in's
+        saved_world = int(first["world_size"] if isinstance(first, Mapping) else first.world_size)
         try:
             length: int | None = len(loader)
         except TypeError:

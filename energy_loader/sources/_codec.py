@@ -93,9 +93,8 @@ def encode_sample(sample: Any) -> bytes:
     header = json.dumps({"tree": tree, "bufs": encoder.specs}, separators=(",", ":")).encode()
     start = _HEADER.size + len(header)
     parts: list[bytes | memoryview] = [_HEADER.pack(len(header)), header, b"\0" * _pad(start)]
-    for raw in encoder.buffers:
-        size = len(raw) if isinstance(raw, bytes) else raw.nbytes
-        parts.extend((raw, b"\0" * _pad(size)))
+    for raw, (_, _, _, _, nbytes) in zip(encoder.buffers, encoder.specs):
+        parts.extend((raw, b"\0" * _pad(nbytes)))
     return b"".join(parts)
 
 

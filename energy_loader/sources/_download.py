@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 from ..errors import DownloadError, SourceDataError
 from ..validation import require_int
@@ -31,19 +31,13 @@ _READ_SIZE = 1 << 20
 LOCKS = ".locks"
 
 
-def default_cache_dir(kind: str, location: str) -> Path:
-    """``~/.cache/energy_loader/<kind>/<hash of location>`` (``$XDG_CACHE_HOME`` if set): where
-    a source keeps the downloads of a remote ``location`` when given no cache directory."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    digest = hashlib.sha256(location.encode()).hexdigest()[:16]
-    return Path(root) / "energy_loader" / kind / digest
-
-
 def resolve_cache_dir(cache_dir: Any, kind: str, location: str) -> Path:
-    """The cache directory a source was given (``TypeError`` unless a local path), resolved,
-    or :func:`default_cache_dir` of ``kind`` and ``location`` for ``None``."""
+    """The cache directory a source was given (``TypeError`` unless a local path), resolved; for
+    ``None``, ``~/.cache/energy_loader/<kind>/<hash of location>`` (``$XDG_CACHE_HOME`` if set)."""
     if cache_dir is None:
-        return default_cache_dir(kind, location)
+        root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        digest = hashlib.sha256(location.encode()).hexdigest()[:16]
+        return Path(root) / "energy_loader" / kind / digest
     if not isinstance(cache_dir, (str, os.PathLike)) or "://" in os.fspath(cache_dir):
         raise TypeError(f"`cache_dir` must be a local directory path (got {cache_dir!r})")
     return Path(cache_dir).resolve()
@@ -90,35 +84,11 @@ def list_files(
     return paths
 
 
-class DownloadSettings(NamedTuple):
-    """The validated download settings of a source that reads shards through a cache."""
-
-    predownload: int
-    cache_limit: int | None
-    download_retries: int
-    download_timeout: float
-
-
-def download_settings(
-    predownload: Any, cache_limit: Any, download_retries: Any, download_timeout: Any
-) -> DownloadSettings:
-    """Check a source's download arguments (raising with the fix) and return them: ``predownload``
-    >= 0, ``cache_limit`` None or > 0 bytes, ``download_retries`` >= 0, ``download_timeout`` > 0 s.
-    """
-    predownload = require_int(predownload, "predownload", minimum=0)
-    if cache_limit is not None:
-        cache_limit = require_int(cache_limit, "cache_limit", minimum=1)
-    download_retries = require_int(download_retries, "download_retries", minimum=0)
-    if (
-        isinstance(download_timeout, bool)
-        or not isinstance(download_timeout, (int, float))
-        or not download_timeout > 0
-        or math.isinf(download_timeout)
-    ):
-        raise ValueError(
-            f"`download_timeout` must be a positive number of seconds (got {download_timeout!r})"
-        )
-    return DownloadSettings(predownload, cache_limit, download_retries, float(download_timeout))
+def positive_seconds(value: Any, name: str) -> float:
+    """``value`` as a float, or ``ValueError`` unless it is a finite number of seconds above 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"`{name}` must be a positive number of seconds (got {value!r})")
+    return float(value)
 
 
 @contextlib.contextmanager
@@ -197,31 +167,6 @@ def parse_json(data: bytes | str, where: str) -> Any:
         raise SourceDataError(f"{where} is not valid JSON: {error}") from None
 
 
-def fetch_bytes(remote: Remote, name: str, *, retries: int, timeout: float) -> bytes:
-    """A small remote file (the index) in memory, with retries and a per-attempt timeout."""
-    last: BaseException | None = None
-    for attempt in range(retries + 1):
-        try:
-            deadline = time.monotonic() + timeout
-            out = bytearray()
-            with remote.open(name) as source:
-                while chunk := source.read(_READ_SIZE):
-                    out += chunk
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"reading took more than {timeout} s")
-            return bytes(out)
-        except FileNotFoundError:
-            raise
-        except (OSError, TimeoutError) as error:
-            last = error
-            if attempt < retries:
-                time.sleep(min(0.05 * 2**attempt, 1.0))
-    raise DownloadError(
-        f"cannot read {remote.where(name)} after {retries + 1} attempts: "
-        f"{type(last).__name__}: {last}"
-    ) from last
-
-
 class Downloads:
     """The download side of a source whose files come from a :class:`Remote` through a
     :class:`ShardCache`: its validated settings, small fetches, and the cache, made on first use
@@ -237,15 +182,39 @@ class Downloads:
     def _set_downloads(
         self, predownload: Any, cache_limit: Any, download_retries: Any, download_timeout: Any
     ) -> None:
-        self.predownload, self.cache_limit, self.download_retries, self.download_timeout = (
-            download_settings(predownload, cache_limit, download_retries, download_timeout)
-        )
+        """Validate and keep ``predownload`` (>= 0), ``cache_limit`` (None or > 0 bytes),
+        ``download_retries`` (>= 0) and ``download_timeout`` (> 0 s)."""
+        self.predownload = require_int(predownload, "predownload", minimum=0)
+        if cache_limit is not None:
+            cache_limit = require_int(cache_limit, "cache_limit", minimum=1)
+        self.cache_limit = cache_limit
+        self.download_retries = require_int(download_retries, "download_retries", minimum=0)
+        self.download_timeout = positive_seconds(download_timeout, "download_timeout")
 
     def fetch(self, remote: Remote, name: str) -> bytes:
-        """A small remote file (an index) in memory, with the source's retries and timeout."""
-        return fetch_bytes(
-            remote, name, retries=self.download_retries, timeout=self.download_timeout
-        )
+        """A small remote file (an index) in memory, with retries and a per-attempt timeout."""
+        retries, timeout = self.download_retries, self.download_timeout
+        last: BaseException | None = None
+        for attempt in range(retries + 1):
+            try:
+                deadline = time.monotonic() + timeout
+                out = bytearray()
+                with remote.open(name) as source:
+                    while chunk := source.read(_READ_SIZE):
+                        out += chunk
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(f"reading took more than {timeout} s")
+                return bytes(out)
+            except FileNotFoundError:
+                raise
+            except (OSError, TimeoutError) as error:
+                last = error
+                if attempt < retries:
+                    time.sleep(min(0.05 * 2**attempt, 1.0))
+        raise DownloadError(
+            f"cannot read {remote.where(name)} after {retries + 1} attempts: "
+            f"{type(last).__name__}: {last}"
+        ) from last
 
     def _shard_cache(
         self, remote: Remote, local: Path, shards: tuple[ShardInfo, ...], **options: Any
@@ -267,9 +236,7 @@ class Downloads:
         return self._cache
 
     def __getstate__(self) -> dict[str, Any]:
-        state = cast(dict[str, Any], super().__getstate__())
-        state.update(_cache=None, _cache_pid=-1)
-        return state
+        return {**cast(dict[str, Any], super().__getstate__()), "_cache": None, "_cache_pid": -1}
 
 
 class ShardCache:

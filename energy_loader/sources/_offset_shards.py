@@ -6,7 +6,6 @@ parsing and decoding. Order and resume are ShardedSource's, downloads its cache'
 
 from __future__ import annotations
 
-import inspect
 import os
 from abc import abstractmethod
 from pathlib import Path
@@ -89,17 +88,21 @@ class OffsetShardSource(ShardRowSource):
         self,
         dir_or_url: str | os.PathLike[str],
         *,
-        shuffle: bool,
-        seed: int,
-        num_canonical_partitions: int | None,
-        cache_dir: str | os.PathLike[str] | None,
-        storage_options: dict[str, Any] | None,
-        predownload: int,
-        cache_limit: int | None,
-        download_retries: int,
-        download_timeout: float,
+        shuffle: bool = False,
+        seed: int = 0,
+        num_canonical_partitions: int | None = None,
+        allow_unsafe_types: bool = False,
+        cache_dir: str | os.PathLike[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        predownload: int = DEFAULT_PREDOWNLOAD,
+        cache_limit: int | None = None,
+        download_retries: int = 2,
+        download_timeout: float = 60.0,
     ) -> None:
+        if not isinstance(allow_unsafe_types, bool):
+            raise TypeError(f"`allow_unsafe_types` must be a bool (got {allow_unsafe_types!r})")
         super().__init__()
+        self.allow_unsafe_types = allow_unsafe_types
         if not isinstance(dir_or_url, (str, os.PathLike)):
             raise TypeError(
                 f"`dir_or_url` must be a directory or an fsspec URL holding {self.format_name} "
@@ -204,12 +207,3 @@ class OffsetShardSource(ShardRowSource):
 
     def _key_scope(self) -> str:
         return self.location
-
-    def _config_fields(self) -> dict[str, Any]:
-        return self._shard_config_fields()
-
-
-def passed_on(arguments: dict[str, Any]) -> dict[str, Any]:
-    """The arguments of :class:`OffsetShardSource` among a subclass's ``locals()``."""
-    names = list(inspect.signature(OffsetShardSource.__init__).parameters)[1:]
-    return {name: arguments[name] for name in names}

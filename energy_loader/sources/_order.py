@@ -82,9 +82,7 @@ class EpochOrder:
 
     def row(self, unit: int, offset: int) -> int:
         """The row of ``unit`` that comes at ``offset`` of its per-epoch order."""
-        if not self.shuffle:
-            return offset
-        return self._permutation(unit)[offset]
+        return self._permutation(unit)[offset] if self.shuffle else offset
 
     def _permutation(self, unit: int) -> FeistelPermutation:
         permutation = self._rows.get(unit)

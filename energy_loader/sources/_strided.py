@@ -22,19 +22,6 @@ from ._order import EpochOrder
 from .shard_writer import ShardInfo
 
 
-def order_settings(
-    shuffle: Any, seed: Any, num_canonical_partitions: Any
-) -> tuple[bool, int, int | None]:
-    """Check a source's order arguments (raising with the fix) and return them."""
-    require_bool(shuffle, "shuffle")
-    seed = require_int(seed, "seed", minimum=0)
-    if num_canonical_partitions is not None:
-        num_canonical_partitions = require_int(
-            num_canonical_partitions, "num_canonical_partitions", minimum=1
-        )
-    return shuffle, seed, num_canonical_partitions
-
-
 class StridedSource(SavableDataset):
     """A source of ``total`` samples per epoch whose global order is cut into
     ``num_canonical_partitions`` spans and read with a stride (see the module documentation)."""
@@ -44,11 +31,13 @@ class StridedSource(SavableDataset):
     num_canonical_partitions: int | None
     total: int
 
-    def _set_order(self, shuffle: Any, seed: Any, num_canonical_partitions: Any) -> None:
+    def _set_order(self, shuffle: Any, seed: Any, partitions: Any) -> None:
         """Validate and keep ``shuffle``, ``seed`` and ``num_canonical_partitions``."""
-        self.shuffle, self.seed, self.num_canonical_partitions = order_settings(
-            shuffle, seed, num_canonical_partitions
-        )
+        self.shuffle = require_bool(shuffle, "shuffle")
+        self.seed = require_int(seed, "seed", minimum=0)
+        if partitions is not None:
+            partitions = require_int(partitions, "num_canonical_partitions", minimum=1)
+        self.num_canonical_partitions = partitions
 
     def partitions(self) -> int:
         """P: ``num_canonical_partitions``, or this run's number of readers."""
@@ -58,6 +47,12 @@ class StridedSource(SavableDataset):
         """Samples per epoch of this copy's reader."""
         context = self.context
         return len(range(context.shard_index, self.total, context.num_shards))
+
+    def _order_of(self, sizes: Sequence[int], epoch: int, partitions: int | None) -> EpochOrder:
+        """``epoch``'s order of units of ``sizes`` samples, shuffled per epoch from (seed, this
+        source's stream, epoch), in ``partitions`` spans (``None``: :meth:`partitions`)."""
+        seed = stable_hash(self.seed, self.stream_salt(), epoch)
+        return EpochOrder(sizes, seed, self.shuffle, partitions or self.partitions())
 
 
 class StridedCursor(EpochCursor):
@@ -79,9 +74,7 @@ class StridedCursor(EpochCursor):
     def load_fields(self, reader: StateReader) -> None:
         self.position = reader.int("position")
         context = self.dataset.context
-        if self.phase == "running" and self.position % context.num_shards != (
-            context.shard_index % context.num_shards
-        ):
+        if self.phase == "running" and self.position % context.num_shards != context.shard_index:
             raise StateFormatError(
                 f"{reader.path}.position {self.position} does not belong to {self.reader_name} "
                 f"{context.shard_index} of {context.num_shards}"
@@ -300,9 +293,7 @@ class ShardRowSource(Downloads, StridedSource):
         return ShardRowCursor(self)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_restore"] = RestoreShard()
-        return state
+        return {**super().__getstate__(), "_restore": RestoreShard()}
 
     @abstractmethod
     def open_shard(self, shard: int) -> Any:
@@ -321,12 +312,7 @@ class ShardRowSource(Downloads, StridedSource):
         """The global order of ``epoch``: the shards' rows, shuffled per epoch from (seed,
         this source's stream, epoch), in the partitions' spans
         (:mod:`energy_loader.sources._order`)."""
-        return EpochOrder(
-            [info.samples for info in self.shards],
-            stable_hash(self.seed, self.stream_salt(), epoch),
-            self.shuffle,
-            partitions or self.partitions(),
-        )
+        return self._order_of([info.samples for info in self.shards], epoch, partitions)
 
     def global_order(self, epoch: int, partitions: int | None = None) -> list[tuple[int, int]]:
         """The epoch's global order as ``(shard, row)`` keys (for tests and audits: O(N))."""
@@ -358,7 +344,7 @@ class ShardRowSource(Downloads, StridedSource):
     def can_restore_sample(self) -> bool:
         return True
 
-    def _shard_config_fields(self) -> dict[str, Any]:
+    def _config_fields(self) -> dict[str, Any]:
         """The config fields every shard source has: its shards, order and content."""
         return {
             "shards": len(self.shards),

@@ -20,14 +20,6 @@ _READ_SIZE = 1 << 20
 _NAME = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
 
 
-def split_member_name(name: str) -> tuple[str, str] | None:
-    """``(key, extension)`` of a tar member name, or ``None`` for names without extension."""
-    match = _NAME.match(name)
-    if match is None:
-        return None
-    return match.group(1), match.group(2)
-
-
 class _CountingReader:
     """A read-only file wrapper that hashes and counts what passes through it and remembers
     where the last non-zero byte was (to tell end-of-archive padding from damage)."""
@@ -48,10 +40,6 @@ class _CountingReader:
             self.size += len(data)
         return data
 
-    def drain(self) -> None:
-        while self.read(_READ_SIZE):
-            pass
-
 
 def build_index(file: BinaryIO, name: str, where: str) -> dict[str, Any]:
     """Scan one tar shard (a binary file object, read sequentially) into its index; ``name`` is
@@ -66,15 +54,16 @@ def build_index(file: BinaryIO, name: str, where: str) -> dict[str, Any]:
                 end = info.offset_data + -(-info.size // _BLOCK) * _BLOCK
                 if not info.isfile():
                     continue
-                parts = split_member_name(info.name)
-                if parts is None:
+                named = _NAME.match(info.name)  # (key, extension)
+                if named is None:
                     continue  # like WebDataset: files without an extension belong to no sample
-                key, extension = parts
+                key, extension = named.groups()
                 if not keys or keys[-1] != key:
                     keys.append(key)
                     members.append([])
                 members[-1] += [extension, info.offset, info.offset_data, info.size]
-        reader.drain()
+        while reader.read(_READ_SIZE):  # the rest: end-of-archive padding, or damage
+            pass
     except (tarfile.TarError, EOFError) as error:
         raise SourceDataError(
             f"{where} is not a readable tar file ({error}) after {len(keys)} samples (last "
@@ -116,18 +105,6 @@ class TarIndex:
         members = self.members[row]
         return members[1], members[-2] + members[-1]
 
-    def to_plain(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "shard": self.shard,
-            "bytes": self.bytes,
-            "sha256": self.sha256,
-            "samples": self.samples,
-            "keys": self.keys,
-            "members": self.members,
-        }
-
 
 def parse_index(data: bytes, where: str) -> TarIndex:
     """Parse and validate an index file's bytes (errors name ``where``)."""
@@ -158,21 +135,22 @@ def parse_index(data: bytes, where: str) -> TarIndex:
     return TarIndex(index)
 
 
-def check_header(block: bytes, expected: str, where: str, row: int, key: str) -> None:
-    """Raise :class:`SourceDataError` unless ``block`` is the tar header of member ``expected``."""
+def check_header(block: bytes, expected: str, where: str) -> None:
+    """Raise :class:`SourceDataError` (naming ``where``, the sample) unless ``block`` is the tar
+    header of member ``expected``."""
     try:
         info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
     except tarfile.HeaderError as error:
         raise SourceDataError(
-            f"{where}, sample {row} (key {key!r}): no valid tar header where the index has "
-            f"member {expected!r} ({error}); the shard changed since it was indexed: rebuild "
-            "the index with python -m energy_loader index"
+            f"{where}: no valid tar header where the index has member {expected!r} ({error}); "
+            "the shard changed since it was indexed: rebuild the index with python -m "
+            "energy_loader index"
         ) from None
     if info.type in (tarfile.GNUTYPE_LONGNAME, tarfile.XHDTYPE, tarfile.XGLTYPE):
         return  # the real name is in the extended header; the checksum matched
     if info.name != expected:
         raise SourceDataError(
-            f"{where}, sample {row} (key {key!r}): member {expected!r} is missing (the tar "
-            f"holds {info.name!r} there); the shard changed since it was indexed: rebuild "
-            "the index with python -m energy_loader index"
+            f"{where}: member {expected!r} is missing (the tar holds {info.name!r} there); the "
+            "shard changed since it was indexed: rebuild the index with python -m energy_loader "
+            "index"
         )

@@ -5,7 +5,9 @@ docs/sources/chunked.md.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import json
 import os
 import weakref
@@ -399,9 +401,7 @@ class ChunkedFolderSource(SavableDataset):
         return self.layout().count
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_restore_chunk"] = None
-        return state
+        return {**super().__getstate__(), "_restore_chunk": None}
 
 
 # -- writing ------------------------------------------------------------------------------------
@@ -431,43 +431,33 @@ def write_chunked_folder(
             "empty folder"
         )
     entries: list[dict[str, Any]] = []
-    group: list[Any] = []
-
-    def flush() -> None:
+    iterator = iter(samples)
+    for group in iter(lambda: list(itertools.islice(iterator, samples_per_file)), []):
         name = f"chunk-{len(entries):05d}.{file_format}"
-        write_atomically(folder / name, lambda f: _write_chunk(f, group, file_format, name))
+        write_atomically(folder / name, functools.partial(_write_chunk, group, file_format, name))
         entries.append({"path": name, "samples": len(group)})
-        group.clear()
-
-    for sample in samples:
-        group.append(sample)
-        if len(group) == samples_per_file:
-            flush()
-    if group:
-        flush()
     metadata = {
         "format": FORMAT,
         "version": VERSION,
         "total_samples": sum(e["samples"] for e in entries),
         "files": entries,
     }
-    text = json.dumps(metadata, indent=1).encode()
-    write_atomically(folder / METADATA, text)
+    write_atomically(folder / METADATA, json.dumps(metadata, indent=1).encode())
     return metadata
 
 
-def _write_chunk(file: Any, group: list[Any], file_format: str, name: str) -> None:
+def _write_chunk(group: list[Any], file_format: str, name: str, file: Any) -> None:
     if file_format == "npy":
-        np.save(
-            file,
-            _stack_numpy([_as_numpy(s, f"{name}: sample {i}") for i, s in enumerate(group)], name),
-            allow_pickle=False,
-        )
+        arrays = [_as_numpy(s, f"{name}: sample {i}") for i, s in enumerate(group)]
+        if any(a.shape != arrays[0].shape or a.dtype != arrays[0].dtype for a in arrays):
+            raise TypeError(
+                f"{name}: file_format='npy' needs arrays of one shape and dtype; use "
+                "file_format='pt' for ragged arrays"
+            )
+        np.save(file, np.stack(arrays), allow_pickle=False)
         return
-    if file_format == "pt":
-        group = [_numpy_to_torch(s, f"{name}: sample {i}") for i, s in enumerate(group)]
-    columns = _columns(group, name, tensors=file_format == "pt")
     if file_format == "npz":
+        columns = _columns(group, name, tensors=False)
         if columns is None:
             raise TypeError(
                 f"{name}: file_format='npz' needs dict samples with the same keys, whose values "
@@ -476,12 +466,9 @@ def _write_chunk(file: Any, group: list[Any], file_format: str, name: str) -> No
             )
         np.savez(file, **columns)
         return
-    if columns is not None:
-        torch.save(columns, file)
-        return
-    for index, sample in enumerate(group):
-        _check_weights_only(sample, f"{name}: sample {index}")
-    torch.save(list(group), file)
+    group = [_for_torch_load(s, f"{name}: sample {i}") for i, s in enumerate(group)]
+    columns = _columns(group, name, tensors=True)
+    torch.save(group if columns is None else columns, file)
 
 
 def _columns(group: list[Any], name: str, *, tensors: bool) -> dict[str, Any] | None:
@@ -494,17 +481,13 @@ def _columns(group: list[Any], name: str, *, tensors: bool) -> dict[str, Any] | 
     out: dict[str, Any] = {}
     for key in keys:
         values = [s[key] for s in group]
-        if tensors:
-            if not all(isinstance(v, torch.Tensor) for v in values):
-                return None
-            if any(v.shape != values[0].shape or v.dtype != values[0].dtype for v in values):
-                return None
-            out[key] = torch.stack(values)
-        else:
-            arrays = [_as_numpy(v, f"{name}: [{key!r}]") for v in values]
-            if any(a.shape != arrays[0].shape or a.dtype != arrays[0].dtype for a in arrays):
-                return None
-            out[key] = np.stack(arrays)
+        if not tensors:
+            values = [_as_numpy(v, f"{name}: [{key!r}]") for v in values]
+        elif not all(isinstance(v, torch.Tensor) for v in values):
+            return None
+        if any(v.shape != values[0].shape or v.dtype != values[0].dtype for v in values):
+            return None
+        out[key] = torch.stack(values) if tensors else np.stack(values)
     return out
 
 
@@ -525,43 +508,15 @@ def _as_numpy(value: Any, what: str) -> np.ndarray:
     )
 
 
-def _stack_numpy(arrays: list[np.ndarray], name: str) -> np.ndarray:
-    if any(a.shape != arrays[0].shape or a.dtype != arrays[0].dtype for a in arrays):
-        raise TypeError(
-            f"{name}: file_format='npy' needs arrays of one shape and dtype; use "
-            "file_format='pt' for ragged arrays"
-        )
-    return np.stack(arrays)
-
-
-def _check_weights_only(value: Any, what: str) -> None:
-    """Refuse what ``torch.load(weights_only=True)`` would not read back."""
-    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
-        return
-    if isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            _check_weights_only(item, f"{what}[{index}]")
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            _check_weights_only(item, f"{what}[{key!r}]")
-        return
-    raise TypeError(
-        f"{what} is a {type(value).__name__}; .pt chunks are read with "
-        "torch.load(weights_only=True), which takes tensors (numpy arrays are converted to "
-        "them), numbers, strings, None and lists, tuples and dicts of them: convert it to "
-        "one of those before writing"
-    )
-
-
-def _numpy_to_torch(value: Any, what: str) -> Any:
-    """``value`` with numpy arrays and scalars as tensors of the same dtype and named tuples as
-    tuples (``torch.load(weights_only=True)`` refuses them), containers rebuilt."""
+def _for_torch_load(value: Any, what: str) -> Any:
+    """``value`` as ``torch.load(weights_only=True)`` reads it back: numpy arrays and scalars as
+    tensors of the same dtype, named tuples as tuples, containers rebuilt; ``TypeError`` for
+    what it would refuse."""
     if isinstance(value, (np.ndarray, np.generic)):
         if isinstance(value, np.str_):
             return str(value)
         if isinstance(value, np.bytes_):
-            return bytes(value)
+            return _for_torch_load(bytes(value), what)  # refused, as bytes are
         if value.dtype.kind not in "biufc":
             raise TypeError(
                 f"{what} is a numpy {type(value).__name__} of dtype {value.dtype}; .pt chunks "
@@ -569,9 +524,16 @@ def _numpy_to_torch(value: Any, what: str) -> Any:
                 "before writing"
             )
         return torch.from_numpy(np.array(value, copy=True))
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return value
     if isinstance(value, dict):
-        return {k: _numpy_to_torch(v, f"{what}[{k!r}]") for k, v in value.items()}
+        return {k: _for_torch_load(v, f"{what}[{k!r}]") for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        items = [_numpy_to_torch(v, f"{what}[{i}]") for i, v in enumerate(value)]
+        items = [_for_torch_load(v, f"{what}[{i}]") for i, v in enumerate(value)]
         return items if isinstance(value, list) else tuple(items)
-    return value
+    raise TypeError(
+        f"{what} is a {type(value).__name__}; .pt chunks are read with "
+        "torch.load(weights_only=True), which takes tensors (numpy arrays are converted to "
+        "them), numbers, strings, None and lists, tuples and dicts of them: convert it to "
+        "one of those before writing"
+    )

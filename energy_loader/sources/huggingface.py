@@ -77,9 +77,7 @@ class _HuggingFaceCursor(EpochCursor):
             self._live = None
 
     def _state(self) -> dict[str, Any] | None:
-        if self._live is None:
-            return self.hf_state
-        return to_plain_state(self._live.state_dict())
+        return self.hf_state if self._live is None else to_plain_state(self._live.state_dict())
 
     def fields(self) -> dict[str, Any]:
         return {"count": self.count, "hf": self._state()}

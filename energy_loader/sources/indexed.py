@@ -187,10 +187,7 @@ class IndexedSource(SavableDataset):
     def __len__(self) -> int:
         """Samples per epoch of this copy's shard (the whole data for worker 0 of 1)."""
         context = self.context
-        start = context.shard_index
-        if start >= self.length:
-            return 0
-        return (self.length - start + context.num_shards - 1) // context.num_shards
+        return len(range(context.shard_index, self.length, context.num_shards))
 
 
 def _draws_nothing(data: Any) -> bool:

@@ -107,9 +107,8 @@ class _IterableCursor(EpochCursor):
             user = loaded_copy(user, self.user_state)
             if in_worker:
                 source.enter_worker(user)
-            iterator = iter(user)
-        else:
-            iterator = iter(user)
+        iterator = iter(user)
+        if self.user_state is None:  # no state of its own: skip the items already consumed
             for _ in itertools.islice(iterator, self.consumed):
                 pass
         self._live = user

@@ -6,7 +6,6 @@ refusals: docs/sources/litdata.md.
 
 from __future__ import annotations
 
-import os
 import pickle
 import struct
 from collections.abc import Callable, Iterator
@@ -17,7 +16,7 @@ import torch
 
 from ..errors import SourceDataError
 from ._download import parse_json
-from ._offset_shards import DEFAULT_PREDOWNLOAD, OffsetShardSource, passed_on
+from ._offset_shards import OffsetShardSource
 from .mds import raw_pil_image
 from .shard_writer import ShardInfo
 
@@ -25,47 +24,15 @@ __all__ = ["LitDataSource"]
 
 # litdata's dtype tables (litdata.constants), by the index its data formats name.
 _TORCH_DTYPES = (
-    torch.float32,
-    torch.float,
-    torch.float64,
-    torch.double,
-    torch.complex64,
-    torch.cfloat,
-    torch.complex128,
-    torch.cdouble,
-    torch.float16,
-    torch.half,
-    torch.bfloat16,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.short,
-    torch.int32,
-    torch.int,
-    torch.int64,
-    torch.long,
-    torch.bool,
-    torch.uint16,
-)
-_NUMPY_DTYPES = tuple(
-    np.dtype(kind)
-    for kind in (
-        np.int8,
-        np.int16,
-        np.int32,
-        np.int64,
-        np.uint8,
-        np.uint16,
-        np.uint32,
-        np.uint64,
-        np.float16,
-        np.float32,
-        np.float64,
-        np.complex64,
-        np.complex128,
-        bool,
-    )
-)
+    torch.float32, torch.float, torch.float64, torch.double, torch.complex64, torch.cfloat,
+    torch.complex128, torch.cdouble, torch.float16, torch.half, torch.bfloat16, torch.uint8,
+    torch.int8, torch.int16, torch.short, torch.int32, torch.int, torch.int64, torch.long,
+    torch.bool, torch.uint16,
+)  # fmt: skip
+_NUMPY_DTYPES = tuple(np.dtype(kind) for kind in (
+    np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+    np.float16, np.float32, np.float64, np.complex64, np.complex128, bool,
+))  # fmt: skip
 _UNREAD = {
     "jpeg": "litdata decodes JPEG leaves with torchvision",
     "jpeg_array": "litdata decodes JPEG leaves with torchvision",
@@ -115,10 +82,6 @@ def _flat_numpy(dtype: np.dtype) -> Decoder:
     return decode
 
 
-def _unsafe_pickle(data: bytes) -> Any:
-    return pickle.loads(data)  # only with allow_unsafe_types=True
-
-
 _INT = struct.Struct("<q")
 _FLOAT = struct.Struct("<d")
 _DECODERS: dict[str, Decoder] = {
@@ -149,7 +112,7 @@ def _decoder(data_format: str, allow_unsafe_types: bool, where: str) -> Decoder:
                 f"{where}: a leaf is pickled, and unpickling runs code from the data; pass "
                 "allow_unsafe_types=True if you trust this dataset"
             )
-        return _unsafe_pickle
+        return pickle.loads
     decoder = _DECODERS.get(name)
     if decoder is None:
         reason = _UNREAD.get(name, "LitDataSource does not decode it")
@@ -190,33 +153,13 @@ class LitDataSource(OffsetShardSource):
     """
 
     format_name = "litdata"
-
-    def __init__(
-        self,
-        dir_or_url: str | os.PathLike[str],
-        *,
-        shuffle: bool = False,
-        seed: int = 0,
-        num_canonical_partitions: int | None = None,
-        allow_unsafe_types: bool = False,
-        cache_dir: str | os.PathLike[str] | None = None,
-        storage_options: dict[str, Any] | None = None,
-        predownload: int = DEFAULT_PREDOWNLOAD,
-        cache_limit: int | None = None,
-        download_retries: int = 2,
-        download_timeout: float = 60.0,
-    ) -> None:
-        if not isinstance(allow_unsafe_types, bool):
-            raise TypeError(f"`allow_unsafe_types` must be a bool (got {allow_unsafe_types!r})")
-        self.allow_unsafe_types = allow_unsafe_types
-        self._formats: list[str] = []
-        self._spec_text = ""
-        # Made from the two above in each process (functions are not sent to workers).
-        # (the leaves' decoders, the item header's layout)
-        self._decoding: tuple[list[Decoder], struct.Struct] | None = None
-        self._spec: Any = None
-        self._rebuild: Callable[[Iterator[Any]], Any] | None = None
-        super().__init__(**passed_on(locals()))
+    _formats: tuple[str, ...] = ()
+    _spec_text = ""
+    # Made from the two above in each process (functions are not sent to workers).
+    # (the leaves' decoders, the item header's layout)
+    _decoding: tuple[list[Decoder], struct.Struct] | None = None
+    _spec: Any = None
+    _rebuild: Callable[[Iterator[Any]], Any] | None = None
 
     def parse_index(self, data: bytes, where: str) -> tuple[str | None, tuple[ShardInfo, ...]]:
         from torch.utils._pytree import treespec_loads
@@ -246,7 +189,7 @@ class LitDataSource(OffsetShardSource):
             raise SourceDataError(f"{where}: config.data_format is {formats!r}")
         for data_format in formats:
             _decoder(data_format, self.allow_unsafe_types, where)
-        self._formats = formats
+        self._formats = tuple(formats)
         try:
             self._spec_text = str(config["data_spec"])
             spec = treespec_loads(self._spec_text)
@@ -262,16 +205,9 @@ class LitDataSource(OffsetShardSource):
         shards = []
         for number, chunk in enumerate(chunks):
             try:
-                name = chunk["filename"]
-                info = ShardInfo(
-                    name,
-                    int(chunk["chunk_size"]),
-                    int(chunk["chunk_bytes"]),
-                    "",
-                    name,
-                    int(chunk["chunk_bytes"]),
-                    "",
-                )
+                name, samples = chunk["filename"], int(chunk["chunk_size"])
+                size = int(chunk["chunk_bytes"])
+                info = ShardInfo(name, samples, size, "", name, size, "")
             except (KeyError, TypeError, ValueError) as error:
                 raise SourceDataError(
                     f"{where}: chunks[{number}] is not a litdata chunk entry "
@@ -320,6 +256,4 @@ class LitDataSource(OffsetShardSource):
         return {**super()._config_fields(), "allow_unsafe_types": self.allow_unsafe_types}
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state.update(_decoding=None, _spec=None, _rebuild=None)
-        return state
+        return {**super().__getstate__(), "_decoding": None, "_spec": None, "_rebuild": None}

@@ -14,43 +14,23 @@ import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 
 from ..errors import SourceDataError
 from ._download import parse_json
-from ._offset_shards import DEFAULT_PREDOWNLOAD, OffsetShardSource, passed_on
+from ._offset_shards import DEFAULT_PREDOWNLOAD, OffsetShardSource
 from .shard_writer import ShardInfo
 
 __all__ = ["MDSSource", "raw_pil_image"]
 
 _COMPRESSIONS = {"zstd": "zstd", "gz": "gzip", "bz2": "bz2"}
-_SCALARS = (
-    "uint8",
-    "uint16",
-    "uint32",
-    "uint64",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "float16",
-    "float32",
-    "float64",
-)
 # ndarray's dynamic dtype byte -> dtype, and shape-size codes (Mosaic's NDArray encoding).
 _NDARRAY_DTYPES = {
-    8: "uint8",
-    9: "int8",
-    16: "uint16",
-    17: "int16",
-    18: "float16",
-    32: "uint32",
-    33: "int32",
-    34: "float32",
-    64: "uint64",
-    65: "int64",
-    66: "float64",
-}
+    8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 18: "float16", 32: "uint32", 33: "int32",
+    34: "float32", 64: "uint64", 65: "int64", 66: "float64",
+}  # fmt: skip
+_SCALARS = tuple(_NDARRAY_DTYPES.values())  # the scalar encodings: the same dtypes
 _SHAPE_DTYPES = ("uint8", "uint16", "uint32", "uint64")
 
 Decoder = Callable[[bytes], Any]
@@ -138,10 +118,6 @@ def _scalar(dtype: str) -> Decoder:
     return decode
 
 
-def _unsafe_pickle(data: bytes) -> Any:
-    return pickle.loads(data)  # only with allow_unsafe_types=True
-
-
 _DECODERS: dict[str, Decoder] = {
     "bytes": bytes,
     "str": lambda data: data.decode("utf-8"),
@@ -171,7 +147,7 @@ def _decoder(encoding: str, allow_unsafe_types: bool, where: str) -> tuple[Decod
                 f"{where}: a column is pickled ('pkl'), and unpickling runs code from the "
                 "data; pass allow_unsafe_types=True if you trust this dataset"
             )
-        return _unsafe_pickle, None
+        return pickle.loads, None
     name, _, config = encoding.partition(":")
     if name == "ndarray":
         try:
@@ -187,21 +163,15 @@ def _decoder(encoding: str, allow_unsafe_types: bool, where: str) -> tuple[Decod
     return decoder, _FIXED_SIZES.get(encoding)
 
 
+@attrs.frozen
 class _Layout:
     """The columns of one shard: names, decoders, fixed sizes, and which are kept."""
 
-    def __init__(
-        self,
-        names: list[str],
-        decoders: list[Decoder],
-        sizes: list[int | None],
-        keep: list[bool],
-    ) -> None:
-        self.names = names
-        self.decoders = decoders
-        self.sizes = sizes
-        self.keep = keep
-        self.variable = sum(1 for size in sizes if not size)
+    names: list[str]
+    decoders: list[Decoder]
+    sizes: list[int | None]
+    keep: list[bool]
+    variable: int  # how many columns have no fixed size
 
 
 class MDSSource(OffsetShardSource):
@@ -234,15 +204,24 @@ class MDSSource(OffsetShardSource):
             if isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
                 raise TypeError(f"`columns` must be a list of column names (got {columns!r})")
             columns = list(columns)
-        if not isinstance(allow_unsafe_types, bool):
-            raise TypeError(f"`allow_unsafe_types` must be a bool (got {allow_unsafe_types!r})")
         self.columns = columns
-        self.allow_unsafe_types = allow_unsafe_types
         # Each shard's (names, encodings, fixed sizes), and the decoders made of them (in each
         # process: decoders are functions, the rest plain data).
         self._columns_of: list[tuple[list[str], list[str], list[int | None]]] = []
         self._layouts: dict[int, _Layout] = {}
-        super().__init__(**passed_on(locals()))
+        super().__init__(
+            dir_or_url,
+            shuffle=shuffle,
+            seed=seed,
+            num_canonical_partitions=num_canonical_partitions,
+            allow_unsafe_types=allow_unsafe_types,
+            cache_dir=cache_dir,
+            storage_options=storage_options,
+            predownload=predownload,
+            cache_limit=cache_limit,
+            download_retries=download_retries,
+            download_timeout=download_timeout,
+        )
 
     def parse_index(self, data: bytes, where: str) -> tuple[str | None, tuple[ShardInfo, ...]]:
         index = parse_json(data, where)
@@ -330,7 +309,7 @@ class MDSSource(OffsetShardSource):
             where = self.where(shard)
             decoders = [_decoder(e, self.allow_unsafe_types, where)[0] for e in encodings]
             keep = [self.columns is None or name in self.columns for name in names]
-            layout = _Layout(names, decoders, sizes, keep)
+            layout = _Layout(names, decoders, sizes, keep, sum(1 for size in sizes if not size))
             self._layouts[shard] = layout
         return layout
 
@@ -361,6 +340,4 @@ class MDSSource(OffsetShardSource):
         return {**super()._config_fields(), "columns": self.columns}
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_layouts"] = {}
-        return state
+        return {**super().__getstate__(), "_layouts": {}}

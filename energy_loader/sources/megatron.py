@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +27,9 @@ __all__ = ["MegatronIndexedSource", "read_megatron_index"]
 
 HEADER = b"MMIDIDX\x00\x00"
 DTYPES = {
-    1: np.uint8,
-    2: np.int8,
-    3: np.int16,
-    4: np.int32,
-    5: np.int64,
-    6: np.float64,
-    7: np.float32,
+    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
     8: np.uint16,
-}
+}  # fmt: skip
 DEFAULT_PREDOWNLOAD = 1024
 DEFAULT_BLOCK_DOCUMENTS = 1024
 _FIXED = struct.Struct("<QBQQ")
@@ -85,13 +79,6 @@ def read_megatron_index(data: bytes | memoryview, where: str) -> MegatronIndex:
             f"that are not multiples of its dtype's size ({dtype})"
         )
     return MegatronIndex(dtype, lengths, pointers)
-
-
-def _split_prefix(path_prefix: str) -> str:
-    for suffix in (".bin", ".idx"):
-        if path_prefix.endswith(suffix):
-            return path_prefix[: -len(suffix)]
-    return path_prefix
 
 
 class _MegatronCursor(PrefetchingCursor):
@@ -149,7 +136,8 @@ class MegatronIndexedSource(Downloads, StridedSource):
         self._set_order(shuffle, seed, num_canonical_partitions)
         self.block_documents = require_int(block_documents, "block_documents", minimum=1)
         self._set_downloads(predownload, cache_limit, download_retries, download_timeout)
-        prefix = _split_prefix(os.fspath(path_prefix))
+        prefix = os.fspath(path_prefix)
+        prefix = prefix[:-4] if prefix.endswith((".bin", ".idx")) else prefix
         self.remote: Remote | None = None
         if "://" in prefix:
             base, name = prefix.rsplit("/", 1)
@@ -174,7 +162,7 @@ class MegatronIndexedSource(Downloads, StridedSource):
         self._bin_bytes = index.bin_bytes
         self._shard = self._bin_info()
         if self.remote is None:
-            self._check_bin_size(self.bin_where)
+            self._bin_size(lambda: os.path.getsize(self.bin_where))
         elif self.cache_limit is not None and self.cache_limit < self._shard.raw_bytes:
             raise ValueError(
                 f"`cache_limit` ({self.cache_limit} bytes) must hold {self.bin_where} "
@@ -206,12 +194,8 @@ class MegatronIndexedSource(Downloads, StridedSource):
             size = self._bin_bytes
         else:
             fs, root = self.remote.filesystem()
-            try:
-                size = int(fs.size(f"{root.rstrip('/')}/{self._name}.bin"))
-            except FileNotFoundError:
-                raise FileNotFoundError(f"{self.bin_where} does not exist") from None
-            if size < self._bin_bytes:
-                raise SourceDataError(self._truncated(size))
+            path = f"{root.rstrip('/')}/{self._name}.bin"
+            size = self._bin_size(lambda: int(fs.size(path)))
         name = self._name + ".bin"
         return ShardInfo(name, self.total, size, "", name, size, "")
 
@@ -219,28 +203,25 @@ class MegatronIndexedSource(Downloads, StridedSource):
         """The ``.idx`` and the ``.bin``: sampled where local, the remote ``.bin`` by size."""
         if self._data_files is None:
             if self.remote is None:
-                bin_name = self._name + ".bin"
-                self._data_files = DataFiles.local(
-                    Path(self.prefix).parent, [bin_name], self._idx_entry
-                )
+                folder = Path(self.prefix).parent
+                self._data_files = DataFiles.local(folder, [self._shard.name], self._idx_entry)
             else:
                 listed = [(self._shard.name, self._shard.bytes, "")]
                 self._data_files = DataFiles.listed(listed, self._idx_entry)
         return self._data_files
 
-    def _truncated(self, size: int) -> str:
-        return (
-            f"{self.bin_where} is truncated: {size} bytes, its index {self.idx_where} needs "
-            f"{self._bin_bytes} (the end of its last document)"
-        )
-
-    def _check_bin_size(self, path: str) -> None:
+    def _bin_size(self, size_of: Callable[[], int]) -> int:
+        """The ``.bin``'s size by ``size_of()``, checked to reach the end of its last document."""
         try:
-            size = os.path.getsize(path)
+            size = size_of()
         except FileNotFoundError:
             raise FileNotFoundError(f"{self.bin_where} does not exist") from None
         if size < self._bin_bytes:
-            raise SourceDataError(self._truncated(size))
+            raise SourceDataError(
+                f"{self.bin_where} is truncated: {size} bytes, its index {self.idx_where} needs "
+                f"{self._bin_bytes} (the end of its last document)"
+            )
+        return size
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -248,12 +229,7 @@ class MegatronIndexedSource(Downloads, StridedSource):
         """The global order of ``epoch`` over the blocks of documents."""
         block, total = self.block_documents, self.total
         sizes = [min(block, total - first) for first in range(0, total, block)]
-        return EpochOrder(
-            sizes,
-            stable_hash(self.seed, self.stream_salt(), epoch),
-            self.shuffle,
-            partitions or self.partitions(),
-        )
+        return self._order_of(sizes, epoch, partitions)
 
     def global_order(self, epoch: int, partitions: int | None = None) -> list[int]:
         """The epoch's documents in global order (for tests and audits: O(N))."""
@@ -279,7 +255,7 @@ class MegatronIndexedSource(Downloads, StridedSource):
                 path = self.bin_where
             else:
                 path = str(self.cache().local_path(0, self.bin_where))
-            self._check_bin_size(path)
+            self._bin_size(lambda: os.path.getsize(path))
             count = self._bin_bytes // self.dtype.itemsize
             if count:
                 # A plain ndarray over the map: slicing an np.memmap costs ~5 us more a document.
@@ -332,6 +308,4 @@ class MegatronIndexedSource(Downloads, StridedSource):
         }
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state.update(_tokens=None, _tokens_pid=-1)
-        return state
+        return {**super().__getstate__(), "_tokens": None, "_tokens_pid": -1}

@@ -47,15 +47,6 @@ def _take(table: Any, rows: np.ndarray) -> list[dict[str, Any]]:
     return table.take(indices).to_pylist()  # type: ignore[no-any-return]
 
 
-def _release_unused_arrow_memory() -> None:
-    """Hand the pages of evicted row groups back to the OS before the next is decoded: Arrow's
-    allocator keeps them, ~8 MiB more peak RSS a worker with 4,096-document row groups (llm
-    bench). Once per window, every few thousand rows: cheap at that rate."""
-    import pyarrow
-
-    pyarrow.default_memory_pool().release_unused()
-
-
 class _Window:
     """The decoded row groups of one window, rows numbered across them: one table for one schema;
     with differing schemas each keeps its own and rows are read one by one, keeping their file's
@@ -201,11 +192,9 @@ class ParquetSource(StridedSource):
 
         self._set_order(shuffle, seed, num_canonical_partitions)
         self.shuffle_window = require_int(shuffle_window, "shuffle_window", minimum=1)
-        self.max_cached_row_groups = (
-            None
-            if max_cached_row_groups is None
-            else require_int(max_cached_row_groups, "max_cached_row_groups", minimum=1)
-        )
+        if max_cached_row_groups is not None:
+            require_int(max_cached_row_groups, "max_cached_row_groups", minimum=1)
+        self.max_cached_row_groups = max_cached_row_groups
         self.read_retries = require_int(read_retries, "read_retries", minimum=0)
         self.storage_options = storage_options_dict(storage_options)
         if columns is not None:
@@ -219,7 +208,7 @@ class ParquetSource(StridedSource):
         groups: list[tuple[int, int]] = []
         rows: list[int] = []
         for number in range(len(self.paths)):
-            metadata = self._metadata(number)
+            metadata = self._file(number).metadata
             for group in range(metadata.num_row_groups):
                 count = metadata.row_group(group).num_rows
                 if count:
@@ -231,7 +220,9 @@ class ParquetSource(StridedSource):
         self.group_files = np.array([file for file, _ in groups], dtype=np.int64)
         self.group_numbers = np.array([number for _, number in groups], dtype=np.int64)
         self.total = sum(rows)
-        self._close_files()
+        for handle in self._files.values():  # each process opens its own
+            handle.close()
+        self._files = {}
         # Decoded windows (or single row groups), keyed by the row groups they hold.
         self._cache: collections.OrderedDict[tuple[int, ...], _Window] = collections.OrderedDict()
         self._cache_bound = self.max_cached_row_groups or self.shuffle_window
@@ -292,16 +283,6 @@ class ParquetSource(StridedSource):
                     )
             self._files[number] = handle
         return handle
-
-    def _metadata(self, number: int) -> Any:
-        return self._file(number).metadata
-
-    def _close_files(self) -> None:
-        for handle in self._files.values():
-            close = getattr(handle, "close", None)
-            if close is not None:
-                close()
-        self._files = {}
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -376,7 +357,12 @@ class ParquetSource(StridedSource):
             held -= len(cache.popitem(last=False)[0])
             evicted = True
         if evicted:
-            _release_unused_arrow_memory()
+            # Their pages back to the OS before the next is decoded: Arrow's allocator keeps them,
+            # ~8 MiB more peak RSS a worker with 4,096-document row groups (llm bench). Once per
+            # window, every few thousand rows: cheap at that rate.
+            import pyarrow
+
+            pyarrow.default_memory_pool().release_unused()
         window = _Window([self._read(group) for group in groups])
         cache[groups] = window
         return window

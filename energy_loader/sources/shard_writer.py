@@ -42,9 +42,6 @@ class ShardInfo:
     raw_bytes: int
     raw_sha256: str  # "" likewise: the uncompressed size is checked instead
 
-    def to_plain(self) -> dict[str, Any]:
-        return attrs.asdict(self)
-
 
 def shard_header_size(count: int) -> int:
     """Bytes before the first record of a shard of ``count`` samples."""
@@ -179,7 +176,7 @@ class ShardWriter:
             "version": VERSION,
             "compression": self.compression,
             "total_samples": self.samples_written,
-            "shards": [shard.to_plain() for shard in self.shards],
+            "shards": [attrs.asdict(shard) for shard in self.shards],
         }
         self._put(INDEX, json.dumps(index, indent=1).encode())
         self._closed = True

@@ -7,7 +7,6 @@ Restore key ``(cursor,)``. See docs/sources/stream.md.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,6 +15,7 @@ from ..dataset import EpochCursor, Key, SavableDataset, callable_name
 from ..errors import StateFormatError, StreamError
 from ..state.plain import StateReader
 from ..validation import require_callable
+from ._download import positive_seconds
 
 __all__ = ["StreamSource"]
 
@@ -36,11 +36,6 @@ class _StreamCursor(EpochCursor):
         stride = source.context.num_shards
         while True:
             batch = source.fetch_batch(self.cursor)
-            if batch is not None:
-                key = (self.cursor,)
-                self.cursor += stride
-                yield key, batch
-                continue
             started = time.monotonic()
             while batch is None:
                 if source.exhausted(self.cursor):
@@ -94,9 +89,9 @@ class StreamSource(SavableDataset):
         require_callable(fetch_fn, "fetch_fn")
         if is_exhausted is not None:
             require_callable(is_exhausted, "is_exhausted")
-        self.poll_interval = _seconds(poll_interval, "poll_interval")
+        self.poll_interval = positive_seconds(poll_interval, "poll_interval")
         self.fetch_timeout = (
-            None if fetch_timeout is None else _seconds(fetch_timeout, "fetch_timeout")
+            None if fetch_timeout is None else positive_seconds(fetch_timeout, "fetch_timeout")
         )
         self.fetch_fn = fetch_fn
         self.is_exhausted = is_exhausted
@@ -151,14 +146,3 @@ class StreamSource(SavableDataset):
     def _config_fields(self) -> dict[str, Any]:
         exhausted = callable_name(self.is_exhausted) if self.is_exhausted is not None else None
         return {"fetch_fn": self.fetch_name, "is_exhausted": exhausted}
-
-
-def _seconds(value: Any, name: str) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not value > 0
-        or math.isinf(value)
-    ):
-        raise ValueError(f"`{name}` must be a positive number of seconds (got {value!r})")
-    return float(value)

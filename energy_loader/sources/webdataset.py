@@ -131,21 +131,17 @@ class _TarFile:
         key = index.keys[row]
         members = index.members[row]
         start, stop = index.span(row)
+        where = f"{self.where}, sample {row} (key {key!r})"
         self.file.seek(start)
         data = self.file.read(stop - start)
         if len(data) != stop - start:
-            raise SourceDataError(f"{self.where}, sample {row} (key {key!r}) is truncated")
+            raise SourceDataError(f"{where} is truncated")
         sample: dict[str, Any] = {"__key__": key}
         view = memoryview(data)
         for i in range(0, len(members), 4):
             extension, header, offset, size = members[i : i + 4]
-            check_header(
-                bytes(view[header - start : header - start + 512]),
-                f"{key}.{extension}",
-                self.where,
-                row,
-                key,
-            )
+            block = bytes(view[header - start : header - start + 512])
+            check_header(block, f"{key}.{extension}", where)
             sample[extension] = bytes(view[offset - start : offset - start + size])
         return sample
 
@@ -228,17 +224,9 @@ class WebDatasetSource(ShardRowSource):
         for number, name in enumerate(self.names):
             index, index_file = self._load_index(number)
             self._index_files.append(index_file)
-            infos.append(
-                ShardInfo(
-                    name=name,
-                    samples=index.samples,
-                    bytes=index.bytes,
-                    sha256=index.sha256,
-                    raw_name=_flat(name) if self.remote is not None else name,
-                    raw_bytes=index.bytes,
-                    raw_sha256=index.sha256,
-                )
-            )
+            raw_name = _flat(name) if self.remote is not None else name
+            size, sha256 = index.bytes, index.sha256
+            infos.append(ShardInfo(name, index.samples, size, sha256, raw_name, size, sha256))
         self.shards = tuple(infos)
         self.total = sum(info.samples for info in self.shards)
         self._fingerprint = stable_hash(*(info.sha256 for info in self.shards))
@@ -319,13 +307,10 @@ class WebDatasetSource(ShardRowSource):
         """The shard's location (for messages)."""
         return self.urls[shard]
 
-    def _cached_index_path(self, shard: int) -> Path:
-        return self.cache_dir / "indexes" / (_flat(self.names[shard].lstrip("/")) + INDEX_SUFFIX)
-
     def _load_index(self, shard: int) -> tuple[TarIndex, str]:
         """The shard's index and the local file it can be re-read from (built if missing)."""
         where = self.urls[shard]
-        cached = self._cached_index_path(shard)
+        cached = self.cache_dir / "indexes" / (_flat(self.names[shard].lstrip("/")) + INDEX_SUFFIX)
         if self.remote is None:
             beside = Path(where + INDEX_SUFFIX)
             for candidate in (beside, cached):
@@ -363,9 +348,9 @@ class WebDatasetSource(ShardRowSource):
                 raise FileNotFoundError(f"shard {where} does not exist") from None
             except OSError as error:
                 raise DownloadError(f"cannot read {where} to index it: {error}") from error
-            index = TarIndex(data)
+            index, raw = TarIndex(data), json.dumps(data).encode()
             LOGGER.info("indexed %s (%d samples) into %s", where, index.samples, cached)
-        write_atomically(cached, json.dumps(index.to_plain()).encode())
+        write_atomically(cached, raw)  # the index file as fetched or built
         return index, str(cached)
 
     # -- reading -----------------------------------------------------------------------------
@@ -436,13 +421,7 @@ class WebDatasetSource(ShardRowSource):
         return self.decode_sample(file.read(row), shard, row)
 
     def _config_fields(self) -> dict[str, Any]:
-        return {
-            **self._shard_config_fields(),
-            "decode": self._decode_name,
-            "on_error": self.on_error,
-        }
+        return {**super()._config_fields(), "decode": self._decode_name, "on_error": self.on_error}
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_indexes"] = {}
-        return state
+        return {**super().__getstate__(), "_indexes": {}}

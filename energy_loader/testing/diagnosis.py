@@ -47,17 +47,6 @@ _PIPELINE_WORDS = _Words(
 )
 
 
-def _words_of(make: Callable[[int], Any], workers: int) -> _Words:
-    """The words for the loader ``make`` builds (built, not iterated, then closed)."""
-    from ..loader.dropin.build import runs_dropin
-
-    probe = make(workers)
-    try:
-        return _DROPIN_WORDS if runs_dropin(probe) else _PIPELINE_WORDS
-    finally:
-        close_loader(probe)
-
-
 class ResumeMismatch(AssertionError):
     """A restored loader diverged from the uninterrupted run; the message says where and why."""
 
@@ -135,8 +124,14 @@ def diagnose(
 ) -> str:
     """A sentence on the first difference between ``got`` (``chain``'s run) and ``full`` (the
     uninterrupted run), and its cause (found by running both again, see the module's doc)."""
+    from ..loader.dropin.build import runs_dropin
+
     uninterrupted = Chain((), chain.workers[:1])
-    words = _words_of(make, chain.workers[0])
+    probe = make(chain.workers[0])  # built, not iterated, to tell the words for its parts
+    try:
+        words = _DROPIN_WORDS if runs_dropin(probe) else _PIPELINE_WORDS
+    finally:
+        close_loader(probe)
     again = run_chain(make, uninterrupted, epochs, seed=seed)
     repeat = compare_runs(full.batches, again.batches)
     if repeat is not None:

@@ -59,19 +59,6 @@ class ResumeReport:
     state_bytes: int
 
 
-def _make_loader(
-    build_fn: Callable[[], Any], num_workers: int, loader_kwargs: dict[str, Any]
-) -> SavableDataLoader:
-    built = build_fn()
-    if isinstance(built, SavableDataLoader):
-        return built
-    if isinstance(built, SavableDataset):
-        return SavableDataLoader(built, num_workers=num_workers, **loader_kwargs)
-    raise TypeError(
-        f"build_fn must return a SavableDataset or a SavableDataLoader (got {type(built).__name__})"
-    )
-
-
 def record_events(
     loader: Iterable[Any], epochs: int, *, stop: int | None = None
 ) -> tuple[list[Any], int]:
@@ -145,7 +132,15 @@ def check_resume(
     kwargs = dict(loader_kwargs or {})
 
     def make(workers: int) -> SavableDataLoader:
-        return _make_loader(build_fn, workers, kwargs)
+        built = build_fn()
+        if isinstance(built, SavableDataLoader):
+            return built
+        if isinstance(built, SavableDataset):
+            return SavableDataLoader(built, num_workers=workers, **kwargs)
+        raise TypeError(
+            "build_fn must return a SavableDataset or a SavableDataLoader (got "
+            f"{type(built).__name__})"
+        )
 
     problems: list[str] = []
 
@@ -258,13 +253,13 @@ def _check(
     """The shared core: the uninterrupted run, then each chain of stop points against it
     (``problems``: what ``on_restored_batch`` found, raised once the batches are equal)."""
     require_int(epochs, "epochs", minimum=1)
-    uninterrupted = Chain((), (num_workers,))
-    full = run_chain(make, uninterrupted, epochs, seed=seed)
+    full = run_chain(make, Chain((), (num_workers,)), epochs, seed=seed)
     events = _events_of(full)
     total = len(events) - 1
-    chains = [_as_chain(stop) for stop in stop_points] if stop_points is not None else None
-    if chains is None:
+    if stop_points is None:
         chains = _default_stops(events)
+    else:
+        chains = [(stop,) if isinstance(stop, int) else tuple(stop) for stop in stop_points]
     draw = random.Random(seed)
     for _ in range(draws):
         chains.append(tuple(sorted(draw.randint(0, total) for _ in range(draw.randint(1, 3)))))
@@ -316,9 +311,3 @@ def _check(
         stop_points=tuple(c[0] if len(c) == 1 else c for c in chains),
         state_bytes=largest,
     )
-
-
-def _as_chain(stop: int | Sequence[int]) -> tuple[int, ...]:
-    if isinstance(stop, int):
-        return (stop,)
-    return tuple(stop)

@@ -8,6 +8,7 @@ turn. Every batch is recorded with the epoch the loop was in.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -18,6 +19,8 @@ from typing import Any
 import attrs
 import numpy as np
 import torch
+
+from ..rng import kept_rng_state
 
 __all__ = [
     "Batch",
@@ -141,15 +144,11 @@ def round_trip(loader: Any, via_torch: bool) -> tuple[Any, int]:
     """
     if not via_torch:
         state = loader.save_state_rank()
-        try:
+        with contextlib.suppress(TypeError, ValueError):  # not JSON: it goes through torch
             text = json.dumps(state)
-        except (TypeError, ValueError):
-            via_torch = True
-        else:
             return ("rank", json.loads(text)), len(text)
-    state_dict = loader.state_dict()
     buffer = io.BytesIO()
-    torch.save(state_dict, buffer)
+    torch.save(loader.state_dict(), buffer)
     try:  # the rank state's own size, as the json path measures it
         size = len(json.dumps(loader.save_state_rank()))
     except (TypeError, ValueError):
@@ -239,14 +238,9 @@ def _peek(loader: Any) -> Any:
     sampler draws from something the loader neither sees nor saves: ``UNREPLAYABLE``."""
     try:
         keys = loader.peek_keys(1)
-        kept = random.getstate(), np.random.get_state(), torch.get_rng_state()
-        try:
+        with kept_rng_state():
             move_global_rngs()
             again = loader.peek_keys(1)
-        finally:
-            random.setstate(kept[0])
-            np.random.set_state(kept[1])
-            torch.set_rng_state(kept[2])
     except (TypeError, ValueError, AttributeError, NotImplementedError):
         return None
     if keys != again:
@@ -264,13 +258,6 @@ class ChainRun:
     ends: list[int]
     state_size: int
     peeked: Any
-
-    def save_points(self) -> list[SavePoint]:
-        """Every save point of this run, in order: before the first batch, after each batch in
-        the loop, and after each ``for`` loop."""
-        points = {SavePoint(count) for count in range(len(self.batches) + 1)}
-        points.update(SavePoint(count, after_loop=True) for count in self.ends)
-        return sorted(points)
 
 
 def run_chain(
@@ -298,8 +285,7 @@ def run_chain(
     largest = 0
     peeked = None
     state: Any = None
-    rng_state: torch.Tensor | None = None
-    every_rng_state: tuple[Any, Any, torch.Tensor] | None = None
+    rng_states: tuple[Any, Any, torch.Tensor] | None = None  # python's, numpy's, torch's
     stops: Sequence[SavePoint | None] = [*chain.points, None]
     for number, (stop, workers) in enumerate(zip(stops, chain.workers)):
         program_start(seed)
@@ -307,12 +293,12 @@ def run_chain(
         try:
             if number:
                 load(loader, state)
-                if restore_every_global_rng and every_rng_state is not None:
-                    random.setstate(every_rng_state[0])
-                    np.random.set_state(every_rng_state[1])
-                    torch.set_rng_state(every_rng_state[2])
-                elif restore_global_rngs and rng_state is not None:
-                    torch.set_rng_state(rng_state)
+                if restore_every_global_rng and rng_states is not None:
+                    random.setstate(rng_states[0])
+                    np.random.set_state(rng_states[1])
+                    torch.set_rng_state(rng_states[2])
+                elif restore_global_rngs and rng_states is not None:
+                    torch.set_rng_state(rng_states[2])
                 elif chain.points[number - 1].batches or move_rngs_at_start:
                     # (by default a program restored from a state saved before the first
                     # batch is where a fresh start is: a checkpoint at step 0 of the same
@@ -332,8 +318,7 @@ def run_chain(
                     )
                 state, size = round_trip(loader, via_torch=(number % 2 == 1) != first_via_torch)
                 largest = max(largest, size)
-                rng_state = torch.get_rng_state()
-                every_rng_state = (random.getstate(), np.random.get_state(), rng_state)
+                rng_states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
         finally:
             close_loader(loader)
     return ChainRun(out, ends, largest, peeked)

@@ -174,10 +174,6 @@ class Arena:
             return None
         return reservation
 
-    def mark_sent(self, reservation: Reservation) -> None:
-        """The main process now owns a reference: free the region only once it hands it back."""
-        reservation.sent = True
-
     def write(self, offset: int, parts: Sequence[memoryview], starts: Sequence[int]) -> None:
         """Copy a payload's parts (at their ``starts``) into the ring at ``offset``."""
         with memoryview(self._map) as whole:
@@ -196,16 +192,12 @@ class Arena:
         place (:meth:`view`) unless wanted in pinned memory or half the ring is held so; then
         copied out (:meth:`take`) and handed back at once."""
         copy = pinned_buffer(size) if pin else None
-        if copy is None and self.can_view(size):
+        if copy is None and self.held_bytes + size <= self.size // 2:
             return self.view(offset, sequence, size)
         if copy is None:
             copy = np.empty(size, dtype=np.uint8)
         self.take(offset, sequence, copy)
         return copy
-
-    def can_view(self, size: int) -> bool:
-        """Whether a payload of ``size`` bytes may be read in place (see the class notes)."""
-        return self.held_bytes + size <= self.size // 2
 
     def view(self, offset: int, sequence: int, size: int) -> np.ndarray:
         """The payload at ``offset`` in place, as a ``uint8`` array of ``size`` bytes; its space

@@ -213,10 +213,11 @@ class Encoder:
             packet = self._encode_payload(item)
             if references is None or not references.adopted:
                 return packet
-            # Pickled: the main process will own these regions (and hand them back).
+            # Pickled: the main process will own these regions; each is freed only once it
+            # hands it back.
             adopted = references.adopted.values()
             for reservation in adopted:
-                references.arena.mark_sent(reservation)
+                reservation.sent = True
             referenced = sum(reservation.nbytes for reservation in adopted)
             return _Referencing(
                 packet, references.arena.ident, tuple(references.adopted), referenced

@@ -75,15 +75,10 @@ class ReferenceReducer:
             return None
         self.adopted[reservation.number] = reservation
         where = (arena.ident, reservation.offset, reservation.number, reservation.nbytes)
-        attributes = tensor.__dict__
-        if attributes:
-            return _rebuild_reserved_with_attributes, (
-                *where,
-                name,
-                tuple(tensor.shape),
-                dict(attributes),
-            )
-        return _rebuild_reserved, (*where, name, tuple(tensor.shape))
+        arguments = (*where, name, tuple(tensor.shape))
+        if tensor.__dict__:
+            return _rebuild_reserved_with_attributes, (*arguments, dict(tensor.__dict__))
+        return _rebuild_reserved, arguments
 
 
 class Adoption:
