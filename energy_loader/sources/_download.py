@@ -191,6 +191,15 @@ class Downloads:
         self.download_retries = require_int(download_retries, "download_retries", minimum=0)
         self.download_timeout = positive_seconds(download_timeout, "download_timeout")
 
+    def _require_room(self, shards: tuple[ShardInfo, ...]) -> None:
+        """``ValueError`` unless ``cache_limit`` holds the largest of ``shards`` uncompressed."""
+        largest = max((info.raw_bytes for info in shards), default=0)
+        if self.cache_limit is not None and self.cache_limit < largest:
+            raise ValueError(
+                f"`cache_limit` ({self.cache_limit} bytes) must hold at least the largest "
+                f"shard ({largest} bytes uncompressed)"
+            )
+
     def fetch(self, remote: Remote, name: str) -> bytes:
         """A small remote file (an index) in memory, with retries and a per-attempt timeout."""
         retries, timeout = self.download_retries, self.download_timeout

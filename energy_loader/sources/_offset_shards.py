@@ -134,13 +134,8 @@ class OffsetShardSource(ShardRowSource):
         self.total = sum(info.samples for info in self.shards)
         # Local uncompressed shards are read where they lie; the rest through the cache.
         self.cached = not self.is_local or self.compression is not None
-        if self.cached and self.cache_limit is not None and self.shards:
-            largest = max(info.raw_bytes for info in self.shards)
-            if self.cache_limit < largest:
-                raise ValueError(
-                    f"`cache_limit` ({self.cache_limit} bytes) must hold at least the largest "
-                    f"shard ({largest} bytes uncompressed)"
-                )
+        if self.cached:
+            self._require_room(self.shards)
         self._fingerprint = stable_hash(
             *((info.name, info.samples, info.bytes) for info in self.shards)
         )

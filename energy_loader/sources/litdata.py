@@ -6,6 +6,7 @@ refusals: docs/sources/litdata.md.
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import struct
 from collections.abc import Callable, Iterator
@@ -233,15 +234,10 @@ class LitDataSource(OffsetShardSource):
     def decode(self, data: bytes, shard: int, row: int) -> Any:
         decoders, header = self._decoding or self._prepare_decoding()
         try:
-            sizes = header.unpack_from(data, 0)
-            at = header.size
-            if at + sum(sizes) > len(data):
+            ends = list(itertools.accumulate(header.unpack_from(data, 0), initial=header.size))
+            if ends[-1] > len(data):
                 raise ValueError("a leaf runs past the item's end")
-            leaves = []
-            for size, decoder in zip(sizes, decoders):
-                end = at + size
-                leaves.append(decoder(data[at:end]))
-                at = end
+            leaves = [read(data[start:end]) for read, start, end in zip(decoders, ends, ends[1:])]
             if self._rebuild is not None:
                 return self._rebuild(iter(leaves))
             from torch.utils._pytree import tree_unflatten

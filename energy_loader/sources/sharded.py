@@ -129,13 +129,7 @@ class ShardedSource(ShardRowSource):
             )
         self.compression, self.shards = self._load_index()
         self.total = sum(info.samples for info in self.shards)
-        if self.cache_limit is not None and self.shards:
-            largest = max(info.raw_bytes for info in self.shards)
-            if self.cache_limit < largest:
-                raise ValueError(
-                    f"`cache_limit` ({self.cache_limit} bytes) must hold at least the largest "
-                    f"shard ({largest} bytes uncompressed)"
-                )
+        self._require_room(self.shards)
         self._restore: RestoreShard[_ShardFile] = RestoreShard()
         # The shards as index.json lists them (a download checks its size and sha256).
         listed = ((info.name, info.bytes, info.sha256) for info in self.shards)
