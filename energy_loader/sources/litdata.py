@@ -25,15 +25,47 @@ __all__ = ["LitDataSource"]
 
 # litdata's dtype tables (litdata.constants), by the index its data formats name.
 _TORCH_DTYPES = (
-    torch.float32, torch.float, torch.float64, torch.double, torch.complex64, torch.cfloat,
-    torch.complex128, torch.cdouble, torch.float16, torch.half, torch.bfloat16, torch.uint8,
-    torch.int8, torch.int16, torch.short, torch.int32, torch.int, torch.int64, torch.long,
-    torch.bool, torch.uint16,
-)  # fmt: skip
-_NUMPY_DTYPES = tuple(np.dtype(kind) for kind in (
-    np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
-    np.float16, np.float32, np.float64, np.complex64, np.complex128, bool,
-))  # fmt: skip
+    torch.float32,
+    torch.float,
+    torch.float64,
+    torch.double,
+    torch.complex64,
+    torch.cfloat,
+    torch.complex128,
+    torch.cdouble,
+    torch.float16,
+    torch.half,
+    torch.bfloat16,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.short,
+    torch.int32,
+    torch.int,
+    torch.int64,
+    torch.long,
+    torch.bool,
+    torch.uint16,
+)
+_NUMPY_DTYPES = tuple(
+    np.dtype(kind)
+    for kind in (
+        np.int8,
+        np.int16,
+        np.int32,
+        np.int64,
+        np.uint8,
+        np.uint16,
+        np.uint32,
+        np.uint64,
+        np.float16,
+        np.float32,
+        np.float64,
+        np.complex64,
+        np.complex128,
+        bool,
+    )
+)
 _UNREAD = {
     "jpeg": "litdata decodes JPEG leaves with torchvision",
     "jpeg_array": "litdata decodes JPEG leaves with torchvision",

@@ -27,9 +27,18 @@ __all__ = ["MDSSource", "raw_pil_image"]
 _COMPRESSIONS = {"zstd": "zstd", "gz": "gzip", "bz2": "bz2"}
 # ndarray's dynamic dtype byte -> dtype, and shape-size codes (Mosaic's NDArray encoding).
 _NDARRAY_DTYPES = {
-    8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 18: "float16", 32: "uint32", 33: "int32",
-    34: "float32", 64: "uint64", 65: "int64", 66: "float64",
-}  # fmt: skip
+    8: "uint8",
+    9: "int8",
+    16: "uint16",
+    17: "int16",
+    18: "float16",
+    32: "uint32",
+    33: "int32",
+    34: "float32",
+    64: "uint64",
+    65: "int64",
+    66: "float64",
+}
 _SCALARS = tuple(_NDARRAY_DTYPES.values())  # the scalar encodings: the same dtypes
 _SHAPE_DTYPES = ("uint8", "uint16", "uint32", "uint64")
 

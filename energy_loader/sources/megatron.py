@@ -27,9 +27,15 @@ __all__ = ["MegatronIndexedSource", "read_megatron_index"]
 
 HEADER = b"MMIDIDX\x00\x00"
 DTYPES = {
-    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
     8: np.uint16,
-}  # fmt: skip
+}
 DEFAULT_PREDOWNLOAD = 1024
 DEFAULT_BLOCK_DOCUMENTS = 1024
 _FIXED = struct.Struct("<QBQQ")
