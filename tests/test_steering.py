@@ -10,6 +10,7 @@ loader's stream, iterated without a break.
 from __future__ import annotations
 
 import json
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -308,6 +309,25 @@ def test_a_declared_change_leaves_every_other_difference_refused() -> None:
     same = loader_of(blend((0.5, 0.5)), 0, changes=["BlendDataset.weights"])
     same.load_state_dict(state)  # declared, nothing changed: restores as before
     assert "history" not in same.save_state_rank()
+
+
+def test_a_change_of_what_a_counted_epoch_draws_on_several_ranks_warns() -> None:
+    """Two ranks of a blend whose epoch is counted (equal steps): a source taken out mid-epoch
+    leaves fewer items than the count, which the restore says; other weights do not."""
+
+    def rank_loader(rank: int, weights: tuple[float, ...], **options: Any) -> Any:
+        config = el.WorkerConfig(rank, 2, 0, seed=SEED)
+        return el.SavableDataLoader(blend(weights), worker_config=config, **options)
+
+    saving = rank_loader(0, (1.0, 1.0))
+    take(saving, 5)
+    state = saving.save_state_rank()
+    declared = {"changes": ["BlendDataset.weights"]}
+    with pytest.warns(UserWarning, match="ranks may take unequal steps"):
+        rank_loader(0, (1.0, 0.0), **declared).restore_state_rank(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rank_loader(0, (1.0, 3.0), **declared).restore_state_rank(state)
 
 
 def test_changes_and_skip_arguments_are_checked() -> None:

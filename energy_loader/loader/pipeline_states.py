@@ -14,13 +14,14 @@ Not here: planning (:mod:`.planner`), the file format (:mod:`energy_loader.state
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import attrs
 
 from ..errors import StateFormatError, StateMismatchError, missing_slots_error
-from ..state.changes import declared_changes, merged, stage_config
+from ..state.changes import declared_changes, draws_other_sources, merged, stage_config
 from ..state.rank_file import RankFile
 from ..state.rank_folder import RankFolder
 from ..state.rank_state import (
@@ -50,6 +51,17 @@ def with_declared_changes(planner: Planner, restore: RestorePlan, saved: Any) ->
         for p, entry in restore.restores.items()
     }
     after = [{**c, "after": stage_config(now, c["stage"], c["field"])} for c in changes]
+    counted = restore.tally is not None and planner.config.world_size > 1
+    if counted and not restore.epoch_ended and any(map(draws_other_sources, after)):
+        warnings.warn(
+            "the restore changes which sources a blend draws from (a source added, or a weight "
+            "to or from 0): the items the restored epoch has left differ from the count its "
+            "ranks' equal steps were taken from, so in this epoch the ranks may take unequal "
+            "steps (a DDP job can stop on the last step every rank takes). From the next epoch "
+            "on the count holds again; a blend of RepeatDataset sources under EpochizeDataset "
+            "keeps it through any change (docs/long-jobs.md)",
+            stacklevel=4,
+        )
     entry = {"epoch": restore.epoch, "step": restore.delivered, "changes": after}
     return attrs.evolve(restore, restores=restores, history=(*restore.history, entry))
 

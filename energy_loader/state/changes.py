@@ -109,6 +109,14 @@ def stage_config(config: Any, stage: str, field: str) -> Any:
     return len(found["inners"]) if field == "sources" else found[field]
 
 
+def draws_other_sources(change: dict[str, Any]) -> bool:
+    """Whether a change (with its ``after``) adds a source or takes a weight to or from 0."""
+    if change["field"] != "weights":
+        return change["field"] == "sources"
+    before, after = change["before"], change["after"]
+    return [w > 0 for w in before] != [w > 0 for w in after[: len(before)]]
+
+
 def merged(pending: Sequence[dict[str, Any]], new: Sequence[dict[str, Any]]) -> tuple[Any, ...]:
     """The changes a partition's replay undoes: those still pending from an earlier restore
     (their values are the older ones) and the new ones on other fields."""
