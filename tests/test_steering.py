@@ -328,6 +328,22 @@ def test_a_change_of_what_a_counted_epoch_draws_on_several_ranks_warns() -> None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rank_loader(0, (1.0, 3.0), **declared).restore_state_rank(state)
+    # A fixed epoch over an endless blend: its count holds whatever the blend draws.
+    endless = [
+        el.RepeatDataset(el.IndexedSource([{"id": 50 * s + i} for i in range(50)])) for s in (0, 1)
+    ]
+
+    def epochs(weights: tuple[float, ...], **options: Any) -> Any:
+        mixed = el.BlendDataset(*zip(endless, weights))
+        config = el.WorkerConfig(0, 2, 0, seed=SEED)
+        pipeline = el.BatchDataset(el.EpochizeDataset(mixed, 400), 4)
+        return el.SavableDataLoader(pipeline, worker_config=config, **options)
+
+    saving = epochs((1.0, 1.0))
+    take(saving, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        epochs((1.0, 0.0), **declared).restore_state_rank(saving.save_state_rank())
 
 
 def test_changes_and_skip_arguments_are_checked() -> None:

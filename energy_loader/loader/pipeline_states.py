@@ -52,7 +52,8 @@ def with_declared_changes(planner: Planner, restore: RestorePlan, saved: Any) ->
     }
     after = [{**c, "after": stage_config(now, c["stage"], c["field"])} for c in changes]
     counted = restore.tally is not None and planner.config.world_size > 1
-    if counted and not restore.epoch_ended and any(map(draws_other_sources, after)):
+    finite = [c for c in after if stage_config(now, c["stage"], "on_exhausted") == "drop"]
+    if counted and not restore.epoch_ended and any(map(draws_other_sources, finite)):
         warnings.warn(
             "the restore changes which sources a blend draws from (a source added, or a weight "
             "to or from 0): the items the restored epoch has left differ from the count its "

@@ -106,7 +106,7 @@ def declared_changes(
 def stage_config(config: Any, stage: str, field: str) -> Any:
     """What a change record's stage holds now in ``config`` (``sources``: how many)."""
     found = dict(pipeline_stages(config))[stage]
-    return len(found["inners"]) if field == "sources" else found[field]
+    return len(found["inners"]) if field == "sources" else found.get(field)
 
 
 def draws_other_sources(change: dict[str, Any]) -> bool:
