@@ -145,7 +145,9 @@ def s3() -> Iterator[dict[str, Any]]:
     thread.start()
     endpoint = f"http://127.0.0.1:{port}"
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
-    fs.mkdir("bucket")
+    # exist_ok: moto keeps its buckets in the process, and under xdist a worker may set this
+    # module's fixture up a second time (after running another module's tests in between).
+    fs.makedirs("bucket", exist_ok=True)
     try:
         yield {"endpoint": endpoint, "proxy": proxy, "fs": fs}
     finally:
