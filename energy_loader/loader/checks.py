@@ -111,11 +111,12 @@ def check_one_position(states: Sequence[RankState], rank: int) -> None:
         )
 
 
-def check_fits(planner: Planner, states: Sequence[RankState]) -> int:
+def check_fits(planner: Planner, states: Sequence[RankState]) -> tuple[int, list[dict[str, Any]]]:
     """``StateMismatchError`` unless every state fits ``planner``'s loader: its partition
     count, its seed and its pipeline's config, where only the changes the loader declares and a
     batch size shrunk by a whole factor may differ; returns that factor (the replay scale, 1
-    when no batch size differs)."""
+    when no batch size differs) and the declared changes found (``energy_loader.state.changes``
+    records)."""
     if not states:
         raise StateMismatchError(
             "no rank state to restore from: pass the states of one save (the list "
@@ -123,6 +124,7 @@ def check_fits(planner: Planner, states: Sequence[RankState]) -> int:
         )
     config = planner.config
     scale = 1
+    changes: list[dict[str, Any]] = []
     for state in states:
         check_partition_count(state, planner.num_partitions, config.world_size)
         if state.seed != config.seed:
@@ -132,12 +134,14 @@ def check_fits(planner: Planner, states: Sequence[RankState]) -> int:
                 f"draws differently. Build the loader with seed={state.seed} to continue that "
                 "stream"
             )
-        _, differences = declared_changes(state.config, planner.pipeline_config, planner.changes)
+        changes, differences = declared_changes(
+            state.config, planner.pipeline_config, planner.changes
+        )
         found = _batch_size_scale(differences, planner.pipeline_config)
         if found is None:
             raise StateMismatchError(_refusal(planner, state.config, differences))
         scale = found
-    return scale
+    return scale, changes
 
 
 def _refusal(planner: Planner, saved: dict[str, Any], differences: list[ConfigDifference]) -> str:

@@ -48,15 +48,14 @@ def future_items(
     restore from one save's ``states``, across epochs until two in a row yield nothing. Raises as
     ``restore_state_rank``; wrap it in :func:`energy_loader.rng.kept_rng_state`."""
     empty_epochs = 0
-    current = states = list(states)
-    scale = check_fits(planner, current)  # the next epochs' states are the peek's own
+    current = list(states)
+    scale, changes = check_fits(planner, current)  # the next epochs' states are the peek's own
     while empty_epochs < 2:
         # What a peek tells is keys: its replay checks the keys it re-makes, not their values
         # (the samples, where asked for, are made again by restore_sample).
         plan = planner.plan(current, scale=scale).keys_only()
-        if current is states:  # the restore: with the changes the loader declares
-            plan = with_declared_changes(planner, plan, states[0].config)
-        scale = 1
+        plan = with_declared_changes(planner, plan, changes)  # the restore's, then none
+        scale, changes = 1, []
         owner = WorkerSideDataset(
             planner.pipeline,
             planner.config,

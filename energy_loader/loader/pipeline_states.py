@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import attrs
 
 from ..errors import StateFormatError, StateMismatchError, missing_slots_error
-from ..state.changes import declared_changes, draws_other_sources, merged, stage_config
+from ..state.changes import draws_other_sources, merged, stage_config
 from ..state.rank_file import RankFile
 from ..state.rank_folder import RankFolder
 from ..state.rank_state import (
@@ -38,14 +38,14 @@ from . import checks
 from .planner import Planner, RestorePlan
 
 
-def with_declared_changes(planner: Planner, restore: RestorePlan, saved: Any) -> RestorePlan:
-    """``restore`` with the changes ``planner``'s loader declares between the ``saved`` config
-    and its own: each partition's replay undoes them, and the history records them at the
-    restored position."""
-    now = planner.pipeline_config
-    changes, _ = declared_changes(saved, now, planner.changes)
+def with_declared_changes(
+    planner: Planner, restore: RestorePlan, changes: list[dict[str, Any]]
+) -> RestorePlan:
+    """``restore`` with the declared ``changes`` :func:`~.checks.check_fits` found: each
+    partition's replay undoes them, and the history records them at the restored position."""
     if not changes:
         return restore
+    now = planner.pipeline_config
     restores = {
         p: attrs.evolve(entry, changes=merged(entry.changes, changes))
         for p, entry in restore.restores.items()
@@ -85,9 +85,9 @@ def plan(
     """Check that ``records`` fit ``planner``'s pipeline and plan the restore; user code that
     changed (``on_code_change``) or data files rewritten in place (``on_data_change``) warn or
     refuse, and a restore that continues checks only the keys of the items it re-makes."""
-    restore = planner.plan(records, scale=checks.check_fits(planner, records))
+    scale, changes = checks.check_fits(planner, records)
+    restore = with_declared_changes(planner, planner.plan(records, scale=scale), changes)
     saved = records[0].config
-    restore = with_declared_changes(planner, restore, saved)
     checks.check_checkpoints(planner, restore.restores)
     code = checks.report_code_changes(saved, planner.pipeline_config, on_code_change)
     if checks.report_data_changes(planner, saved, on_data_change) or code:
