@@ -296,6 +296,46 @@ def test_a_save_before_the_changed_pipeline_hands_anything_out_restores_the_same
     assert take(again, 40) == expected
 
 
+def _through(way: str, loader: el.SavableDataLoader, folder: Path) -> Any:
+    """A restore of ``loader``'s state through a per-rank file or a DCP folder: the function
+    that restores it into another loader."""
+    import torch.distributed.checkpoint as dcp
+
+    if way == "rank_file":
+        el.save_state_rank_file(loader, folder)
+        return lambda other: el.restore_state_rank_file(other, folder)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.save({"loader": loader.state_dict()}, checkpoint_id=folder, no_dist=True)
+
+    def load(other: el.SavableDataLoader) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load({"loader": other}, checkpoint_id=folder, no_dist=True)
+
+    return load
+
+
+@pytest.mark.parametrize("way", ["rank_file", "dcp"])
+def test_a_changed_restore_saved_again_restores_through_files_and_dcp(
+    tmp_path: Path, way: str
+) -> None:
+    """A state with pending changes (2 workers, one has handed nothing out since the changed
+    restore) and a history, written as a rank file or a DCP checkpoint: restored, it yields
+    what the changed loader yields, to the end of the next epoch."""
+    state, _ = _saved_after(blend((0.5, 0.5)), 2, 20)
+    changed = loader_of(blend((0.8, 0.2)), 2, changes=["BlendDataset.weights"])
+    changed.load_state_dict(state)
+    changed.skip(1)  # one item, from worker 0
+    restore = _through(way, changed, tmp_path / way)
+    expected = take(changed, 10**6) + take(changed, 10**6)  # this epoch and the next
+    again = loader_of(blend((0.8, 0.2)), 2)
+    restore(again)
+    assert take(again, 10**6) + take(again, 10**6) == expected
+    history = again.save_state_rank()["history"]
+    assert [("skip" in e, "changes" in e) for e in history] == [(False, True), (True, False)]
+
+
 def test_a_declared_change_leaves_every_other_difference_refused() -> None:
     state, _ = _saved_after(blend((0.5, 0.5)), 0, 5)
     reseeded = [
